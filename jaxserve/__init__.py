@@ -1,0 +1,22 @@
+"""jaxserve: a JAX/XLA inference engine for large language models."""
+
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # The engines pull in jax; import them lazily so `import jaxserve` stays cheap for host-only code.
+    if name == "Engine":
+        from jaxserve.engine import Engine
+
+        return Engine
+    if name == "AsyncEngine":
+        from jaxserve.async_engine import AsyncEngine
+
+        return AsyncEngine
+    raise AttributeError(name)
+
+
+__all__ = ["Engine", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -1,0 +1,92 @@
+"""Frozen configuration objects, passed explicitly (no globals, no environment switches).
+
+Variants are made with `dataclasses.replace`. `ModelConfig` describes an architecture (read from an HF
+`config.json` or GGUF metadata); the others describe how the engine runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (`rope_scaling.rope_type == "llama3"`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # the HF `architectures[0]` name, e.g. "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    sliding_window: int | None = None  # Mistral, when configured
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (Mixtral); 0 experts means a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "
+                "grouped-query attention needs whole groups"
+            )
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from memory at start
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    dtype: str = "float32"  # resolved: "float32" or "bfloat16"
+    seed: int = 0
+    max_logprobs: int = 20
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def resolve_dtype(dtype: str, platform: str) -> str:
+    """`"auto"` is float32 on CPU (bf16 matmuls are slow there) and bfloat16 on GPU/TPU."""
+    aliases = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+    if dtype == "auto":
+        return "float32" if platform == "cpu" else "bfloat16"
+    if dtype not in aliases:
+        raise ValueError(f"dtype={dtype!r} is not supported; use 'auto', 'float32' or 'bfloat16'")
+    return aliases[dtype]

@@ -1,0 +1,139 @@
+"""Continuous batching with a per-step token budget (pure Python; no jax).
+
+Each step: the running sequences go first (one token for a decode, the rest of a prompt chunk otherwise),
+then waiting ones are admitted in (priority, arrival) order while the token budget, the sequence limit and
+the KV blocks allow. A prompt longer than the budget is prefilled in chunks across steps, so decodes never
+stall behind it. When blocks run out, the latest-arrived running sequence is preempted by recompute: its
+blocks are freed and it goes back to the waiting queue, keeping its generated tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from jaxserve.config import SchedulerConfig
+from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.request import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first token position computed this step
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the sequence's last token, so the step samples its next one."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: list[Sequence] = []  # kept sorted by (priority, arrival)
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.order)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + n):
+                victim = max(self.running, key=lambda s: s.order)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+                budget -= n
+                i += 1
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_computed_tokens == 0:
+                seq.num_computed_tokens = self.blocks.match_prefix(seq.seq_id, seq.token_ids)
+                seq.num_cached_tokens = max(seq.num_cached_tokens, min(seq.num_computed_tokens, seq.num_prompt_tokens))
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + n):
+                self.blocks.free(seq.seq_id)  # give back what the prefix match took; retry next step
+                seq.num_computed_tokens = 0
+                return
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+        """Account for a finished step: advance computed tokens, append sampled tokens, stop what is done.
+        Returns the sequences that received a token."""
+        progressed = []
+        for chunk, token in zip(out.chunks, sampled):
+            seq = chunk.seq
+            if seq.finished:  # aborted or stopped while the step ran
+                continue
+            seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if not chunk.samples:
+                continue
+            seq.token_ids.append(token)
+            progressed.append(seq)
+            stop = seq.stop_after(token)
+            if stop is not None:
+                self.finish(seq, *stop)
+        return progressed
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        if seq.finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason

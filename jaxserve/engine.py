@@ -1,0 +1,267 @@
+"""The engine: requests in, RequestOutputs out. One step is schedule -> run -> update.
+
+`Engine.generate` / `chat` / `stream` are the synchronous Python API; `AsyncEngine` (async_engine.py) drives
+`add_request` / `step` / `abort_request` from a background thread for the server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import jax
+
+from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_dtype
+from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.output_processor import SequenceText, position_logprobs, request_output
+from jaxserve.core.request import Request, Sequence
+from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+from jaxserve.engine_inputs import normalise_conversations, normalise_prompts, prompt_token_ids, validate_lengths
+from jaxserve.loader.checkpoint import open_checkpoint
+from jaxserve.outputs import RequestOutput
+from jaxserve.parallel.sharding import parse_mesh
+from jaxserve.runner.buckets import Buckets
+from jaxserve.runner.capacity import default_num_blocks
+from jaxserve.runner.model_runner import ModelRunner, StepResult
+from jaxserve.runner.plan import build_step_inputs
+from jaxserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step computed: (request_id, first position, number of tokens) per sequence chunk."""
+
+    index: int
+    chunks: tuple[tuple[str, int, int], ...]
+
+
+class Engine:
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
+                 block_size: int = 16, num_kv_blocks: int | None = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, seed: int = 0, mesh=None, max_logprobs: int = 20,
+                 enable_prefix_caching: bool = True, tokenizer=None):
+        ckpt = open_checkpoint(model)
+        cfg = ckpt.config
+        self.model_name = ckpt.name
+        self.tokenizer = tokenizer or ckpt.tokenizer
+        self.generation_defaults = ckpt.generation_defaults
+        max_model_len = _check_max_model_len(max_model_len, cfg.max_position_embeddings)
+        platform = jax.devices()[0].platform
+        dtype = resolve_dtype(dtype, platform)
+        if num_kv_blocks is None:
+            num_kv_blocks = default_num_blocks(cfg, block_size, dtype)
+        if num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks={num_kv_blocks} is too small: block 0 is reserved, so at least 2 are needed")
+        self.config = EngineConfig(
+            model=cfg,
+            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
+            dtype=dtype, seed=seed, max_logprobs=max_logprobs,
+        )
+        self.mesh_shape = parse_mesh(mesh)
+        self.runner = ModelRunner(cfg, ckpt.tensors, dtype, num_kv_blocks, block_size, self.mesh_shape)
+        self.blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.config.scheduler, self.blocks)
+        max_blocks = -(-max_model_len // block_size)
+        self.buckets = Buckets.for_limits(max_num_batched_tokens, max_num_seqs, max_blocks)
+        self._requests: dict[str, Request] = {}
+        self._texts: dict[int, SequenceText] = {}
+        self._rng = random.Random(seed)
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._request_ids = itertools.count()
+        self.step_records: deque[StepRecord] = deque(maxlen=10_000)
+        self._num_steps = 0
+        log.info("Loaded %s (%s, %s) with %d KV blocks of %d tokens", self.model_name, cfg.architecture, dtype,
+                 num_kv_blocks - 1, block_size)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    # ---- requests -------------------------------------------------------------------------------------
+
+    def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                        priority: int = 0) -> Request:
+        """Tokenize and validate (no device work, safe from any thread). Raises ValueError for bad input."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = prompt_token_ids(self.tokenizer, prompt, self.config.model.vocab_size)
+        params = validate_lengths(params, len(ids), self.max_model_len, self.config)
+        seqs = [self._new_sequence(request_id, i, ids, params, priority) for i in range(params.num_sequences)]
+        return Request(request_id, prompt if isinstance(prompt, str) else None, seqs, params)
+
+    def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
+                      priority: int) -> Sequence:
+        seed = self._rng.getrandbits(32) if params.seed is None else (params.seed + index * 0x9E3779B9) & 0xFFFFFFFF
+        eos = tuple(self.config.model.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id
+                                                          is not None else ())
+        seq = Sequence(next(self._seq_ids), request_id, index, list(ids), len(ids), params, seed,
+                       arrival=next(self._arrivals), priority=priority, eos_token_ids=eos,
+                       max_model_len=self.max_model_len)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs.append(None)  # the first prompt token has no context to be predicted from
+        return seq
+
+    def add_prepared_request(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._requests[request.request_id] = request
+        for seq in request.sequences:
+            self._texts[seq.seq_id] = SequenceText(self.tokenizer, seq)
+            self.scheduler.add(seq)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    priority: int = 0) -> None:
+        self.add_prepared_request(self.prepare_request(request_id, prompt, params, priority=priority))
+
+    def abort_request(self, request_id: str) -> None:
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.sequences:
+            self.scheduler.finish(seq, "abort")
+            self._texts.pop(seq.seq_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ---- the step ---------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        inputs, statics = build_step_inputs(sched, self.blocks, self.buckets, self.config.model.vocab_size,
+                                            self.config.max_logprobs)
+        result = self.runner.execute(inputs, statics)
+        self._record(sched)
+        sampled = [int(result.tokens[i]) if c.samples else None for i, c in enumerate(sched.chunks)]
+        self._record_prompt_logprobs(sched, result)
+        progressed = self.scheduler.update(sched, sampled)
+        rows = {c.seq.seq_id: i for i, c in enumerate(sched.chunks)}
+        touched: dict[str, Request] = {}
+        for seq in progressed:
+            self._on_token(seq, result, rows[seq.seq_id])
+            touched[seq.request_id] = self._requests[seq.request_id]
+        return [self._emit(req) for req in touched.values()]
+
+    def _record(self, sched: SchedulerOutput) -> None:
+        chunks = tuple((c.seq.request_id, c.start, c.num_tokens) for c in sched.chunks)
+        self.step_records.append(StepRecord(self._num_steps, chunks))
+        self._num_steps += 1
+
+    def _on_token(self, seq: Sequence, result: StepResult, row: int) -> None:
+        token = seq.token_ids[-1]
+        seq.cumulative_logprob += float(result.logprobs[row])
+        text = self._texts[seq.seq_id]
+        if seq.params.logprobs is not None:
+            seq.logprobs.append(position_logprobs(text.detok, token, result.logprobs[row], result.ranks[row],
+                                                  result.top_ids[row], result.top_logprobs[row], seq.params.logprobs))
+        stop = text.add_token(seq, token)
+        if stop is not None:
+            self.scheduler.finish(seq, "stop", stop)
+        if seq.finished:
+            text.finish(seq)
+
+    def _record_prompt_logprobs(self, sched: SchedulerOutput, result: StepResult) -> None:
+        if result.prompt is None:
+            return
+        logprobs, ranks, top_ids, top_logprobs = result.prompt
+        offset = 0
+        for chunk in sched.chunks:
+            seq, num = chunk.seq, chunk.seq.params.prompt_logprobs
+            for i in range(chunk.num_tokens):
+                target = chunk.start + i + 1  # the prompt position this token's logits predict
+                if num is not None and target < seq.num_prompt_tokens and len(seq.prompt_logprobs) == target:
+                    detok = self._texts[seq.seq_id].detok
+                    t = offset + i
+                    seq.prompt_logprobs.append(position_logprobs(detok, seq.token_ids[target], logprobs[t], ranks[t],
+                                                                 top_ids[t], top_logprobs[t], num))
+            offset += chunk.num_tokens
+
+    def _emit(self, request: Request) -> RequestOutput:
+        output = request_output(request, self._texts)
+        if request.finished:
+            del self._requests[request.request_id]
+            for seq in request.sequences:
+                self._texts.pop(seq.seq_id, None)
+        return output
+
+    # ---- convenience API ---------------------------------------------------------------------------------
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts (a str, a list of str, or a list of token-id lists) to completion, in input order."""
+        prompts = normalise_prompts(prompts)
+        return self._run_all(prompts, params, use_tqdm)
+
+    def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or a list of conversations."""
+        prompts = [self.encode_chat(conv) for conv in normalise_conversations(messages)]
+        return self._run_all(prompts, params, use_tqdm)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        from jaxserve.loader.tokenizer import apply_chat_template
+
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's output after every step that advanced it, until it finishes."""
+        request_id = f"stream-{next(self._request_ids)}"
+        self.add_request(request_id, prompt, params or SamplingParams())
+        finished = False
+        while not finished:
+            for out in self.step():
+                if out.request_id == request_id:
+                    finished = out.finished
+                    yield out
+
+    def _run_all(self, prompts: list, params, use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one or one each")
+        ids = [f"gen-{next(self._request_ids)}" for _ in prompts]
+        # Validate every prompt before anything runs, so one bad prompt does not leave the others half done.
+        requests = [self.prepare_request(rid, prompt, p) for rid, prompt, p in zip(ids, prompts, params_list)]
+        for request in requests:
+            self.add_prepared_request(request)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm) as bar:
+            while len(results) < len(ids):
+                for out in self.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[rid] for rid in ids]
+
+    def stats(self) -> dict:
+        return {
+            "total_blocks": self.blocks.total_blocks,
+            "free_blocks": self.blocks.num_free_blocks,
+            "block_size": self.blocks.block_size,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.blocks.prefix_cache_queries,
+            "prefix_cache_hits": self.blocks.prefix_cache_hits,
+            "num_steps": self._num_steps,
+            "num_compiles": self.runner.traces.count,
+        }
+
+
+def _check_max_model_len(requested: int | None, model_max: int) -> int:
+    if requested is None:
+        return model_max
+    if requested < 1 or requested > model_max:
+        raise ValueError(f"max_model_len={requested} is outside 1..{model_max} (the model's max_position_embeddings)")
+    return requested

@@ -1,0 +1,68 @@
+"""Checking and normalising what callers hand the engine (host side, no jax)."""
+
+from __future__ import annotations
+
+from jaxserve.config import EngineConfig
+from jaxserve.sampling_params import SamplingParams
+
+
+def normalise_prompts(prompts) -> list:
+    """A str, a list of str, a list of token ids (one prompt) or a list of token-id lists -> list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and all(isinstance(p, (str, list)) for p in prompts):
+        return list(prompts)
+    raise ValueError("prompts must be a str, a list of str, a list of token ids, or a list of token-id lists")
+
+
+def normalise_conversations(messages) -> list[list[dict]]:
+    if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
+        return [messages]
+    if isinstance(messages, list) and messages and all(isinstance(c, list) for c in messages):
+        return messages
+    raise ValueError("messages must be a list of {'role', 'content'} dicts, or a list of such conversations")
+
+
+def prompt_token_ids(tokenizer, prompt, vocab_size: int) -> list[int]:
+    if isinstance(prompt, str):
+        ids = list(tokenizer(prompt)["input_ids"])
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+        ids = list(prompt)
+    else:
+        raise ValueError("a prompt must be a str or a list of int token ids")
+    if not ids:
+        raise ValueError("the prompt is empty; give at least one token")
+    return ids
+
+
+def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int, config: EngineConfig) -> SamplingParams:
+    """Check the request fits the context and the cache; fill in max_tokens=None as 'up to the context length'."""
+    if prompt_len >= max_model_len:
+        raise ValueError(
+            f"the prompt has {prompt_len} tokens but the model's maximum context length is {max_model_len}; "
+            "shorten the prompt"
+        )
+    if params.max_tokens is None:
+        params = params.replace(max_tokens=max_model_len - prompt_len)
+    elif prompt_len + params.max_tokens > max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, {params.max_tokens} for the "
+            "completion). Please reduce the prompt or max_tokens."
+        )
+    for field in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, field)
+        if value is not None and value > config.max_logprobs:
+            raise ValueError(f"{field}={value} exceeds the maximum of {config.max_logprobs}")
+    capacity = (config.cache.num_blocks - 1) * config.cache.block_size
+    if prompt_len + params.max_tokens > capacity:
+        raise ValueError(
+            f"the request needs up to {prompt_len + params.max_tokens} tokens of KV cache but the whole cache holds "
+            f"{capacity}; raise num_kv_blocks or lower max_tokens"
+        )
+    return params

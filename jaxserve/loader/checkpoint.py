@@ -1,0 +1,84 @@
+"""Resolve what the user named (nothing, a GGUF file, an HF directory, an HF hub id) into a config, a tensor
+source, a tokenizer and generation defaults."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jaxserve.config import ModelConfig
+from jaxserve.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
+from jaxserve.loader.gguf import GGUFFile
+from jaxserve.loader.hf_config import model_config_from_hf
+from jaxserve.loader.safetensors import SafetensorsSource
+from jaxserve.loader.weights import TensorSource
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Checkpoint:
+    name: str
+    config: ModelConfig
+    tensors: TensorSource
+    tokenizer: Any
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+def open_checkpoint(model: str | None) -> Checkpoint:
+    if model is None:
+        return _open_gguf(default_model_path(), name=DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _open_gguf(path, name=path.stem)
+    if path.is_dir():
+        return _open_hf_dir(path, name=model)
+    if path.suffix == ".gguf" or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise FileNotFoundError(f"model {model!r} not found: give a GGUF file, a Hugging Face model directory or a hub id")
+    return _open_hf_dir(_download_from_hub(model), name=model)
+
+
+def _open_gguf(path: Path, name: str) -> Checkpoint:
+    from transformers import AutoTokenizer
+
+    f = GGUFFile(path)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return Checkpoint(name=name, config=f.model_config(), tensors=f, tokenizer=tokenizer)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+
+
+def _open_hf_dir(directory: Path, name: str) -> Checkpoint:
+    from transformers import AutoTokenizer
+
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{directory} has no config.json; it is not a Hugging Face model directory")
+    gen_path = directory / "generation_config.json"
+    generation = _read_json(gen_path) if gen_path.exists() else {}
+    config = model_config_from_hf(_read_json(config_path), generation)
+    tensors = SafetensorsSource(directory)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    defaults = {k: generation[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty") if k in generation}
+    return Checkpoint(name=name, config=config, tensors=tensors, tokenizer=tokenizer, generation_defaults=defaults)
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as e:  # offline, unknown repo, gated repo: all end the same way for the user
+        raise FileNotFoundError(
+            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}); "
+            "check the id and network access, or pass a local model directory or GGUF file"
+        ) from None

@@ -1,0 +1,113 @@
+"""GGUF files (llama.cpp's format): metadata -> ModelConfig, tensors dequantized with the `gguf` package and
+presented under Hugging Face names and layouts."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from jaxserve.config import ModelConfig
+
+# GGUF `general.architecture` -> HF architecture name.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter interleaves the two rotary halves of each q/k head; undo it for the HF layout."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFFile:
+    def __init__(self, path: Path):
+        if not path.exists():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        try:
+            self.reader = gguf.GGUFReader(str(path))
+        except Exception as e:  # the gguf package raises assorted errors on a damaged file
+            raise ValueError(f"{path} is not a readable GGUF file ({e}); it may be truncated: re-download it") from None
+        self.path = path
+        self.arch = self.field("general.architecture")
+        if self.arch not in GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"GGUF architecture {self.arch!r} in {path.name} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
+            )
+        self._tensors = {}
+        for t in self.reader.tensors:
+            name = _hf_name(t.name)
+            if name is not None:
+                self._tensors[name] = t
+
+    def field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def model_config(self) -> ModelConfig:
+        a = self.arch
+        heads = int(self.field(f"{a}.attention.head_count"))
+        hidden = int(self.field(f"{a}.embedding_length"))
+        eos = self.field("tokenizer.ggml.eos_token_id")
+        embed = self._tensors["model.embed_tokens.weight"]
+        return ModelConfig(
+            architecture=GGUF_ARCHITECTURES[a],
+            vocab_size=int(self.field(f"{a}.vocab_size", embed.shape[-1])),
+            hidden_size=hidden,
+            intermediate_size=int(self.field(f"{a}.feed_forward_length")),
+            num_layers=int(self.field(f"{a}.block_count")),
+            num_heads=heads,
+            num_kv_heads=int(self.field(f"{a}.attention.head_count_kv", heads)),
+            head_dim=int(self.field(f"{a}.rope.dimension_count", hidden // heads)),
+            rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
+            max_position_embeddings=int(self.field(f"{a}.context_length", 2048)),
+            tie_word_embeddings="lm_head.weight" not in self._tensors,
+            qkv_bias=a == "qwen2",
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (int(eos),),
+        )
+
+    # TensorSource
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self._tensors:
+            raise ValueError(f"tensor {name!r} is missing from {self.path.name}")
+        t = self._tensors[name]
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            key = "head_count" if "q_proj" in name else "head_count_kv"
+            w = _unpermute_rotary(w, int(self.field(f"{self.arch}.attention.{key}")))
+        return w

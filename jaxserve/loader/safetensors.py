@@ -1,0 +1,55 @@
+"""Tensors of a Hugging Face checkpoint directory: one `model.safetensors` or shards with an index."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+
+class SafetensorsSource:
+    def __init__(self, directory: Path):
+        self.directory = directory
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._file_of = {name: directory / f for name, f in weight_map.items()}
+        else:
+            single = directory / "model.safetensors"
+            if not single.exists():
+                raise FileNotFoundError(
+                    f"no model.safetensors or model.safetensors.index.json in {directory}; "
+                    "jaxserve loads safetensors checkpoints (convert .bin files with transformers' save_pretrained)"
+                )
+            with self._open(single) as f:
+                self._file_of = {name: single for name in f.keys()}
+        self._handles: dict[Path, object] = {}
+
+    @staticmethod
+    def _open(path: Path):
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint shard {path} is missing; re-download the model")
+        try:
+            # The "flax" framework reads bfloat16 (numpy cannot); keep the arrays on the host CPU.
+            with jax.default_device(jax.devices("cpu")[0]):
+                return safe_open(str(path), framework="flax")
+        except SafetensorError as e:
+            raise ValueError(f"{path} is not a valid safetensors file ({e}); it may be truncated: re-download it") from None
+
+    def names(self) -> set[str]:
+        return set(self._file_of)
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self._file_of:
+            raise ValueError(f"tensor {name!r} is missing from the checkpoint in {self.directory}")
+        path = self._file_of[name]
+        if path not in self._handles:
+            self._handles[path] = self._open(path)
+        try:
+            with jax.default_device(jax.devices("cpu")[0]):
+                return np.asarray(self._handles[path].get_tensor(name))
+        except SafetensorError as e:
+            raise ValueError(f"cannot read tensor {name!r} from {path} ({e}); the file may be truncated") from None

@@ -1,0 +1,75 @@
+"""Hugging Face tensor names and layouts -> this package's stacked parameter layout.
+
+Every checkpoint format (safetensors, GGUF) is first presented as a `TensorSource` under HF names with HF
+(PyTorch) layouts, so this mapping is written once. Layer weights are stacked on a leading `layers` axis.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Protocol
+
+import numpy as np
+
+from jaxserve.config import ModelConfig
+
+
+class TensorSource(Protocol):
+    def names(self) -> set[str]: ...
+
+    def get(self, name: str) -> np.ndarray: ...
+
+
+ParamPath = tuple[str, ...]
+
+
+def _layer_weights(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]]:
+    """Our stacked name -> (HF name inside layer i, transform from HF layout to ours)."""
+    D, H, K, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    table = {
+        "attn_norm": ("input_layernorm.weight", lambda w: w),
+        "wq": ("self_attn.q_proj.weight", lambda w: w.T.reshape(D, H, d)),
+        "wk": ("self_attn.k_proj.weight", lambda w: w.T.reshape(D, K, d)),
+        "wv": ("self_attn.v_proj.weight", lambda w: w.T.reshape(D, K, d)),
+        "wo": ("self_attn.o_proj.weight", lambda w: w.T.reshape(H, d, D)),
+        "mlp_norm": ("post_attention_layernorm.weight", lambda w: w),
+    }
+    if cfg.qkv_bias:
+        table |= {
+            "bq": ("self_attn.q_proj.bias", lambda b: b.reshape(H, d)),
+            "bk": ("self_attn.k_proj.bias", lambda b: b.reshape(K, d)),
+            "bv": ("self_attn.v_proj.bias", lambda b: b.reshape(K, d)),
+        }
+    if cfg.num_experts:
+        table |= {
+            "router": ("block_sparse_moe.gate.weight", lambda w: w.T),
+        }
+    else:
+        table |= {
+            "w_gate": ("mlp.gate_proj.weight", lambda w: w.T),
+            "w_up": ("mlp.up_proj.weight", lambda w: w.T),
+            "w_down": ("mlp.down_proj.weight", lambda w: w.T),
+        }
+    return table
+
+
+def _expert_weights(cfg: ModelConfig, src: TensorSource, i: int) -> Iterator[tuple[str, np.ndarray]]:
+    # Mixtral names its expert matrices w1 (gate), w3 (up), w2 (down).
+    for ours, hf in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2")):
+        mats = [src.get(f"model.layers.{i}.block_sparse_moe.experts.{e}.{hf}.weight").T for e in range(cfg.num_experts)]
+        yield ours, np.stack(mats)
+
+
+def load_params(cfg: ModelConfig, src: TensorSource, dtype) -> Iterator[tuple[ParamPath, np.ndarray]]:
+    """Yield (parameter path, array in our layout) one parameter at a time, so at most one stacked tensor
+    is materialised beyond the checkpoint itself."""
+    yield ("embed",), src.get("model.embed_tokens.weight").astype(dtype)
+    yield ("final_norm",), src.get("model.norm.weight").astype(dtype)
+    if not cfg.tie_word_embeddings:
+        yield ("lm_head",), src.get("lm_head.weight").T.astype(dtype)
+    for ours, (hf, transform) in _layer_weights(cfg).items():
+        stacked = np.stack([transform(src.get(f"model.layers.{i}.{hf}")) for i in range(cfg.num_layers)])
+        yield ("layers", ours), stacked.astype(dtype)
+    if cfg.num_experts:
+        per_layer = [dict(_expert_weights(cfg, src, i)) for i in range(cfg.num_layers)]
+        for ours in ("w_gate", "w_up", "w_down"):
+            yield ("layers", ours), np.stack([layer[ours] for layer in per_layer]).astype(dtype)

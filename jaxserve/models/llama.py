@@ -1,0 +1,101 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral with its sliding window, Qwen2 with q/k/v bias).
+
+Architecture only: weights are stacked on a leading `layers` axis and the layers run under one `lax.scan`,
+so compile time does not grow with depth. Attention over the paged cache is passed in (`attention_fn`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from jaxserve.models.layers import apply_rope, param, rms_norm, rope_inv_freq, swiglu_mlp
+
+
+class DecoderLayers(nnx.Module):
+    """The weights of all L decoder layers, each stacked on a leading `layers` axis."""
+
+    def __init__(self, cfg: ModelConfig, dtype):
+        L, D, H, K, d, F = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                            cfg.intermediate_size)
+        self.attn_norm = param((L, D), ("layers", "embed"), dtype)
+        self.wq = param((L, D, H, d), ("layers", "embed", "q_heads", "head_dim"), dtype)
+        self.wk = param((L, D, K, d), ("layers", "embed", "kv_heads", "head_dim"), dtype)
+        self.wv = param((L, D, K, d), ("layers", "embed", "kv_heads", "head_dim"), dtype)
+        self.wo = param((L, H, d, D), ("layers", "q_heads", "head_dim", "embed"), dtype)
+        if cfg.qkv_bias:
+            self.bq = param((L, H, d), ("layers", "q_heads", "head_dim"), dtype)
+            self.bk = param((L, K, d), ("layers", "kv_heads", "head_dim"), dtype)
+            self.bv = param((L, K, d), ("layers", "kv_heads", "head_dim"), dtype)
+        self.mlp_norm = param((L, D), ("layers", "embed"), dtype)
+        self.init_mlp(cfg, dtype)
+
+    def init_mlp(self, cfg: ModelConfig, dtype):
+        L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        self.w_gate = param((L, D, F), ("layers", "embed", "mlp"), dtype)
+        self.w_up = param((L, D, F), ("layers", "embed", "mlp"), dtype)
+        self.w_down = param((L, F, D), ("layers", "mlp", "embed"), dtype)
+
+    def arrays(self) -> dict[str, jax.Array]:
+        return {name: p[...] for name, p in vars(self).items() if isinstance(p, nnx.Param)}
+
+
+def mlp(cfg: ModelConfig, w: dict[str, jax.Array], h: jax.Array) -> jax.Array:
+    return swiglu_mlp(h, w["w_gate"], w["w_up"], w["w_down"])
+
+
+def decoder_layer(cfg: ModelConfig, attention_fn, mlp_fn, carry, w: dict[str, jax.Array], layer: jax.Array, meta):
+    x, kv = carry
+    h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("TD,DHd->THd", h, w["wq"])
+    k = jnp.einsum("TD,DKd->TKd", h, w["wk"])
+    v = jnp.einsum("TD,DKd->TKd", h, w["wv"])
+    if cfg.qkv_bias:
+        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+    inv_freq = rope_inv_freq(cfg)
+    q = apply_rope(q, meta.positions, inv_freq)
+    k = apply_rope(k, meta.positions, inv_freq)
+    attn, kv = attention_fn(q, k, v, kv, layer, meta)
+    x = x + jnp.einsum("THd,HdD->TD", attn, w["wo"])
+    h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+    x = x + mlp_fn(cfg, w, h)
+    return x, kv
+
+
+class LlamaForCausalLM(nnx.Module):
+    layers_class = DecoderLayers
+    mlp_fn = staticmethod(mlp)
+
+    def __init__(self, cfg: ModelConfig, dtype):
+        self.cfg = cfg
+        self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+        self.layers = self.layers_class(cfg, dtype)
+        self.final_norm = param((cfg.hidden_size,), ("embed",), dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = param((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
+
+    def __call__(self, token_ids: jax.Array, kv, meta, attention_fn):
+        """Hidden states [T, D] after the final norm, and the updated cache."""
+        x = self.embed[...][token_ids]
+        body = partial(decoder_layer, self.cfg, attention_fn, self.mlp_fn)
+        weights = self.layers.arrays()
+        layer_ids = jnp.arange(self.cfg.num_layers)
+
+        def scan_body(carry, xs):
+            w, layer = xs
+            return body(carry, w, layer, meta), None
+
+        (x, kv), _ = jax.lax.scan(scan_body, (x, kv), (weights, layer_ids))
+        return rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps), kv
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Float32 logits [N, V] for the N hidden states asked for (only the sampled positions)."""
+        if self.cfg.tie_word_embeddings:
+            out = jnp.einsum("ND,VD->NV", hidden, self.embed[...], preferred_element_type=jnp.float32)
+        else:
+            out = jnp.einsum("ND,DV->NV", hidden, self.lm_head[...], preferred_element_type=jnp.float32)
+        return out

@@ -1,0 +1,19 @@
+"""Maps Hugging Face `architectures` names to model modules."""
+
+from __future__ import annotations
+
+from jaxserve.models.llama import LlamaForCausalLM
+
+ARCHITECTURES: dict[str, type] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class(architecture: str) -> type:
+    try:
+        return ARCHITECTURES[architecture]
+    except KeyError:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise ValueError(f"architecture {architecture!r} is not supported; supported architectures: {supported}") from None

@@ -1,0 +1,68 @@
+"""Paged attention in pure JAX: the reference the Pallas kernels are checked against, and the CPU path.
+
+A step is a flat batch of T tokens from B sequences (prefill chunks and decodes mixed). Each token carries its
+position and the index of its sequence; each sequence has a row of the block table. A token attends causally
+to its own sequence's cached keys, which include the ones written by this very step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.runner.kv_cache import KVCache
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class AttentionMetadata:
+    positions: jax.Array  # [T] int32, position of each token in its sequence
+    slot_mapping: jax.Array  # [T] int32, flat cache slot (block * block_size + offset) to write each token's K/V
+    token_seq: jax.Array  # [T] int32, which row of block_tables each token belongs to
+    block_tables: jax.Array  # [B, MB] int32, physical blocks of each sequence (0 = null block)
+
+
+def write_kv(kv: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVCache:
+    """Scatter this step's K/V [T, K, d] into their pages of `layer`, in place on the donated cache."""
+    block_size = kv.block_size
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    return KVCache(
+        kv.k.at[layer, blocks, offsets].set(k.astype(kv.k.dtype)),
+        kv.v.at[layer, blocks, offsets].set(v.astype(kv.v.dtype)),
+    )
+
+
+def paged_attention_reference(
+    q: jax.Array,  # [T, H, d]
+    k_pages: jax.Array,  # [NB, bs, K, d] one layer
+    v_pages: jax.Array,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    T, H, d = q.shape
+    _, bs, K, _ = k_pages.shape
+    rows = meta.block_tables[meta.token_seq]  # [T, MB]
+    S = rows.shape[1] * bs
+    k = k_pages[rows].reshape(T, S, K, d)
+    v = v_pages[rows].reshape(T, S, K, d)
+    qg = q.reshape(T, K, H // K, d)
+    scores = jnp.einsum("TKGd,TSKd->TKGS", qg, k, preferred_element_type=jnp.float32) * scale
+    kv_pos = jnp.arange(S)[None, :]
+    visible = kv_pos <= meta.positions[:, None]
+    if sliding_window is not None:
+        visible &= kv_pos > meta.positions[:, None] - sliding_window
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("TKGS,TSKd->TKGd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(T, H, d).astype(q.dtype)
+
+
+def reference_attention_fn(q, k, v, kv: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window):
+    """Write this step's K/V, then attend over the pages: the signature every attention implementation shares."""
+    kv = write_kv(kv, layer, k, v, meta.slot_mapping)
+    out = paged_attention_reference(q, kv.k[layer], kv.v[layer], meta, scale=scale, sliding_window=sliding_window)
+    return out, kv

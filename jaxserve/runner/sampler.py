@@ -1,0 +1,118 @@
+"""Sampling inside the jitted step: only token ids and the requested logprobs leave the device.
+
+Each row has its own parameters and its own random stream, keyed by (request seed, number of tokens it has
+generated), so a seeded request samples the same tokens alone or inside any batch. Logprobs are those of the
+model's raw distribution (before penalties, temperature and filtering), as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+GREEDY_EPS = 1e-5
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplingTensors:
+    temperature: jax.Array  # [B] f32; < GREEDY_EPS means greedy
+    top_k: jax.Array  # [B] i32; 0 disables
+    top_p: jax.Array  # [B] f32
+    min_p: jax.Array  # [B] f32
+    seeds: jax.Array  # [B] u32
+    counters: jax.Array  # [B] i32, tokens generated so far by the row's sequence
+    bias_ids: jax.Array  # [B, W] i32, padded with V (dropped); logit_bias and min_tokens bans
+    bias_values: jax.Array  # [B, W] f32
+    history: jax.Array  # [B, P] i32 prompt+output ids for penalties, padded with V; P = 0 when unused
+    history_is_output: jax.Array  # [B, P] bool
+    presence: jax.Array  # [B] f32
+    frequency: jax.Array  # [B] f32
+    repetition: jax.Array  # [B] f32
+
+
+@dataclass(frozen=True)
+class SamplerFlags:
+    """Static choices: each combination compiles once, and a batch that needs none of the extras pays nothing."""
+
+    all_greedy: bool = True
+    top_filter: bool = False
+    num_logprobs: int = 0
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplerOutput:
+    tokens: jax.Array  # [B] i32
+    logprobs: jax.Array  # [B] f32, of the chosen token
+    ranks: jax.Array  # [B] i32, 1 = most likely
+    top_ids: jax.Array  # [B, N] i32
+    top_logprobs: jax.Array  # [B, N] f32
+
+
+def _apply_bias(logits, t: SamplingTensors):
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, t.bias_ids].add(t.bias_values, mode="drop")
+
+
+def _apply_penalties(logits, t: SamplingTensors):
+    B, V = logits.shape
+    rows = jnp.arange(B)[:, None]
+    out_counts = jnp.zeros((B, V), jnp.float32).at[rows, t.history].add(t.history_is_output.astype(jnp.float32), mode="drop")
+    seen = jnp.zeros((B, V), bool).at[rows, t.history].set(True, mode="drop")
+    rep = t.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - t.frequency[:, None] * out_counts - t.presence[:, None] * (out_counts > 0)
+
+
+def _filter_top(logits, t: SamplingTensors):
+    """Mask everything outside top-k, outside the top-p nucleus, or below min_p x the top probability."""
+    V = logits.shape[-1]
+    desc = -jnp.sort(-logits, axis=-1)
+    k = jnp.where(t.top_k > 0, jnp.minimum(t.top_k, V), V)
+    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
+    desc = jnp.where(desc >= kth, desc, -jnp.inf)
+    probs = jax.nn.softmax(desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each candidate
+    keep = before < t.top_p[:, None]
+    cut = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits >= jnp.maximum(kth, cut), logits, -jnp.inf)
+    p = jax.nn.softmax(logits, axis=-1)
+    return jnp.where(p >= t.min_p[:, None] * jnp.max(p, axis=-1, keepdims=True), logits, -jnp.inf)
+
+
+def _gumbel(t: SamplingTensors, vocab: int):
+    def one(seed, counter):
+        key = jax.random.fold_in(jax.random.key(seed), counter)
+        return jax.random.gumbel(key, (vocab,), jnp.float32)
+
+    return jax.vmap(one)(t.seeds, t.counters)
+
+
+def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> SamplerOutput:
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    x = _apply_bias(logits, t)
+    if t.history.shape[1]:
+        x = _apply_penalties(x, t)
+    tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    if not flags.all_greedy:
+        scaled = x / jnp.maximum(t.temperature, GREEDY_EPS)[:, None]
+        if flags.top_filter:
+            scaled = _filter_top(scaled, t)
+        sampled = jnp.argmax(scaled + _gumbel(t, logits.shape[-1]), axis=-1).astype(jnp.int32)
+        tokens = jnp.where(t.temperature < GREEDY_EPS, tokens, sampled)
+    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    ranks = 1 + jnp.sum(raw > chosen[:, None], axis=-1).astype(jnp.int32)
+    top_logprobs, top_ids = jax.lax.top_k(raw, flags.num_logprobs)
+    return SamplerOutput(tokens, chosen, ranks, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def prompt_logprobs(logits: jax.Array, targets: jax.Array, num_logprobs: int):
+    """Logprob and rank of each next prompt token [T], plus the top-N [T, N], for prompt_logprobs."""
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(raw, targets[:, None], axis=-1)[:, 0]
+    ranks = 1 + jnp.sum(raw > chosen[:, None], axis=-1).astype(jnp.int32)
+    top_logprobs, top_ids = jax.lax.top_k(raw, num_logprobs)
+    return chosen, ranks, top_ids.astype(jnp.int32), top_logprobs

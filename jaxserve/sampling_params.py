@@ -1,0 +1,216 @@
+"""Per-request sampling settings, with vLLM's field names and defaults.
+
+Host-side only: imports no jax. Every invalid value raises ValueError naming the field and what it allows,
+so an HTTP caller gets a sentence they can act on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+# Below this temperature sampling is greedy (argmax); dividing logits by ~0 would only produce inf/nan.
+GREEDY_TEMPERATURE = 1e-5
+# OpenAI clamps logit_bias values to this range; larger values would swamp every other logit anyway.
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def _is_int(value: Any) -> bool:
+    # bool is a subclass of int, but `n=True` is a caller's mistake, not a count. Integral admits numpy ints.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _require_int(name: str, value: Any) -> None:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def _require_optional_int(name: str, value: Any) -> None:
+    if value is not None and not _is_int(value):
+        raise ValueError(f"{name} must be an integer or None, got {value!r}")
+
+
+def _require_number(name: str, value: Any) -> float:
+    # NaN would slip through every range check (all comparisons are False), so demand finite numbers.
+    if not _is_number(value) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _require_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a boolean, got {value!r}")
+
+
+def _normalise_stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    if any(s == "" for s in stop):
+        raise ValueError("stop must not contain empty strings")
+    return list(stop)
+
+
+def _normalise_stop_token_ids(ids: Any) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids):
+        raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")
+    return [int(i) for i in ids]
+
+
+def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id to bias, got {bias!r}")
+    normalised = {}
+    for key, value in bias.items():
+        normalised[_logit_bias_token_id(key)] = _clamp_bias(key, value)
+    return normalised
+
+
+def _logit_bias_token_id(key: Any) -> int:
+    # OpenAI JSON sends token ids as string keys ("50256").
+    if _is_int(key) or (isinstance(key, str) and key.strip().isdigit()):
+        if int(key) >= 0:
+            return int(key)
+    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+
+
+def _clamp_bias(key: Any, value: Any) -> float:
+    bias = _require_number(f"logit_bias[{key!r}]", value)
+    return min(max(bias, -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's completions (vLLM's fields and defaults)."""
+
+    n: int = 1
+    best_of: int | None = None  # None means n
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1, normalised to 0) disables
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None  # normalised to a list
+    stop_token_ids: list[int] | None = None  # normalised to a list
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-N logprobs per generated token
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+
+    def __post_init__(self) -> None:
+        self._check_counts()
+        self._check_penalties()
+        self._check_filters()
+        self._check_lengths()
+        self._check_flags()
+        self.stop = _normalise_stop(self.stop)
+        self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
+        self.logit_bias = _normalise_logit_bias(self.logit_bias)
+
+    def _check_counts(self) -> None:
+        _require_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        _require_optional_int("best_of", self.best_of)
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+        _require_optional_int("seed", self.seed)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require_optional_int(name, value)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be None or >= 0, got {value}")
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _require_number(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if _require_number("repetition_penalty", self.repetition_penalty) <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    def _check_filters(self) -> None:
+        if _require_number("temperature", self.temperature) < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        top_p = _require_number("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _require_int("top_k", self.top_k)
+        if self.top_k == -1:
+            self.top_k = 0  # vLLM's other spelling of "disabled"
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 or -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 <= _require_number("min_p", self.min_p) <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    def _check_lengths(self) -> None:
+        _require_optional_int("max_tokens", self.max_tokens)
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+        _require_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+
+    def _check_flags(self) -> None:
+        for name in (
+            "include_stop_str_in_output",
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        ):
+            _require_bool(name, getattr(self, name))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def needs_top_filter(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
+    def num_sequences(self) -> int:
+        """How many sequences to generate: best_of when set, else n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def clone(self) -> SamplingParams:
+        """An independent copy: normalisation rebuilds the mutable fields (stop lists, logit_bias)."""
+        return self.replace()

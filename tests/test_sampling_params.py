@@ -1,0 +1,119 @@
+import math
+
+import numpy as np
+import pytest
+
+from jaxserve.sampling_params import SamplingParams
+
+
+def test_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.n, p.best_of, p.temperature, p.top_p, p.top_k, p.min_p) == (1, None, 1.0, 1.0, 0, 0.0)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert (p.max_tokens, p.min_tokens, p.logprobs, p.prompt_logprobs, p.seed) == (16, 0, None, None, None)
+    assert p.stop == [] and p.stop_token_ids == [] and p.logit_bias is None
+    assert p.skip_special_tokens and p.spaces_between_special_tokens
+    assert not p.ignore_eos and not p.include_stop_str_in_output
+
+
+def test_normalisation():
+    p = SamplingParams(stop="###", stop_token_ids=(2, np.int64(3)), top_k=-1)
+    assert p.stop == ["###"]
+    assert p.stop_token_ids == [2, 3] and all(type(t) is int for t in p.stop_token_ids)
+    assert p.top_k == 0
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(max_tokens=None).max_tokens is None
+
+
+def test_logit_bias_keys_coerced_and_values_clamped():
+    p = SamplingParams(logit_bias={"50256": -1000, 7: 5.5, "9": 250})
+    assert p.logit_bias == {50256: -100.0, 7: 5.5, 9: 100.0}
+
+
+def test_properties():
+    assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(temperature=5e-6).greedy
+    assert not SamplingParams(temperature=0.7).greedy
+    assert not SamplingParams().needs_penalties
+    assert SamplingParams(presence_penalty=0.5).needs_penalties
+    assert SamplingParams(frequency_penalty=-0.5).needs_penalties
+    assert SamplingParams(repetition_penalty=1.2).needs_penalties
+    assert not SamplingParams().needs_top_filter
+    assert SamplingParams(top_k=5).needs_top_filter
+    assert SamplingParams(top_p=0.9).needs_top_filter
+    assert SamplingParams(min_p=0.1).needs_top_filter
+    assert SamplingParams(n=2).num_sequences == 2
+    assert SamplingParams(n=2, best_of=4).num_sequences == 4
+
+
+def test_replace_validates_and_clone_is_independent():
+    p = SamplingParams(stop=["x"], logit_bias={1: 1.0})
+    q = p.clone()
+    q.stop.append("y")
+    q.logit_bias[2] = 2.0
+    assert p.stop == ["x"] and p.logit_bias == {1: 1.0}
+    assert p.replace(temperature=0).greedy
+    with pytest.raises(ValueError, match="top_p"):
+        p.replace(top_p=0)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("n", 0),
+        ("n", 1.5),
+        ("n", True),
+        ("best_of", 0),
+        ("presence_penalty", 2.5),
+        ("presence_penalty", -2.1),
+        ("frequency_penalty", 3),
+        ("repetition_penalty", 0.0),
+        ("temperature", -0.1),
+        ("temperature", "hot"),
+        ("temperature", math.nan),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("top_k", 2.0),
+        ("min_p", 1.1),
+        ("min_p", -0.1),
+        ("seed", "42"),
+        ("stop", ""),
+        ("stop", ["ok", ""]),
+        ("stop", 5),
+        ("stop_token_ids", [1, "2"]),
+        ("stop_token_ids", 3),
+        ("max_tokens", 0),
+        ("max_tokens", 16.0),
+        ("min_tokens", -1),
+        ("logprobs", -1),
+        ("logprobs", True),
+        ("prompt_logprobs", -1),
+        ("ignore_eos", 1),
+        ("skip_special_tokens", "yes"),
+        ("logit_bias", [1, 2]),
+        ("logit_bias", {"abc": 1.0}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {1: "big"}),
+    ],
+)
+def test_invalid_value_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_top_p_message_gives_the_range():
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
+        SamplingParams(top_p=1.5)
+
+
+def test_best_of_must_cover_n():
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(n=3, best_of=2)
+    assert SamplingParams(n=3, best_of=3).num_sequences == 3
+
+
+def test_min_tokens_bounded_by_max_tokens():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    assert SamplingParams(max_tokens=None, min_tokens=500).min_tokens == 500
