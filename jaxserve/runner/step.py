@@ -30,6 +30,7 @@ class StepInputs:
 class StepStatics:
     sampler: SamplerFlags = SamplerFlags()
     prompt_logprobs: int = -1  # -1: off; else the number of top alternatives per prompt position
+    return_logits: bool = False  # also return the sampled rows' logits (parity tests and debugging)
 
 
 @jax.tree_util.register_dataclass
@@ -37,6 +38,7 @@ class StepStatics:
 class StepOutputs:
     sampled: SamplerOutput
     prompt: tuple | None  # (logprobs [T], ranks [T], top_ids [T, N], top_logprobs [T, N]) when asked
+    logits: jax.Array | None  # [B, V] when asked
 
 
 class TraceCounter:
@@ -54,6 +56,6 @@ def make_step_fn(graphdef, attention_fn, traces: TraceCounter):
         prompt = None
         if statics.prompt_logprobs >= 0:
             prompt = prompt_logprobs(model.logits(hidden), inputs.prompt_targets, statics.prompt_logprobs)
-        return kv, StepOutputs(sampled, prompt)
+        return kv, StepOutputs(sampled, prompt, logits if statics.return_logits else None)
 
     return jax.jit(step, static_argnames=("statics",), donate_argnames=("kv",))

@@ -1,0 +1,104 @@
+"""Checkpoint loading: sharded safetensors, generation defaults, and each bad input's clear error."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from jaxserve import Engine, SamplingParams
+from jaxserve.loader.checkpoint import open_checkpoint
+from jaxserve.loader.safetensors import SafetensorsSource
+
+
+def test_sharded_safetensors_with_index_load_the_same_weights(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("llama", tie_word_embeddings=False)
+    single = SafetensorsSource(src)
+    names = sorted(single.names())
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, shard_names in shards.items():
+        save_file({n: single.get(n) for n in shard_names}, str(tmp_path / shard))
+    index = {"weight_map": {n: shard for shard, ns in shards.items() for n in ns}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, tmp_path / f)
+    sharded = SafetensorsSource(tmp_path)
+    assert sharded.names() == single.names()
+    for n in names[:5]:
+        np.testing.assert_array_equal(sharded.get(n), single.get(n))
+    a = Engine(str(src), num_kv_blocks=16).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5),
+                                                    use_tqdm=False)
+    b = Engine(str(tmp_path), num_kv_blocks=16).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5),
+                                                         use_tqdm=False)
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+
+
+def test_generation_config_defaults_are_read(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("qwen2")
+    shutil.copytree(src, tmp_path / "m")
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9,
+                                                                       "eos_token_id": [2, 5]}))
+    ckpt = open_checkpoint(str(tmp_path / "m"))
+    assert ckpt.generation_defaults == {"temperature": 0.6, "top_p": 0.9}
+    assert ckpt.config.eos_token_ids == (2, 5)
+
+
+def test_unknown_architecture_lists_the_supported_ones(tiny_checkpoint, tmp_path):
+    shutil.copytree(tiny_checkpoint("llama"), tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["architectures"] = ["FooForCausalLM"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="'FooForCausalLM' is not supported; supported architectures: .*LlamaForCausalLM"):
+        Engine(str(tmp_path / "m"))
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Engine(str(tmp_path / "nothing.gguf"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Engine(str(tmp_path / "no" / "such" / "dir"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        Engine(str(tmp_path / "empty"))
+
+
+def test_truncated_safetensors_is_a_clear_error(tiny_checkpoint, tmp_path):
+    shutil.copytree(tiny_checkpoint("llama"), tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated"):
+        Engine(str(tmp_path / "m"))
+
+
+def test_truncated_gguf_is_a_clear_error(smollm2_gguf_path, tmp_path):
+    with open(smollm2_gguf_path, "rb") as f:
+        (tmp_path / "cut.gguf").write_bytes(f.read(1 << 20))
+    with pytest.raises(ValueError, match="truncated"):
+        Engine(str(tmp_path / "cut.gguf"))
+
+
+def test_unreachable_hub_id_is_a_clear_error():
+    # No network to the hub here: the loader must say so, not hang or dump a traceback from the hub client.
+    with pytest.raises(FileNotFoundError, match="could not fetch 'someone/some-model' from the Hugging Face hub"):
+        open_checkpoint("someone/some-model")
+
+
+def test_bad_requests_are_refused_with_clear_errors(smol_engine):
+    e = smol_engine
+    with pytest.raises(ValueError, match="maximum context length is 1024"):
+        e.generate("word " * 1100, SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"1034 tokens \(\d+ in the prompt, 1000 for the completion\)|requested"):
+        e.generate("x " * 33, SamplingParams(max_tokens=1000), use_tqdm=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        e.generate([[1, 2, 10**9]], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        e.generate([[]], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="logprobs=21 exceeds the maximum of 20"):
+        e.generate("hi", SamplingParams(logprobs=21), use_tqdm=False)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match="max_model_len=100000"):
+        Engine(None, max_model_len=100000)
+    assert not e.has_unfinished_requests()  # nothing half-admitted by the refused batches
