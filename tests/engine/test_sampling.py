@@ -1,0 +1,64 @@
+"""Sampling controls change outputs the way their definitions say, checked on the real model."""
+
+import torch
+
+from jaxserve import SamplingParams
+
+PROMPT = "The best thing about the city is the the the"
+
+
+def greedy_ids(engine, prompt=PROMPT, **kw):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **kw)
+    return engine.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_filters_that_leave_one_candidate_give_the_greedy_tokens(smol_engine):
+    greedy = greedy_ids(smol_engine)
+    for kw in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
+        params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=3, **kw)
+        assert smol_engine.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids == greedy, kw
+
+
+def test_repetition_penalty_matches_transformers(smol_engine, hf_smollm2):
+    ids = smol_engine.tokenizer(PROMPT)["input_ids"]
+    ours = greedy_ids(smol_engine, ids, repetition_penalty=1.5)
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        ref = hf_smollm2.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=12, min_new_tokens=12,
+                                  do_sample=False, repetition_penalty=1.5)
+    assert ours == ref[0, len(ids):].tolist()
+    assert ours != greedy_ids(smol_engine, ids)
+
+
+def test_frequency_and_presence_penalties_reduce_repeats(smol_engine):
+    plain = greedy_ids(smol_engine)
+    for kw in (dict(frequency_penalty=2.0), dict(presence_penalty=2.0)):
+        penalised = greedy_ids(smol_engine, **kw)
+        assert len(set(penalised)) > len(set(plain)), kw
+
+
+def test_logit_bias_forces_a_token(smol_engine):
+    token = smol_engine.tokenizer(" banana")["input_ids"][0]
+    assert set(greedy_ids(smol_engine, logit_bias={token: 100.0})) == {token}
+    assert token not in greedy_ids(smol_engine, prompt="I like to eat a banana and a banana and a",
+                                   logit_bias={str(token): -100.0})
+
+
+def test_min_tokens_holds_off_eos(smol_engine):
+    eos = smol_engine.tokenizer.eos_token_id
+    params = SamplingParams(temperature=0, max_tokens=20, min_tokens=5, logit_bias={eos: 100.0})
+    out = smol_engine.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and eos not in out.token_ids[:5]
+    assert out.finish_reason == "stop"
+
+
+def test_stop_token_ids_and_special_tokens(smol_engine):
+    plain = greedy_ids(smol_engine)
+    out = smol_engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[plain[3]]),
+                               use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == plain[:4] and out.finish_reason == "stop" and out.stop_reason == plain[3]
+    im_start = smol_engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    kept = SamplingParams(temperature=0, max_tokens=3, logit_bias={im_start: 100.0}, skip_special_tokens=False)
+    assert "<|im_start|>" in smol_engine.generate(PROMPT, kept, use_tqdm=False)[0].outputs[0].text
+    assert "<|im_start|>" not in smol_engine.generate(PROMPT, kept.replace(skip_special_tokens=True),
+                                                      use_tqdm=False)[0].outputs[0].text
