@@ -26,9 +26,12 @@ from jaxserve.loader.checkpoint import open_checkpoint
 from jaxserve.outputs import RequestOutput
 from jaxserve.parallel.sharding import parse_mesh
 from jaxserve.runner.buckets import Buckets
-from jaxserve.runner.capacity import default_num_blocks
+from jaxserve.runner.capacity import capacity_line, free_bytes_for_cache, num_blocks_for
+from jaxserve.runner.compilation_cache import DEFAULT_COMPILATION_CACHE, enable_compilation_cache
 from jaxserve.runner.model_runner import ModelRunner, StepResult
-from jaxserve.runner.plan import build_step_inputs
+from jaxserve.runner.plan import PlanShape, build_step_inputs, empty_inputs
+from jaxserve.runner.sampler import SamplerFlags
+from jaxserve.runner.step import StepStatics
 from jaxserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -44,33 +47,34 @@ class StepRecord:
 
 class Engine:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
-                 block_size: int = 16, num_kv_blocks: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, seed: int = 0, mesh=None, max_logprobs: int = 20,
-                 enable_prefix_caching: bool = True, tokenizer=None):
+                 block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory_fraction: float = 0.9,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, seed: int = 0, mesh=None,
+                 max_logprobs: int = 20, enable_prefix_caching: bool = True, warmup: bool = True,
+                 recompile_guard: str = "warn", compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
+                 tokenizer=None):
+        _check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
+                              recompile_guard)
+        enable_compilation_cache(compilation_cache_dir)
         ckpt = open_checkpoint(model)
         cfg = ckpt.config
         self.model_name = ckpt.name
         self.tokenizer = tokenizer or ckpt.tokenizer
         self.generation_defaults = ckpt.generation_defaults
         max_model_len = _check_max_model_len(max_model_len, cfg.max_position_embeddings)
-        platform = jax.devices()[0].platform
-        dtype = resolve_dtype(dtype, platform)
-        if num_kv_blocks is None:
-            num_kv_blocks = default_num_blocks(cfg, block_size, dtype)
-        if num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks={num_kv_blocks} is too small: block 0 is reserved, so at least 2 are needed")
+        dtype = resolve_dtype(dtype, jax.devices()[0].platform)
+        self.mesh_shape = parse_mesh(mesh)
+        self.runner = ModelRunner(cfg, ckpt.tensors, dtype, block_size, self.mesh_shape)
+        self.plan_shape = PlanShape(Buckets.for_limits(max_num_batched_tokens, max_num_seqs),
+                                    -(-max_model_len // block_size), cfg.vocab_size, max_model_len, max_logprobs)
+        num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_memory_fraction)
         self.config = EngineConfig(
             model=cfg,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
             dtype=dtype, seed=seed, max_logprobs=max_logprobs,
         )
-        self.mesh_shape = parse_mesh(mesh)
-        self.runner = ModelRunner(cfg, ckpt.tensors, dtype, num_kv_blocks, block_size, self.mesh_shape)
         self.blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.blocks)
-        max_blocks = -(-max_model_len // block_size)
-        self.buckets = Buckets.for_limits(max_num_batched_tokens, max_num_seqs, max_blocks)
         self._requests: dict[str, Request] = {}
         self._texts: dict[int, SequenceText] = {}
         self._rng = random.Random(seed)
@@ -81,8 +85,41 @@ class Engine:
         self._num_steps = 0
         # Set to a list to capture (sequence token ids so far, logits) of every sampled row: parity tests use it.
         self.logits_log: list[tuple[list[int], object]] | None = None
-        log.info("Loaded %s (%s, %s) with %d KV blocks of %d tokens", self.model_name, cfg.architecture, dtype,
-                 num_kv_blocks - 1, block_size)
+        self.recompile_guard = recompile_guard
+        self._compiles_at_warmup: int | None = None
+        if warmup:
+            self.warmup()
+        log.info("Loaded %s (%s, %s, mesh %dx%d)", self.model_name, cfg.architecture, dtype, *self.mesh_shape)
+
+    def _size_kv_cache(self, num_blocks: int | None, memory_fraction: float) -> int:
+        """Fix the number of KV blocks (profiling a step at the largest bucket first) and allocate the cache."""
+        if num_blocks is None:
+            self.runner.allocate_cache(2)
+            T, B = max(self.plan_shape.buckets.forward_shapes())
+            self.runner.execute(*_profile_inputs(T, B, self.plan_shape))
+            free = free_bytes_for_cache(self.runner.mesh.devices.flat, memory_fraction)
+            num_blocks = num_blocks_for(self.runner.cfg, self.runner.block_size, self.runner.dtype, free,
+                                        shards=self.mesh_shape[0] * self.mesh_shape[1])
+        if num_blocks < 2:
+            raise ValueError(f"num_kv_blocks={num_blocks} is too small: block 0 is reserved, so at least 2 are needed")
+        self.runner.allocate_cache(num_blocks)
+        log.info(capacity_line(num_blocks, self.runner.block_size, self.plan_shape.max_model_len))
+        return num_blocks
+
+    def warmup(self) -> None:
+        """Compile every step program now (progress bar), so serving never stalls on a compile."""
+        from tqdm.auto import tqdm
+
+        total = self.runner.warmup_size(self.plan_shape)
+        with tqdm(total=total, desc="Compiling step buckets", unit="program") as bar:
+            self.runner.warmup(self.plan_shape, bar)
+        self._compiles_at_warmup = self.runner.num_compiles
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        if self._compiles_at_warmup is None:
+            return 0
+        return self.runner.num_compiles - self._compiles_at_warmup
 
     @property
     def max_model_len(self) -> int:
@@ -141,11 +178,13 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        inputs, statics = build_step_inputs(sched, self.blocks, self.buckets, self.config.model.vocab_size,
-                                            self.config.max_logprobs)
+        inputs, statics = build_step_inputs(sched, self.blocks, self.plan_shape)
         if self.logits_log is not None:
             statics = dataclasses.replace(statics, return_logits=True)
+        compiles_before = self.runner.num_compiles
         result = self.runner.execute(inputs, statics)
+        if self.runner.num_compiles != compiles_before:
+            self._on_recompile(sched)
         self._record(sched)
         if self.logits_log is not None:
             self.logits_log.extend((list(c.seq.token_ids), result.logits[i])
@@ -159,6 +198,15 @@ class Engine:
             self._on_token(seq, result, rows[seq.seq_id])
             touched[seq.request_id] = self._requests[seq.request_id]
         return [self._emit(req) for req in touched.values()]
+
+    def _on_recompile(self, sched: SchedulerOutput) -> None:
+        if self._compiles_at_warmup is None or self.recompile_guard == "off":
+            return
+        msg = (f"step {self._num_steps} compiled a new program after warm-up ({sched.num_tokens} tokens, "
+               f"{len(sched.chunks)} sequences): a shape or sampler variant is missing from the warm-up buckets")
+        if self.recompile_guard == "error":
+            raise RuntimeError(msg)
+        log.warning(msg)
 
     def _record(self, sched: SchedulerOutput) -> None:
         chunks = tuple((c.seq.request_id, c.start, c.num_tokens) for c in sched.chunks)
@@ -263,8 +311,27 @@ class Engine:
             "prefix_cache_queries": self.blocks.prefix_cache_queries,
             "prefix_cache_hits": self.blocks.prefix_cache_hits,
             "num_steps": self._num_steps,
-            "num_compiles": self.runner.traces.count,
+            "num_compiles": self.runner.num_compiles,
+            "compiles_after_warmup": self.compiles_after_warmup,
         }
+
+
+def _check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, memory_fraction, recompile_guard):
+    for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {memory_fraction}")
+    if recompile_guard not in ("warn", "error", "off"):
+        raise ValueError(f"recompile_guard must be 'warn', 'error' or 'off', got {recompile_guard!r}")
+
+
+def _profile_inputs(T: int, B: int, shape: PlanShape):
+    """The largest step with every sampler extra on: what the cache must leave room for."""
+    inputs = empty_inputs(T, B, shape, penalties=True)
+    flags = SamplerFlags(all_greedy=False, top_filter=True, penalties=True, num_logprobs=shape.max_logprobs)
+    return inputs, StepStatics(sampler=flags, prompt_logprobs=shape.max_logprobs)
 
 
 def _check_max_model_len(requested: int | None, model_max: int) -> int:

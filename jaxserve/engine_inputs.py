@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jaxserve.config import EngineConfig
+from jaxserve.runner.sampler import BIAS_SLOTS
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -59,6 +60,9 @@ def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int
         value = getattr(params, field)
         if value is not None and value > config.max_logprobs:
             raise ValueError(f"{field}={value} exceeds the maximum of {config.max_logprobs}")
+    bias_entries = len(params.logit_bias or {}) + len(params.stop_token_ids or []) + len(config.model.eos_token_ids)
+    if bias_entries > BIAS_SLOTS:
+        raise ValueError(f"logit_bias and stop_token_ids together have {bias_entries} entries; at most {BIAS_SLOTS} fit")
     capacity = (config.cache.num_blocks - 1) * config.cache.block_size
     if prompt_len + params.max_tokens > capacity:
         raise ValueError(

@@ -25,7 +25,7 @@ def smol_engine(smollm2_gguf_path):
     from jaxserve import Engine
 
     return Engine(smollm2_gguf_path, max_model_len=1024, num_kv_blocks=512, max_num_seqs=16,
-                  max_num_batched_tokens=256)
+                  max_num_batched_tokens=256, warmup=False)
 
 
 @pytest.fixture(scope="session")

@@ -1,17 +1,17 @@
-"""Compile buckets: every step's arrays are padded up to one of a short, explicit list of sizes, so the
-number of compiled programs is bounded and known in advance. (numpy-free, jax-free.)"""
+"""Compile buckets: every step's arrays are padded up to one of a short, explicit list of sizes, so the set of
+compiled programs is bounded and known in advance (warm-up compiles all of it). No jax, no numpy."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 
-def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
-    """lo, 2lo, 4lo, ... up to and including hi (hi itself is always a bucket)."""
+def geometric(lo: int, hi: int, factor: int) -> tuple[int, ...]:
+    """lo, lo*factor, ... below hi, then hi itself (always a bucket)."""
     sizes, n = [], lo
     while n < hi:
         sizes.append(n)
-        n *= 2
+        n *= factor
     sizes.append(hi)
     return tuple(sizes)
 
@@ -27,16 +27,21 @@ def round_up(n: int, buckets: tuple[int, ...]) -> int:
 class Buckets:
     tokens: tuple[int, ...]  # T: tokens in a step
     seqs: tuple[int, ...]  # B: sequences in a step
-    blocks: tuple[int, ...]  # MB: width of the block table (context length / block_size)
 
     @classmethod
-    def for_limits(cls, max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int) -> "Buckets":
+    def for_limits(cls, max_num_batched_tokens: int, max_num_seqs: int) -> "Buckets":
         max_seqs = min(max_num_seqs, max_num_batched_tokens)
-        return cls(
-            tokens=powers_of_two(min(8, max_num_batched_tokens), max_num_batched_tokens),
-            seqs=powers_of_two(1, max_seqs),
-            blocks=powers_of_two(min(4, max_blocks_per_seq), max_blocks_per_seq),
-        )
+        # Sequence counts grow by 4x: padding rows cost little (a block-table row and an LM-head row each).
+        seqs = geometric(1, max_seqs, 4)
+        # A decode-only step has T == B, so every sequence bucket is also a token bucket; above that, 2x steps
+        # keep prefill padding under half.
+        tokens = sorted(set(seqs) | set(geometric(16, max_num_batched_tokens, 2)) if max_num_batched_tokens > 16
+                        else set(seqs) | {max_num_batched_tokens})
+        return cls(tokens=tuple(t for t in tokens if t <= max_num_batched_tokens), seqs=seqs)
 
-    def shape(self, num_tokens: int, num_seqs: int, max_blocks: int) -> tuple[int, int, int]:
-        return round_up(num_tokens, self.tokens), round_up(num_seqs, self.seqs), round_up(max_blocks, self.blocks)
+    def shape(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        return round_up(num_tokens, self.tokens), round_up(num_seqs, self.seqs)
+
+    def forward_shapes(self) -> list[tuple[int, int]]:
+        """Every (T, B) a step can have; pairs with more sequences than tokens cannot occur."""
+        return [(t, b) for t in self.tokens for b in self.seqs if b <= t]

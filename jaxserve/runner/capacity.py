@@ -1,8 +1,9 @@
-"""How many KV blocks fit: from device memory on accelerators, from host memory on CPU."""
+"""How many KV blocks fit, like vLLM's gpu_memory_utilization: after the weights are loaded and a profiling step
+has run at the largest bucket, a fraction of device memory minus the peak in use goes to the cache. On CPU
+(no device memory statistics) a share of available host memory is used instead."""
 
 from __future__ import annotations
 
-import jax
 import psutil
 
 from jaxserve.config import ModelConfig
@@ -12,12 +13,26 @@ CPU_KV_FRACTION = 0.25  # of available host memory: leaves room for weights, act
 CPU_KV_CAP_BYTES = 4 << 30
 
 
-def default_num_blocks(cfg: ModelConfig, block_size: int, dtype, memory_fraction: float = 0.9) -> int:
-    per_block = kv_bytes_per_block(cfg, block_size, dtype)
-    device = jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        free = memory_fraction * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    else:
-        free = min(CPU_KV_FRACTION * psutil.virtual_memory().available, CPU_KV_CAP_BYTES)
-    return max(2, int(free // per_block))
+def free_bytes_for_cache(devices, memory_fraction: float) -> int:
+    """Bytes each device can give the cache: the minimum over the devices, so they all agree on one number."""
+    per_device = []
+    for d in devices:
+        stats = d.memory_stats() if d.platform != "cpu" else None
+        if not stats or "bytes_limit" not in stats:
+            return int(min(CPU_KV_FRACTION * psutil.virtual_memory().available, CPU_KV_CAP_BYTES))
+        in_use = max(stats.get("peak_bytes_in_use", 0), stats.get("bytes_in_use", 0))
+        per_device.append(memory_fraction * stats["bytes_limit"] - in_use)
+    return int(min(per_device))
+
+
+def num_blocks_for(cfg: ModelConfig, block_size: int, dtype, free_bytes: int, shards: int = 1) -> int:
+    """Blocks that fit in `free_bytes` per device when the cache is split `shards` ways (kv heads x layers)."""
+    per_block = kv_bytes_per_block(cfg, block_size, dtype) / shards
+    return max(2, int(free_bytes // per_block))
+
+
+def capacity_line(num_blocks: int, block_size: int, max_model_len: int) -> str:
+    usable = num_blocks - 1  # block 0 is the null block
+    tokens = usable * block_size
+    return (f"# KV blocks: {usable} ({tokens} tokens; max concurrency {tokens / max_model_len:.1f}x at "
+            f"max_model_len {max_model_len})")

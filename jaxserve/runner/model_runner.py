@@ -1,4 +1,4 @@
-"""Owns everything on the devices: the weights, the KV cache and the compiled step."""
+"""Owns everything on the devices: the weights, the KV cache and the compiled step programs."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.loader.weights import TensorSource
 from jaxserve.parallel.sharding import make_mesh, named_sharding
-from jaxserve.runner.attention import reference_attention_fn
 from jaxserve.runner.kv_cache import KV_LOGICAL_AXES, allocate_kv_cache
-from jaxserve.runner.step import StepInputs, StepStatics, TraceCounter, make_step_fn
+from jaxserve.runner.paged_attention_xla import blockwise_attention_fn
+from jaxserve.runner.plan import PlanShape, empty_inputs
+from jaxserve.runner.sampler import SamplerFlags
+from jaxserve.runner.step import StepFunctions, StepInputs, StepStatics
 from jaxserve.runner.weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -35,21 +37,63 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, tensors: TensorSource, dtype: str, num_blocks: int, block_size: int,
+    def __init__(self, cfg: ModelConfig, tensors: TensorSource, dtype: str, block_size: int,
                  mesh_shape: tuple[int, int] = (1, 1)):
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
+        self.block_size = block_size
         self.mesh = make_mesh(*mesh_shape)
         self.graphdef, self.params = load_weights(cfg, tensors, self.dtype, self.mesh)
-        self.kv = allocate_kv_cache(cfg, num_blocks, block_size, self.dtype,
+        self.kv = None
+        attention = partial(blockwise_attention_fn, scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window)
+        self.fns = StepFunctions(self.graphdef, attention)
+
+    @property
+    def num_compiles(self) -> int:
+        return self.fns.traces.count
+
+    def allocate_cache(self, num_blocks: int) -> None:
+        self.kv = None  # free the old cache first
+        self.kv = allocate_kv_cache(self.cfg, num_blocks, self.block_size, self.dtype,
                                     named_sharding(self.mesh, KV_LOGICAL_AXES))
-        attention = partial(reference_attention_fn, scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window)
-        self.traces = TraceCounter()
-        self._step = make_step_fn(self.graphdef, attention, self.traces)
 
     def execute(self, inputs: StepInputs, statics: StepStatics) -> StepResult:
-        self.kv, out = self._step(self.params, self.kv, inputs, statics)
-        s = jax.device_get(out.sampled)
-        prompt = None if out.prompt is None else tuple(np.asarray(a) for a in jax.device_get(out.prompt))
-        logits = None if out.logits is None else np.asarray(out.logits)
+        f = self.fns
+        self.kv, hidden, rows = f.forward(self.params, self.kv, inputs.token_ids, inputs.meta, inputs.logits_indices)
+        sampled = f.sample_rows(self.params, rows, inputs.sampling, statics.sampler)
+        prompt = None
+        if statics.prompt_logprobs >= 0:
+            prompt = f.prompt_rows(self.params, hidden, inputs.prompt_targets, statics.prompt_logprobs)
+        logits = f.logits(self.params, rows) if statics.return_logits else None
+        s, prompt, logits = jax.device_get((sampled, prompt, logits))
         return StepResult(s.tokens, s.logprobs, s.ranks, s.top_ids, s.top_logprobs, prompt, logits)
+
+    def warmup(self, shape: PlanShape, progress=None) -> None:
+        """Compile every program a step can need: each (T, B) forward, each sampler variant per B, and prompt
+        logprobs per T. Padding inputs write only into the null block."""
+        b = shape.buckets
+        work = ([("forward", tb) for tb in b.forward_shapes()]
+                + [("sample", (n, flags)) for n in b.seqs for flags in SamplerFlags.all_variants(shape.max_logprobs)]
+                + [("prompt", t) for t in b.tokens])
+        for kind, key in work:
+            if kind == "forward":
+                T, B = key
+                x = empty_inputs(T, B, shape)
+                self.kv, _, _ = self.fns.forward(self.params, self.kv, x.token_ids, x.meta, x.logits_indices)
+            elif kind == "sample":
+                B, flags = key
+                x = empty_inputs(B, B, shape, penalties=flags.penalties)
+                rows = jnp.zeros((B, self.cfg.hidden_size), self.dtype)
+                jax.block_until_ready(self.fns.sample_rows(self.params, rows, x.sampling, flags))
+            else:
+                x = empty_inputs(key, 1, shape)
+                hidden = jnp.zeros((key, self.cfg.hidden_size), self.dtype)
+                jax.block_until_ready(self.fns.prompt_rows(self.params, hidden, x.prompt_targets, shape.max_logprobs))
+            if progress is not None:
+                progress.update(1)
+        jax.block_until_ready(self.kv)
+
+    @staticmethod
+    def warmup_size(shape: PlanShape) -> int:
+        b = shape.buckets
+        return len(b.forward_shapes()) + len(b.seqs) * len(SamplerFlags.all_variants(shape.max_logprobs)) + len(b.tokens)

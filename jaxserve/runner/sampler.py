@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 GREEDY_EPS = 1e-5
+BIAS_SLOTS = 320  # logit_bias entries (OpenAI allows 300) plus EOS/stop-token bans, per row; fixed to bound compiles
 
 
 @jax.tree_util.register_dataclass
@@ -24,9 +25,9 @@ class SamplingTensors:
     min_p: jax.Array  # [B] f32
     seeds: jax.Array  # [B] u32
     counters: jax.Array  # [B] i32, tokens generated so far by the row's sequence
-    bias_ids: jax.Array  # [B, W] i32, padded with V (dropped); logit_bias and min_tokens bans
+    bias_ids: jax.Array  # [B, BIAS_SLOTS] i32, padded with V (dropped); logit_bias and min_tokens bans
     bias_values: jax.Array  # [B, W] f32
-    history: jax.Array  # [B, P] i32 prompt+output ids for penalties, padded with V; P = 0 when unused
+    history: jax.Array  # [B, P] i32 prompt+output ids for penalties, padded with V; P = max_model_len, or 0 when unused
     history_is_output: jax.Array  # [B, P] bool
     presence: jax.Array  # [B] f32
     frequency: jax.Array  # [B] f32
@@ -39,7 +40,14 @@ class SamplerFlags:
 
     all_greedy: bool = True
     top_filter: bool = False
+    penalties: bool = False
     num_logprobs: int = 0
+
+    @classmethod
+    def all_variants(cls, max_logprobs: int) -> list["SamplerFlags"]:
+        """Every combination warm-up compiles (top_filter only matters when sampling)."""
+        modes = [(True, False), (False, False), (False, True)]
+        return [cls(greedy, top, pen, lp) for greedy, top in modes for pen in (False, True) for lp in (0, max_logprobs)]
 
 
 @jax.tree_util.register_dataclass
@@ -94,7 +102,7 @@ def _gumbel(t: SamplingTensors, vocab: int):
 def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> SamplerOutput:
     raw = jax.nn.log_softmax(logits, axis=-1)
     x = _apply_bias(logits, t)
-    if t.history.shape[1]:
+    if flags.penalties:
         x = _apply_penalties(x, t)
     tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
     if not flags.all_greedy:

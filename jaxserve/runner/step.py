@@ -1,8 +1,13 @@
-"""The one jitted step: embed -> layers over the paged cache -> logits at the sampled positions -> sample.
+"""The jitted step, in two programs that hand device arrays to each other (the host sees only token ids):
 
-The KV cache is donated, so its pages are updated in place. Shapes come padded to compile buckets
-(runner/buckets.py); each new shape or static choice is one trace, counted so tests can prove that nothing
-recompiles after warm-up.
+- `forward`: embed -> layers over the paged cache -> final norm; returns the hidden states of the rows that
+  sample. Donates the KV cache, so its pages are updated in place. Compiled per (tokens, sequences) bucket.
+- `sample_rows`: LM head on those rows -> penalties, filters, sampling, logprobs. Compiled per sequence
+  bucket and per static sampler choice.
+
+Keeping them apart makes the number of programs the sum, not the product, of the forward buckets and the
+sampler variants (about 30 + 50 instead of 30 x 12), which is what lets warm-up compile all of them.
+Each trace is counted, so tests can prove nothing compiles after warm-up.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import jax
 from flax import nnx
 
 from jaxserve.runner.attention import AttentionMetadata
-from jaxserve.runner.sampler import SamplerFlags, SamplerOutput, SamplingTensors, prompt_logprobs, sample
+from jaxserve.runner.sampler import SamplerFlags, SamplingTensors, prompt_logprobs, sample
 
 
 @jax.tree_util.register_dataclass
@@ -23,7 +28,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: jax.Array  # [B], the token whose logits row samples each sequence's next token
     sampling: SamplingTensors
-    prompt_targets: jax.Array  # [T] next prompt token of each token (for prompt_logprobs), or [0]
+    prompt_targets: jax.Array  # [T] next prompt token of each token (for prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -33,29 +38,34 @@ class StepStatics:
     return_logits: bool = False  # also return the sampled rows' logits (parity tests and debugging)
 
 
-@jax.tree_util.register_dataclass
-@dataclass
-class StepOutputs:
-    sampled: SamplerOutput
-    prompt: tuple | None  # (logprobs [T], ranks [T], top_ids [T, N], top_logprobs [T, N]) when asked
-    logits: jax.Array | None  # [B, V] when asked
-
-
 class TraceCounter:
     def __init__(self):
         self.count = 0
 
 
-def make_step_fn(graphdef, attention_fn, traces: TraceCounter):
-    def step(params, kv, inputs: StepInputs, statics: StepStatics):
-        traces.count += 1  # runs only while tracing, i.e. once per compiled shape
-        model = nnx.merge(graphdef, params)
-        hidden, kv = model(inputs.token_ids, kv, inputs.meta, attention_fn)
-        logits = model.logits(hidden[inputs.logits_indices])
-        sampled = sample(logits, inputs.sampling, statics.sampler)
-        prompt = None
-        if statics.prompt_logprobs >= 0:
-            prompt = prompt_logprobs(model.logits(hidden), inputs.prompt_targets, statics.prompt_logprobs)
-        return kv, StepOutputs(sampled, prompt, logits if statics.return_logits else None)
+class StepFunctions:
+    def __init__(self, graphdef, attention_fn):
+        self.traces = TraceCounter()
+        traces = self.traces
 
-    return jax.jit(step, static_argnames=("statics",), donate_argnames=("kv",))
+        def forward(params, kv, token_ids, meta, logits_indices):
+            traces.count += 1  # runs only while tracing, i.e. once per compiled shape
+            model = nnx.merge(graphdef, params)
+            hidden, kv = model(token_ids, kv, meta, attention_fn)
+            return kv, hidden, hidden[logits_indices]
+
+        def sample_rows(params, rows, sampling, flags):
+            traces.count += 1
+            return sample(nnx.merge(graphdef, params).logits(rows), sampling, flags)
+
+        def prompt_rows(params, hidden, targets, num):
+            traces.count += 1
+            return prompt_logprobs(nnx.merge(graphdef, params).logits(hidden), targets, num)
+
+        def logits(params, rows):
+            return nnx.merge(graphdef, params).logits(rows)
+
+        self.forward = jax.jit(forward, donate_argnames=("kv",))
+        self.sample_rows = jax.jit(sample_rows, static_argnames=("flags",))
+        self.prompt_rows = jax.jit(prompt_rows, static_argnames=("num",))
+        self.logits = jax.jit(logits)

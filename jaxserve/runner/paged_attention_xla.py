@@ -1,0 +1,52 @@
+"""Paged attention in plain XLA for the engine's CPU path: a loop over kv blocks with an online softmax.
+
+Unlike `paged_attention_reference` (which gathers every token's whole context at once), the loop runs only
+as many blocks as the longest context in this step needs (a dynamic trip count), so the block table can always
+be as wide as max_model_len allows without costing compute, and its width is not a compile bucket.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.runner.attention import AttentionMetadata, write_kv
+from jaxserve.runner.kv_cache import KVCache
+
+
+def blockwise_paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, scale: float,
+                              sliding_window: int | None = None) -> jax.Array:
+    T, H, d = q.shape
+    _, bs, K, _ = k_pages.shape
+    G = H // K
+    qg = q.reshape(T, K, G, d).astype(jnp.float32) * scale
+    rows = meta.block_tables[meta.token_seq]  # [T, MB]
+    num_blocks = jnp.max(meta.positions) // bs + 1  # blocks the longest context of this step spans
+
+    def body(j, carry):
+        m, l, acc = carry  # running max [T,K,G], normaliser [T,K,G], output [T,K,G,d]
+        k = k_pages[rows[:, j]].astype(jnp.float32)  # [T, bs, K, d]
+        v = v_pages[rows[:, j]].astype(jnp.float32)
+        s = jnp.einsum("TKGd,TSKd->TKGS", qg, k)
+        kv_pos = j * bs + jnp.arange(bs)
+        visible = kv_pos[None, :] <= meta.positions[:, None]
+        if sliding_window is not None:
+            visible &= kv_pos[None, :] > meta.positions[:, None] - sliding_window
+        s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.exp(s - m_new[..., None])  # fully masked blocks give exp(-inf) = 0
+        correction = jnp.exp(m - m_new)
+        l = l * correction + jnp.sum(p, axis=-1)
+        acc = acc * correction[..., None] + jnp.einsum("TKGS,TSKd->TKGd", p, v)
+        return m_new, l, acc
+
+    init = (jnp.full((T, K, G), -1e30, jnp.float32), jnp.zeros((T, K, G), jnp.float32),
+            jnp.zeros((T, K, G, d), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    return (acc / l[..., None]).reshape(T, H, d).astype(q.dtype)
+
+
+def blockwise_attention_fn(q, k, v, kv: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window):
+    kv = write_kv(kv, layer, k, v, meta.slot_mapping)
+    out = blockwise_paged_attention(q, kv.k[layer], kv.v[layer], meta, scale=scale, sliding_window=sliding_window)
+    return out, kv
