@@ -60,6 +60,11 @@ def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int
         value = getattr(params, field)
         if value is not None and value > config.max_logprobs:
             raise ValueError(f"{field}={value} exceeds the maximum of {config.max_logprobs}")
+    vocab = config.model.vocab_size
+    for field, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids or [])):
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{field} has token id {bad[0]}, outside the vocabulary (0..{vocab - 1})")
     bias_entries = len(params.logit_bias or {}) + len(params.stop_token_ids or []) + len(config.model.eos_token_ids)
     if bias_entries > BIAS_SLOTS:
         raise ValueError(f"logit_bias and stop_token_ids together have {bias_entries} entries; at most {BIAS_SLOTS} fit")

@@ -22,11 +22,12 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # first token position computed this step
     num_tokens: int
+    samples: bool = False  # the chunk reaches the sequence's last token, so the step samples its next one
 
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the sequence's last token, so the step samples its next one."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    @classmethod
+    def of(cls, seq: Sequence, num_tokens: int) -> "ScheduledChunk":
+        start = seq.num_computed_tokens
+        return cls(seq, start, num_tokens, samples=start + num_tokens == seq.num_tokens)
 
 
 @dataclass
@@ -78,7 +79,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+                out.chunks.append(ScheduledChunk.of(seq, n))
                 budget -= n
                 i += 1
         return budget
@@ -97,7 +98,7 @@ class Scheduler:
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            out.chunks.append(ScheduledChunk.of(seq, n))
             budget -= n
 
     def _preempt(self, seq: Sequence) -> None:

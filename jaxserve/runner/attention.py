@@ -28,15 +28,16 @@ def write_kv(kv: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, slot_map
     """Scatter this step's K/V [T, K, d] into their pages of `layer`, in place on the donated cache."""
     block_size = kv.block_size
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    # Index arrays split by a slice: numpy puts their [T] dim first, so the update is [T, K, d], like k.
     return KVCache(
-        kv.k.at[layer, blocks, offsets].set(k.astype(kv.k.dtype)),
-        kv.v.at[layer, blocks, offsets].set(v.astype(kv.v.dtype)),
+        kv.k.at[layer, :, blocks, offsets].set(k.astype(kv.k.dtype)),
+        kv.v.at[layer, :, blocks, offsets].set(v.astype(kv.v.dtype)),
     )
 
 
 def paged_attention_reference(
     q: jax.Array,  # [T, H, d]
-    k_pages: jax.Array,  # [NB, bs, K, d] one layer
+    k_pages: jax.Array,  # [K, NB, bs, d] one layer
     v_pages: jax.Array,
     meta: AttentionMetadata,
     *,
@@ -44,20 +45,20 @@ def paged_attention_reference(
     sliding_window: int | None = None,
 ) -> jax.Array:
     T, H, d = q.shape
-    _, bs, K, _ = k_pages.shape
+    K, _, bs, _ = k_pages.shape
     rows = meta.block_tables[meta.token_seq]  # [T, MB]
     S = rows.shape[1] * bs
-    k = k_pages[rows].reshape(T, S, K, d)
-    v = v_pages[rows].reshape(T, S, K, d)
+    k = k_pages[:, rows].reshape(K, T, S, d)
+    v = v_pages[:, rows].reshape(K, T, S, d)
     qg = q.reshape(T, K, H // K, d)
-    scores = jnp.einsum("TKGd,TSKd->TKGS", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.einsum("TKGd,KTSd->TKGS", qg, k, preferred_element_type=jnp.float32) * scale
     kv_pos = jnp.arange(S)[None, :]
     visible = kv_pos <= meta.positions[:, None]
     if sliding_window is not None:
         visible &= kv_pos > meta.positions[:, None] - sliding_window
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("TKGS,TSKd->TKGd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("TKGS,KTSd->TKGd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(T, H, d).astype(q.dtype)
 
 

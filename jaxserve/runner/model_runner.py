@@ -70,27 +70,22 @@ class ModelRunner:
 
     def warmup(self, shape: PlanShape, progress=None) -> None:
         """Compile every program a step can need: each (T, B) forward, each sampler variant per B, and prompt
-        logprobs per T. Padding inputs write only into the null block."""
-        b = shape.buckets
-        work = ([("forward", tb) for tb in b.forward_shapes()]
-                + [("sample", (n, flags)) for n in b.seqs for flags in SamplerFlags.all_variants(shape.max_logprobs)]
-                + [("prompt", t) for t in b.tokens])
-        for kind, key in work:
-            if kind == "forward":
-                T, B = key
-                x = empty_inputs(T, B, shape)
-                self.kv, _, _ = self.fns.forward(self.params, self.kv, x.token_ids, x.meta, x.logits_indices)
-            elif kind == "sample":
-                B, flags = key
-                x = empty_inputs(B, B, shape, penalties=flags.penalties)
-                rows = jnp.zeros((B, self.cfg.hidden_size), self.dtype)
-                jax.block_until_ready(self.fns.sample_rows(self.params, rows, x.sampling, flags))
-            else:
-                x = empty_inputs(key, 1, shape)
-                hidden = jnp.zeros((key, self.cfg.hidden_size), self.dtype)
+        logprobs per T. The sampler and prompt programs are fed the forward's own outputs, so they compile for
+        the same input shardings real steps have. Padding inputs write only into the null block."""
+        tick = progress.update if progress is not None else (lambda n: None)
+        variants = SamplerFlags.all_variants(shape.max_logprobs)
+        for T, B in shape.buckets.forward_shapes():
+            x = empty_inputs(T, B, shape)
+            self.kv, hidden, rows = self.fns.forward(self.params, self.kv, x.token_ids, x.meta, x.logits_indices)
+            tick(1)
+            if T == B:  # once per sequence bucket
+                for flags in variants:
+                    sampling = empty_inputs(T, B, shape, penalties=flags.penalties).sampling
+                    jax.block_until_ready(self.fns.sample_rows(self.params, rows, sampling, flags))
+                    tick(1)
+            if B == 1:  # once per token bucket
                 jax.block_until_ready(self.fns.prompt_rows(self.params, hidden, x.prompt_targets, shape.max_logprobs))
-            if progress is not None:
-                progress.update(1)
+                tick(1)
         jax.block_until_ready(self.kv)
 
     @staticmethod

@@ -17,7 +17,7 @@ from jaxserve.runner.kv_cache import KVCache
 def blockwise_paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, scale: float,
                               sliding_window: int | None = None) -> jax.Array:
     T, H, d = q.shape
-    _, bs, K, _ = k_pages.shape
+    K, _, bs, _ = k_pages.shape
     G = H // K
     qg = q.reshape(T, K, G, d).astype(jnp.float32) * scale
     rows = meta.block_tables[meta.token_seq]  # [T, MB]
@@ -25,9 +25,9 @@ def blockwise_paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, s
 
     def body(j, carry):
         m, l, acc = carry  # running max [T,K,G], normaliser [T,K,G], output [T,K,G,d]
-        k = k_pages[rows[:, j]].astype(jnp.float32)  # [T, bs, K, d]
-        v = v_pages[rows[:, j]].astype(jnp.float32)
-        s = jnp.einsum("TKGd,TSKd->TKGS", qg, k)
+        k = k_pages[:, rows[:, j]].astype(jnp.float32)  # [K, T, bs, d]
+        v = v_pages[:, rows[:, j]].astype(jnp.float32)
+        s = jnp.einsum("TKGd,KTSd->TKGS", qg, k)
         kv_pos = j * bs + jnp.arange(bs)
         visible = kv_pos[None, :] <= meta.positions[:, None]
         if sliding_window is not None:
@@ -37,7 +37,7 @@ def blockwise_paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, s
         p = jnp.exp(s - m_new[..., None])  # fully masked blocks give exp(-inf) = 0
         correction = jnp.exp(m - m_new)
         l = l * correction + jnp.sum(p, axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("TKGS,TSKd->TKGd", p, v)
+        acc = acc * correction[..., None] + jnp.einsum("TKGS,KTSd->TKGd", p, v)
         return m_new, l, acc
 
     init = (jnp.full((T, K, G), -1e30, jnp.float32), jnp.zeros((T, K, G), jnp.float32),

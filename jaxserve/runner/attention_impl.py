@@ -1,0 +1,39 @@
+"""Choosing the attention implementation: `Engine(attention_impl=...)`."""
+
+from __future__ import annotations
+
+from jax.sharding import Mesh
+
+from jaxserve.config import ModelConfig
+
+ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas-interpret")
+KERNEL_PLATFORMS = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+
+
+def make_attention_fn(impl: str, platform: str, cfg: ModelConfig, mesh: Mesh | None = None):
+    """-> fn(q, k, v, kv, layer, meta, *, scale, sliding_window) -> (out, kv), like reference_attention_fn.
+
+    "reference": paged attention in plain XLA (the CPU path); "pallas": the Pallas kernel compiled for this
+    platform's GPU or TPU; "pallas-interpret": the same kernel run by Pallas's interpreter (any platform; slow,
+    for tests); "auto": "pallas" on GPU/TPU, "reference" elsewhere.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl={impl!r} is not one of {', '.join(map(repr, ATTENTION_IMPLS))}")
+    backend = KERNEL_PLATFORMS.get(platform)
+    if impl == "auto":
+        impl = "pallas" if backend else "reference"
+    if impl == "reference":
+        from jaxserve.runner.paged_attention_xla import blockwise_attention_fn
+
+        return blockwise_attention_fn
+    if impl == "pallas" and backend is None:
+        raise ValueError(f"attention_impl='pallas' needs a GPU or TPU, but the platform is {platform!r}; use "
+                         "'pallas-interpret' to run the kernels' interpreter here, or 'reference'")
+    if backend == "gpu":
+        from pallas_kernels.gpu_pages import check_gpu_tiles
+
+        check_gpu_tiles(16, cfg.head_dim)  # fail at start-up, not inside the first compile
+    from jaxserve.runner.pallas_attention import pallas_attention_fn
+
+    # The interpreter runs the TPU kernel on a TPU and the (faster to interpret) GPU kernel anywhere else.
+    return pallas_attention_fn(backend or "gpu", interpret=impl == "pallas-interpret", mesh=mesh)

@@ -1,0 +1,68 @@
+"""The Pallas ragged paged-attention kernel behind the engine's attention interface.
+
+The step's per-token metadata (AttentionMetadata) becomes the kernel's per-sequence description
+(q_start, q_lens, kv_lens); on a mesh with tensor parallelism the kernel runs under `shard_map` over heads, each
+device attending with its own q heads and its own kv heads' slice of the cache.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxserve.parallel.sharding import mesh_axes, partition_spec
+from jaxserve.runner.attention import AttentionMetadata, write_kv
+from jaxserve.runner.kv_cache import KVCache
+from pallas_kernels.ragged_attention import RAGGED_KERNELS
+
+# The cache's logical axes inside a map over heads: only kv heads are split (layers stay whole there).
+CACHE_HEAD_AXES = (None, "kv_heads", None, None, "head_dim")
+
+
+def ragged_metadata(meta: AttentionMetadata, block_size: int):
+    """(q_start, q_lens, kv_lens), each [B], from the per-token metadata.
+
+    Padding tokens are the ones that write into the null block (slot < block_size); they belong to no sequence.
+    A sequence's tokens are contiguous in T and in position order, so its first token, its token count and its
+    last position + 1 describe it. Rows with no token (batch padding) get zeros.
+    """
+    T, B = meta.positions.shape[0], meta.block_tables.shape[0]
+    real = meta.slot_mapping >= block_size
+    seg = jnp.where(real, meta.token_seq, B)  # padding goes to an extra segment, dropped below
+    q_lens = jax.ops.segment_sum(real.astype(jnp.int32), seg, num_segments=B + 1)[:B]
+    q_start = jax.ops.segment_min(jnp.arange(T, dtype=jnp.int32), seg, num_segments=B + 1)[:B]
+    kv_lens = jax.ops.segment_max(meta.positions + 1, seg, num_segments=B + 1)[:B]
+    has = q_lens > 0
+    return jnp.where(has, q_start, 0), q_lens, jnp.where(has, kv_lens, 0).astype(jnp.int32)
+
+
+def _attend(q, k, v, kv: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window, backend, interpret):
+    kv = write_kv(kv, layer, k, v, meta.slot_mapping)
+    q_start, q_lens, kv_lens = ragged_metadata(meta, kv.block_size)
+    out = RAGGED_KERNELS[backend](q, kv.k, kv.v, meta.block_tables, q_start, q_lens, kv_lens, layer=layer,
+                                  scale=scale, sliding_window=sliding_window, interpret=interpret)
+    return out, kv
+
+
+def pallas_attention_fn(backend: str, interpret: bool, mesh: Mesh | None):
+    """An attention fn with reference_attention_fn's signature, running the `backend` ("gpu"/"tpu") kernel."""
+    attend = partial(_attend, backend=backend, interpret=interpret)
+    if mesh is None or mesh.size == 1:
+        return attend
+
+    # Compiled kernels need only the head axis manual; the interpreters' callbacks need every mesh axis manual.
+    axes = frozenset(mesh.axis_names) if interpret else mesh_axes(CACHE_HEAD_AXES)
+
+    def sharded(q, k, v, kv, layer, meta, *, scale, sliding_window):
+        heads, kv_heads = partition_spec((None, "q_heads", None)), partition_spec((None, "kv_heads", None))
+        cache = KVCache(partition_spec(CACHE_HEAD_AXES), partition_spec(CACHE_HEAD_AXES))
+        everywhere = partition_spec(())
+        body = partial(attend, scale=scale, sliding_window=sliding_window)
+        # check_vma=False: pallas_call has no replication rule; the kernel is purely per-device anyway.
+        return jax.shard_map(body, mesh=mesh, in_specs=(heads, kv_heads, kv_heads, cache, everywhere, everywhere),
+                             out_specs=(heads, cache), axis_names=axes, check_vma=False)(q, k, v, kv, layer, meta)
+
+    return sharded

@@ -1,0 +1,83 @@
+"""The scheduler under load, end to end on a tiny model: preemption, prefix caching, compile buckets, capacity."""
+
+import logging
+import random
+import re
+
+import pytest
+
+from jaxserve import Engine, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    return str(tiny_checkpoint("llama", tie_word_embeddings=False, max_position_embeddings=2048))
+
+
+def test_preemption_under_memory_pressure_loses_nothing(tiny):
+    prompts = [[(7 * i + j) % 5000 + 10 for j in range(8 + i % 8)] for i in range(64)]
+    roomy = Engine(tiny, num_kv_blocks=512, max_num_seqs=64, max_num_batched_tokens=128, warmup=False)
+    expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, GREEDY, use_tqdm=False)]
+    # Each request needs at most 2 blocks of 16 tokens (<= 15 prompt + 20 output): 16 blocks hold 8 at a time.
+    tight = Engine(tiny, num_kv_blocks=17, max_num_seqs=64, max_num_batched_tokens=128, warmup=False)
+    outs = tight.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = tight.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["free_blocks"] == stats["total_blocks"] == 16
+    assert max(len(r.chunks) for r in tight.step_records) <= 16  # never more running than blocks allow
+
+
+def test_shared_prefix_is_computed_once(tiny):
+    rng = random.Random(0)
+    prefix = [rng.randrange(10, 40000) for _ in range(1000)]
+    a, b = prefix + [11, 12, 13], prefix + [21, 22]
+    engine = Engine(tiny, num_kv_blocks=256, max_num_batched_tokens=512, warmup=False)
+    engine.generate([a], GREEDY, use_tqdm=False)
+    hits_before = engine.stats()["prefix_cache_hits"]
+    out_b = engine.generate([b], GREEDY, use_tqdm=False)[0]
+    assert engine.stats()["prefix_cache_hits"] - hits_before == 992  # 62 full blocks of the shared prefix
+    assert out_b.num_cached_tokens == 992
+    first_chunk = next(c for r in engine.step_records for c in r.chunks if c[0] == out_b.request_id)
+    assert first_chunk[1:] == (992, len(b) - 992), "the second request computes only its new tokens"
+    uncached = Engine(tiny, num_kv_blocks=256, max_num_batched_tokens=512, enable_prefix_caching=False, warmup=False)
+    assert uncached.generate([b], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == out_b.outputs[0].token_ids
+
+
+def random_params(rng: random.Random) -> SamplingParams:
+    kind = rng.choice(["greedy", "sample", "top", "logprobs", "penalties", "prompt_logprobs", "bias"])
+    p = dict(max_tokens=rng.randint(1, 24), ignore_eos=True, seed=rng.randint(0, 99))
+    p |= {"greedy": dict(temperature=0), "sample": dict(temperature=0.8), "top": dict(top_p=0.8, top_k=20),
+          "logprobs": dict(logprobs=5), "penalties": dict(repetition_penalty=1.2, presence_penalty=0.5),
+          "prompt_logprobs": dict(prompt_logprobs=2), "bias": dict(logit_bias={5: 3.0}, min_tokens=1)}[kind]
+    return SamplingParams(**p)
+
+
+def test_no_compiles_after_warmup_for_200_random_requests(tiny, caplog):
+    with caplog.at_level(logging.INFO, logger="jaxserve"):
+        engine = Engine(tiny, max_model_len=512, num_kv_blocks=128, max_num_seqs=16, max_num_batched_tokens=128,
+                        recompile_guard="error")
+    # The capacity line is logged as vLLM users know it, and agrees with stats().
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("# KV blocks:"))
+    blocks, tokens, concurrency, max_len = re.match(
+        r"# KV blocks: (\d+) \((\d+) tokens; max concurrency ([\d.]+)x at max_model_len (\d+)\)", line).groups()
+    stats = engine.stats()
+    assert int(blocks) == stats["total_blocks"] == 127 and int(tokens) == 127 * 16 and int(max_len) == 512
+    assert float(concurrency) == pytest.approx(127 * 16 / 512, abs=0.05)
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(10, 40000) for _ in range(rng.randint(1, 300))] for _ in range(200)]
+    params = [random_params(rng) for _ in prompts]
+    outs = engine.generate(prompts, params, use_tqdm=False)  # recompile_guard="error" raises on any compile
+    assert all(o.finished for o in outs)
+    assert engine.stats()["compiles_after_warmup"] == 0
+    assert engine.stats()["free_blocks"] == engine.stats()["total_blocks"]
+
+
+def test_kv_capacity_defaults_from_memory(tiny):
+    engine = Engine(tiny, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, warmup=False)
+    stats = engine.stats()
+    assert stats["total_blocks"] > 1000  # a share of host memory, far more than this tiny model needs
+    assert engine.config.cache.num_blocks == stats["total_blocks"] + 1
