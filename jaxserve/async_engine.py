@@ -1,0 +1,295 @@
+"""AsyncEngine: the synchronous Engine stepped by one background thread, driven from asyncio.
+
+Why a thread: `Engine.step()` blocks for the length of a device step, but jax releases the GIL while the device
+computes, so the event loop keeps serving HTTP meanwhile. The two sides never share engine state:
+
+  asyncio side                         loop thread (owns the Engine)
+  add_request() --(commands queue)-->  add_prepared_request / abort_request, then step()
+  RequestStream <--call_soon_threadsafe-- outputs of requests that progressed
+
+Tokenisation and validation (`Engine.prepare_request`, thread-safe, no device work) happen on the caller's side
+so that a bad request fails before anything is queued or streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from jaxserve.outputs import RequestOutput
+from jaxserve.request_stream import END_OF_STREAM, RequestStream
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+
+
+class QueueFull(Exception):
+    """Too many requests are waiting for their first token; the caller should retry later."""
+
+    def __init__(self, num_waiting: int, limit: int):
+        super().__init__(
+            f"The server is overloaded: {num_waiting} requests are already waiting (limit {limit}); retry later"
+        )
+        self.num_waiting = num_waiting
+        self.limit = limit
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (a step failed, or the engine shut down); no request can be served."""
+
+
+class EngineShuttingDown(EngineDeadError):
+    """The engine was asked to stop: in-flight requests are aborted, new ones refused."""
+
+
+# Commands from the asyncio side to the loop thread.
+_ADD, _ABORT, _STOP = "add", "abort", "stop"
+
+
+class AsyncEngine:
+    """Serve an `Engine` to asyncio code. The engine must not be used by anyone else while this runs."""
+
+    def __init__(self, engine, *, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS):
+        if max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._commands: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()  # guards the counters and id set below, shared by both sides
+        self._active_ids: set[str] = set()
+        self._num_waiting = 0
+        self._streams: dict[str, RequestStream] = {}  # owned by the loop thread
+        self._error: BaseException | None = None
+        self._stopped = False
+        self._loop_exited = False  # set under the lock; afterwards nothing more is queued
+        self._stats = self._collect_stats()
+        self._thread = threading.Thread(target=self._run_loop, name="jaxserve-engine-loop", daemon=True)
+        self._thread.start()
+
+    # --- what the server may know about the engine ------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.engine.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._error is None and not self._stopped and self._thread.is_alive()
+
+    def stats(self) -> dict:
+        """The engine's counters as of its last step, plus requests admitted but not yet producing output."""
+        with self._lock:
+            return {**self._stats, "num_waiting_for_first_output": self._num_waiting}
+
+    # --- requests ---------------------------------------------------------------------------------------------
+    async def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+    ) -> RequestStream:
+        """Validate and queue a request; its outputs arrive on the returned stream.
+
+        Raises ValueError for a bad request, QueueFull when too many are waiting, EngineDeadError when the engine
+        loop has stopped: all before anything is queued.
+        """
+        self._raise_if_dead()
+        self._admit(request_id)
+        try:
+            request = await asyncio.to_thread(
+                self.engine.prepare_request, request_id, prompt, params, priority=priority
+            )
+            stream = RequestStream(request_id, self._stream_done)
+            self._submit((_ADD, request, stream))
+        except BaseException:
+            self._release_admission(request_id)
+            raise
+        return stream
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs until the request finishes; stopping early aborts the request."""
+        stream = await self.add_request(prompt, params, request_id, priority=priority)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    async def abort(self, request_id: str) -> None:
+        self._submit_abort(request_id)
+
+    def stop(self) -> None:
+        """Begin shutting down, without waiting: in-flight requests are aborted, their streams end with
+        EngineShuttingDown, and new requests are refused."""
+        self._stopped = True
+        self._submit((_STOP,))
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """`stop()`, then wait for the loop thread to finish."""
+        self.stop()
+        self._thread.join(timeout)
+
+    # --- admission bookkeeping (both sides) -------------------------------------------------------------------
+    def _admit(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._active_ids:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            if self._num_waiting >= self.max_waiting_requests:
+                raise QueueFull(self._num_waiting, self.max_waiting_requests)
+            self._active_ids.add(request_id)
+            self._num_waiting += 1
+
+    def _release_admission(self, request_id: str) -> None:
+        with self._lock:
+            self._active_ids.discard(request_id)
+            self._num_waiting -= 1
+
+    def _stream_done(self, request_id: str, still_running: bool) -> None:
+        with self._lock:
+            self._active_ids.discard(request_id)
+        if still_running:
+            self._submit_abort(request_id)
+
+    def _mark_started(self, stream: RequestStream) -> None:
+        with self._lock:
+            if stream.waiting_for_first_output:
+                stream.waiting_for_first_output = False
+                self._num_waiting -= 1
+
+    def _submit_abort(self, request_id: str) -> None:
+        self._submit((_ABORT, request_id))
+
+    def _submit(self, command: tuple) -> None:
+        """Queue a command for the loop thread; adds are refused once the loop has exited."""
+        with self._lock:
+            if not self._loop_exited:
+                self._commands.put(command)
+                return
+        if command[0] == _ADD:
+            self._raise_if_dead()
+            raise EngineShuttingDown("the engine loop has stopped")
+
+    def _raise_if_dead(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine stopped after a failed step: {self._error!r}")
+        if self._stopped:
+            raise EngineShuttingDown("the server is shutting down")
+
+    # --- the loop thread --------------------------------------------------------------------------------------
+    def _run_loop(self) -> None:
+        try:
+            self._step_until_stopped()
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the engine in an unknown state
+            self._die(exc)
+        finally:
+            self._close_command_queue()
+
+    def _step_until_stopped(self) -> None:
+        while True:
+            idle = not self.engine.has_unfinished_requests()
+            if not self._apply_commands(block=idle):
+                return
+            if self.engine.has_unfinished_requests():
+                outputs = self.engine.step()
+                self._publish_stats()  # before delivery: a client that sees its answer sees these stats too
+                self._deliver(outputs)
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued adds and aborts (waiting for one if `block`). Returns False once asked to stop."""
+        try:
+            command = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if command[0] == _STOP:
+                self._end_all_streams(EngineShuttingDown("the server is shutting down"), abort=True)
+                return False
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                self._publish_stats()
+                return True
+
+    def _apply(self, command: tuple) -> None:
+        if command[0] == _ADD:
+            _, request, stream = command
+            try:
+                self.engine.add_prepared_request(request)
+            except Exception as exc:  # noqa: BLE001 - a rejected request fails alone, the engine is fine
+                self._mark_started(stream)
+                stream.push(exc)
+                return
+            self._streams[stream.request_id] = stream
+        elif command[0] == _ABORT:
+            stream = self._streams.pop(command[1], None)
+            if stream is not None:
+                self.engine.abort_request(command[1])
+                self._mark_started(stream)
+                stream.push(END_OF_STREAM)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:  # aborted while this step ran
+                continue
+            self._mark_started(stream)
+            if output.finished:
+                del self._streams[output.request_id]
+            stream.push(output)  # Engine.step builds fresh outputs: nothing is shared with the loop thread
+
+    def _die(self, exc: Exception) -> None:
+        logger.error("engine step failed; marking the engine unhealthy and failing in-flight requests",
+                     exc_info=exc)
+        self._error = exc
+        self._end_all_streams(EngineDeadError(f"the engine failed while running this request: {exc!r}"),
+                              abort=False)
+
+    def _close_command_queue(self) -> None:
+        # Requests queued while the loop was exiting would otherwise wait forever: fail them.
+        with self._lock:
+            self._loop_exited = True
+        error = EngineShuttingDown("the server is shutting down") if self._error is None else (
+            EngineDeadError(f"the engine stopped after a failed step: {self._error!r}"))
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == _ADD:
+                self._mark_started(command[2])
+                command[2].push(error)
+
+    def _end_all_streams(self, error: Exception, abort: bool) -> None:
+        for request_id, stream in list(self._streams.items()):
+            if abort:
+                try:
+                    self.engine.abort_request(request_id)
+                except Exception:  # noqa: BLE001 - shutting down anyway; freeing blocks is best effort
+                    logger.exception("could not abort request %s during shutdown", request_id)
+            self._mark_started(stream)
+            stream.push(error)
+        self._streams.clear()
+
+    def _publish_stats(self) -> None:
+        stats = self._collect_stats()
+        with self._lock:
+            self._stats = stats
+
+    def _collect_stats(self) -> dict:
+        return dict(self.engine.stats())
+

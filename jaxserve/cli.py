@@ -1,0 +1,221 @@
+"""The `jaxserve` command: `serve` (OpenAI-compatible HTTP server) and `generate` (one-shot completion).
+
+Subcommands live in `SUBCOMMANDS`; a new one (e.g. `batch`) adds an entry there. jax is imported only when a
+command needs the engine, so `--help` and option errors answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from jaxserve.cli_args import (
+    OneLineErrorParser,
+    UserError,
+    fail,
+    mesh_shape,
+    parse_with_config,
+    port_number,
+    positive_int,
+)
+
+logger = logging.getLogger("jaxserve")
+
+DEFAULT_MODEL_NOTE = "default: SmolLM2-135M-Instruct"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int | None]
+
+
+# --- options shared by every command that builds an engine ------------------------------------------------
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                        help=f"model id, directory or .gguf file ({DEFAULT_MODEL_NOTE})")
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument("--mesh", type=mesh_shape, metavar="TPxPP",
+                          help="device mesh: tensor-parallel x pipeline-parallel devices, e.g. 8x2")
+    parallel.add_argument("-tp", "--tensor-parallel-size", type=positive_int, metavar="N",
+                          help="tensor-parallel devices (instead of --mesh)")
+    parallel.add_argument("-pp", "--pipeline-parallel-size", type=positive_int, metavar="M",
+                          help="pipeline stages (instead of --mesh)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="weights and activations (auto: float32 on CPU, bfloat16 on GPU/TPU)")
+    engine.add_argument("--max-model-len", type=positive_int, metavar="N", help="context length (prompt + output)")
+    engine.add_argument("--max-num-seqs", type=positive_int, default=64, metavar="N",
+                        help="most sequences in one step")
+    engine.add_argument("--max-num-batched-tokens", type=positive_int, default=512, metavar="N",
+                        help="most tokens in one step (prefill chunks are cut to fit)")
+    engine.add_argument("--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block")
+    engine.add_argument("--num-kv-blocks", type=positive_int, metavar="N",
+                        help="KV cache blocks (default: sized from free device memory)")
+    engine.add_argument("--max-logprobs", type=int, default=20, metavar="N",
+                        help="largest logprobs / top_logprobs a request may ask for")
+    engine.add_argument("--seed", type=int, default=0, help="seed of requests that set none")
+    parser.add_argument("--config", metavar="FILE.yaml", help="read any of these options from a YAML file")
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+
+
+def mesh_from_args(args: argparse.Namespace) -> str | None:
+    """The mesh as "TPxPP" (or None for one device) from --mesh or -tp/-pp."""
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    if args.mesh is not None:
+        if tp is not None or pp is not None:
+            raise UserError("give the mesh either as --mesh TPxPP or as -tp/-pp, not both")
+        return args.mesh
+    if tp is None and pp is None:
+        return None
+    return f"{tp or 1}x{pp or 1}"
+
+
+def check_model_path(model: str | None) -> None:
+    """Fail fast (before jax starts) on a model that is plainly a local path and is missing."""
+    if model is None:
+        return
+    looks_local = model.startswith(("/", "./", "../", "~")) or model.endswith(".gguf")
+    if looks_local and not os.path.exists(os.path.expanduser(model)):
+        raise UserError(f"model file {model} does not exist; pass an existing directory or .gguf file, "
+                        f"or omit MODEL for the {DEFAULT_MODEL_NOTE.removeprefix('default: ')} default")
+
+
+def build_engine(args: argparse.Namespace):
+    """The Engine the options describe; its user-facing errors (bad mesh, missing file...) become UserError."""
+    mesh = mesh_from_args(args)
+    check_model_path(args.model)
+    from jaxserve.engine import Engine  # imports jax: only now that it is needed
+
+    try:
+        return Engine(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
+                      num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, mesh=mesh,
+                      max_logprobs=args.max_logprobs)
+    except (ValueError, OSError) as exc:  # the engine words these for people (DESIGN.md convention 9)
+        raise UserError(str(exc)) from None
+
+
+# --- serve --------------------------------------------------------------------------------------------------
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    server.add_argument("--port", type=port_number, default=8000, help="0 picks a free port")
+    server.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    server.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                        help="name(s) clients use for the model (default: MODEL as given)")
+    server.add_argument("--max-waiting-requests", type=positive_int, default=1024, metavar="N",
+                        help="requests waiting for their first token before new ones get 503")
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """Bind before loading the model, so a busy port is reported in a second rather than after compiling."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port or --host") from None
+    return sock
+
+
+def log_startup(engine, mesh: str | None, names: list[str], url: str) -> None:
+    stats = engine.stats()
+    block_size = engine.config.cache.block_size
+    logger.info("model %s served as %s; max_model_len %d", engine.model_name, ", ".join(names),
+                engine.max_model_len)
+    logger.info("mesh %s; dtype %s", mesh or "1x1 (one device)", engine.config.dtype)
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens", stats["total_blocks"], block_size,
+                stats["total_blocks"] * block_size)
+    logger.info("listening on %s (OpenAI API at %s/v1)", url, url)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.server.app import build_app
+    from jaxserve.server.uvicorn_server import DrainingServer
+
+    sock = listen_socket(args.host, args.port)
+    engine = build_engine(args)
+    names = args.served_model_name or [engine.model_name]
+    async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
+    app = build_app(async_engine, served_model_names=names, api_key=args.api_key)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    log_startup(engine, mesh_from_args(args), names, f"http://{host}:{sock.getsockname()[1]}")
+    try:
+        DrainingServer(app, async_engine, log_level=args.log_level).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; the shutdown itself went fine
+        pass
+    return 0
+
+
+# --- generate -----------------------------------------------------------------------------------------------
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    sampling = parser.add_argument_group("generation")
+    sampling.add_argument("--prompt", help="the text to complete (required)")
+    sampling.add_argument("--max-tokens", type=positive_int, default=64, metavar="N")
+    sampling.add_argument("--temperature", type=float, default=0.0,
+                          help="0 (the default) is greedy, so runs repeat exactly")
+    sampling.add_argument("--chat", action="store_true",
+                          help="send the prompt as a user message through the chat template")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from jaxserve.sampling_params import SamplingParams
+
+    if args.prompt is None:
+        raise UserError("generate needs --prompt TEXT (or `prompt:` in the config file)")
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    engine = build_engine(args)
+    prompt = engine.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    try:
+        output = engine.generate([prompt], params, use_tqdm=False)[0]
+    except ValueError as exc:  # e.g. the prompt is longer than the context
+        raise UserError(str(exc)) from None
+    print(output.outputs[0].text)
+    return 0
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "serve": Subcommand("run the OpenAI-compatible HTTP server", add_serve_arguments, run_serve),
+    "generate": Subcommand("complete one prompt and print the text", add_generate_arguments, run_generate),
+}
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = OneLineErrorParser(prog="jaxserve", description="A JAX/XLA LLM inference engine.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     parser_class=OneLineErrorParser)
+    subparsers = {}
+    for name, command in SUBCOMMANDS.items():
+        subparsers[name] = commands.add_parser(name, help=command.help, description=command.help)
+        command.add_arguments(subparsers[name])
+    return parser, subparsers
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, subparsers = build_parser()
+    try:
+        args = parse_with_config(parser, subparsers, sys.argv[1:] if argv is None else argv)
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return SUBCOMMANDS[args.command].run(args) or 0
+    except UserError as exc:
+        fail(str(exc))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Argument parsing for the `jaxserve` CLI: one-line errors, option types, and YAML config files.
+
+Every option of a subcommand can also come from `--config FILE.yaml` (keys are option names, with dashes or
+underscores); the command line wins over the file, the file over the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import yaml
+
+
+class UserError(Exception):
+    """A mistake the user can fix; printed as one line, exit status 2, no traceback."""
+
+
+def fail(message: str) -> NoReturn:
+    print(f"jaxserve: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a bad option is one line pointing at --help instead of the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(f"{message}; see '{self.prog} --help'")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number from 0 to 65535, got {value}")
+    return value
+
+
+def mesh_shape(text: str) -> str:
+    if not re.fullmatch(r"[1-9]\d*x[1-9]\d*", text):
+        raise argparse.ArgumentTypeError(
+            f"expected TPxPP such as 8x2 (tensor-parallel x pipeline-parallel devices), got {text!r}")
+    return text
+
+
+# --- config files -------------------------------------------------------------------------------------------
+def read_config_file(path: str) -> dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"config file {path} does not exist; check the --config path")
+    try:
+        content = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        problem = getattr(exc, "problem", None) or "cannot be parsed"
+        raise UserError(f"config file {path} is not valid YAML{line}: {problem}; fix the file") from None
+    if content is None:
+        return {}
+    if not isinstance(content, dict):
+        raise UserError(f"config file {path} must be a mapping of option names to values, "
+                        f"not a {type(content).__name__}")
+    return {str(key).replace("-", "_"): value for key, value in content.items()}
+
+
+def _config_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {action.dest: action for action in parser._actions
+            if action.dest not in ("help", "config", argparse.SUPPRESS)}
+
+
+def _coerce(action: argparse.Action, key: str, value: Any, path: str) -> Any:
+    """A YAML value checked and converted exactly as the same value on the command line would be."""
+    if action.nargs == 0:  # a flag such as --enable-something
+        if not isinstance(value, bool):
+            raise UserError(f"{key} in config file {path} must be true or false, got {value!r}")
+        return value
+    if action.nargs in ("+", "*"):
+        return [_coerce_one(action, key, item, path) for item in (value if isinstance(value, list) else [value])]
+    return _coerce_one(action, key, value, path)
+
+
+def _coerce_one(action: argparse.Action, key: str, value: Any, path: str) -> Any:
+    if value is None or isinstance(value, (dict, list)):
+        raise UserError(f"{key} in config file {path} must be a single value, got {value!r}")
+    converted = value
+    if action.type is not None:
+        try:
+            converted = action.type(str(value))
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            raise UserError(f"{key} in config file {path}: {exc}") from None
+    if action.choices is not None and converted not in action.choices:
+        choices = ", ".join(map(str, action.choices))
+        raise UserError(f"{key} in config file {path} must be one of {choices}, got {value!r}")
+    return converted
+
+
+def apply_config_file(parser: argparse.ArgumentParser, path: str) -> None:
+    """Make the file's values the parser's defaults, so that the command line still overrides them."""
+    actions = _config_actions(parser)
+    values = read_config_file(path)
+    unknown = sorted(set(values) - set(actions))
+    if unknown:
+        known = ", ".join(sorted(actions))
+        raise UserError(f"unknown key {unknown[0]!r} in config file {path}; valid keys are: {known}")
+    parser.set_defaults(**{key: _coerce(actions[key], key, value, path) for key, value in values.items()})
+
+
+def parse_with_config(parser: argparse.ArgumentParser, subparsers: dict[str, argparse.ArgumentParser],
+                      argv: list[str]) -> argparse.Namespace:
+    """Parse once to find the subcommand and --config, then again with the file's values as defaults."""
+    args = parser.parse_args(argv)
+    config = getattr(args, "config", None)
+    if config is None:
+        return args
+    apply_config_file(subparsers[args.command], config)
+    return parser.parse_args(argv)

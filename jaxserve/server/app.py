@@ -1,0 +1,158 @@
+"""The OpenAI-compatible HTTP app (Starlette): routes, API-key check, error handlers, lifespan.
+
+`build_app(async_engine, ...)` is all a caller needs; the app talks to the model only through the AsyncEngine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import jaxserve
+from jaxserve.async_engine import AsyncEngine, EngineDeadError, QueueFull
+from jaxserve.server.chat import create_chat_completion
+from jaxserve.server.chat_protocol import ChatMessageParam
+from jaxserve.server.completions import create_completion
+from jaxserve.server.errors import (
+    APIError,
+    bad_request,
+    handle_api_error,
+    handle_http_exception,
+    invalid_api_key,
+    parse_json,
+)
+from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from jaxserve.server.request_bodies import parse_request
+from jaxserve.server.serving import ServerState
+
+# Only the OpenAI routes need a key; health, metrics and tokenisation stay open, as in vLLM.
+PROTECTED_PREFIX = "/v1/"
+
+
+class APIKeyMiddleware:
+    """Pure ASGI (not BaseHTTPMiddleware, which breaks streaming disconnects): check `Authorization: Bearer`."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self._needs_key(scope) and not self._authorised(Headers(scope=scope)):
+            await invalid_api_key().response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _needs_key(self, scope) -> bool:
+        return (self.expected is not None and scope["type"] == "http" and scope["method"] != "OPTIONS"
+                and scope["path"].startswith(PROTECTED_PREFIX))
+
+    def _authorised(self, headers: Headers) -> bool:
+        given = headers.get("authorization", "").encode()
+        # Constant time, so the key cannot be guessed byte by byte from response timings.
+        return hmac.compare_digest(given, self.expected)
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def list_models(request: Request) -> JSONResponse:
+    state = _state(request)
+    cards = [ModelCard(id=name, root=state.engine.model_name, max_model_len=state.engine.max_model_len)
+             for name in state.served_model_names]
+    return JSONResponse(ModelList(data=cards).model_dump())
+
+
+async def tokenize(request: Request) -> JSONResponse:
+    state = _state(request)
+    body = parse_request(TokenizeRequest, await parse_json(request))
+    state.resolve_model(body.model)
+    tokenizer = state.engine.tokenizer
+    if body.messages is not None:
+        # Through the same message schema as chat completions, so both count the same tokens.
+        messages = [ChatMessageParam.model_validate(message).to_template_dict() for message in body.messages]
+        tokens = await asyncio.to_thread(state.engine.encode_chat, messages, body.add_generation_prompt)
+    elif body.prompt is not None:
+        tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+        raise bad_request("Pass either `prompt` or `messages`", param="prompt")
+    token_strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    response = TokenizeResponse(count=len(tokens), max_model_len=state.engine.max_model_len, tokens=tokens,
+                                token_strs=token_strs)
+    return JSONResponse(response.model_dump(exclude_none=True))
+
+
+async def detokenize(request: Request) -> JSONResponse:
+    state = _state(request)
+    body = parse_request(DetokenizeRequest, await parse_json(request))
+    state.resolve_model(body.model)
+    vocab_size = len(state.engine.tokenizer)
+    outside = [token for token in body.tokens if not 0 <= token < vocab_size]
+    if outside:
+        raise bad_request(f"token id {outside[0]} is outside the vocabulary (0..{vocab_size - 1})", param="tokens")
+    return JSONResponse(DetokenizeResponse(prompt=state.decode(body.tokens)).model_dump())
+
+
+async def health(request: Request) -> Response:
+    if _state(request).engine.is_healthy:
+        return Response(status_code=200)
+    return APIError(503, "The engine is not running; see the server log for the cause", "server_error",
+                    code="engine_dead").response()
+
+
+async def version(request: Request) -> JSONResponse:
+    return JSONResponse({"version": jaxserve.__version__})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+ROUTES = [
+    Route("/v1/completions", create_completion, methods=["POST"]),
+    Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/version", version, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+]
+
+
+def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = None,
+              api_key: str | None = None, shutdown_engine: bool = True) -> Starlette:
+    """The HTTP app over `async_engine`; it serves the model under `served_model_names` (default: its name)."""
+    names = list(served_model_names or [async_engine.model_name])
+    state = ServerState(async_engine, names, ServerMetrics(async_engine, names[0]), api_key)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        if shutdown_engine:
+            await asyncio.to_thread(async_engine.shutdown)
+
+    handlers = {error: handle_api_error for error in (APIError, ValueError, QueueFull, EngineDeadError, Exception)}
+    handlers[HTTPException] = handle_http_exception
+    app = Starlette(routes=ROUTES, exception_handlers=handlers, lifespan=lifespan,
+                    middleware=[Middleware(APIKeyMiddleware, api_key=api_key)])
+    app.state.server = state
+    return app

@@ -1,0 +1,121 @@
+"""Chat completion schemas (pydantic), as the OpenAI chat API and vLLM define them."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.protocol import OpenAIModel, SamplingFields, UsageInfo
+
+# OpenAI's cap on top_logprobs for chat.
+MAX_TOP_LOGPROBS = 20
+
+
+class ChatMessageParam(BaseModel):
+    """One input message. Extra keys (name, tool_calls, ...) are kept and handed to the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content):
+        if isinstance(content, list):
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
+        return content
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it: content flattened to one string."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(part["text"] for part in self.content)
+        elif self.content is None:
+            message["content"] = ""
+        return message
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise ValueError("top_logprobs needs logprobs set to true")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling_params(max_tokens=max_tokens,
+                                     logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [message.to_template_dict() for message in self.messages]
+
+
+class ChatLogProb(OpenAIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogProbsContent(ChatLogProb):
+    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
+
+
+class ChatLogProbs(OpenAIModel):
+    content: list[ChatLogProbsContent] | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(OpenAIModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(OpenAIModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None

@@ -1,0 +1,104 @@
+"""POST /v1/completions: text (or token-id) prompts in, completions out, whole or streamed."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.request_stream import RequestStream
+from jaxserve.server.errors import parse_json
+from jaxserve.server.protocol import CompletionChoice, CompletionRequest, CompletionStreamResponse, UsageInfo
+from jaxserve.server.request_bodies import completion_inputs, parse_request
+from jaxserve.server.response_bodies import (
+    CompletionRendering,
+    completion_token_count,
+    concat_logprobs,
+    prompt_token_count,
+)
+from jaxserve.server.serving import ServerState, close_all, collect_final_outputs, observed, start_requests
+from jaxserve.server.streaming import EventStreamResponse, cancel_on_disconnect, sse_events
+
+
+@dataclass
+class CompletionJob(CompletionRendering):
+    """One validated completion request and the engine requests serving it (one per prompt)."""
+
+    state: ServerState
+    arrival_time: float
+    streams: list[RequestStream]
+
+
+async def create_completion(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    body = parse_request(CompletionRequest, await parse_json(request))
+    model = state.resolve_model(body.model)
+    prompts, params = completion_inputs(body)
+    arrival_time = time.monotonic()
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    streams = await start_requests(state, prompts, params, request_id, body.priority)
+    job = CompletionJob(body, model, request_id, state.engine.tokenizer, state, arrival_time, streams)
+    if body.stream:
+        return EventStreamResponse(sse_events(_stream_chunks(job)), on_close=lambda: close_all(streams))
+    completed, finals = await cancel_on_disconnect(
+        request, collect_final_outputs(state, streams, arrival_time))
+    if not completed:
+        return Response(status_code=499)  # the client left; nobody reads this
+    return JSONResponse(job.full_response(finals).model_dump())
+
+
+@dataclass
+class _ChoiceProgress:
+    """What has been streamed of one choice so far."""
+
+    chars_sent: int = 0
+    tokens_sent: int = 0
+    echo_chars: int = 0  # length of the echoed prompt, where text offsets of generated tokens start
+    finished: bool = False
+
+
+async def _stream_chunks(job: CompletionJob) -> AsyncIterator[CompletionStreamResponse]:
+    progress: dict[int, _ChoiceProgress] = {}
+    last_outputs: dict[int, RequestOutput] = {}
+    async with aclosing(observed(job.state, job.streams, job.arrival_time)) as outputs:
+        async for prompt_index, output in outputs:
+            last_outputs[prompt_index] = output
+            for completion in output.outputs:
+                choice = _delta_choice(job, prompt_index, output, completion, progress)
+                if choice is not None:
+                    yield CompletionStreamResponse(id=job.request_id, model=job.model, choices=[choice])
+    if job.request.include_usage_chunk:
+        finals = list(last_outputs.values())
+        usage = UsageInfo.of(prompt_token_count(finals), completion_token_count(finals))
+        yield CompletionStreamResponse(id=job.request_id, model=job.model, choices=[], usage=usage)
+
+
+def _delta_choice(job: CompletionJob, prompt_index: int, output: RequestOutput, completion: CompletionOutput,
+                  progress: dict[int, _ChoiceProgress]) -> CompletionChoice | None:
+    """The new part of one choice since the last chunk, or None when there is nothing new to say."""
+    index = job.choice_index(prompt_index, completion)
+    first_chunk = index not in progress
+    sent = progress.setdefault(index, _ChoiceProgress())
+    if sent.finished:
+        return None
+    text = completion.text[sent.chars_sent:]
+    new_tokens = len(completion.token_ids) - sent.tokens_sent
+    if not text and new_tokens <= 0 and not completion.finished:
+        return None
+    prefix = job.prompt_text(output) if first_chunk and job.request.echo else ""
+    sent.echo_chars += len(prefix)
+    logprobs = None
+    if job.request.logprobs is not None:
+        logprobs = job.generated_logprobs(completion, sent.tokens_sent, sent.echo_chars + sent.chars_sent)
+        if prefix:
+            logprobs = concat_logprobs(job.prompt_logprobs(output), logprobs)
+    sent.chars_sent, sent.tokens_sent = len(completion.text), len(completion.token_ids)
+    sent.finished = completion.finished
+    return CompletionChoice(index=index, text=prefix + text, logprobs=logprobs,
+                            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)

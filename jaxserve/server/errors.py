@@ -1,0 +1,107 @@
+"""OpenAI-style error bodies, `{"error": {"message", "type", "param", "code"}}`, and the status of each failure."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pydantic
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from jaxserve.async_engine import EngineDeadError, EngineShuttingDown, QueueFull
+from jaxserve.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+# Seconds a client is told to wait before retrying when the queue is full.
+RETRY_AFTER_SECONDS = 1
+
+
+class APIError(Exception):
+    """A failure with its HTTP status and OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | int | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param=param, code="invalid_value" if param else None)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist.", "invalid_request_error", param="model",
+                    code="model_not_found")
+
+
+def invalid_api_key() -> APIError:
+    return APIError(401, "Incorrect or missing API key: pass it as 'Authorization: Bearer <key>'.",
+                    "invalid_request_error", code="invalid_api_key")
+
+
+def from_validation_error(exc: pydantic.ValidationError) -> APIError:
+    """A 400 naming the first offending field (never FastAPI's 422)."""
+    first = exc.errors()[0]
+    param = ".".join(str(part) for part in first["loc"]) or None
+    # Our own validators raise ValueError("field must ..."): that sentence already names the field.
+    detail = first["msg"].removeprefix("Value error, ")
+    message = detail if first["type"] == "value_error" or not param else f"{param}: {detail}"
+    if len(exc.errors()) > 1:
+        message += f" (and {len(exc.errors()) - 1} more problems)"
+    return bad_request(message, param=param)
+
+
+def from_exception(exc: Exception) -> APIError:
+    """Map a failure raised while serving a request to what the client should see."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, pydantic.ValidationError):
+        return from_validation_error(exc)
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc))
+    if isinstance(exc, QueueFull):
+        return APIError(503, str(exc), "server_error", code="queue_full",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(exc, EngineShuttingDown):
+        return APIError(503, str(exc), "server_error", code="shutting_down")
+    if isinstance(exc, EngineDeadError):
+        return APIError(500, str(exc), "server_error", code="engine_dead")
+    logger.exception("unexpected error while serving a request", exc_info=exc)
+    return APIError(500, f"Internal server error: {exc!r}", "server_error")
+
+
+async def parse_json(request: Request) -> dict:
+    """The request body as a JSON object, or a 400 that says what is wrong with it."""
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object")
+    return body
+
+
+async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:
+    return from_exception(exc).response()
+
+
+async def handle_http_exception(request: Request, exc: HTTPException) -> JSONResponse:
+    # Unknown routes and wrong methods answer in the same shape as every other error.
+    error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", error_type,
+                    headers=exc.headers).response()

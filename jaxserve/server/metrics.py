@@ -1,0 +1,108 @@
+"""Prometheus metrics (prometheus_client, in a registry of our own), named as vLLM names them.
+
+Latencies and token counts are observed as outputs reach the server; engine gauges (running and waiting
+requests, KV cache usage, preemptions) are read from `AsyncEngine.stats()` at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxserve.outputs import RequestOutput
+
+PREFIX = "jaxserve:"
+# Seconds; chosen to resolve both fast GPU steps and slow CPU ones.
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                   40.0, 80.0, 160.0)
+
+
+class EngineStatsCollector:
+    """Turns the engine's counters into gauges and counters on every scrape."""
+
+    def __init__(self, async_engine, model_name: str):
+        self.async_engine = async_engine
+        self.model_name = model_name
+
+    def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(PREFIX + name, documentation, labels=["model_name"])
+        family.add_metric([self.model_name], value)
+        return family
+
+    def _counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(PREFIX + name, documentation, labels=["model_name"])
+        family.add_metric([self.model_name], value)
+        return family
+
+    def collect(self):
+        stats = self.async_engine.stats()
+        total, free = stats.get("total_blocks", 0), stats.get("free_blocks", 0)
+        yield self._gauge("num_requests_running", "Requests in the running batch.", stats.get("num_running", 0))
+        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.get("num_waiting", 0))
+        yield self._gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
+                          (total - free) / total if total else 0.0)
+        yield self._gauge("kv_cache_total_blocks", "KV cache blocks available to requests.", total)
+        yield self._gauge("kv_cache_free_blocks", "KV cache blocks not held by any request.", free)
+        yield self._gauge("engine_healthy", "1 while the engine loop runs, 0 after it failed.",
+                          1.0 if self.async_engine.is_healthy else 0.0)
+        yield self._counter("num_preemptions", "Requests preempted for lack of KV blocks.",
+                            stats.get("num_preemptions", 0))
+        yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                            stats.get("prefix_cache_queries", 0))
+        yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                            stats.get("prefix_cache_hits", 0))
+
+
+class ServerMetrics:
+    def __init__(self, async_engine, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", labels,
+                                     registry=self.registry)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", labels,
+                                         registry=self.registry)
+        self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                                       labels + ["finished_reason"], registry=self.registry)
+        self.time_to_first_token = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
+                                             labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.inter_token_latency = Histogram(PREFIX + "inter_token_latency_seconds",
+                                             "Time between successive outputs of a request.", labels,
+                                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e_latency = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token.", labels,
+                                     buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(EngineStatsCollector(async_engine, model_name))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def observe(self, outputs: AsyncIterator[RequestOutput], arrival_time: float
+                      ) -> AsyncIterator[RequestOutput]:
+        """Pass outputs through, recording token counts and latencies of this request."""
+        label = self.model_name
+        tokens_seen = 0
+        last_time = None
+        finished = False
+        try:
+            async for output in outputs:
+                now = time.monotonic()
+                tokens = sum(len(completion.token_ids) for completion in output.outputs)
+                if last_time is None:
+                    self.prompt_tokens.labels(label).inc(len(output.prompt_token_ids))
+                    self.time_to_first_token.labels(label).observe(now - arrival_time)
+                elif tokens > tokens_seen:
+                    self.inter_token_latency.labels(label).observe(now - last_time)
+                self.generation_tokens.labels(label).inc(tokens - tokens_seen)
+                tokens_seen, last_time = tokens, now
+                if output.finished:
+                    finished = True
+                    self.e2e_latency.labels(label).observe(now - arrival_time)
+                    reason = output.outputs[0].finish_reason if output.outputs else None
+                    self.request_success.labels(label, reason or "abort").inc()
+                yield output
+        finally:
+            if not finished:  # the client left, or the engine failed: vLLM counts these as aborts too
+                self.request_success.labels(label, "abort").inc()

@@ -1,0 +1,216 @@
+"""Request and response schemas of the OpenAI-compatible API (pydantic), as OpenAI and vLLM clients send them.
+
+Unknown request fields are ignored, as vLLM does, so clients written for newer API versions still work.
+Chat schemas live in `chat_protocol.py`; this file holds the shared pieces, completions, tokenize and models.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from jaxserve.sampling_params import SamplingParams
+
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# --- errors -------------------------------------------------------------------------------------------------
+class ErrorInfo(OpenAIModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(OpenAIModel):
+    error: ErrorInfo
+
+
+# --- shared -------------------------------------------------------------------------------------------------
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class UsageInfo(OpenAIModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class SamplingFields(OpenAIModel):
+    """Sampling fields common to completions and chat (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    priority: int = 0
+
+    @property
+    def include_usage_chunk(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(self, **specific: Any) -> SamplingParams:
+        """Build SamplingParams; invalid values raise ValueError naming the field."""
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            **specific,
+        )
+
+
+# --- completions --------------------------------------------------------------------------------------------
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+class CompletionRequest(SamplingFields):
+    # Checked by hand: pydantic's report on a four-way union failure is four confusing errors.
+    prompt: Any
+    max_tokens: int | None = 16  # OpenAI's legacy default; None means up to the context length
+    best_of: int | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _known_prompt_shape(cls, prompt: Any) -> Any:
+        if isinstance(prompt, str) or _is_token_ids(prompt):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+            if any(not p for p in prompt):
+                raise ValueError("prompt must not contain empty prompts")
+            return prompt
+        raise ValueError(f"prompt must be {PROMPT_SHAPES}")
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        # Echoing the prompt with logprobs needs the prompt's logprobs too.
+        prompt_logprobs = self.logprobs if self.echo else None
+        return self._sampling_params(max_tokens=self.max_tokens, best_of=self.best_of, logprobs=self.logprobs,
+                                     prompt_logprobs=prompt_logprobs)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of single prompts (text or token ids)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or _is_token_ids(prompt):
+            return [prompt]
+        return list(prompt)
+
+
+class CompletionLogProbs(OpenAIModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionStreamResponse(CompletionResponse):
+    """One SSE chunk: choices carry text deltas; the optional last chunk has no choices and the usage."""
+
+
+# --- models, tokenize, detokenize ---------------------------------------------------------------------------
+class ModelCard(OpenAIModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "jaxserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(OpenAIModel):
+    """Either `prompt` (text) or `messages` (a chat, through the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(OpenAIModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIModel):
+    prompt: str

@@ -1,0 +1,58 @@
+"""Request body -> (prompts, SamplingParams), per endpoint: shared by the HTTP server and `jaxserve batch`.
+
+One copy of this step is what makes a batch line answer exactly as the HTTP API would. Failures are APIErrors
+carrying the status and OpenAI error body the HTTP API sends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pydantic
+
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.chat_protocol import ChatCompletionRequest
+from jaxserve.server.errors import bad_request, from_validation_error, model_not_found
+from jaxserve.server.protocol import CompletionRequest
+
+Prompt = str | list[int]
+ChatEncoder = Callable[[list[dict], bool], list[int]]
+
+
+def parse_request(schema: type[pydantic.BaseModel], body: dict):
+    try:
+        return schema.model_validate(body)
+    except pydantic.ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def build_sampling_params(body) -> SamplingParams:
+    """The request's SamplingParams; a 400 naming the field when a value is out of range."""
+    try:
+        return body.to_sampling_params()
+    except ValueError as exc:
+        field_name = str(exc).split(" ", 1)[0]
+        raise bad_request(str(exc), param=field_name if field_name in type(body).model_fields else None) from None
+
+
+def resolve_model_name(requested: str | None, served_model_names: list[str]) -> str:
+    """The name to answer with; a 404 for a model that is not served."""
+    if requested is None or requested == "":
+        return served_model_names[0]
+    if requested not in served_model_names:
+        raise model_not_found(requested)
+    return requested
+
+
+def completion_inputs(body: CompletionRequest) -> tuple[list[Prompt], SamplingParams]:
+    """POST /v1/completions: one engine prompt per entry of `prompt`, all with the same params."""
+    return body.prompts(), build_sampling_params(body)
+
+
+def chat_inputs(body: ChatCompletionRequest, encode_chat: ChatEncoder) -> tuple[list[Prompt], SamplingParams]:
+    """POST /v1/chat/completions: the messages rendered through the chat template into one token-id prompt.
+
+    The params come first so that a bad value is reported before the (slower) template rendering.
+    """
+    params = build_sampling_params(body)
+    return [encode_chat(body.template_messages(), body.add_generation_prompt)], params

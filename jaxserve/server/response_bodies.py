@@ -1,0 +1,120 @@
+"""Finished RequestOutputs -> response body, per endpoint: shared by the HTTP server and `jaxserve batch`.
+
+`CompletionRendering` and `ChatRendering` hold what a body is built from (the parsed request, the model name to
+answer with, the response id, the tokenizer for token texts); the server's streaming jobs extend them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.server.chat_protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProbs,
+    ChatMessage,
+)
+from jaxserve.server.logprobs import chat_logprobs, completion_logprobs
+from jaxserve.server.protocol import (
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+
+
+def completion_token_count(outputs: list[RequestOutput]) -> int:
+    return sum(len(completion.token_ids) for output in outputs for completion in output.outputs)
+
+
+def prompt_token_count(outputs: list[RequestOutput]) -> int:
+    return sum(len(output.prompt_token_ids) for output in outputs)
+
+
+@dataclass
+class CompletionRendering:
+    """How one /v1/completions request's outputs turn into choices (whole, or as stream deltas)."""
+
+    request: CompletionRequest
+    model: str
+    request_id: str
+    tokenizer: Any
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def choice_index(self, prompt_index: int, completion: CompletionOutput) -> int:
+        return prompt_index * self.request.n + completion.index
+
+    def prompt_text(self, output: RequestOutput) -> str:
+        return output.prompt if output.prompt is not None else self.tokenizer.decode(output.prompt_token_ids)
+
+    def prompt_logprobs(self, output: RequestOutput) -> CompletionLogProbs:
+        positions = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+        return completion_logprobs(output.prompt_token_ids, positions, self.request.logprobs, self.decode_token)
+
+    def generated_logprobs(self, completion: CompletionOutput, first_token: int, text_offset: int
+                           ) -> CompletionLogProbs:
+        return completion_logprobs(completion.token_ids[first_token:], (completion.logprobs or [])[first_token:],
+                                   self.request.logprobs, self.decode_token, text_offset)
+
+    def full_response(self, finals: list[RequestOutput]) -> CompletionResponse:
+        """The whole (non-streamed) response, from each prompt's final output in prompt order."""
+        choices = [self._full_choice(prompt_index, output, completion)
+                   for prompt_index, output in enumerate(finals) for completion in output.outputs]
+        choices.sort(key=lambda choice: choice.index)
+        usage = UsageInfo.of(prompt_token_count(finals), completion_token_count(finals))
+        return CompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=usage)
+
+    def _full_choice(self, prompt_index: int, output: RequestOutput, completion: CompletionOutput
+                     ) -> CompletionChoice:
+        prefix = self.prompt_text(output) if self.request.echo else ""
+        logprobs = None
+        if self.request.logprobs is not None:
+            logprobs = self.generated_logprobs(completion, 0, len(prefix))
+            if self.request.echo:
+                logprobs = concat_logprobs(self.prompt_logprobs(output), logprobs)
+        return CompletionChoice(index=self.choice_index(prompt_index, completion), text=prefix + completion.text,
+                                logprobs=logprobs, finish_reason=completion.finish_reason,
+                                stop_reason=completion.stop_reason)
+
+
+def concat_logprobs(first: CompletionLogProbs, second: CompletionLogProbs) -> CompletionLogProbs:
+    return CompletionLogProbs(text_offset=first.text_offset + second.text_offset,
+                              token_logprobs=first.token_logprobs + second.token_logprobs,
+                              tokens=first.tokens + second.tokens,
+                              top_logprobs=first.top_logprobs + second.top_logprobs)
+
+
+@dataclass
+class ChatRendering:
+    """How one /v1/chat/completions request's output turns into choices (whole, or as stream deltas)."""
+
+    request: ChatCompletionRequest
+    model: str
+    request_id: str
+    tokenizer: Any
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def logprobs(self, completion: CompletionOutput, first_token: int = 0) -> ChatLogProbs | None:
+        if not self.request.logprobs:
+            return None
+        return chat_logprobs(completion.token_ids[first_token:], (completion.logprobs or [])[first_token:],
+                             self.request.top_logprobs or 0, self.decode_token)
+
+    def full_response(self, output: RequestOutput) -> ChatCompletionResponse:
+        """The whole (non-streamed) response from the request's final output."""
+        choices = [
+            ChatChoice(index=completion.index, message=ChatMessage(content=completion.text),
+                       logprobs=self.logprobs(completion), finish_reason=completion.finish_reason,
+                       stop_reason=completion.stop_reason)
+            for completion in sorted(output.outputs, key=lambda c: c.index)
+        ]
+        usage = UsageInfo.of(len(output.prompt_token_ids), completion_token_count([output]))
+        return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=usage)

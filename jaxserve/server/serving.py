@@ -1,0 +1,76 @@
+"""What the completion and chat handlers share: server state, starting requests, collecting their outputs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.outputs import RequestOutput
+from jaxserve.request_stream import RequestStream
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.errors import APIError
+from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.request_bodies import resolve_model_name
+from jaxserve.server.streaming import merge_streams
+
+
+@dataclass
+class ServerState:
+    """Everything a route needs; the server reaches the model only through `engine`."""
+
+    engine: AsyncEngine
+    served_model_names: list[str]
+    metrics: ServerMetrics
+    api_key: str | None = None
+    started_at: float = field(default_factory=time.time)
+
+    def resolve_model(self, requested: str | None) -> str:
+        """The name to answer with; a 404 for a model this server does not serve."""
+        return resolve_model_name(requested, self.served_model_names)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(token_ids)
+
+
+async def start_requests(state: ServerState, prompts: list[str | list[int]], params: SamplingParams,
+                         request_id: str, priority: int) -> list[RequestStream]:
+    """Queue one engine request per prompt; if any is refused, abort those already queued and re-raise."""
+    streams: list[RequestStream] = []
+    try:
+        for index, prompt in enumerate(prompts):
+            sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+            streams.append(await state.engine.add_request(prompt, params.clone(), sub_id, priority=priority))
+    except BaseException:
+        close_all(streams)
+        raise
+    return streams
+
+
+def close_all(streams: list[RequestStream]) -> None:
+    """Abort whichever of the streams has not finished (a no-op for finished ones)."""
+    for stream in streams:
+        stream.close()
+
+
+def observed(state: ServerState, streams: list[RequestStream], arrival_time: float
+             ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of all streams as they arrive, tagged with the prompt index, with metrics recorded."""
+    return merge_streams([state.metrics.observe(stream, arrival_time) for stream in streams])
+
+
+async def collect_final_outputs(state: ServerState, streams: list[RequestStream], arrival_time: float
+                                ) -> list[RequestOutput]:
+    """Wait for every request to finish; returns each one's final output, in prompt order."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        async with aclosing(observed(state, streams, arrival_time)) as outputs:
+            async for index, output in outputs:
+                finals[index] = output
+    finally:
+        close_all(streams)
+    if any(output is None or not output.finished for output in finals):
+        raise APIError(500, "The request was aborted before it finished", "server_error", code="aborted")
+    return finals

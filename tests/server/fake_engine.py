@@ -1,0 +1,171 @@
+"""A deterministic stand-in for `jaxserve.engine.Engine`, with the same surface and a real tokenizer.
+
+It makes the server and AsyncEngine testable in milliseconds: no model, no compilation. Each generated token is
+taken from a fixed script, so texts are predictable; seeds and output indices shift where in the script a
+sequence starts, so "same seed, same text" and "n distinct samples" hold as with a real sampler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+SCRIPT_TEXT = " one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen"
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    offsets: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+class FakeEngine:
+    def __init__(self, tokenizer, *, max_model_len=256, total_blocks=64, block_size=16, max_logprobs=20,
+                 step_delay=0.002):
+        self.tokenizer = tokenizer
+        self.model_name = "fake-model"
+        self.config = SimpleNamespace(cache=SimpleNamespace(block_size=block_size), dtype="float32")
+        self.max_model_len = max_model_len
+        self.total_blocks = total_blocks
+        self.block_size = block_size
+        self.max_logprobs = max_logprobs
+        self.step_delay = step_delay
+        self.fail_next_step = False  # tests set this to simulate a device failure
+        self.step_started = threading.Event()  # set on every step, so tests can wait for progress
+        self._script = tokenizer.encode(SCRIPT_TEXT)
+        self._running: dict[str, FakeRequest] = {}
+        self.aborted: list[str] = []
+
+    def prepare_request(self, request_id, prompt, params, *, priority=0):
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids, prompt = list(prompt), None
+            bad = [t for t in token_ids if not 0 <= t < len(self.tokenizer)]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {len(self.tokenizer)})")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
+        if len(token_ids) + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(token_ids)} tokens and max_tokens is {max_tokens}: lower max_tokens or shorten the prompt"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{name}={value} is above the maximum of {self.max_logprobs}")
+        return FakeRequest(request_id, prompt, token_ids, params, self._start_offsets(params))
+
+    def _start_offsets(self, params):
+        if params.greedy:
+            return [0] * params.n
+        rng = random.Random(params.seed)
+        return [rng.randrange(len(self._script)) for _ in range(params.n)]
+
+    def add_prepared_request(self, request):
+        request.outputs = [CompletionOutput(index=i, text="", token_ids=[],
+                                            logprobs=[] if request.params.logprobs is not None else None)
+                           for i in range(request.params.n)]
+        self._running[request.request_id] = request
+
+    def add_request(self, request_id, prompt, params, *, priority=0):
+        self.add_prepared_request(self.prepare_request(request_id, prompt, params, priority=priority))
+
+    def abort_request(self, request_id):
+        if self._running.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self):
+        return bool(self._running)
+
+    def step(self):
+        self.step_started.set()
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("simulated device failure")
+        time.sleep(self.step_delay)
+        results = [self._advance(request) for request in list(self._running.values())]
+        for result in results:
+            if result.finished:
+                del self._running[result.request_id]
+        return results
+
+    def _advance(self, request):
+        for output in request.outputs:
+            if not output.finished:
+                self._append_token(request, output)
+        finished = all(o.finished for o in request.outputs)
+        # Fresh objects each step, as the real engine returns: callers may read them from another thread.
+        outputs = [dataclasses.replace(o, token_ids=list(o.token_ids),
+                                       logprobs=None if o.logprobs is None else list(o.logprobs))
+                   for o in request.outputs]
+        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), outputs,
+                             finished=finished, prompt_logprobs=self._prompt_logprobs(request))
+
+    def _append_token(self, request, output):
+        params = request.params
+        position = request.offsets[output.index] + len(output.token_ids)
+        token = self._script[position % len(self._script)]
+        output.token_ids.append(token)
+        if output.logprobs is not None:
+            output.logprobs.append(self._position_logprobs(token, params.logprobs))
+        output.text = self.tokenizer.decode(output.token_ids)
+        for stop in params.stop:
+            if stop in output.text:
+                cut = output.text.index(stop) + (len(stop) if params.include_stop_str_in_output else 0)
+                output.text, output.finish_reason, output.stop_reason = output.text[:cut], "stop", stop
+                return
+        if len(output.token_ids) >= (params.max_tokens or self.max_model_len - len(request.prompt_token_ids)):
+            output.finish_reason = "length"
+
+    def _position_logprobs(self, token, top_n):
+        entries = {token: Logprob(-0.25, 1, self.tokenizer.decode([token]))}
+        for rank in range(2, top_n + 2):
+            alternative = (token + rank) % len(self.tokenizer)
+            entries.setdefault(alternative, Logprob(-float(rank), rank, self.tokenizer.decode([alternative])))
+        return entries
+
+    def _prompt_logprobs(self, request):
+        if request.params.prompt_logprobs is None:
+            return None
+        n = request.params.prompt_logprobs
+        return [None] + [self._position_logprobs(t, n) for t in request.prompt_token_ids[1:]]
+
+    def generate(self, prompts, params=None, use_tqdm=True):
+        params = params or SamplingParams()
+        for index, prompt in enumerate(prompts):
+            self.add_request(f"generate-{index}", prompt, params)
+        finals = {}
+        while self.has_unfinished_requests():
+            finals.update({output.request_id: output for output in self.step() if output.finished})
+        return [finals[f"generate-{index}"] for index in range(len(prompts))]
+
+    def encode_chat(self, messages, add_generation_prompt=True):
+        for message in messages:
+            if not isinstance(message.get("content"), str):
+                raise ValueError("message content must be a string")
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                       tokenize=True, return_dict=True)["input_ids"])
+
+    def stats(self):
+        used = sum(
+            math.ceil((len(r.prompt_token_ids) + max(len(o.token_ids) for o in r.outputs)) / self.block_size)
+            for r in self._running.values()
+        )
+        return {"total_blocks": self.total_blocks, "free_blocks": self.total_blocks - used,
+                "num_running": len(self._running), "num_waiting": 0, "num_preemptions": 0,
+                "prefix_cache_queries": 0, "prefix_cache_hits": 0, "compiles_after_warmup": 0}

@@ -1,0 +1,267 @@
+"""The HTTP layer over the fake engine: formats, errors, streaming, disconnects. Milliseconds per test."""
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.server.app import build_app
+from jaxserve.server.uvicorn_server import DrainingServer
+from tests.server.fake_engine import FakeEngine
+from tests.server.helpers import API_KEY, serve_in_thread
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer):
+    fake = FakeEngine(tokenizer)
+    engine = AsyncEngine(fake, max_waiting_requests=64)
+    with serve_in_thread(build_app(engine, served_model_names=["fake", "alias"], api_key=API_KEY)) as url:
+        yield url, fake, engine
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key=API_KEY, max_retries=0)
+
+
+def post(server, path, body, headers=AUTH):
+    content = body if isinstance(body, str) else json.dumps(body)
+    return httpx.post(server[0] + path, content=content, headers=headers, timeout=30)
+
+
+def sse_payloads(response):
+    lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def assert_error(response, status, error_type="invalid_request_error", param=None, contains=""):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == error_type and contains in error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+def test_completion_with_the_sdk(client, tokenizer):
+    result = client.completions.create(model="fake", prompt="Hello there", max_tokens=5, temperature=0)
+    choice = result.choices[0]
+    assert choice.text == " one two three four five" and choice.finish_reason == "length"
+    assert result.usage.prompt_tokens == len(tokenizer.encode("Hello there"))
+    assert result.usage.completion_tokens == 5 and result.usage.total_tokens == result.usage.prompt_tokens + 5
+    assert result.model == "fake"
+
+
+def test_chat_with_the_sdk_streamed_equals_whole(client):
+    messages = [{"role": "user", "content": "Hi"}]
+    whole = client.chat.completions.create(model="alias", messages=messages, max_tokens=6, temperature=0)
+    chunks = list(client.chat.completions.create(model="alias", messages=messages, max_tokens=6, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_multiple_prompts_and_n_give_indexed_choices(client):
+    result = client.completions.create(model="fake", prompt=["a", [19556, 905]], n=2, max_tokens=3, seed=1)
+    assert [c.index for c in result.choices] == [0, 1, 2, 3]
+    assert result.choices[0].text != result.choices[1].text
+    assert result.usage.completion_tokens == 12
+
+
+def test_streaming_multiple_prompts_with_usage_chunk(server):
+    body = {"prompt": ["a", "b c"], "max_tokens": 3, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server[0] + "/v1/completions", json=body, headers=AUTH) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        payloads = sse_payloads(response)
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 6
+    texts = {0: "", 1: ""}
+    for payload in payloads[:-1]:
+        for choice in payload["choices"]:
+            texts[choice["index"]] += choice["text"]
+    assert texts == {0: " one two three", 1: " one two three"}
+
+
+def test_echo_with_logprobs(client, tokenizer):
+    result = client.completions.create(model="fake", prompt="Hello there", max_tokens=2, echo=True, logprobs=2,
+                                       temperature=0)
+    choice = result.choices[0]
+    prompt_len = len(tokenizer.encode("Hello there"))
+    assert choice.text == "Hello there one two"
+    lp = choice.logprobs
+    assert len(lp.tokens) == prompt_len + 2 and "".join(lp.tokens) == choice.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+
+
+def test_chat_logprobs(client):
+    result = client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = result.choices[0].logprobs.content
+    assert "".join(entry.token for entry in content) == result.choices[0].message.content
+    assert all(len(entry.top_logprobs) == 2 and entry.bytes == list(entry.token.encode()) for entry in content)
+
+
+def test_stop_string(client):
+    result = client.completions.create(model="fake", prompt="x", max_tokens=10, temperature=0, stop=[" four"])
+    assert result.choices[0].text == " one two three" and result.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("body, param, contains", [
+    ("{not json", None, "not valid JSON"),
+    ("[1, 2]", None, "JSON object"),
+    ({"prompt": 3}, "prompt", "prompt must be a string"),
+    ({"prompt": "x", "max_tokens": "many"}, "max_tokens", "integer"),
+    ({"prompt": "x", "temperature": -1}, "temperature", "temperature must be >= 0"),
+    ({"prompt": "x", "n": 0}, "n", "n must be >= 1"),
+    ({"prompt": "x", "max_tokens": 1000}, None, "1000"),
+    ({"prompt": "x", "logprobs": 21}, None, "logprobs"),
+])
+def test_validation_errors_are_400(server, body, param, contains):
+    error = assert_error(post(server, "/v1/completions", body), 400, param=param, contains=contains)
+    if body == {"prompt": "x", "max_tokens": 1000}:
+        assert "256" in error["message"]  # names both the context length and max_tokens
+
+
+def test_chat_validation_errors_are_400(server):
+    assert_error(post(server, "/v1/chat/completions", {"messages": []}), 400, param="messages")
+    assert_error(post(server, "/v1/chat/completions", {"messages": [{"content": "no role"}]}), 400)
+    assert_error(post(server, "/v1/chat/completions",
+                      {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}), 400,
+                 param="top_logprobs")
+
+
+def test_api_key_errors_are_401(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        error = assert_error(post(server, "/v1/completions", {"prompt": "x"}, headers=headers), 401)
+        assert error["code"] == "invalid_api_key"
+    assert httpx.get(server[0] + "/health").status_code == 200  # open routes need no key
+
+
+def test_unknown_model_and_route_are_404(server, client):
+    assert_error(post(server, "/v1/completions", {"prompt": "x", "model": "gpt-9"}), 404, param="model",
+                 contains="gpt-9")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+    assert_error(httpx.get(server[0] + "/v2/nothing"), 404, error_type="not_found_error")
+
+
+def test_models_tokenize_detokenize_version(server, tokenizer):
+    models = httpx.get(server[0] + "/v1/models", headers=AUTH).json()
+    assert [m["id"] for m in models["data"]] == ["fake", "alias"] and models["data"][0]["max_model_len"] == 256
+    tokens = post(server, "/tokenize", {"prompt": "Hello world"}).json()
+    assert tokens == {"count": 2, "max_model_len": 256, "tokens": tokenizer.encode("Hello world")}
+    chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] > 5
+    assert post(server, "/detokenize", {"tokens": tokens["tokens"]}).json() == {"prompt": "Hello world"}
+    assert_error(post(server, "/detokenize", {"tokens": [10**9]}), 400, param="tokens")
+    assert httpx.get(server[0] + "/version").json()["version"]
+
+
+def test_metrics_count_tokens_and_latencies(server, client):
+    client.completions.create(model="fake", prompt="Hello", max_tokens=4)
+    text = httpx.get(server[0] + "/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                 "generation_tokens_total", "time_to_first_token_seconds_bucket",
+                 "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
+                 "num_preemptions_total"):
+        assert f"jaxserve:{name}" in text
+    generated = [line for line in text.splitlines() if line.startswith("jaxserve:generation_tokens_total")]
+    assert float(generated[0].split()[-1]) >= 4
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
+    url, fake, engine = server
+    fake.step_delay = 0.02
+    try:
+        body = {"prompt": "Hello", "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+        deadline = time.monotonic() + 5
+        while engine.stats()["free_blocks"] != fake.total_blocks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert fake.aborted and fake.aborted[-1].startswith("cmpl-")
+        assert engine.stats()["free_blocks"] == fake.total_blocks
+    finally:
+        fake.step_delay = 0.002
+
+
+def test_disconnect_while_waiting_for_a_whole_answer_aborts(server):
+    url, fake, engine = server
+    fake.step_delay = 0.02
+    aborted_before = len(fake.aborted)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/chat/completions", headers=AUTH, timeout=0.3,
+                       json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200})
+        deadline = time.monotonic() + 5
+        while len(fake.aborted) == aborted_before and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert fake.aborted[-1].startswith("chatcmpl-")
+    finally:
+        fake.step_delay = 0.002
+
+
+def test_queue_full_is_503_with_retry_after(tokenizer):
+    fake = FakeEngine(tokenizer, step_delay=0.5)
+    engine = AsyncEngine(fake, max_waiting_requests=1)
+    with serve_in_thread(build_app(engine)) as url:
+        with httpx.stream("POST", url + "/v1/completions", json={"prompt": "a", "max_tokens": 2, "stream": True}):
+            response = httpx.post(url + "/v1/completions", json={"prompt": "b", "max_tokens": 2})
+    error = assert_error(response, 503, error_type="server_error", contains="overloaded")
+    assert error["code"] == "queue_full" and response.headers["retry-after"] == "1"
+
+
+def test_engine_failure_mid_stream_is_an_error_event_then_done(tokenizer):
+    fake = FakeEngine(tokenizer, step_delay=0.02)
+    engine = AsyncEngine(fake)
+    with serve_in_thread(build_app(engine)) as url:
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 50, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body) as response:
+            lines = response.iter_lines()
+            first = next(lines)
+            fake.fail_next_step = True
+            rest = [line for line in lines if line]
+        assert first.startswith("data: {")
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][len("data: "):])["error"]
+        assert error["type"] == "server_error" and "simulated device failure" in error["message"]
+        assert_error(httpx.get(url + "/health"), 503, error_type="server_error")
+        assert_error(httpx.post(url + "/v1/completions", json={"prompt": "x"}), 500, error_type="server_error")
+
+
+def test_shutdown_lets_requests_drain_then_ends_the_rest_with_an_error_event(tokenizer):
+    fake = FakeEngine(tokenizer, step_delay=0.02)
+    engine = AsyncEngine(fake)
+    server = DrainingServer(build_app(engine), engine, log_level="warning", drain_seconds=0.5)
+    with serve_in_thread(server) as url:
+        body = {"prompt": "Hello", "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            next(lines)
+            server.should_exit = True  # what Ctrl-C does
+            rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2][len("data: "):])["error"]
+    assert error["code"] == "shutting_down" and "shutting down" in error["message"]
+    assert len(rest) > 10  # it ran on through the drain period before being stopped
+    assert fake.aborted and not engine.is_healthy
+
+
+def test_tokenize_messages_counts_like_chat_usage(server, client):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
+    counted = post(server, "/tokenize", {"messages": messages}).json()["count"]
+    result = client.chat.completions.create(model="fake", messages=messages, max_tokens=1)
+    assert result.usage.prompt_tokens == counted
+    assert_error(post(server, "/tokenize", {"messages": [{"content": "no role"}]}), 400)

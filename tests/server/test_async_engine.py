@@ -1,0 +1,130 @@
+"""AsyncEngine over the fake engine: streaming, validation before streaming, aborts, admission, failures."""
+
+import asyncio
+
+import pytest
+
+from jaxserve.async_engine import AsyncEngine, EngineDeadError, QueueFull
+from jaxserve.sampling_params import SamplingParams
+from tests.server.fake_engine import FakeEngine
+
+
+@pytest.fixture
+def fake(tokenizer):
+    return FakeEngine(tokenizer)
+
+
+@pytest.fixture
+def engine(fake):
+    async_engine = AsyncEngine(fake, max_waiting_requests=4)
+    yield async_engine
+    async_engine.shutdown()
+
+
+async def _collect(engine, request_id, prompt="Hello", **params):
+    return [out async for out in engine.generate(prompt, SamplingParams(**params), request_id)]
+
+
+def test_generate_streams_cumulative_outputs_until_finished(engine):
+    outputs = asyncio.run(_collect(engine, "r1", max_tokens=4, temperature=0))
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 2, 3, 4]
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
+    assert all(not o.finished for o in outputs[:-1])
+    assert engine.stats()["num_waiting_for_first_output"] == 0
+
+
+def test_validation_error_is_raised_before_anything_is_queued(engine, fake):
+    async def run():
+        with pytest.raises(ValueError, match="maximum context length is 256"):
+            await engine.add_request("Hello", SamplingParams(max_tokens=1000), "too-long")
+
+    asyncio.run(run())
+    assert not fake.has_unfinished_requests()
+    assert engine.stats()["num_waiting_for_first_output"] == 0
+
+
+def test_duplicate_request_id_is_refused(engine):
+    async def run():
+        stream = await engine.add_request("Hello", SamplingParams(max_tokens=50), "same")
+        with pytest.raises(ValueError, match="already in use"):
+            await engine.add_request("Hello", SamplingParams(max_tokens=5), "same")
+        stream.close()
+
+    asyncio.run(run())
+
+
+def test_stopping_early_aborts_the_request(engine, fake):
+    async def run():
+        async for output in engine.generate("Hello", SamplingParams(max_tokens=200), "early"):
+            if len(output.outputs[0].token_ids) >= 2:
+                break
+        await asyncio.sleep(0.1)  # let the loop thread apply the abort
+
+    asyncio.run(run())
+    assert fake.aborted == ["early"]
+    assert engine.stats()["free_blocks"] == fake.total_blocks
+
+
+def test_queue_full_when_too_many_wait_for_their_first_output(fake):
+    fake.step_delay = 0.2
+    engine = AsyncEngine(fake, max_waiting_requests=2)
+
+    async def run():
+        streams = [await engine.add_request("Hi", SamplingParams(max_tokens=1), f"r{i}") for i in range(2)]
+        with pytest.raises(QueueFull, match="2 requests are already waiting"):
+            await engine.add_request("Hi", SamplingParams(max_tokens=1), "r2")
+        for stream in streams:
+            [out async for out in stream]
+        # Once they have produced output, there is room again.
+        assert len(await _collect(engine, "r3", max_tokens=1)) == 1
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+
+
+def test_step_failure_fails_in_flight_requests_and_marks_unhealthy(engine, fake, caplog):
+    async def run():
+        stream = await engine.add_request("Hello", SamplingParams(max_tokens=100), "doomed")
+        first = await stream.__anext__()
+        assert not first.finished
+        fake.fail_next_step = True
+        with pytest.raises(EngineDeadError, match="simulated device failure"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("Hello", SamplingParams(max_tokens=1), "after")
+
+    asyncio.run(run())
+    assert not engine.is_healthy
+    assert "engine step failed" in caplog.text and "simulated device failure" in caplog.text
+
+
+def test_shutdown_ends_streams_and_refuses_new_requests(fake):
+    engine = AsyncEngine(fake)
+
+    async def run():
+        stream = await engine.add_request("Hello", SamplingParams(max_tokens=200), "long")
+        await stream.__anext__()
+        await asyncio.to_thread(engine.shutdown)
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("Hello", SamplingParams(max_tokens=1), "late")
+
+    asyncio.run(run())
+    assert fake.aborted == ["long"] and not engine.is_healthy
+
+
+def test_abort_from_another_task_ends_the_stream(engine, fake):
+    async def run():
+        stream = await engine.add_request("Hello", SamplingParams(max_tokens=200), "victim")
+        await stream.__anext__()
+        await engine.abort("victim")
+        remaining = [out async for out in stream]
+        assert all(not out.finished for out in remaining)
+
+    asyncio.run(run())
+    assert fake.aborted == ["victim"]

@@ -1,0 +1,102 @@
+"""Acceptance: /v1/completions on the real server with SmolLM2, through the openai SDK and httpx."""
+
+import httpx
+
+from tests.server.helpers import API_KEY, REAL_MODEL
+
+PROMPT = "The three primary colors are"
+
+
+def completion(client, **kwargs):
+    kwargs.setdefault("model", REAL_MODEL)
+    kwargs.setdefault("prompt", PROMPT)
+    kwargs.setdefault("max_tokens", 8)
+    return client.completions.create(**kwargs)
+
+
+def test_greedy_streamed_text_equals_whole_text(openai_client):
+    whole = completion(openai_client, temperature=0)
+    chunks = list(completion(openai_client, temperature=0, stream=True))
+    streamed = "".join(choice.text for chunk in chunks for choice in chunk.choices)
+    assert whole.choices[0].text and streamed == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert whole.model == REAL_MODEL and whole.id.startswith("cmpl-")
+
+
+def test_usage_counts_match_the_tokenizer(openai_client, tokenizer, real_server):
+    result = completion(openai_client, temperature=0, extra_body={"ignore_eos": True})
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    assert result.usage.prompt_tokens == len(prompt_ids)
+    assert result.usage.completion_tokens == 8 and result.choices[0].finish_reason == "length"
+    assert result.usage.total_tokens == len(prompt_ids) + 8
+    counted = httpx.post(f"{real_server.url}/tokenize", json={"prompt": PROMPT}).json()
+    assert counted["tokens"] == prompt_ids and counted["max_model_len"] == 512
+
+
+def test_stream_usage_chunk(openai_client):
+    chunks = list(completion(openai_client, temperature=0, stream=True, stream_options={"include_usage": True},
+                             extra_body={"ignore_eos": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+
+
+def test_same_seed_gives_same_text(openai_client):
+    first = completion(openai_client, temperature=1.0, seed=1234)
+    second = completion(openai_client, temperature=1.0, seed=1234)
+    assert first.choices[0].text == second.choices[0].text
+
+
+def test_n_choices(openai_client):
+    result = completion(openai_client, n=3, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    assert [choice.index for choice in result.choices] == [0, 1, 2]
+    assert result.usage.completion_tokens == 24
+    assert len({choice.text for choice in result.choices}) > 1  # distinct samples, not one copied
+
+
+def test_echo_with_logprobs(openai_client, tokenizer):
+    result = completion(openai_client, temperature=0, echo=True, logprobs=3, max_tokens=4)
+    choice = result.choices[0]
+    assert choice.text.startswith(PROMPT)
+    logprobs = choice.logprobs
+    num_prompt = len(tokenizer(PROMPT)["input_ids"])
+    assert len(logprobs.tokens) == num_prompt + 4
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert all(1 <= len(top) <= 4 for top in logprobs.top_logprobs[1:])
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+    # Greedy: every generated token is the most likely one.
+    for lp, top in list(zip(logprobs.token_logprobs, logprobs.top_logprobs))[num_prompt:]:
+        assert abs(lp - max(top.values())) < 1e-4
+
+
+def test_stop_string_cuts_the_text(openai_client):
+    free = completion(openai_client, temperature=0, max_tokens=16, extra_body={"ignore_eos": True})
+    text = free.choices[0].text
+    words = text.split()
+    assert len(words) >= 3, text
+    stop = " " + words[2]
+    stopped = completion(openai_client, temperature=0, max_tokens=16, stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == text[: text.index(stop)]
+
+
+def test_token_id_and_batched_prompts(openai_client, tokenizer):
+    ids = tokenizer(PROMPT)["input_ids"]
+    by_ids = completion(openai_client, prompt=ids, temperature=0)
+    by_text = completion(openai_client, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    batch = completion(openai_client, prompt=[PROMPT, "Once upon a time"], temperature=0, max_tokens=4)
+    assert [choice.index for choice in batch.choices] == [0, 1]
+    assert batch.choices[0].text == by_text.choices[0].text[: len(batch.choices[0].text)]
+
+
+def test_raw_sse_format(real_server):
+    body = {"model": REAL_MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", f"{real_server.url}/v1/completions", json=body, headers=headers,
+                      timeout=120) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(event.startswith("data: {") for event in events[:-1])

@@ -1,0 +1,84 @@
+"""Acceptance: every error case of the real server returns its status and an OpenAI error body."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tests.server.helpers import API_KEY, REAL_MODEL, server_process
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def post(server, path, body, headers=AUTH):
+    content = body if isinstance(body, str) else json.dumps(body)
+    return httpx.post(f"{server.url}{path}", content=content, headers=headers, timeout=60)
+
+
+def error_of(response, status):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+@pytest.mark.parametrize("path, body, fragment", [
+    ("/v1/completions", "{\"prompt\": ", "not valid JSON"),
+    ("/v1/completions", {"model": REAL_MODEL}, "prompt"),
+    ("/v1/completions", {"prompt": {"text": "x"}}, "prompt must be"),
+    ("/v1/completions", {"prompt": "x", "temperature": -0.5}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"prompt": [10 ** 8]}, "vocabulary"),
+    ("/v1/chat/completions", {"messages": "hello"}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n must be >= 1"),
+])
+def test_validation_errors_are_400_never_422(real_server, path, body, fragment):
+    error = error_of(post(real_server, path, body), 400)
+    assert error["type"] == "invalid_request_error" and fragment in error["message"]
+
+
+def test_prompt_plus_max_tokens_beyond_context_names_both_numbers(real_server, tokenizer):
+    prompt = "word " * 100
+    num_prompt = len(tokenizer(prompt)["input_ids"])
+    error = error_of(post(real_server, "/v1/completions", {"prompt": prompt, "max_tokens": 500}), 400)
+    assert "512" in error["message"] and "500" in error["message"] and str(num_prompt) in error["message"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 600}
+    assert "512" in error_of(post(real_server, "/v1/chat/completions", chat), 400)["message"]
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer nope"}, {"Authorization": API_KEY}])
+def test_missing_or_wrong_api_key_is_401(real_server, headers):
+    error = error_of(post(real_server, "/v1/completions", {"prompt": "x"}, headers=headers), 401)
+    assert error["code"] == "invalid_api_key"
+    assert error_of(httpx.get(f"{real_server.url}/v1/models", headers=headers), 401)
+
+
+def test_unknown_model_is_404(real_server):
+    error = error_of(post(real_server, "/v1/chat/completions",
+                          {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}), 404)
+    assert "gpt-4o" in error["message"] and error["param"] == "model"
+    assert error_of(httpx.get(f"{real_server.url}/v1/nothing-here", headers=AUTH), 404)
+
+
+@pytest.fixture(scope="module")
+def tiny_queue_server(tmp_path_factory, tokenizer):
+    """A second server that lets only one request wait for its first token."""
+    args = ["--max-model-len", "256", "--num-kv-blocks", "64", "--max-waiting-requests", "1"]
+    with server_process(args, tmp_path_factory.mktemp("tiny") / "serve.log") as server:
+        yield server
+
+
+def test_full_queue_is_503_with_retry_after(tiny_queue_server):
+    async def burst():
+        async with httpx.AsyncClient(base_url=tiny_queue_server.url, timeout=120) as client:
+            body = {"prompt": "Hello", "max_tokens": 2}
+            return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(12)))
+
+    responses = asyncio.run(burst())
+    statuses = sorted(response.status_code for response in responses)
+    assert statuses.count(200) >= 1 and statuses.count(503) >= 1 and set(statuses) == {200, 503}
+    rejected = next(response for response in responses if response.status_code == 503)
+    error = error_of(rejected, 503)
+    assert error["code"] == "queue_full" and rejected.headers["retry-after"].isdigit()

@@ -1,0 +1,160 @@
+"""The `jaxserve` CLI: options, YAML config files, one-line user errors, and both subcommands end to end
+(over the fake engine, so no compilation is needed)."""
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+from jaxserve import cli
+from jaxserve.cli_args import parse_with_config
+
+
+def parse(argv):
+    parser, subparsers = cli.build_parser()
+    return parse_with_config(parser, subparsers, argv)
+
+
+def run_cli(*argv):
+    return subprocess.run([sys.executable, "-m", "jaxserve.cli", *argv], capture_output=True, text=True,
+                          timeout=120)
+
+
+def user_error(capsys, argv):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxserve: error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_help_of_each_subcommand(command):
+    result = run_cli(command, "--help")
+    assert result.returncode == 0
+    for option in ("--mesh", "-tp", "--max-model-len", "--dtype", "--config"):
+        assert option in result.stdout
+    assert ("--api-key" in result.stdout) == (command == "serve")
+
+
+def test_defaults_and_mesh_forms():
+    args = parse(["serve"])
+    assert (args.model, args.host, args.port, args.dtype, args.block_size) == (None, "127.0.0.1", 8000, "auto", 16)
+    assert cli.mesh_from_args(args) is None
+    assert cli.mesh_from_args(parse(["serve", "m", "--mesh", "8x2"])) == "8x2"
+    assert cli.mesh_from_args(parse(["serve", "-tp", "4"])) == "4x1"
+    assert cli.mesh_from_args(parse(["serve", "-tp", "2", "-pp", "3"])) == "2x3"
+
+
+def test_config_file_values_with_command_line_winning(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: /models/x.gguf\nport: 9000\nmax-model-len: 1024\nserved_model_name: [a, b]\n"
+                      "tensor-parallel-size: 2\n")
+    args = parse(["serve", "--config", str(config), "--port", "9100"])
+    assert (args.model, args.port, args.max_model_len, args.served_model_name) == ("/models/x.gguf", 9100, 1024,
+                                                                                   ["a", "b"])
+    assert cli.mesh_from_args(args) == "2x1"
+    assert parse(["serve", "other", "--config", str(config)]).model == "other"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["serve", "--port", "http"], "--port"),
+    (["serve", "--max-model-len", "0"], ">= 1"),
+    (["serve", "--mesh", "8"], "TPxPP"),
+    (["serve", "--dtype", "float16"], "invalid choice"),
+    (["serve", "--mesh", "2x1", "-pp", "2"], "not both"),
+    (["serve", "./missing-model.gguf"], "missing-model.gguf does not exist"),
+    (["serve", "--config", "/no/such.yaml"], "does not exist"),
+    (["generate"], "--prompt"),
+    (["generate", "--prompt", "x", "--temperature", "-1"], "temperature"),
+])
+def test_user_errors_are_one_line_and_exit_2(capsys, argv, expected):
+    assert expected in user_error(capsys, argv)
+
+
+@pytest.mark.parametrize("content, expected", [
+    ("port: 9000\nwarp_speed: 9\n", "unknown key 'warp_speed'"),
+    ("port: [9000\n", "not valid YAML at line 2"),
+    ("max_model_len: lots\n", "max_model_len in config file"),
+    ("- a list\n", "must be a mapping"),
+])
+def test_bad_config_files_are_one_line_errors(capsys, tmp_path, content, expected):
+    config = tmp_path / "bad.yaml"
+    config.write_text(content)
+    assert expected in user_error(capsys, ["serve", "--config", str(config)])
+
+
+def test_busy_port_is_a_user_error(capsys):
+    with cli.listen_socket("127.0.0.1", 0) as busy:
+        port = busy.getsockname()[1]
+        busy.listen()
+        assert "cannot listen on 127.0.0.1" in user_error(capsys, ["serve", "--port", str(port)])
+
+
+@pytest.fixture
+def fake_engine_module(monkeypatch, tokenizer):
+    """Stand `jaxserve.engine` in with the fake engine, recording how it was built."""
+    from tests.server.fake_engine import FakeEngine
+
+    built = {}
+
+    def make_engine(model, **kwargs):
+        built.update(kwargs, model=model)
+        return FakeEngine(tokenizer)
+
+    monkeypatch.setitem(sys.modules, "jaxserve.engine", types.SimpleNamespace(Engine=make_engine))
+    return built
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tests.server.helpers import load_default_tokenizer
+
+    loaded = load_default_tokenizer()
+    if loaded is None:
+        pytest.skip("the default model's GGUF is not unpacked on this machine")
+    return loaded
+
+
+def test_generate_prints_the_completion(capsys, fake_engine_module):
+    assert cli.main(["generate", "--prompt", "Count:", "--max-tokens", "3", "--max-model-len", "128",
+                     "-tp", "2"]) == 0
+    assert capsys.readouterr().out == " one two three\n"
+    assert fake_engine_module["max_model_len"] == 128 and fake_engine_module["mesh"] == "2x1"
+    assert fake_engine_module["model"] is None
+
+
+def test_serve_logs_model_mesh_kv_capacity_and_url(fake_engine_module, caplog, monkeypatch):
+    import uvicorn
+
+    started = {}
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: started.update(
+        app=server.config.app, port=sockets[0].getsockname()[1]))
+    caplog.set_level("INFO", logger="jaxserve")
+    assert cli.main(["serve", "--port", "0", "--served-model-name", "smol", "--api-key", "k"]) == 0
+    log = caplog.text
+    port = started["port"]
+    assert "model fake-model served as smol" in log and "mesh 1x1" in log
+    assert "KV cache: 64 blocks x 16 tokens = 1024 tokens" in log
+    assert f"http://127.0.0.1:{port}" in log
+    state = started["app"].state.server
+    assert state.served_model_names == ["smol"] and state.api_key == "k"
+    state.engine.shutdown()
+
+
+# --- with the real default model (a few seconds each: loading, first compile) -------------------------------
+def test_generate_with_the_default_model():
+    result = run_cli("generate", "--prompt", "What is 2+2?", "--chat", "--max-tokens", "6", "--max-model-len", "256",
+                     "--num-kv-blocks", "32", "--log-level", "warning")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+
+
+def test_engine_refusal_is_a_one_line_error():
+    result = run_cli("serve", "--max-model-len", "10000000", "--port", "0")
+    assert result.returncode == 2
+    error_lines = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert error_lines == [error_lines[0]] and error_lines[0].startswith("jaxserve: error: max_model_len=10000000")
+    assert "Traceback" not in result.stderr
