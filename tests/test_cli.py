@@ -109,13 +109,10 @@ def fake_engine_module(monkeypatch, tokenizer):
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
+def tokenizer(smollm2_gguf_path):
     from tests.server.helpers import load_default_tokenizer
 
-    loaded = load_default_tokenizer()
-    if loaded is None:
-        pytest.skip("the default model's GGUF is not unpacked on this machine")
-    return loaded
+    return load_default_tokenizer()
 
 
 def test_generate_prints_the_completion(capsys, fake_engine_module):

@@ -22,15 +22,12 @@ REAL_SERVER_ARGS = ["--api-key", API_KEY, "--max-model-len", "512", "--num-kv-bl
 
 
 def load_default_tokenizer():
-    """SmolLM2's tokenizer (with its chat template), read from the default model's GGUF; None if unavailable."""
+    """SmolLM2's tokenizer (with its chat template), read from the default model's GGUF."""
     from transformers import AutoTokenizer
 
     from jaxserve.loader.default_model import default_model_path
 
-    try:
-        path = default_model_path()
-    except RuntimeError:  # not cached and no package index to fetch it from
-        return None
+    path = default_model_path()
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
