@@ -6,9 +6,9 @@ streamed prefix is never taken back.
 
 from __future__ import annotations
 
-from jaxserve.core.detokenizer import IncrementalDetokenizer, find_stop, holdback
-from jaxserve.core.request import Request, Sequence
-from jaxserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from ..outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from .detokenizer import IncrementalDetokenizer, find_stop, holdback
+from .request import Request, Sequence
 
 
 class SequenceText:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from jaxserve.sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

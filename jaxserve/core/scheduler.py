@@ -12,9 +12,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from jaxserve.config import SchedulerConfig
-from jaxserve.core.block_manager import BlockManager
-from jaxserve.core.request import Sequence, SequenceStatus
+from ..config import SchedulerConfig
+from .block_manager import BlockManager
+from .request import Sequence, SequenceStatus
 
 
 @dataclass
