@@ -1,0 +1,45 @@
+"""The `jaxserve batch JOB.yaml` subcommand (registered in jaxserve/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from jaxserve.cli_args import UserError
+
+log = logging.getLogger("jaxserve.batch")
+
+# The shell's convention for "stopped by Ctrl-C".
+EXIT_INTERRUPTED = 130
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", metavar="JOB.yaml",
+                        help="the job: model, engine options, sampling defaults, input and output JSONL "
+                             "(see configs/batch_example.yaml)")
+    parser.add_argument("--validate", action="store_true",
+                        help="check the job file and every input line, without loading the model or running")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_batch_command(args: argparse.Namespace) -> int:
+    if args.validate:
+        return _validate(args.job)
+    from jaxserve.batch.job import run_job  # pulls in the server schemas; --help stays instant
+
+    try:
+        run_job(args.job, show_progress=not args.no_progress)
+    except KeyboardInterrupt:
+        log.warning("interrupted; every finished result is saved: run the same command again to finish the job")
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def _validate(job: str) -> int:
+    from jaxserve.batch.validate import validate_job
+
+    report = validate_job(job)
+    print(report.render())
+    if report.problems:
+        raise UserError(f"{len(report.problems)} problem(s) in {job}; see the list above")
+    return 0

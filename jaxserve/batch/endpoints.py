@@ -1,0 +1,117 @@
+"""The endpoints a batch line may call, built on the HTTP server's own body functions.
+
+`request_bodies` (body -> prompts, SamplingParams) and `response_bodies` (outputs -> body) are the very code the
+HTTP routes run, so a batch line answers exactly as the API would; only `id` and `created` differ.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.chat_protocol import ChatCompletionRequest
+from jaxserve.server.errors import APIError, bad_request
+from jaxserve.server.protocol import CompletionRequest
+from jaxserve.server.request_bodies import (
+    Prompt,
+    build_sampling_params,
+    chat_inputs,
+    completion_inputs,
+    parse_request,
+    resolve_model_name,
+)
+from jaxserve.server.response_bodies import ChatRendering, CompletionRendering
+
+# Body fields that make no sense as job-wide defaults (each request has its own prompt) or in a batch at all.
+NOT_DEFAULTS = {"prompt", "messages", "stream", "stream_options"}
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    schema: type
+    id_prefix: str  # of the response body's `id`, as the HTTP API makes it
+    inputs: Callable[[Any, Any], tuple[list[Prompt], SamplingParams]]  # (request, engine) -> prompts, params
+    rendering: type
+    render: Callable[[Any, list[RequestOutput]], Any]  # (rendering, finals in prompt order) -> response model
+    example_body: dict  # the smallest valid body, to check sampling defaults against
+
+
+ENDPOINTS: dict[str, Endpoint] = {
+    "/v1/completions": Endpoint(
+        schema=CompletionRequest, id_prefix="cmpl",
+        inputs=lambda request, engine: completion_inputs(request),
+        rendering=CompletionRendering, render=lambda rendering, finals: rendering.full_response(finals),
+        example_body={"prompt": "x"}),
+    "/v1/chat/completions": Endpoint(
+        schema=ChatCompletionRequest, id_prefix="chatcmpl",
+        inputs=lambda request, engine: chat_inputs(request, engine.encode_chat),
+        rendering=ChatRendering, render=lambda rendering, finals: rendering.full_response(finals[0]),
+        example_body={"messages": [{"role": "user", "content": "x"}]}),
+}
+
+
+@dataclass
+class PreparedRequest:
+    """One batch line ready for the engine: its prompts and params, and how to render the finished outputs."""
+
+    endpoint: Endpoint
+    rendering: CompletionRendering | ChatRendering
+    prompts: list[Prompt]
+    params: SamplingParams
+    priority: int
+
+    @property
+    def request_id(self) -> str:
+        return self.rendering.request_id
+
+    def response_body(self, finals: list[RequestOutput]) -> dict:
+        """The body HTTP would send, from each prompt's final output in prompt order."""
+        return self.endpoint.render(self.rendering, finals).model_dump()
+
+
+def parse_body(url: str, body: dict, defaults: dict) -> tuple[Any, SamplingParams]:
+    """The body (over the job's sampling defaults) parsed and its params built; an APIError as HTTP gives."""
+    merged = {**defaults, **body}
+    if merged.get("stream"):
+        raise bad_request("stream is not supported in a batch job; remove it from the body", param="stream")
+    request = parse_request(ENDPOINTS[url].schema, merged)
+    return request, build_sampling_params(request)
+
+
+def new_request_id(url: str) -> str:
+    """A response id of the form the HTTP API gives (`cmpl-...`, `chatcmpl-...`)."""
+    return f"{ENDPOINTS[url].id_prefix}-{uuid.uuid4().hex}"
+
+
+def prepare(url: str, body: dict, defaults: dict, request_id: str, engine, served_model_names: list[str]
+            ) -> PreparedRequest:
+    """Everything HTTP does before queueing: parse, pick the model name, build prompts and params."""
+    endpoint = ENDPOINTS[url]
+    request, _ = parse_body(url, body, defaults)
+    model = resolve_model_name(request.model, served_model_names)
+    prompts, params = endpoint.inputs(request, engine)
+    rendering = endpoint.rendering(request, model, request_id, engine.tokenizer)
+    return PreparedRequest(endpoint, rendering, prompts, params, request.priority)
+
+
+def sampling_default_problems(sampling: dict) -> list[str]:
+    """Why the job's `sampling` defaults would fail every request (unknown keys, bad values); [] if fine."""
+    known = (set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)) - NOT_DEFAULTS
+    problems = [f"'sampling.{key}' cannot be a job-wide default (each request body gives its own, and batch "
+                "jobs do not stream)" for key in sampling if key in NOT_DEFAULTS]
+    problems += [f"unknown key 'sampling.{key}'; valid keys here are: {', '.join(sorted(known))}"
+                 for key in sampling if key not in known | NOT_DEFAULTS]
+    if problems:
+        return problems
+    for url, endpoint in ENDPOINTS.items():
+        try:
+            parse_body(url, endpoint.example_body, sampling)
+        except APIError as exc:
+            problem = f"sampling: {exc.message}"
+            if problem not in problems:
+                problems.append(problem)
+    return problems

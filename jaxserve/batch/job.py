@@ -1,0 +1,86 @@
+"""One batch job from start to end: check everything, skip what earlier runs finished, run the rest.
+
+Everything that can be checked without the model (the job file, every input line, duplicate custom_ids, the
+result files) is checked first, so a mistake costs a second rather than a model load.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from jaxserve.batch.input_file import InputScan, scan_input
+from jaxserve.batch.job_config import BatchJob, load_job
+from jaxserve.batch.problems import JobError
+from jaxserve.batch.progress import BatchProgress
+from jaxserve.batch.result_log import ResultLog
+from jaxserve.batch.runner import BatchRunner, RunTotals
+from jaxserve.cli_args import UserError
+
+log = logging.getLogger("jaxserve.batch")
+
+# Lines kept in the engine per sequence slot: enough waiting work that every step can be filled.
+CONCURRENCY_PER_SEQUENCE_SLOT = 4
+
+
+@dataclass
+class JobSummary:
+    total: int  # results the job ends with (one per input line)
+    skipped: int  # already in the output from earlier runs
+    totals: RunTotals  # this run's results
+    generated_tokens: int = 0
+
+
+def run_job(path: str | Path, *, engine=None, show_progress: bool = True) -> JobSummary:
+    """Run (or resume) the job in `path`. `engine`: an Engine to use instead of building the job's own."""
+    job = load_job(path)
+    scan = scan_input(job.input)
+    if scan.duplicates:
+        raise JobError(Path(path), scan.duplicates)
+    with ResultLog(job.output, job.errors) as results:
+        todo = [entry for entry in scan.entries if entry.key not in results.done]
+        _log_resume(scan, results.done, len(todo), job)
+        if not todo:
+            return JobSummary(len(scan.entries), len(scan.entries), RunTotals())
+        engine = engine if engine is not None else build_engine(job)
+        progress = BatchProgress(len(scan.entries), len(scan.entries) - len(todo), enabled=show_progress)
+        runner = BatchRunner(engine, results, progress, sampling_defaults=job.sampling,
+                             served_model_names=job.served_model_name or [engine.model_name],
+                             max_concurrency=job.max_concurrency or default_concurrency(engine))
+        try:
+            totals = runner.run(todo)
+        finally:
+            progress.close()
+    summary = JobSummary(len(scan.entries), len(scan.entries) - len(todo), totals, progress.generated_tokens)
+    log.info("done: %d results in %s (%d ok and %d failed in this run, %d from earlier runs); %.1f tokens/s",
+             summary.total, job.output, totals.succeeded, totals.failed, summary.skipped, progress.tokens_per_second)
+    return summary
+
+
+def build_engine(job: BatchJob):
+    """The Engine the job describes; its user-facing errors (bad mesh, missing file...) become UserError."""
+    from jaxserve.engine import Engine  # imports jax: only now that it is needed
+
+    try:
+        return Engine(job.model, **job.engine.engine_kwargs())
+    except (ValueError, OSError) as exc:  # the engine words these for people (DESIGN.md convention 9)
+        raise UserError(str(exc)) from None
+
+
+def default_concurrency(engine) -> int:
+    return CONCURRENCY_PER_SEQUENCE_SLOT * engine.config.scheduler.max_num_seqs
+
+
+def _log_resume(scan: InputScan, done: set, todo: int, job: BatchJob) -> None:
+    keys = {entry.key for entry in scan.entries}
+    strangers = len(done - keys)
+    if strangers:
+        log.warning("%s holds %d results for custom_ids that are not in %s (was the input changed?)",
+                    job.output, strangers, job.input)
+    finished = len(scan.entries) - todo
+    if not todo:
+        log.info("nothing to do: all %d lines of %s already have results in %s", finished, job.input, job.output)
+    elif finished:
+        log.info("resuming: %d of %d lines already have results; running the other %d", finished,
+                 len(scan.entries), todo)

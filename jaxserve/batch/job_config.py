@@ -1,0 +1,169 @@
+"""The batch job file (YAML): which model, engine options, sampling defaults, input/output paths.
+
+Checked with pydantic before anything heavy happens; every problem is reported as a sentence naming the key.
+Relative paths (input, output, errors, a local model file) resolve against the job file's directory, so a job
+runs the same from any working directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationInfo, field_validator
+
+from jaxserve.batch.problems import JobError, describe_validation_error
+from jaxserve.cli_args import mesh_shape
+
+
+class EngineOptions(BaseModel):
+    """Engine keyword arguments a job may set; anything left out keeps the Engine's default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mesh: str | None = None
+    tensor_parallel_size: PositiveInt | None = None
+    pipeline_parallel_size: PositiveInt | None = None
+    dtype: Literal["auto", "float32", "bfloat16"] | None = None
+    max_model_len: PositiveInt | None = None
+    block_size: PositiveInt | None = None
+    num_kv_blocks: PositiveInt | None = None
+    kv_cache_memory_fraction: float | None = pydantic.Field(default=None, gt=0, le=1)
+    max_num_seqs: PositiveInt | None = None
+    max_num_batched_tokens: PositiveInt | None = None
+    max_logprobs: pydantic.NonNegativeInt | None = None
+    seed: int | None = None
+    enable_prefix_caching: bool | None = None
+    warmup: bool | None = None
+    recompile_guard: Literal["warn", "error", "off"] | None = None
+    attention_impl: str | None = None
+    compilation_cache_dir: str | None = None
+
+    @field_validator("mesh", mode="before")
+    @classmethod
+    def _mesh_form(cls, mesh: Any) -> Any:
+        if mesh is None:
+            return None
+        try:
+            return mesh_shape(str(mesh))
+        except Exception as exc:  # argparse.ArgumentTypeError carries the sentence we want
+            raise ValueError(str(exc)) from None
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `Engine(...)`: only what the job set, with -tp/-pp folded into the mesh."""
+        kwargs = self.model_dump(exclude_none=True, exclude={"tensor_parallel_size", "pipeline_parallel_size"})
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if tp is not None or pp is not None:
+            if self.mesh is not None:
+                raise ValueError("engine: give the mesh either as mesh: TPxPP or as tensor_parallel_size/"
+                                 "pipeline_parallel_size, not both")
+            kwargs["mesh"] = f"{tp or 1}x{pp or 1}"
+        return kwargs
+
+
+class BatchJob(BaseModel):
+    """A whole job file. Validate with `context={"base_dir": <the file's directory>}`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None  # None: the built-in default model
+    served_model_name: list[str] | None = None  # names bodies may give as `model` (default: the model's name)
+    engine: EngineOptions = pydantic.Field(default_factory=EngineOptions)
+    sampling: dict[str, Any] = pydantic.Field(default_factory=dict)  # defaults under each body; the body wins
+    input: Path
+    output: Path
+    errors: Path | None = None  # failed requests go here when set, else into `output`
+    max_concurrency: PositiveInt | None = None  # requests in the engine at once (default: 4 x max_num_seqs)
+
+    @field_validator("input", "output", "errors", mode="after")
+    @classmethod
+    def _resolve_path(cls, path: Path | None, info: ValidationInfo) -> Path | None:
+        if path is None:
+            return None
+        return (Path(info.context["base_dir"]) / path.expanduser()).resolve()
+
+    @field_validator("model", mode="after")
+    @classmethod
+    def _resolve_local_model(cls, model: str | None, info: ValidationInfo) -> str | None:
+        """A model that is plainly a local path resolves against the job file; a hub id stays as it is."""
+        if model is None:
+            return None
+        candidate = Path(info.context["base_dir"]) / Path(model).expanduser()
+        looks_local = model.startswith((".", "/", "~")) or model.endswith(".gguf") or candidate.exists()
+        if not looks_local:
+            return model
+        if not candidate.exists():
+            raise ValueError(f"model file {candidate} does not exist; give an existing .gguf file or model "
+                             "directory (relative paths start at the job file's directory), or leave `model` out "
+                             "for the built-in default model")
+        return str(candidate.resolve())
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _one_or_more_names(cls, names: Any) -> Any:
+        return [names] if isinstance(names, str) else names
+
+    @field_validator("sampling", mode="before")
+    @classmethod
+    def _empty_sampling(cls, sampling: Any) -> Any:
+        return {} if sampling is None else sampling
+
+
+def read_job_mapping(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise JobError(path, [f"job file {path} does not exist; check the path"])
+    try:
+        content = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise JobError(path, [f"not valid YAML{where}: {getattr(exc, 'problem', None) or exc}"]) from None
+    if not isinstance(content, dict):
+        raise JobError(path, ["must be a mapping with at least `input:` and `output:` keys"])
+    return {str(key).replace("-", "_"): value for key, value in content.items()}
+
+
+def load_job(path: str | Path) -> BatchJob:
+    """The checked job; a JobError listing every problem (unknown keys, bad values, clashing paths)."""
+    path = Path(path)
+    try:
+        job = BatchJob.model_validate(read_job_mapping(path), context={"base_dir": path.parent})
+    except pydantic.ValidationError as exc:
+        raise JobError(path, [describe_validation_error(error, BatchJob) for error in exc.errors()]) from None
+    problems = _path_problems(job) + _engine_problems(job) + _sampling_problems(job)
+    if problems:
+        raise JobError(path, problems)
+    return job
+
+
+def _path_problems(job: BatchJob) -> list[str]:
+    problems = []
+    if not job.input.is_file():
+        problems.append(f"input file {job.input} does not exist")
+    for key in ("output", "errors"):
+        target = getattr(job, key)
+        if target is None:
+            continue
+        if target == job.input:
+            problems.append(f"{key} is the input file {target}; results must go to a different file")
+        elif not target.parent.is_dir():
+            problems.append(f"{key} directory {target.parent} does not exist; create it first")
+    if job.errors is not None and job.errors == job.output:
+        problems.append("errors and output are the same file; leave `errors` out to put failures in the output")
+    return problems
+
+
+def _engine_problems(job: BatchJob) -> list[str]:
+    try:
+        job.engine.engine_kwargs()
+    except ValueError as exc:
+        return [str(exc)]
+    return []
+
+
+def _sampling_problems(job: BatchJob) -> list[str]:
+    from jaxserve.batch.endpoints import sampling_default_problems  # the server schemas: only when needed
+
+    return sampling_default_problems(job.sampling)

@@ -1,0 +1,124 @@
+"""The result files: append-only JSONL that survives a kill at any moment, and tells a re-run what is done.
+
+Each step's finished results are appended, flushed and fsync'd before the next step, so a kill loses at most the
+requests still running. The one thing a kill can leave behind is a torn last line (a write cut short); reopening
+drops it, and its request simply runs again. A bad line anywhere else means the file is not this job's output,
+and the job refuses to touch it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import pydantic
+
+from jaxserve.batch.input_file import ResultKey
+from jaxserve.batch.records import BatchOutputLine
+from jaxserve.cli_args import UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ResultsOnDisk:
+    records: list[BatchOutputLine] = field(default_factory=list)
+    intact_bytes: int = 0  # length of the file up to the end of its last good line
+    torn_tail: bytes = b""  # what follows it: a line cut short by a kill
+
+    @property
+    def keys(self) -> set[ResultKey]:
+        return {record.key for record in self.records if record.key is not None}
+
+
+def parse_results(data: bytes, path: Path) -> ResultsOnDisk:
+    """The records in a result file's bytes. Only the end may be torn; a bad line before it is an error."""
+    lines = data.split(b"\n")  # the last item follows the final newline: b"" unless a write was cut short
+    results = ResultsOnDisk()
+    for number, line in enumerate(lines[:-1], start=1):
+        if line.strip():
+            try:
+                results.records.append(BatchOutputLine.model_validate_json(line))
+            except pydantic.ValidationError:
+                if number == len(lines) - 1:  # the last full line: garbage from an interrupted write
+                    break
+                raise UserError(f"line {number} of {path} is not a batch result line; this file was not written "
+                                "by `jaxserve batch` (or was edited): move it away or point `output` elsewhere"
+                                ) from None
+        results.intact_bytes += len(line) + 1
+    results.torn_tail = data[results.intact_bytes:]
+    return results
+
+
+def read_results(path: Path | None) -> ResultsOnDisk:
+    """What a result file holds now, read-only (for --validate); empty if it does not exist."""
+    if path is None or not path.exists():
+        return ResultsOnDisk()
+    return parse_results(path.read_bytes(), path)
+
+
+class ResultLog:
+    """The output file (and the errors file, if the job has one), locked and open for appending."""
+
+    def __init__(self, output: Path, errors: Path | None):
+        self._output = self._open_locked(output)
+        self._errors = self._open_locked(errors) if errors is not None else None
+        self.done: set[ResultKey] = set()
+        for file, path in ((self._output, output), (self._errors, errors)):
+            if file is not None:
+                self.done |= self._recover(file, path)
+
+    @staticmethod
+    def _open_locked(path: Path) -> BinaryIO:
+        file = open(path, "a+b")
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.close()
+            raise UserError(f"another `jaxserve batch` is writing {path}; wait for it to finish") from None
+        return file
+
+    @staticmethod
+    def _recover(file: BinaryIO, path: Path) -> set[ResultKey]:
+        """Read what earlier runs wrote, cutting off a torn last line."""
+        file.seek(0)
+        results = parse_results(file.read(), path)
+        if results.torn_tail:
+            log.warning("%s ended in a torn line (%d bytes, from an interrupted run); dropped it, its request will "
+                        "run again", path, len(results.torn_tail))
+            file.truncate(results.intact_bytes)
+            _sync(file)
+        return results.keys
+
+    def write(self, record: BatchOutputLine) -> None:
+        """Append one result (durable after the next `commit`)."""
+        file = self._errors if record.failed and self._errors is not None else self._output
+        file.write(record.model_dump_json().encode() + b"\n")
+        if record.key is not None:
+            self.done.add(record.key)
+
+    def commit(self) -> None:
+        for file in (self._output, self._errors):
+            if file is not None:
+                _sync(file)
+
+    def close(self) -> None:
+        self.commit()
+        for file in (self._output, self._errors):
+            if file is not None:
+                file.close()  # closing releases the lock
+
+    def __enter__(self) -> ResultLog:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _sync(file: BinaryIO) -> None:
+    file.flush()
+    os.fsync(file.fileno())

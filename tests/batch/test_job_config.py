@@ -1,0 +1,114 @@
+"""The job file: paths relative to it, unknown keys and bad values named, engine options handed over as given."""
+
+import inspect
+
+import pytest
+
+from jaxserve import cli
+from jaxserve.batch.job_config import EngineOptions, load_job
+from jaxserve.batch.problems import JobError
+from tests.batch.helpers import completion_line, write_job
+
+
+def problems_of(path):
+    with pytest.raises(JobError) as error:
+        load_job(path)
+    return error.value.problems
+
+
+def test_relative_paths_resolve_against_the_job_file(tmp_path, monkeypatch):
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    path = write_job(jobs, [completion_line("a", "x")], errors="errors.jsonl")
+    monkeypatch.chdir(tmp_path)  # somewhere else than the job file
+    job = load_job("jobs/job.yaml")
+    assert (job.input, job.output, job.errors) == (jobs / "input.jsonl", jobs / "out.jsonl", jobs / "errors.jsonl")
+    assert job.model is None and job.sampling == {} and job.engine.engine_kwargs() == {}
+    assert path.exists()
+
+
+def test_local_model_file_resolves_and_must_exist(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"")
+    assert load_job(write_job(tmp_path, [], model="m.gguf")).model == str(tmp_path / "m.gguf")
+    assert load_job(write_job(tmp_path, [], model="org/hub-model")).model == "org/hub-model"
+    [problem] = problems_of(write_job(tmp_path, [], model="./missing.gguf"))
+    assert "model file" in problem and "missing.gguf" in problem and "does not exist" in problem
+
+
+def test_unknown_engine_key_is_named_with_the_valid_ones(tmp_path):
+    [problem] = problems_of(write_job(tmp_path, [], engine={"max_num_seq": 8}))
+    assert "unknown key 'engine.max_num_seq'" in problem and "max_num_seqs" in problem
+    [problem] = problems_of(write_job(tmp_path, [], outputs="x.jsonl"))
+    assert "unknown key 'outputs'" in problem and "output" in problem
+
+
+def test_every_problem_is_reported_and_the_message_is_one_line(tmp_path):
+    path = write_job(tmp_path, [], engine={"max_num_seqs": 0, "mesh": "2by1", "dtype": "float16"},
+                     max_concurrency=-1)
+    with pytest.raises(JobError) as error:
+        load_job(path)
+    problems = error.value.problems
+    assert len(problems) == 4
+    assert any(p.startswith("engine.max_num_seqs:") and "greater than 0" in p for p in problems)
+    assert any(p.startswith("engine.mesh:") and "TPxPP" in p for p in problems)
+    assert any(p.startswith("engine.dtype:") and "'float16'" in p for p in problems)
+    assert any(p.startswith("max_concurrency:") for p in problems)
+    message = str(error.value)
+    assert "\n" not in message and str(path) in message and "3 more" in message and "--validate" in message
+
+
+def test_missing_keys_missing_files_and_clashing_paths(tmp_path):
+    (tmp_path / "only.yaml").write_text("engine: {}\n")
+    assert sorted(problems_of(tmp_path / "only.yaml")) == ["`input` is required", "`output` is required"]
+    (tmp_path / "paths.yaml").write_text("input: nope.jsonl\noutput: no/dir/out.jsonl\n")
+    problems = problems_of(tmp_path / "paths.yaml")
+    assert any("input file" in p and "nope.jsonl" in p for p in problems)
+    assert any("output directory" in p and "create it" in p for p in problems)
+    [problem] = problems_of(write_job(tmp_path, [], output="input.jsonl"))
+    assert "output is the input file" in problem
+    [problem] = problems_of(write_job(tmp_path, [], errors="out.jsonl"))
+    assert "errors and output are the same file" in problem
+
+
+def test_sampling_defaults_are_checked_like_request_bodies(tmp_path):
+    [problem] = problems_of(write_job(tmp_path, [], sampling={"temprature": 0}))
+    assert "unknown key 'sampling.temprature'" in problem and "temperature" in problem
+    [problem] = problems_of(write_job(tmp_path, [], sampling={"top_p": 2}))
+    assert problem.startswith("sampling: top_p")
+    [problem] = problems_of(write_job(tmp_path, [], sampling={"stream": True}))
+    assert "sampling.stream" in problem and "cannot be a job-wide default" in problem
+    assert load_job(write_job(tmp_path, [], sampling={"temperature": 0, "max_tokens": 4, "echo": True})).sampling
+
+
+def test_yaml_errors_and_non_mappings(tmp_path):
+    (tmp_path / "bad.yaml").write_text("input: a\n  output: [\n")
+    [problem] = problems_of(tmp_path / "bad.yaml")
+    assert problem.startswith("not valid YAML at line")
+    (tmp_path / "list.yaml").write_text("- a\n")
+    assert "must be a mapping" in problems_of(tmp_path / "list.yaml")[0]
+    assert "does not exist" in problems_of(tmp_path / "absent.yaml")[0]
+
+
+def test_engine_options_map_onto_engine_keywords():
+    options = EngineOptions(mesh="2x1", max_num_seqs=8, dtype="float32")
+    assert options.engine_kwargs() == {"mesh": "2x1", "max_num_seqs": 8, "dtype": "float32"}
+    assert EngineOptions(tensor_parallel_size=4).engine_kwargs() == {"mesh": "4x1"}
+    with pytest.raises(ValueError, match="not both"):
+        EngineOptions(mesh="2x1", pipeline_parallel_size=2).engine_kwargs()
+
+
+def test_every_engine_option_is_an_engine_keyword():
+    from jaxserve.engine import Engine
+
+    engine_keywords = set(inspect.signature(Engine.__init__).parameters)
+    folded_into_mesh = {"tensor_parallel_size", "pipeline_parallel_size"}
+    assert set(EngineOptions.model_fields) - folded_into_mesh <= engine_keywords
+
+
+def test_cli_reports_a_bad_job_in_one_line(tmp_path, capsys):
+    path = write_job(tmp_path, [], engine={"max_num_seq": 8})
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["batch", str(path)])
+    assert exit_info.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("jaxserve: error: job file") and "unknown key 'engine.max_num_seq'" in line

@@ -1,0 +1,102 @@
+"""The batch runner over the fake engine (no model, milliseconds): every kind of line gets exactly the HTTP API's
+answer, failures become records and the job goes on, and an interrupted job resumes without loss."""
+
+import pytest
+
+from jaxserve.batch.job import run_job
+from tests.batch.helpers import (
+    answers_over_http,
+    chat_line,
+    completion_line,
+    read_jsonl,
+    results_by_custom_id,
+    write_job,
+)
+
+SAMPLING = {"temperature": 0, "max_tokens": 5}
+LINES = [
+    completion_line("plain", "Hello there"),
+    chat_line("chat", "Hi!", model="fake-model"),
+    completion_line("two-prompts", ["First prompt", "Second"], n=2, temperature=1.0, seed=3),
+    completion_line("echo-logprobs", "Count: one", echo=True, logprobs=2, max_tokens=3),
+    chat_line("chat-logprobs", "Hey", logprobs=True, top_logprobs=2, stop=[" four"]),
+    completion_line("token-ids", [1, 2, 3], max_tokens=2),
+    completion_line("too-long", "word " * 300, max_tokens=100),
+    completion_line("bad-value", "x", top_p=5),
+    completion_line("bad-type", "x", max_tokens="many"),
+    chat_line("unknown-model", "x", model="gpt-4o"),
+    {"custom_id": "no-messages", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "fake-model"}},
+]
+
+
+def test_every_line_answers_as_the_http_api_does(tmp_path, fake_engine):
+    summary = run_job(write_job(tmp_path, LINES, sampling=SAMPLING), engine=fake_engine, show_progress=False)
+    assert (summary.total, summary.totals.succeeded, summary.totals.failed) == (11, 6, 5)
+    batch = results_by_custom_id(tmp_path / "out.jsonl")
+    http = answers_over_http(fake_engine, LINES, SAMPLING, ["fake-model"])
+    assert batch == http
+    assert {custom_id: status for custom_id, (status, _) in batch.items() if status != 200} == {
+        "too-long": 400, "bad-value": 400, "bad-type": 400, "unknown-model": 404, "no-messages": 400}
+    assert [choice["index"] for choice in batch["two-prompts"][1]["choices"]] == [0, 1, 2, 3]
+
+
+def test_error_records_carry_the_message_and_the_job_goes_on(tmp_path, fake_engine):
+    lines = [completion_line("ok", "Hello"), "{broken", completion_line("long", "word " * 300, max_tokens=100),
+             {**completion_line("streamed", "x"), "body": {"prompt": "x", "stream": True}}, chat_line("last", "Hi")]
+    run_job(write_job(tmp_path, lines, sampling=SAMPLING, errors="errors.jsonl"), engine=fake_engine,
+            show_progress=False)
+    assert sorted(record["custom_id"] for record in read_jsonl(tmp_path / "out.jsonl")) == ["last", "ok"]
+    errors = {record["custom_id"]: record for record in read_jsonl(tmp_path / "errors.jsonl")}
+    assert errors[None]["error"] == {"code": "invalid_request_line", "line": 2, "param": None,
+                                     "message": errors[None]["error"]["message"]}
+    assert errors[None]["error"]["message"].startswith("line 2: not valid JSON") and errors[None]["response"] is None
+    long = errors["long"]
+    assert long["response"]["status_code"] == 400 and "maximum context length" in long["error"]["message"]
+    assert long["response"]["body"]["error"]["message"] == long["error"]["message"]
+    assert long["response"]["request_id"].startswith("cmpl-")
+    assert "stream is not supported" in errors["streamed"]["error"]["message"]
+
+
+def test_max_concurrency_bounds_the_lines_in_the_engine(tmp_path, fake_engine):
+    seen = []
+    step = fake_engine.step
+
+    def counting_step():
+        seen.append(len(fake_engine._running))
+        return step()
+
+    fake_engine.step = counting_step
+    lines = [completion_line(f"r{index}", "Hello", max_tokens=1 + index % 4) for index in range(20)]
+    run_job(write_job(tmp_path, lines, sampling=SAMPLING, max_concurrency=3), engine=fake_engine,
+            show_progress=False)
+    assert max(seen) == 3 and len(read_jsonl(tmp_path / "out.jsonl")) == 20
+
+
+def test_an_interrupted_job_resumes_where_it_stopped(tmp_path, fake_engine):
+    lines = [completion_line(f"r{index}", f"Prompt {index}", max_tokens=1 + index % 5) for index in range(30)]
+    lines.insert(7, "not json")
+    job = write_job(tmp_path, lines, sampling=SAMPLING, max_concurrency=4)
+    real_step, steps = fake_engine.step, []
+
+    def dying_step():
+        steps.append(1)
+        if len(steps) == 12:
+            raise KeyboardInterrupt  # as Ctrl-C would, mid-job
+        return real_step()
+
+    fake_engine.step = dying_step
+    with pytest.raises(KeyboardInterrupt):
+        run_job(job, engine=fake_engine, show_progress=False)
+    partial = read_jsonl(tmp_path / "out.jsonl")
+    assert 0 < len(partial) < 31
+    with (tmp_path / "out.jsonl").open("a") as out:
+        out.write('{"id": "batch_req_torn", "custom_id": "r2')  # and a torn line, as a SIGKILL mid-write leaves
+    fake_engine.step = real_step
+    fake_engine._running.clear()  # the killed process's engine would be gone
+    summary = run_job(job, engine=fake_engine, show_progress=False)
+    assert summary.skipped == len(partial) and summary.total == 31
+    records = read_jsonl(tmp_path / "out.jsonl")
+    assert records[:len(partial)] == partial  # nothing rewritten
+    keys = sorted(str(record["custom_id"] or record["error"]["line"]) for record in records)
+    assert keys == sorted([f"r{index}" for index in range(30)] + ["8"])
+    assert run_job(job, engine=object(), show_progress=False).skipped == 31  # done: the engine is not touched
