@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import logging
+
 from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
 
+log = logging.getLogger(__name__)
+
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas-interpret")
 KERNEL_PLATFORMS = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+
+
+def kernel_supports(backend: str, cfg: ModelConfig) -> bool:
+    """Whether the Pallas kernel handles this model (Triton tiles need a power-of-two head_dim >= 16)."""
+    if backend == "gpu" and (cfg.head_dim & (cfg.head_dim - 1) or cfg.head_dim < 16):
+        log.info("head_dim %d does not suit the Triton kernel: using the reference attention", cfg.head_dim)
+        return False
+    return True
 
 
 def make_attention_fn(impl: str, platform: str, cfg: ModelConfig, mesh: Mesh | None = None):
@@ -15,13 +27,13 @@ def make_attention_fn(impl: str, platform: str, cfg: ModelConfig, mesh: Mesh | N
 
     "reference": paged attention in plain XLA (the CPU path); "pallas": the Pallas kernel compiled for this
     platform's GPU or TPU; "pallas-interpret": the same kernel run by Pallas's interpreter (any platform; slow,
-    for tests); "auto": "pallas" on GPU/TPU, "reference" elsewhere.
+    for tests); "auto": "pallas" on GPU/TPU (where the kernel suits the model), "reference" elsewhere.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl={impl!r} is not one of {', '.join(map(repr, ATTENTION_IMPLS))}")
     backend = KERNEL_PLATFORMS.get(platform)
     if impl == "auto":
-        impl = "pallas" if backend else "reference"
+        impl = "pallas" if backend and kernel_supports(backend, cfg) else "reference"
     if impl == "reference":
         from jaxserve.runner.paged_attention_xla import blockwise_attention_fn
 
@@ -29,11 +41,11 @@ def make_attention_fn(impl: str, platform: str, cfg: ModelConfig, mesh: Mesh | N
     if impl == "pallas" and backend is None:
         raise ValueError(f"attention_impl='pallas' needs a GPU or TPU, but the platform is {platform!r}; use "
                          "'pallas-interpret' to run the kernels' interpreter here, or 'reference'")
-    if backend == "gpu":
+    kernel = backend or "gpu"  # the interpreter runs the TPU kernel on a TPU, the (quicker) GPU one elsewhere
+    if kernel == "gpu":
         from pallas_kernels.gpu_pages import check_gpu_tiles
 
         check_gpu_tiles(16, cfg.head_dim)  # fail at start-up, not inside the first compile
     from jaxserve.runner.pallas_attention import pallas_attention_fn
 
-    # The interpreter runs the TPU kernel on a TPU and the (faster to interpret) GPU kernel anywhere else.
-    return pallas_attention_fn(backend or "gpu", interpret=impl == "pallas-interpret", mesh=mesh)
+    return pallas_attention_fn(kernel, interpret=impl == "pallas-interpret", mesh=mesh)

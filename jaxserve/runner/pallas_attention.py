@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxserve.parallel.sharding import mesh_axes, partition_spec
+from jaxserve.parallel.sharding import mesh_axes, nested_map_mesh, partition_spec
 from jaxserve.runner.attention import AttentionMetadata, write_kv
 from jaxserve.runner.kv_cache import KVCache
 from pallas_kernels.ragged_attention import RAGGED_KERNELS
@@ -61,8 +61,10 @@ def pallas_attention_fn(backend: str, interpret: bool, mesh: Mesh | None):
         cache = KVCache(partition_spec(CACHE_HEAD_AXES), partition_spec(CACHE_HEAD_AXES))
         everywhere = partition_spec(())
         body = partial(attend, scale=scale, sliding_window=sliding_window)
+        outer, manual = nested_map_mesh(mesh)  # inside a pipeline stage, pp is manual already
         # check_vma=False: pallas_call has no replication rule; the kernel is purely per-device anyway.
-        return jax.shard_map(body, mesh=mesh, in_specs=(heads, kv_heads, kv_heads, cache, everywhere, everywhere),
-                             out_specs=(heads, cache), axis_names=axes, check_vma=False)(q, k, v, kv, layer, meta)
+        return jax.shard_map(body, mesh=outer, in_specs=(heads, kv_heads, kv_heads, cache, everywhere, everywhere),
+                             out_specs=(heads, cache), axis_names=axes - manual, check_vma=False)(q, k, v, kv, layer,
+                                                                                                  meta)
 
     return sharded

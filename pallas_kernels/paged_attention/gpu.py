@@ -1,0 +1,91 @@
+"""Paged decode attention on GPUs: Pallas on Triton.
+
+Grid (B, K, S): one program per (sequence, kv head, context split). A program holds the G query heads that share
+kv head h as R = max(16, next_pow2(G)) rows (Triton needs power-of-two tiles and dots at least 16 wide), walks
+its split of the sequence's pages P at a time (one gathered load of P pages of [bs, d] each), and keeps an
+online softmax in float32. Splitting the context (flash-decoding) keeps the GPU busy when B * K is small; the
+splits' partial outputs and log-sum-exps are merged in plain jnp afterwards.
+
+The whole cache [L, K, NB, bs, d] is passed as one pointer and indexed by (layer, h, page) inside the kernel,
+so no per-layer copy of the cache is ever made.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import (MASK_VALUE, as_layered, cdiv, check_shapes, dot_precision, next_pow2, normalise,
+                                   pad_axis, page_range)
+from pallas_kernels.gpu_pages import attend_pages, block_count, check_gpu_tiles, choose_block_pages
+
+TARGET_PROGRAMS = 512  # enough (sequence, head, split) programs to fill a GPU's SMs a few times over
+
+
+def _decode_kernel(layer_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, pages_per_block,
+                   pages_per_split, scale, window, precision):
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    P, bs = pages_per_block, k_ref.shape[-2]
+    q_pos = lens_ref[b] - 1
+    lo, hi = page_range(q_pos, q_pos, bs, window)
+    split_lo = split * pages_per_split
+    lo = jnp.maximum(jax.lax.div(lo, P) * P, split_lo)  # block-aligned so a P-page load never leaves the split
+    hi = jnp.minimum(hi, split_lo + pages_per_split)
+    m, l, acc = attend_pages(q_ref[...], q_pos, k_ref, v_ref, tables_ref, b, layer_ref[0], h, lo,
+                             block_count(lo, hi, P), pages_per_block=P, scale=scale, window=window,
+                             precision=precision)
+    o_ref[...] = normalise(l, acc)
+    lse_ref[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), MASK_VALUE).reshape(l.shape[0])
+
+
+def merge_splits(o: jax.Array, lse: jax.Array) -> jax.Array:
+    """o [..., S, R, d], lse [..., S, R] (normalised partial outputs per split) -> [..., R, d]."""
+    w = jnp.exp(lse - jnp.max(lse, axis=-2, keepdims=True))  # empty splits carry lse = MASK: weight 0
+    return jnp.sum(o * w[..., None], axis=-3) / jnp.sum(w, axis=-2)[..., None]
+
+
+def default_splits(B: int, K: int, num_page_blocks: int) -> int:
+    # Split only while B * K programs leave SMs idle; a split's fixed cost (q load, merge) is a few loads.
+    return max(1, min(cdiv(TARGET_PROGRAMS, B * K), num_page_blocks))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "pages_per_block", "num_splits",
+                                             "num_warps", "num_stages", "interpret"))
+def paged_decode_gpu(q, k_cache, v_cache, block_tables, context_lens, *, layer=0, scale: float,
+                     sliding_window: int | None = None, pages_per_block: int = 8, num_splits: int | None = None,
+                     num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> jax.Array:
+    """q [B, H, d]; caches [L, K, NB, bs, d] (or one layer's [K, NB, bs, d]); block_tables [B, MB];
+    context_lens [B] (including this step's token, whose K/V is already in the cache) -> [B, H, d]."""
+    k_cache, v_cache = as_layered(k_cache), as_layered(v_cache)
+    K, G = check_shapes(q, k_cache, v_cache)
+    B, H, d = q.shape
+    bs = k_cache.shape[3]
+    check_gpu_tiles(bs, d)
+    MB = block_tables.shape[1]
+    P = choose_block_pages(pages_per_block, MB, bs)
+    S = num_splits or default_splits(B, K, cdiv(MB, P))
+    pages_per_split = cdiv(cdiv(MB, P), S) * P
+    tables = pad_axis(block_tables.astype(jnp.int32), 1, pages_per_split * S)  # pad pages: the null block
+    R = max(16, next_pow2(G))
+    qg = pad_axis(q.reshape(B, K, G, d), 2, R)
+    kernel = functools.partial(_decode_kernel, pages_per_block=P, pages_per_split=pages_per_split, scale=scale,
+                               window=sliding_window, precision=dot_precision(q.dtype))
+    whole = pl.BlockSpec()
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(B, K, S),
+        in_specs=[whole, whole, whole, pl.BlockSpec((None, None, R, d), lambda b, h, s: (b, h, 0, 0)), whole, whole],
+        out_specs=[pl.BlockSpec((None, None, None, R, d), lambda b, h, s: (b, h, s, 0, 0)),
+                   pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, K, S, R, d), jnp.float32),
+                   jax.ShapeDtypeStruct((B, K, S, R), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="paged_decode_attention",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), context_lens.astype(jnp.int32), tables, qg, k_cache, v_cache)
+    out = merge_splits(o, lse)[:, :, :G]
+    return out.reshape(B, H, d).astype(q.dtype)

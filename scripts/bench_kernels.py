@@ -1,0 +1,154 @@
+#!/usr/bin/env python
+"""Paged decode attention: jaxserve's Pallas GPU kernel side by side with JAX's bundled
+`jax.experimental.pallas.ops.gpu.paged_attention`, and against the roofline (KV bytes read / the device's
+measured copy bandwidth). bf16, 32 q heads, 8 kv heads, head_dim 128, 16-token pages, shuffled block tables.
+
+    python scripts/bench_kernels.py [--append BENCHMARKS.md]     # on a GPU: batch {1,8,64,256} x context {512,2048,8192}
+    python scripts/bench_kernels.py --tiny                       # CPU, interpret mode: checks that the script works
+
+Prints one row per configuration and, as the last line, the ratio (JAX's time / ours, geometric mean).
+Timings are only meaningful on a GPU; --tiny figures are interpreter speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import subprocess
+import time
+from dataclasses import dataclass
+
+FULL = dict(batches=(1, 8, 64, 256), contexts=(512, 2048, 8192), H=32, K=8, d=128, bs=16, dtype="bfloat16")
+TINY = dict(batches=(1, 2), contexts=(32, 64), H=4, K=2, d=64, bs=16, dtype="float32")
+
+
+@dataclass
+class Row:
+    batch: int
+    context: int
+    ours_us: float
+    jax_us: float
+    roofline_us: float
+    max_diff: float
+
+    @property
+    def speedup(self) -> float:
+        return self.jax_us / self.ours_us
+
+
+def timed(fn, *args, iters: int) -> float:
+    """Median seconds per call over `iters` calls, after a warm-up (compile) call."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - t0)
+    return sorted(samples)[len(samples) // 2]
+
+
+def copy_bandwidth(nbytes: int, iters: int) -> float:
+    """Bytes/s of an elementwise pass over `nbytes` (read once, written once): the achievable memory bandwidth."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    return 2 * nbytes / timed(jax.jit(lambda a: a + 1), x, iters=iters)
+
+
+def make_inputs(B: int, ctx: int, cfg: dict, seed: int = 0):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    pages = ctx // cfg["bs"]
+    NB = B * pages + 1  # block 0: the null block
+    tables = np.random.default_rng(seed).permutation(np.arange(1, NB))[: B * pages].reshape(B, pages)
+    keys = jax.random.split(jax.random.key(seed), 3)
+    dtype = jnp.dtype(cfg["dtype"])
+    shape = (cfg["K"], NB, cfg["bs"], cfg["d"])  # one layer's pages, the layout both kernels take
+    q = jax.random.normal(keys[0], (B, cfg["H"], cfg["d"]), dtype)
+    k = jax.random.normal(keys[1], shape, dtype)
+    v = jax.random.normal(keys[2], shape, dtype)
+    return q, k, v, jnp.asarray(tables, jnp.int32), jnp.full((B,), ctx, jnp.int32)
+
+
+def bench_one(B: int, ctx: int, cfg: dict, bandwidth: float, interpret: bool, iters: int, tuning: dict) -> Row:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as jax_paged_attention
+
+    from pallas_kernels.paged_attention import paged_decode_gpu
+
+    q, k, v, tables, lens = make_inputs(B, ctx, cfg)
+    scale = cfg["d"] ** -0.5
+    ours = jax.jit(lambda q, k, v, t, n: paged_decode_gpu(q, k, v, t, n, scale=scale, interpret=interpret, **tuning))
+    pages = tables.shape[1]
+    splits = math.gcd(16, pages)  # JAX's kernel needs its k_splits to divide the pages per sequence
+    theirs = jax.jit(lambda q, k, v, t, n: jax_paged_attention(q * scale, k, v, t, n, k_splits=splits,
+                                                               pages_per_compute_block=min(8, pages // splits),
+                                                               interpret=interpret))
+    diff = float(jnp.max(jnp.abs(ours(q, k, v, tables, lens).astype(jnp.float32)
+                                 - theirs(q, k, v, tables, lens).astype(jnp.float32))))
+    kv_bytes = 2 * B * ctx * cfg["K"] * cfg["d"] * jnp.dtype(cfg["dtype"]).itemsize
+    return Row(B, ctx, 1e6 * timed(ours, q, k, v, tables, lens, iters=iters),
+               1e6 * timed(theirs, q, k, v, tables, lens, iters=iters), 1e6 * kv_bytes / bandwidth, diff)
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| batch | context | ours (us) | JAX paged_attention (us) | JAX / ours | ours % of roofline | max abs diff |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r.batch} | {r.context} | {r.ours_us:.1f} | {r.jax_us:.1f} | {r.speedup:.2f}x | "
+              f"{100 * r.roofline_us / r.ours_us:.0f}% | {r.max_diff:.1e} |" for r in rows]
+    return "\n".join(lines)
+
+
+def append_results(path: str, rows: list[Row], device: str, bandwidth: float, command: str) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    header = "## Paged decode kernel: jaxserve Pallas vs jax.experimental.pallas.ops.gpu.paged_attention"
+    with open(path) as f:
+        has_header = header in f.read()
+    with open(path, "a") as f:
+        if not has_header:
+            f.write(f"\n{header}\n\nbf16, 32 q heads, 8 kv heads, head_dim 128, 16-token pages, shuffled block tables; "
+                    "roofline = KV bytes read / measured copy bandwidth.\n")
+        f.write(f"\n{datetime.date.today()}, {device}, commit {commit}, `{command}`, "
+                f"measured copy bandwidth {bandwidth / 1e9:.0f} GB/s:\n\n{table(rows)}\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes in interpret mode (CPU): checks the script")
+    ap.add_argument("--iters", type=int, default=None, help="timed calls per kernel and configuration")
+    ap.add_argument("--append", metavar="BENCHMARKS.md", help="append the table to this file")
+    for flag in ("pages-per-block", "num-splits", "num-warps", "num-stages"):
+        ap.add_argument(f"--{flag}", type=int, help="override the decode kernel's default (for tuning)")
+    args = ap.parse_args()
+    tuning = {k: v for k in ("pages_per_block", "num_splits", "num_warps", "num_stages")
+              if (v := getattr(args, k)) is not None}
+
+    import jax
+
+    cfg = TINY if args.tiny else FULL
+    device = jax.devices()[0]
+    if not args.tiny and device.platform != "gpu":
+        raise SystemExit(f"this benchmark needs a GPU (found {device.platform}); use --tiny to check it on CPU")
+    iters = args.iters or (2 if args.tiny else 20)
+    bandwidth = copy_bandwidth((64 << 20) if args.tiny else (2 << 30), iters)
+    rows = [bench_one(B, ctx, cfg, bandwidth, args.tiny, iters, tuning)
+            for B in cfg["batches"] for ctx in cfg["contexts"]]
+    print(f"device: {device.device_kind}; measured copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    print(table(rows))
+    if args.append:
+        command = " ".join(["scripts/bench_kernels.py", *(["--tiny"] if args.tiny else []),
+                            *(f"--{k.replace('_', '-')} {v}" for k, v in tuning.items())])
+        append_results(args.append, rows, device.device_kind, bandwidth, command)
+    ratio = math.exp(sum(math.log(r.speedup) for r in rows) / len(rows))
+    print(f"ratio JAX paged_attention time / ours (geometric mean over {len(rows)} configs): {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

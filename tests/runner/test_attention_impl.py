@@ -1,0 +1,79 @@
+"""Engine-side attention selection and the Pallas adapter: a padded mixed step (prefill chunks, a decode, padding
+tokens and an empty batch row, as runner/plan.py builds them) gives the reference's outputs and cache."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.config import ModelConfig
+from jaxserve.parallel.sharding import make_mesh
+from jaxserve.runner.attention import AttentionMetadata, reference_attention_fn
+from jaxserve.runner.attention_impl import make_attention_fn
+from jaxserve.runner.kv_cache import KVCache
+from jaxserve.runner.paged_attention_xla import blockwise_attention_fn
+from jaxserve.runner.pallas_attention import ragged_metadata
+
+CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=64, intermediate_size=64,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64)
+BS = 8
+
+
+def mixed_step(T=16, B=4, L=2, NB=20):
+    """Row 0: a 5-token prefill from 0; row 1: a decode at position 20; row 2: a chunk of 7 from 16; row 3: empty."""
+    rng = np.random.default_rng(0)
+    chunks = [(0, 5), (20, 1), (16, 7)]
+    pages = rng.permutation(np.arange(1, NB))
+    tables = np.zeros((B, 4), np.int32)
+    tables[:3] = pages[:12].reshape(3, 4)
+    positions, slots, token_seq = (np.zeros(T, np.int32) for _ in range(3))
+    t = 0
+    for row, (start, n) in enumerate(chunks):
+        pos = np.arange(start, start + n)
+        positions[t : t + n], token_seq[t : t + n] = pos, row
+        slots[t : t + n] = tables[row, pos // BS] * BS + pos % BS
+        t += n
+    meta = AttentionMetadata(*map(jnp.asarray, (positions, slots, token_seq, tables)))
+    keys = jax.random.split(jax.random.key(1), 5)
+    K, H, d = CFG.num_kv_heads, CFG.num_heads, CFG.head_dim
+    kv = KVCache(jax.random.normal(keys[0], (L, K, NB, BS, d)), jax.random.normal(keys[1], (L, K, NB, BS, d)))
+    q, k, v = (jax.random.normal(key, (T, n, d)) for key, n in zip(keys[2:], (H, K, K)))
+    return (q, k, v, kv, jnp.int32(1), meta), t
+
+
+def run(fn, args):
+    return jax.jit(lambda *a: fn(*a, scale=0.125, sliding_window=None))(*args)
+
+
+def test_ragged_metadata_skips_padding():
+    (_, _, _, _, _, meta), _ = mixed_step()
+    q_start, q_lens, kv_lens = ragged_metadata(meta, BS)
+    assert q_start.tolist() == [0, 5, 6, 0] and q_lens.tolist() == [5, 1, 7, 0] and kv_lens.tolist() == [5, 21, 23, 0]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pallas_interpret_matches_reference(tp):
+    args, real = mixed_step()
+    want_out, want_kv = run(reference_attention_fn, args)
+    fn = make_attention_fn("pallas-interpret", "cpu", CFG, make_mesh(tp, 1))
+    out, kv = run(fn, args)
+    assert float(jnp.abs(out[:real] - want_out[:real]).max()) <= 1e-5
+    assert jnp.array_equal(kv.k, want_kv.k) and jnp.array_equal(kv.v, want_kv.v)
+
+
+def test_choice_of_implementation():
+    assert make_attention_fn("auto", "cpu", CFG) is blockwise_attention_fn
+    assert make_attention_fn("reference", "gpu", CFG) is blockwise_attention_fn
+    assert make_attention_fn("auto", "gpu", CFG) is not blockwise_attention_fn
+    with pytest.raises(ValueError, match="'flash'.*'auto', 'reference', 'pallas', 'pallas-interpret'"):
+        make_attention_fn("flash", "cpu", CFG)
+    with pytest.raises(ValueError, match="needs a GPU or TPU"):
+        make_attention_fn("pallas", "cpu", CFG)
+
+
+def test_auto_falls_back_where_the_triton_kernel_cannot_tile():
+    odd = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=96, intermediate_size=64,
+                      num_layers=1, num_heads=1, num_kv_heads=1, head_dim=96)
+    assert make_attention_fn("auto", "gpu", odd) is blockwise_attention_fn
+    with pytest.raises(ValueError, match="head_dim to be a power of two"):
+        make_attention_fn("pallas", "gpu", odd)

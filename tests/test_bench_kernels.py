@@ -1,0 +1,20 @@
+"""scripts/bench_kernels.py --tiny: the GPU benchmark's code path, on CPU in interpret mode."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_kernels_tiny_runs(tmp_path):
+    out = tmp_path / "BENCH.md"
+    out.write_text("# Benchmarks\n")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_kernels.py"), "--tiny", "--append", str(out)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("ratio JAX paged_attention time / ours") and last.endswith("x")
+    assert "| 2 | 64 |" in out.read_text()
