@@ -43,6 +43,11 @@ class ModelConfig:
     # Mixture of experts (Mixtral); 0 experts means a dense MLP.
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    # Zero rows appended so the vocabulary / the experts split evenly over tensor-parallel devices. Set only on
+    # the runner's effective config (parallel/layout.py); the model slices padded logits off and never routes to
+    # padded experts.
+    vocab_pad: int = 0
+    expert_pad: int = 0
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

@@ -24,7 +24,8 @@ from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine_inputs import normalise_conversations, normalise_prompts, prompt_token_ids, validate_lengths
 from jaxserve.loader.checkpoint import open_checkpoint
 from jaxserve.outputs import RequestOutput
-from jaxserve.parallel.sharding import parse_mesh
+from jaxserve.parallel.multihost import agree_on_min
+from jaxserve.parallel.sharding import resolve_mesh
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.capacity import capacity_line, free_bytes_for_cache, num_blocks_for
 from jaxserve.runner.compilation_cache import DEFAULT_COMPILATION_CACHE, enable_compilation_cache
@@ -51,7 +52,8 @@ class Engine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, seed: int = 0, mesh=None,
                  max_logprobs: int = 20, enable_prefix_caching: bool = True, warmup: bool = True,
                  recompile_guard: str = "warn", compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
-                 tokenizer=None):
+                 tokenizer=None, attention_impl: str = "auto", tensor_parallel_size: int | None = None,
+                 pipeline_parallel_size: int | None = None, pp_layer_partition: list[int] | None = None):
         _check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
                               recompile_guard)
         enable_compilation_cache(compilation_cache_dir)
@@ -62,8 +64,9 @@ class Engine:
         self.generation_defaults = ckpt.generation_defaults
         max_model_len = _check_max_model_len(max_model_len, cfg.max_position_embeddings)
         dtype = resolve_dtype(dtype, jax.devices()[0].platform)
-        self.mesh_shape = parse_mesh(mesh)
-        self.runner = ModelRunner(cfg, ckpt.tensors, dtype, block_size, self.mesh_shape)
+        self.mesh_shape = resolve_mesh(mesh, tensor_parallel_size, pipeline_parallel_size)
+        self.runner = ModelRunner(cfg, ckpt.tensors, dtype, block_size, self.mesh_shape, attention_impl,
+                                  pp_layer_partition)
         self.plan_shape = PlanShape(Buckets.for_limits(max_num_batched_tokens, max_num_seqs),
                                     -(-max_model_len // block_size), cfg.vocab_size, max_model_len, max_logprobs)
         num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_memory_fraction)
@@ -97,9 +100,10 @@ class Engine:
             self.runner.allocate_cache(2)
             T, B = max(self.plan_shape.buckets.forward_shapes())
             self.runner.execute(*_profile_inputs(T, B, self.plan_shape))
-            free = free_bytes_for_cache(self.runner.mesh.devices.flat, memory_fraction)
+            free = free_bytes_for_cache(self.runner.mesh.local_devices, memory_fraction)
             num_blocks = num_blocks_for(self.runner.cfg, self.runner.block_size, self.runner.dtype, free,
                                         shards=self.mesh_shape[0] * self.mesh_shape[1])
+        num_blocks = agree_on_min(num_blocks)  # across processes: all need the same cache; the fullest device decides
         if num_blocks < 2:
             raise ValueError(f"num_kv_blocks={num_blocks} is too small: block 0 is reserved, so at least 2 are needed")
         self.runner.allocate_cache(num_blocks)
@@ -272,7 +276,7 @@ class Engine:
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that advanced it, until it finishes."""
         request_id = f"stream-{next(self._request_ids)}"
-        self.add_request(request_id, prompt, params or SamplingParams())
+        self.add_request(request_id, prompt, params or self.default_sampling_params())
         finished = False
         while not finished:
             for out in self.step():
@@ -283,7 +287,7 @@ class Engine:
     def _run_all(self, prompts: list, params, use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        params_list = params if isinstance(params, list) else [params or self.default_sampling_params()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one or one each")
         ids = [f"gen-{next(self._request_ids)}" for _ in prompts]
@@ -299,6 +303,10 @@ class Engine:
                         results[out.request_id] = out
                         bar.update(1)
         return [results[rid] for rid in ids]
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (temperature, top_p, ...), as vLLM."""
+        return SamplingParams(**self.generation_defaults)
 
     def stats(self) -> dict:
         return {

@@ -69,9 +69,13 @@ def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int
     if bias_entries > BIAS_SLOTS:
         raise ValueError(f"logit_bias and stop_token_ids together have {bias_entries} entries; at most {BIAS_SLOTS} fit")
     capacity = (config.cache.num_blocks - 1) * config.cache.block_size
-    if prompt_len + params.max_tokens > capacity:
+    # Every sequence (n, or best_of) may grow to prompt + max_tokens. Checked before the sequences are made, so a
+    # request for a billion of them is refused at once rather than exhausting host memory.
+    needed = params.num_sequences * (prompt_len + params.max_tokens)
+    if needed > capacity:
+        each = f"{params.num_sequences} sequences x " if params.num_sequences > 1 else ""
         raise ValueError(
-            f"the request needs up to {prompt_len + params.max_tokens} tokens of KV cache but the whole cache holds "
-            f"{capacity}; raise num_kv_blocks or lower max_tokens"
+            f"the request needs up to {needed} tokens of KV cache ({each}{prompt_len} prompt + {params.max_tokens} "
+            f"max_tokens) but the whole cache holds {capacity}; lower n or max_tokens, or raise num_kv_blocks"
         )
     return params

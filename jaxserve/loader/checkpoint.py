@@ -13,6 +13,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from jaxserve.loader.gguf import GGUFFile
 from jaxserve.loader.hf_config import model_config_from_hf
+from jaxserve.loader.orbax_checkpoint import is_orbax_checkpoint, open_orbax_checkpoint
 from jaxserve.loader.safetensors import SafetensorsSource
 from jaxserve.loader.weights import TensorSource
 
@@ -34,6 +35,8 @@ def open_checkpoint(model: str | None) -> Checkpoint:
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _open_gguf(path, name=path.stem)
+    if path.is_dir() and is_orbax_checkpoint(path):
+        return open_orbax_checkpoint(path)  # written by `jaxserve convert`
     if path.is_dir():
         return _open_hf_dir(path, name=model)
     if path.suffix == ".gguf" or model.startswith((".", "/", "~")) or model.count("/") != 1:

@@ -33,8 +33,9 @@ class SafetensorsSource:
         if not path.exists():
             raise FileNotFoundError(f"checkpoint shard {path} is missing; re-download the model")
         try:
-            # The "flax" framework reads bfloat16 (numpy cannot); keep the arrays on the host CPU.
-            with jax.default_device(jax.devices("cpu")[0]):
+            # The "flax" framework reads bfloat16 (numpy cannot); keep the arrays on the host CPU (this process's
+            # own: under jax.distributed, jax.local_devices(backend="cpu")[0] may belong to another process).
+            with jax.default_device(jax.local_devices(backend="cpu")[0]):
                 return safe_open(str(path), framework="flax")
         except SafetensorError as e:
             raise ValueError(f"{path} is not a valid safetensors file ({e}); it may be truncated: re-download it") from None
@@ -49,7 +50,7 @@ class SafetensorsSource:
         if path not in self._handles:
             self._handles[path] = self._open(path)
         try:
-            with jax.default_device(jax.devices("cpu")[0]):
+            with jax.default_device(jax.local_devices(backend="cpu")[0]):
                 return np.asarray(self._handles[path].get_tensor(name))
         except SafetensorError as e:
             raise ValueError(f"cannot read tensor {name!r} from {path} ({e}); the file may be truncated") from None

@@ -52,11 +52,21 @@ def _layer_weights(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
     return table
 
 
-def _expert_weights(cfg: ModelConfig, src: TensorSource, i: int) -> Iterator[tuple[str, np.ndarray]]:
-    # Mixtral names its expert matrices w1 (gate), w3 (up), w2 (down).
-    for ours, hf in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2")):
-        mats = [src.get(f"model.layers.{i}.block_sparse_moe.experts.{e}.{hf}.weight").T for e in range(cfg.num_experts)]
-        yield ours, np.stack(mats)
+# Mixtral names its expert matrices w1 (gate), w3 (up), w2 (down); ours are stacked [L, E, ...].
+EXPERT_WEIGHTS = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
+
+
+def _expert_weight(cfg: ModelConfig, src: TensorSource, hf: str, dtype) -> np.ndarray:
+    """One expert matrix of every layer, [L, E, in, out]; filled in place so only the result is held."""
+    def get(i: int, e: int) -> np.ndarray:
+        return src.get(f"model.layers.{i}.block_sparse_moe.experts.{e}.{hf}.weight").T
+
+    first = get(0, 0)
+    out = np.empty((cfg.num_layers, cfg.num_experts) + first.shape, dtype)
+    for i in range(cfg.num_layers):
+        for e in range(cfg.num_experts):
+            out[i, e] = first if i == e == 0 else get(i, e)
+    return out
 
 
 def load_params(cfg: ModelConfig, src: TensorSource, dtype) -> Iterator[tuple[ParamPath, np.ndarray]]:
@@ -70,6 +80,5 @@ def load_params(cfg: ModelConfig, src: TensorSource, dtype) -> Iterator[tuple[Pa
         stacked = np.stack([transform(src.get(f"model.layers.{i}.{hf}")) for i in range(cfg.num_layers)])
         yield ("layers", ours), stacked.astype(dtype)
     if cfg.num_experts:
-        per_layer = [dict(_expert_weights(cfg, src, i)) for i in range(cfg.num_layers)]
-        for ours in ("w_gate", "w_up", "w_down"):
-            yield ("layers", ours), np.stack([layer[ours] for layer in per_layer]).astype(dtype)
+        for ours, hf in EXPERT_WEIGHTS.items():
+            yield ("layers", ours), _expert_weight(cfg, src, hf, dtype)

@@ -66,30 +66,38 @@ def decoder_layer(cfg: ModelConfig, attention_fn, mlp_fn, carry, w: dict[str, ja
     return x, kv
 
 
+def scan_layers(layer_fn, weights: dict[str, jax.Array], x: jax.Array, kv, meta):
+    """Run the layers stacked in `weights` one after another (one `lax.scan`); the cache's layer i is weight
+    i's. The pipeline (parallel/pipeline.py) runs the same function on each stage's own layers."""
+    num_layers = jax.tree.leaves(weights)[0].shape[0]
+
+    def body(carry, xs):
+        w, layer = xs
+        return layer_fn(carry, w, layer, meta), None
+
+    (x, kv), _ = jax.lax.scan(body, (x, kv), (weights, jnp.arange(num_layers)))
+    return x, kv
+
+
 class LlamaForCausalLM(nnx.Module):
     layers_class = DecoderLayers
     mlp_fn = staticmethod(mlp)
 
     def __init__(self, cfg: ModelConfig, dtype):
         self.cfg = cfg
-        self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+        V = cfg.vocab_size + cfg.vocab_pad
+        self.embed = param((V, cfg.hidden_size), ("vocab", "embed"), dtype)
         self.layers = self.layers_class(cfg, dtype)
         self.final_norm = param((cfg.hidden_size,), ("embed",), dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = param((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
+            self.lm_head = param((cfg.hidden_size, V), ("embed", "vocab"), dtype)
 
-    def __call__(self, token_ids: jax.Array, kv, meta, attention_fn):
-        """Hidden states [T, D] after the final norm, and the updated cache."""
+    def __call__(self, token_ids: jax.Array, kv, meta, attention_fn, run_layers=scan_layers):
+        """Hidden states [T, D] after the final norm, and the updated cache. `run_layers` runs the stacked
+        layers: a plain scan, or the pipeline over stages."""
         x = self.embed[...][token_ids]
-        body = partial(decoder_layer, self.cfg, attention_fn, self.mlp_fn)
-        weights = self.layers.arrays()
-        layer_ids = jnp.arange(self.cfg.num_layers)
-
-        def scan_body(carry, xs):
-            w, layer = xs
-            return body(carry, w, layer, meta), None
-
-        (x, kv), _ = jax.lax.scan(scan_body, (x, kv), (weights, layer_ids))
+        layer_fn = partial(decoder_layer, self.cfg, attention_fn, self.mlp_fn)
+        x, kv = run_layers(layer_fn, self.layers.arrays(), x, kv, meta)
         return rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps), kv
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -98,4 +106,4 @@ class LlamaForCausalLM(nnx.Module):
             out = jnp.einsum("ND,VD->NV", hidden, self.embed[...], preferred_element_type=jnp.float32)
         else:
             out = jnp.einsum("ND,DV->NV", hidden, self.lm_head[...], preferred_element_type=jnp.float32)
-        return out
+        return out[:, : self.cfg.vocab_size]  # rows padded for tensor parallelism are not tokens

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.models.mixtral import MixtralForCausalLM
 
 ARCHITECTURES: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
 }
 

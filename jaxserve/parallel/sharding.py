@@ -24,9 +24,11 @@ LOGICAL_RULES: dict[str, str | None] = {
     "head_dim": None,
     "mlp": "tp",
     "experts": "tp",
+    "expert_mlp": None,  # an expert's own MLP width: whole, since its experts already split over tp
 }
 
-MESH_AXES = ("pp", "tp")
+PIPELINE_AXIS, TENSOR_AXIS = "pp", "tp"
+MESH_AXES = (PIPELINE_AXIS, TENSOR_AXIS)
 
 
 def parse_mesh(mesh: str | tuple[int, int] | None) -> tuple[int, int]:
@@ -45,6 +47,21 @@ def parse_mesh(mesh: str | tuple[int, int] | None) -> tuple[int, int]:
     return tp, pp
 
 
+def resolve_mesh(mesh, tensor_parallel_size: int | None = None,
+                 pipeline_parallel_size: int | None = None) -> tuple[int, int]:
+    """(tp, pp) from `mesh="4x2"` or from vLLM-style sizes (either may be left out: 1)."""
+    sizes = (tensor_parallel_size, pipeline_parallel_size)
+    if mesh is not None and sizes != (None, None):
+        raise ValueError("give the mesh either as mesh='TPxPP' or as tensor_parallel_size/pipeline_parallel_size, "
+                         "not both")
+    if mesh is not None:
+        return parse_mesh(mesh)
+    for name, n in zip(("tensor_parallel_size", "pipeline_parallel_size"), sizes):
+        if n is not None and (not isinstance(n, int) or n < 1):
+            raise ValueError(f"{name} must be a positive integer, got {n!r}")
+    return tuple(1 if n is None else n for n in sizes)
+
+
 def make_mesh(tp: int, pp: int, devices: Iterable[jax.Device] | None = None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     if tp * pp > len(devices):
@@ -60,9 +77,23 @@ def partition_spec(logical: tuple[str | None, ...]) -> PartitionSpec:
     return PartitionSpec(*(LOGICAL_RULES.get(name) if name else None for name in logical))
 
 
+def mesh_axes(logical: tuple[str | None, ...]) -> frozenset[str]:
+    """The mesh axes that `logical` names map onto, e.g. shard_map's `axis_names` for a map over heads."""
+    return frozenset(axis for name in logical if name and (axis := LOGICAL_RULES.get(name)))
+
+
 def named_sharding(mesh: Mesh, logical: tuple[str | None, ...]) -> NamedSharding:
     return NamedSharding(mesh, partition_spec(logical))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def nested_map_mesh(mesh: Mesh) -> tuple[Mesh, frozenset[str]]:
+    """(mesh, axes already manual) for a `shard_map` that may run inside another one: inside the pipeline's
+    (manual over stages) it must name the context's abstract mesh and may make only the remaining axes manual."""
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or not context.manual_axes:
+        return mesh, frozenset()
+    return context, frozenset(context.manual_axes)

@@ -12,9 +12,13 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.loader.weights import TensorSource
+from jaxserve.models.llama import scan_layers
+from jaxserve.parallel.layout import describe, plan_layout
+from jaxserve.parallel.multihost import host_copy
+from jaxserve.parallel.pipeline import pipeline_layers
 from jaxserve.parallel.sharding import make_mesh, named_sharding
+from jaxserve.runner.attention_impl import make_attention_fn
 from jaxserve.runner.kv_cache import KV_LOGICAL_AXES, allocate_kv_cache
-from jaxserve.runner.paged_attention_xla import blockwise_attention_fn
 from jaxserve.runner.plan import PlanShape, empty_inputs
 from jaxserve.runner.sampler import SamplerFlags
 from jaxserve.runner.step import StepFunctions, StepInputs, StepStatics
@@ -38,15 +42,21 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, tensors: TensorSource, dtype: str, block_size: int,
-                 mesh_shape: tuple[int, int] = (1, 1)):
-        self.cfg = cfg
+                 mesh_shape: tuple[int, int] = (1, 1), attention_impl: str = "auto",
+                 pp_layer_partition: list[int] | None = None):
         self.dtype = jnp.dtype(dtype)
         self.block_size = block_size
         self.mesh = make_mesh(*mesh_shape)
-        self.graphdef, self.params = load_weights(cfg, tensors, self.dtype, self.mesh)
+        # The runner works on the effective config: heads, MLP, vocab and layers padded to split evenly.
+        self.layout = plan_layout(cfg, *mesh_shape, pp_layer_partition)
+        log.info(describe(self.layout, self.mesh.devices))
+        self.cfg = self.layout.effective_config(cfg)
+        attention_fn = make_attention_fn(attention_impl, self.mesh.devices.flat[0].platform, self.cfg, self.mesh)
+        self.graphdef, self.params = load_weights(cfg, tensors, self.dtype, self.mesh, self.layout)
         self.kv = None
-        attention = partial(blockwise_attention_fn, scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window)
-        self.fns = StepFunctions(self.graphdef, attention)
+        attention = partial(attention_fn, scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window)
+        run_layers = pipeline_layers(self.mesh, scan_layers) if self.layout.pp > 1 else None
+        self.fns = StepFunctions(self.graphdef, attention, run_layers)
 
     @property
     def num_compiles(self) -> int:
@@ -65,7 +75,7 @@ class ModelRunner:
         if statics.prompt_logprobs >= 0:
             prompt = f.prompt_rows(self.params, hidden, inputs.prompt_targets, statics.prompt_logprobs)
         logits = f.logits(self.params, rows) if statics.return_logits else None
-        s, prompt, logits = jax.device_get((sampled, prompt, logits))
+        s, prompt, logits = host_copy((sampled, prompt, logits))  # device_get, also across processes
         return StepResult(s.tokens, s.logprobs, s.ranks, s.top_ids, s.top_logprobs, prompt, logits)
 
     def warmup(self, shape: PlanShape, progress=None) -> None:

@@ -44,14 +44,16 @@ class TraceCounter:
 
 
 class StepFunctions:
-    def __init__(self, graphdef, attention_fn):
+    def __init__(self, graphdef, attention_fn, run_layers=None):
+        """`run_layers`: how the stacked layers run (None: the model's own scan; a pipeline on pp > 1)."""
         self.traces = TraceCounter()
         traces = self.traces
+        layer_runner = {} if run_layers is None else {"run_layers": run_layers}
 
         def forward(params, kv, token_ids, meta, logits_indices):
             traces.count += 1  # runs only while tracing, i.e. once per compiled shape
             model = nnx.merge(graphdef, params)
-            hidden, kv = model(token_ids, kv, meta, attention_fn)
+            hidden, kv = model(token_ids, kv, meta, attention_fn, **layer_runner)
             return kv, hidden, hidden[logits_indices]
 
         def sample_rows(params, rows, sampling, flags):

@@ -1,4 +1,9 @@
-"""Build a model abstractly and fill it with checkpoint weights placed straight onto their devices."""
+"""Build a model abstractly and fill it with checkpoint weights placed straight onto their devices.
+
+Each weight is read, padded for the mesh (parallel/padding.py) and handed to `jax.device_put` with the sharding
+its logical names give, one weight at a time: every device receives only its own slice, and the host holds at
+most one (padded) weight beyond the checkpoint reader's own buffers.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ from jax.sharding import Mesh
 from jaxserve.config import ModelConfig
 from jaxserve.loader.weights import TensorSource, load_params
 from jaxserve.models.registry import model_class
+from jaxserve.parallel.layout import ParallelLayout, plan_layout
+from jaxserve.parallel.padding import pad_weight
 from jaxserve.parallel.sharding import named_sharding
 
 
@@ -19,19 +26,28 @@ def abstract_model(cfg: ModelConfig, dtype):
     return nnx.split(nnx.eval_shape(lambda: cls(cfg, dtype)))
 
 
-def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh):
+def _flat_abstract(cfg: ModelConfig, dtype):
     graphdef, abstract = abstract_model(cfg, dtype)
-    flat = dict(nnx.to_flat_state(abstract))
+    return graphdef, dict(nnx.to_flat_state(abstract))
+
+
+def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, layout: ParallelLayout | None = None):
+    """-> (graphdef, params) of the model under `layout`'s effective config (default: no padding, one stage)."""
+    layout = layout or plan_layout(cfg, 1, 1)
+    if hasattr(tensors, "restore"):  # a `jaxserve convert` checkpoint: stored padded, each process reads its shards
+        return tensors.restore(cfg, dtype, mesh, layout)
+    _, real = _flat_abstract(cfg, dtype)  # checkpoint shapes, checked before padding
+    graphdef, flat = _flat_abstract(layout.effective_config(cfg), dtype)
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     placed = {}
     for path, array in load_params(cfg, tensors, np_dtype):
+        if tuple(array.shape) != tuple(real[path].shape):
+            raise ValueError(f"weight {'.'.join(path)} has shape {array.shape} in the checkpoint but the config "
+                             f"implies {real[path].shape}")
         var = flat[path]
-        if tuple(array.shape) != tuple(var.shape):
-            raise ValueError(
-                f"weight {'.'.join(path)} has shape {array.shape} in the checkpoint but the config implies {var.shape}"
-            )
-        sharding = named_sharding(mesh, var.get_metadata()["logical"])
-        placed[path] = var.replace(jax.device_put(array, sharding))
+        logical = var.get_metadata()["logical"]
+        array = pad_weight(array, logical, layout, cfg.num_kv_heads)
+        placed[path] = var.replace(jax.device_put(array, named_sharding(mesh, logical)))
         del array
     missing = set(flat) - set(placed)
     if missing:

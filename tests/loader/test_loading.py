@@ -42,6 +42,8 @@ def test_generation_config_defaults_are_read(tiny_checkpoint, tmp_path):
     ckpt = open_checkpoint(str(tmp_path / "m"))
     assert ckpt.generation_defaults == {"temperature": 0.6, "top_p": 0.9}
     assert ckpt.config.eos_token_ids == (2, 5)
+    defaults = Engine(str(tmp_path / "m"), num_kv_blocks=16, warmup=False).default_sampling_params()
+    assert (defaults.temperature, defaults.top_p) == (0.6, 0.9)
 
 
 def test_unknown_architecture_lists_the_supported_ones(tiny_checkpoint, tmp_path):

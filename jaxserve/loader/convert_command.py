@@ -1,0 +1,52 @@
+"""`jaxserve convert MODEL OUT [--mesh TPxPP]`: options and the entry point (the work is in orbax_checkpoint.py).
+
+Converting only reshapes and writes weights, so it runs on the host CPU with one (virtual) CPU device per mesh
+position: a checkpoint for an 8x2 GPU mesh can be written on a machine without GPUs. No jax at import time:
+the device count must be set before jax starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from jaxserve.cli_args import UserError, layer_partition, mesh_shape
+
+
+def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL", help="model id, directory or .gguf file to convert")
+    parser.add_argument("output", metavar="OUT", help="directory to write (must not exist yet)")
+    parser.add_argument("--mesh", type=mesh_shape, default="1x1", metavar="TPxPP",
+                        help="the mesh the checkpoint will be served on: its padding and layer split are baked "
+                             "in (default 1x1)")
+    parser.add_argument("--pp-layer-partition", type=layer_partition, metavar="N,N,...",
+                        help="decoder layers per pipeline stage, as serve takes it")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
+                        help="stored dtype (serving casts to its own --dtype on load)")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    if os.path.exists(args.output):
+        raise UserError(f"{args.output} already exists; give a new directory to write the checkpoint to")
+    tp, pp = (int(n) for n in args.mesh.split("x"))
+    _use_host_devices(tp * pp)
+    from jaxserve.loader.orbax_checkpoint import convert
+
+    try:
+        convert(args.model, args.output, (tp, pp), args.dtype, args.pp_layer_partition)
+    except (ValueError, OSError) as exc:
+        raise UserError(str(exc)) from None
+    print(f"wrote {args.output}: serve it with `jaxserve serve {args.output} --mesh {args.mesh}`")
+    return 0
+
+
+def _use_host_devices(count: int) -> None:
+    """One CPU device per mesh position. If jax already runs (tests call this in-process), its devices stay."""
+    import jax
+
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # backends already started
+        pass

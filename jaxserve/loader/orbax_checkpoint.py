@@ -1,0 +1,169 @@
+"""Sharded orbax checkpoints: `jaxserve convert` writes one, `serve` restores it with each process reading only
+the chunks of its own devices' shards.
+
+What is stored is the runner's own parameter tree for one mesh layout: stacked layers, heads / MLP / vocabulary
+padded for its tp, layer slots for its pp split (parallel/layout.py). That is what makes restoring fast: no
+transposes, no padding, no host copy of a whole tensor, just each shard read straight onto its device. The
+price, as with vLLM's `sharded_state` format: a checkpoint serves meshes with the same layout (the same tp and
+layer split; the device count may differ), and another mesh needs another `convert`.
+
+Layout on disk: `jaxserve_checkpoint.json` (model config, layout, name), `params/` (orbax), tokenizer files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from jaxserve.config import ModelConfig, RopeScaling
+
+log = logging.getLogger(__name__)
+
+MARKER = "jaxserve_checkpoint.json"
+FORMAT_VERSION = 1
+
+
+def is_orbax_checkpoint(path: Path) -> bool:
+    return (path / MARKER).is_file()
+
+
+def layout_signature(layout) -> dict:
+    """Everything that fixes the stored arrays' shapes and where each real layer and head sits in them."""
+    return {"heads": dataclasses.asdict(layout.heads), "mlp": layout.mlp, "vocab": layout.vocab,
+            "experts": layout.experts, "layer_slots": layout.layer_slots(), "num_slots": layout.pp * layout.slots}
+
+
+def _nested(flat: dict) -> dict:
+    """{("layers", "wq"): x} -> {"layers": {"wq": x}}: the tree orbax saves and restores."""
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(str(key), {})
+        node[str(path[-1])] = value
+    return tree
+
+
+def _leaf(tree: dict, path: tuple):
+    for key in path:
+        tree = tree[str(key)]
+    return tree
+
+
+# --- convert -------------------------------------------------------------------------------------------------
+def convert(model: str, out: str, mesh_shape: tuple[int, int], dtype: str, partition: list[int] | None = None) -> None:
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from jaxserve.loader.checkpoint import open_checkpoint
+    from jaxserve.parallel.layout import plan_layout
+    from jaxserve.parallel.sharding import make_mesh
+    from jaxserve.runner.weights import load_weights
+
+    ckpt = open_checkpoint(model)
+    layout = plan_layout(ckpt.config, *mesh_shape, partition)
+    _, params = load_weights(ckpt.config, ckpt.tensors, jnp.dtype(dtype), make_mesh(*mesh_shape), layout)
+    arrays = {path: var.get_value() for path, var in nnx.to_flat_state(params)}
+    out_dir = Path(out).absolute()
+    out_dir.mkdir(parents=True)
+    try:
+        with ocp.StandardCheckpointer() as saver:
+            saver.save(out_dir / "params", _nested(arrays))
+        ckpt.tokenizer.save_pretrained(str(out_dir))
+        meta = {"format": FORMAT_VERSION, "name": ckpt.name, "config": dataclasses.asdict(ckpt.config),
+                "mesh": list(mesh_shape), "partition": list(layout.partition), "layout": layout_signature(layout),
+                "dtype": dtype, "bytes": sum(a.nbytes for a in arrays.values()),
+                "generation_defaults": ckpt.generation_defaults}
+        (out_dir / MARKER).write_text(json.dumps(meta, indent=1))
+    except BaseException:
+        shutil.rmtree(out_dir, ignore_errors=True)  # no half-written checkpoint that looks complete
+        raise
+    log.info("wrote %s: %d arrays, %.1f MiB, for mesh %dx%d", out_dir, len(arrays), meta["bytes"] / 2**20,
+             *mesh_shape)
+
+
+# --- restore -------------------------------------------------------------------------------------------------
+def model_config(meta: dict) -> ModelConfig:
+    values = dict(meta["config"])
+    rope = values.get("rope_scaling")
+    values["rope_scaling"] = RopeScaling(**rope) if rope else None
+    values["eos_token_ids"] = tuple(values.get("eos_token_ids") or ())
+    return ModelConfig(**values)
+
+
+@dataclass
+class OrbaxParams:
+    """A Checkpoint's weights when they come from `convert`: restored whole-tree, never read tensor by tensor."""
+
+    directory: Path
+    meta: dict
+
+    def restore(self, cfg: ModelConfig, dtype, mesh, layout):
+        """-> (graphdef, params) placed on `mesh`; orbax reads only the chunks this process's devices hold."""
+        import jax
+        import orbax.checkpoint as ocp
+        from flax import nnx
+
+        from jaxserve.parallel.sharding import named_sharding
+        from jaxserve.runner.weights import abstract_model
+
+        self._check_layout(layout)
+        graphdef, abstract = abstract_model(layout.effective_config(cfg), dtype)
+        flat = dict(nnx.to_flat_state(abstract))
+        target = {path: jax.ShapeDtypeStruct(var.shape, dtype, sharding=named_sharding(mesh, var.get_metadata()["logical"]))
+                  for path, var in flat.items()}
+        before = _bytes_read()
+        with ocp.StandardCheckpointer() as loader:
+            restored = loader.restore(self.directory / "params", _nested(target))
+        read, own = _bytes_read() - before, _own_shard_bytes(jax.tree.leaves(restored))
+        log.info("restored %s: this process read %d bytes for its own shards' %d bytes, of the checkpoint's %d",
+                 self.directory, read, own, self.meta["bytes"])
+        return graphdef, nnx.from_flat_state([(path, var.replace(_leaf(restored, path))) for path, var in flat.items()])
+
+    def _check_layout(self, layout) -> None:
+        if layout_signature(layout) != self.meta["layout"]:
+            tp, pp = self.meta["mesh"]
+            parts = ",".join(map(str, self.meta["partition"]))
+            raise ValueError(f"{self.directory} was converted for mesh {tp}x{pp} (layer partition {parts}), and its "
+                             f"weights are padded and split for that layout; serve it with --mesh {tp}x{pp}, or "
+                             f"convert the original model again with --mesh {layout.tp}x{layout.pp}")
+
+
+def _own_shard_bytes(arrays) -> int:
+    """Bytes of the distinct shards this process's devices hold (a replicated shard counts once)."""
+    total = 0
+    for a in arrays:
+        distinct = {tuple((i.start, i.stop) for i in shard.index): shard.data.nbytes for shard in a.addressable_shards}
+        total += sum(distinct.values())
+    return total
+
+
+def _bytes_read() -> int:
+    """Bytes tensorstore has read from files so far in this process (an experimental API: 0 if it is gone)."""
+    try:
+        import tensorstore as ts
+
+        metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+        return sum(v.get("value", 0) for m in metrics for v in m.get("values", []))
+    except Exception:  # noqa: BLE001 (a diagnostic only)
+        return 0
+
+
+def open_orbax_checkpoint(directory: Path):
+    """-> loader.checkpoint.Checkpoint for a directory `convert` wrote."""
+    from transformers import AutoTokenizer
+
+    from jaxserve.loader.checkpoint import Checkpoint
+
+    meta = json.loads((directory / MARKER).read_text())
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{directory} has checkpoint format {meta.get('format')}, this jaxserve reads format "
+                         f"{FORMAT_VERSION}; convert the original model again")
+    return Checkpoint(name=meta["name"], config=model_config(meta), tensors=OrbaxParams(directory.absolute(), meta),
+                      tokenizer=AutoTokenizer.from_pretrained(str(directory)),
+                      generation_defaults=meta.get("generation_defaults") or {})

@@ -1,0 +1,94 @@
+"""Pipeline parallelism over the mesh's pipeline axis: each stage runs its own slots of the stacked layers.
+
+The stacked layer weights and the KV cache are split over stages on their `layers` axis, so a stage holds only
+its own layers and their cache. The step's T tokens are cut into M equal micro-batches (in token order) and
+run on the fill-drain schedule: at tick t, stage s works on micro-batch t - s, then hands its activations to
+stage s + 1 with a `ppermute`. After the first pp - 1 ticks every stage is busy at once while micro-batches
+remain. Tensor parallelism inside a stage stays automatic (GSPMD): the `shard_map` is manual over stages only.
+
+Splitting a sequence's tokens over micro-batches is exact: its earlier tokens are in earlier micro-batches,
+which each stage has already run (and cached) by the time the later ones reach it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxserve.parallel.sharding import PIPELINE_AXIS, partition_spec
+
+PER_TOKEN_META = ("positions", "slot_mapping", "token_seq")  # AttentionMetadata fields with one entry per token
+
+
+def num_microbatches(num_tokens: int, num_stages: int) -> int:
+    """The most micro-batches, at most one per stage, that cut `num_tokens` into equal parts."""
+    return max(m for m in range(1, min(num_stages, num_tokens) + 1) if num_tokens % m == 0)
+
+
+def schedule(num_stages: int, num_micro: int) -> np.ndarray:
+    """[ticks, stages]: the micro-batch each stage works on at each tick, -1 when idle (stage s: t - s)."""
+    m = np.arange(num_micro + num_stages - 1)[:, None] - np.arange(num_stages)[None, :]
+    return np.where((m >= 0) & (m < num_micro), m, -1)
+
+
+def _micro_meta(meta, num_micro: int):
+    """Per-token fields [T] -> [M, T/M]; block tables are per sequence and shared by every micro-batch."""
+    split = {name: getattr(meta, name).reshape(num_micro, -1) for name in PER_TOKEN_META}
+    return dataclasses.replace(meta, **split)
+
+
+def _pick_meta(meta, m: jax.Array, active: jax.Array):
+    """Micro-batch m's metadata; on an idle tick every token is padding (position 0, written to the null
+    block), so a stage's idle work never touches a real cache page."""
+    picked = {name: jnp.where(active, getattr(meta, name)[m], 0) for name in PER_TOKEN_META}
+    return dataclasses.replace(meta, **picked)
+
+
+def _stage(run_stage_layers, num_stages: int, num_micro: int, weights, x, kv, meta):
+    """One stage's program (inside the shard_map): its weights and cache are its own slots."""
+    stage = jax.lax.axis_index(PIPELINE_AXIS)
+    T, D = x.shape
+    xs = x.reshape(num_micro, T // num_micro, D)
+    meta = _micro_meta(meta, num_micro)
+    to_next = [(s, s + 1) for s in range(num_stages - 1)]
+
+    def tick(carry, t):
+        inbox, kv, outs = carry
+        m = t - stage
+        active = (m >= 0) & (m < num_micro)
+        m = jnp.clip(m, 0, num_micro - 1)
+        h = jnp.where(stage == 0, xs[m], inbox)  # the first stage reads the embeddings, the others their inbox
+        h, kv = run_stage_layers(weights, h, kv, _pick_meta(meta, m, active))
+        outs = outs.at[m].set(jnp.where(active & (stage == num_stages - 1), h, outs[m]))
+        inbox = jax.lax.ppermute(h, PIPELINE_AXIS, to_next)
+        return (inbox, kv, outs), jnp.where(active, m, -1)
+
+    init = (jnp.zeros_like(xs[0]), kv, jnp.zeros_like(xs))
+    (_, kv, outs), trace = jax.lax.scan(tick, init, jnp.arange(num_micro + num_stages - 1))
+    # Only the last stage wrote `outs` (the others hold zeros): the sum hands its result to every stage exactly.
+    return jax.lax.psum(outs, PIPELINE_AXIS).reshape(T, D), kv, trace[None]
+
+
+def pipeline_layers(mesh: Mesh, scan_layers, with_trace: bool = False):
+    """-> run_layers(layer_fn, weights, x, kv, meta) -> (x, kv) [, trace [pp, ticks]], the pipelined drop-in for
+    the model's `scan_layers` (which runs each stage's own layers)."""
+    num_stages = mesh.shape[PIPELINE_AXIS]
+    stacked, whole = partition_spec(("layers",)), partition_spec(())
+
+    def run(layer_fn, weights, x, kv, meta):
+        num_micro = num_microbatches(x.shape[0], num_stages)
+        run_stage_layers = partial(scan_layers, layer_fn)
+        body = partial(_stage, run_stage_layers, num_stages, num_micro)
+        # check_vma=False: the stage body runs code written without stages in mind (attention loops start
+        # from fresh carries), so whether each value varies over stages is not tracked; the specs say it.
+        x, kv, trace = jax.shard_map(body, mesh=mesh, in_specs=(stacked, whole, stacked, whole),
+                                     out_specs=(whole, stacked, stacked), axis_names={PIPELINE_AXIS},
+                                     check_vma=False)(weights, x, kv, meta)
+        return (x, kv, trace) if with_trace else (x, kv)
+
+    return run
