@@ -50,7 +50,7 @@ def test_tiny_model_logits_match_transformers(name, tiny_checkpoint):
     arch, overrides = ARCHITECTURES[name]
     path = tiny_checkpoint(arch, **overrides)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    engine = Engine(str(path), num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4)
+    engine = Engine(str(path), num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
     check_parity(engine, reference, PROMPTS)
 
 
@@ -58,7 +58,7 @@ def test_chunked_prefill_keeps_parity(tiny_checkpoint):
     """A prompt longer than the token budget is prefilled over several steps, mixed with decodes."""
     path = tiny_checkpoint("llama", tie_word_embeddings=False)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    engine = Engine(str(path), num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=4)
+    engine = Engine(str(path), num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=4, warmup=False)
     check_parity(engine, reference, PROMPTS)
     chunked = [r for r in engine.step_records if any(n > 1 and start > 0 for _, start, n in r.chunks)]
     assert chunked, "expected at least one prefill chunk that started mid-prompt"
