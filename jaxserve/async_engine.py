@@ -20,32 +20,17 @@ import threading
 from collections.abc import AsyncIterator
 
 from jaxserve.outputs import RequestOutput
+from jaxserve.request_errors import EngineDeadError, EngineShuttingDown, QueueFull, RequestTimedOut
 from jaxserve.request_stream import END_OF_STREAM, RequestStream
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
+# A logged prompt is cut to this many characters: enough to recognise it, not a copy of a whole document.
+MAX_LOGGED_PROMPT_CHARS = 1000
 
-
-class QueueFull(Exception):
-    """Too many requests are waiting for their first token; the caller should retry later."""
-
-    def __init__(self, num_waiting: int, limit: int):
-        super().__init__(
-            f"The server is overloaded: {num_waiting} requests are already waiting (limit {limit}); retry later"
-        )
-        self.num_waiting = num_waiting
-        self.limit = limit
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (a step failed, or the engine shut down); no request can be served."""
-
-
-class EngineShuttingDown(EngineDeadError):
-    """The engine was asked to stop: in-flight requests are aborted, new ones refused."""
-
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineShuttingDown", "QueueFull", "RequestTimedOut"]
 
 # Commands from the asyncio side to the loop thread.
 _ADD, _ABORT, _STOP = "add", "abort", "stop"
@@ -54,11 +39,18 @@ _ADD, _ABORT, _STOP = "add", "abort", "stop"
 class AsyncEngine:
     """Serve an `Engine` to asyncio code. The engine must not be used by anyone else while this runs."""
 
-    def __init__(self, engine, *, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS):
+    def __init__(self, engine, *, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+                 request_timeout: float | None = None, log_prompts: bool = False):
+        """`request_timeout`: seconds after which an unfinished request is aborted (None: no limit).
+        `log_prompts`: log each request's prompt; off by default, since prompts may hold private data."""
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        if request_timeout is not None and not request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds or None, got {request_timeout}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.request_timeout = request_timeout
+        self.log_prompts = log_prompts
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # guards the counters and id set below, shared by both sides
         self._active_ids: set[str] = set()
@@ -66,6 +58,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # owned by the loop thread
         self._error: BaseException | None = None
         self._stopped = False
+        self._draining = False  # set by stop_admitting(): new requests are refused, admitted ones run on
         self._loop_exited = False  # set under the lock; afterwards nothing more is queued
         self._stats = self._collect_stats()
         self._thread = threading.Thread(target=self._run_loop, name="jaxserve-engine-loop", daemon=True)
@@ -89,7 +82,17 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._error is None and not self._stopped and self._thread.is_alive()
+        return self._error is None and not self._stopped and not self._draining and self._thread.is_alive()
+
+    @property
+    def is_draining(self) -> bool:
+        return self._draining and not self._stopped
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests admitted whose consumer has not yet seen their end."""
+        with self._lock:
+            return len(self._active_ids)
 
     def stats(self) -> dict:
         """The engine's counters as of its last step, plus requests admitted but not yet producing output."""
@@ -116,6 +119,9 @@ class AsyncEngine:
         except BaseException:
             self._release_admission(request_id)
             raise
+        self._log_admission(request_id, prompt, params)
+        if self.request_timeout is not None:
+            stream.expire_after(self.request_timeout, self._expire)
         return stream
 
     async def generate(
@@ -131,6 +137,11 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self._submit_abort(request_id)
+
+    def stop_admitting(self) -> None:
+        """The first step of a graceful shutdown: new requests are refused with EngineShuttingDown (and health
+        turns unhealthy, so load balancers look elsewhere) while those already admitted run to the end."""
+        self._draining = True
 
     def stop(self) -> None:
         """Begin shutting down, without waiting: in-flight requests are aborted, their streams end with
@@ -170,8 +181,24 @@ class AsyncEngine:
                 stream.waiting_for_first_output = False
                 self._num_waiting -= 1
 
-    def _submit_abort(self, request_id: str) -> None:
-        self._submit((_ABORT, request_id))
+    def _submit_abort(self, request_id: str, error: Exception | None = None) -> None:
+        """Abort a request; its stream ends with `error`, or quietly when None."""
+        self._submit((_ABORT, request_id, error))
+
+    def _expire(self, stream: RequestStream) -> None:
+        if not stream.finished:
+            logger.warning("request %s ran past the %g s request timeout: aborting it", stream.request_id,
+                           self.request_timeout)
+            self._submit_abort(stream.request_id, RequestTimedOut(self.request_timeout))
+
+    def _log_admission(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        if self.log_prompts:
+            shown = repr(prompt)
+            if len(shown) > MAX_LOGGED_PROMPT_CHARS:
+                shown = shown[:MAX_LOGGED_PROMPT_CHARS] + f"... ({len(shown)} characters)"
+            logger.info("request %s: prompt %s, params %s", request_id, shown, params)
+        else:  # never the prompt itself: it may hold private data (--log-prompts opts in)
+            logger.debug("request %s admitted", request_id)
 
     def _submit(self, command: tuple) -> None:
         """Queue a command for the loop thread; adds are refused once the loop has exited."""
@@ -186,7 +213,7 @@ class AsyncEngine:
     def _raise_if_dead(self) -> None:
         if self._error is not None:
             raise EngineDeadError(f"the engine stopped after a failed step: {self._error!r}")
-        if self._stopped:
+        if self._stopped or self._draining:
             raise EngineShuttingDown("the server is shutting down")
 
     # --- the loop thread --------------------------------------------------------------------------------------
@@ -236,11 +263,12 @@ class AsyncEngine:
                 return
             self._streams[stream.request_id] = stream
         elif command[0] == _ABORT:
-            stream = self._streams.pop(command[1], None)
+            _, request_id, error = command
+            stream = self._streams.pop(request_id, None)
             if stream is not None:
-                self.engine.abort_request(command[1])
+                self.engine.abort_request(request_id)
                 self._mark_started(stream)
-                stream.push(END_OF_STREAM)
+                stream.push(END_OF_STREAM if error is None else error)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -1,6 +1,7 @@
-"""The `jaxserve` command: `serve` (OpenAI-compatible HTTP server) and `generate` (one-shot completion).
+"""The `jaxserve` command: `serve` (OpenAI-compatible HTTP server), `generate` (one-shot completion) and
+`batch` (a resumable batch job from a YAML file).
 
-Subcommands live in `SUBCOMMANDS`; a new one (e.g. `batch`) adds an entry there. jax is imported only when a
+Subcommands live in `SUBCOMMANDS`; a new one adds an entry there. jax is imported only when a
 command needs the engine, so `--help` and option errors answer at once.
 """
 
@@ -17,12 +18,20 @@ from dataclasses import dataclass
 from jaxserve.cli_args import (
     OneLineErrorParser,
     UserError,
+    add_distributed_arguments,
     fail,
+    layer_partition,
     mesh_shape,
+    non_negative_float,
     parse_with_config,
     port_number,
+    positive_float,
     positive_int,
 )
+from jaxserve.loader.convert_command import add_convert_arguments, run_convert
+from jaxserve.parallel.check_command import add_check_arguments, run_check
+from jaxserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from jaxserve.server.uvicorn_server import DEFAULT_DRAIN_SECONDS
 
 logger = logging.getLogger("jaxserve")
 
@@ -48,6 +57,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                           help="tensor-parallel devices (instead of --mesh)")
     parallel.add_argument("-pp", "--pipeline-parallel-size", type=positive_int, metavar="M",
                           help="pipeline stages (instead of --mesh)")
+    parallel.add_argument("--pp-layer-partition", type=layer_partition, metavar="N,N,...",
+                          help="decoder layers per pipeline stage, e.g. 8,8,7,7 (default: even, the remainder "
+                               "going to the stages before the last, as in vLLM)")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="weights and activations (auto: float32 on CPU, bfloat16 on GPU/TPU)")
@@ -62,6 +74,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-logprobs", type=int, default=20, metavar="N",
                         help="largest logprobs / top_logprobs a request may ask for")
     engine.add_argument("--seed", type=int, default=0, help="seed of requests that set none")
+    engine.add_argument("--no-warmup", action="store_true",
+                        help="compile step programs when first needed instead of at start-up (faster start, "
+                             "slower first requests)")
+    add_distributed_arguments(parser)
     parser.add_argument("--config", metavar="FILE.yaml", help="read any of these options from a YAML file")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
 
@@ -92,15 +108,21 @@ def build_engine(args: argparse.Namespace):
     """The Engine the options describe; its user-facing errors (bad mesh, missing file...) become UserError."""
     mesh = mesh_from_args(args)
     check_model_path(args.model)
+    from jaxserve.parallel.multinode import start_cluster
+
+    cluster = start_cluster(args, mesh)  # None on one process; joins the others before jax starts its backends
     from jaxserve.engine import Engine  # imports jax: only now that it is needed
 
     try:
-        return Engine(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
-                      num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, mesh=mesh,
-                      max_logprobs=args.max_logprobs)
+        engine = Engine(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
+                        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, mesh=mesh,
+                        max_logprobs=args.max_logprobs, pp_layer_partition=args.pp_layer_partition,
+                        warmup=not args.no_warmup)
     except (ValueError, OSError) as exc:  # the engine words these for people (DESIGN.md convention 9)
         raise UserError(str(exc)) from None
+    # Process 0 gets its engine back (now driving the others); a follower follows and exits inside take_role.
+    return engine if cluster is None else cluster.take_role(engine)
 
 
 # --- serve --------------------------------------------------------------------------------------------------
@@ -114,6 +136,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="name(s) clients use for the model (default: MODEL as given)")
     server.add_argument("--max-waiting-requests", type=positive_int, default=1024, metavar="N",
                         help="requests waiting for their first token before new ones get 503")
+    server.add_argument("--max-request-body-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        metavar="N", help="larger request bodies get 413 (default: 8 MiB)")
+    server.add_argument("--request-timeout", type=positive_float, metavar="SECONDS",
+                        help="abort a request still running after this long (504, or an error event when "
+                             "streaming); default: no limit")
+    server.add_argument("--shutdown-grace-seconds", type=non_negative_float, default=DEFAULT_DRAIN_SECONDS,
+                        metavar="SECONDS", help="on SIGTERM or Ctrl-C, how long requests in flight may run on "
+                                                "before they are aborted (new ones get 503 meanwhile)")
+    server.add_argument("--log-prompts", action="store_true",
+                        help="log each request's prompt (kept out of the logs unless set: prompts may be private)")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -129,34 +161,13 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def log_startup(engine, mesh: str | None, names: list[str], url: str) -> None:
-    stats = engine.stats()
-    block_size = engine.config.cache.block_size
-    logger.info("model %s served as %s; max_model_len %d", engine.model_name, ", ".join(names),
-                engine.max_model_len)
-    logger.info("mesh %s; dtype %s", mesh or "1x1 (one device)", engine.config.dtype)
-    logger.info("KV cache: %d blocks x %d tokens = %d tokens", stats["total_blocks"], block_size,
-                stats["total_blocks"] * block_size)
-    logger.info("listening on %s (OpenAI API at %s/v1)", url, url)
-
-
 def run_serve(args: argparse.Namespace) -> int:
-    from jaxserve.async_engine import AsyncEngine
-    from jaxserve.server.app import build_app
-    from jaxserve.server.uvicorn_server import DrainingServer
+    from jaxserve.server.launch import serve_engine
 
-    sock = listen_socket(args.host, args.port)
-    engine = build_engine(args)
-    names = args.served_model_name or [engine.model_name]
-    async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
-    app = build_app(async_engine, served_model_names=names, api_key=args.api_key)
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    log_startup(engine, mesh_from_args(args), names, f"http://{host}:{sock.getsockname()[1]}")
-    try:
-        DrainingServer(app, async_engine, log_level=args.log_level).run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; the shutdown itself went fine
-        pass
-    return 0
+    from jaxserve.parallel.multinode import is_leader
+
+    sock = listen_socket(args.host, args.port) if is_leader(args) else None  # followers serve no HTTP
+    return serve_engine(build_engine(args), args, sock, mesh=mesh_from_args(args))
 
 
 # --- generate -----------------------------------------------------------------------------------------------
@@ -190,9 +201,29 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- batch (jaxserve/batch/) --------------------------------------------------------------------------------
+def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    from jaxserve.batch.command import add_job_arguments
+
+    add_job_arguments(parser)
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    from jaxserve.batch.command import run_batch_command
+
+    return run_batch_command(args)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": Subcommand("run the OpenAI-compatible HTTP server", add_serve_arguments, run_serve),
     "generate": Subcommand("complete one prompt and print the text", add_generate_arguments, run_generate),
+    "batch": Subcommand("run a batch job file (OpenAI batch JSONL in and out; resumable)", add_batch_arguments,
+                        run_batch),
+    "check": Subcommand("check a (multi-node) mesh before serving: processes, devices, collective bandwidth",
+                        add_check_arguments, run_check),
+    "convert": Subcommand("write a model as a sharded orbax checkpoint for a mesh (fast, per-process loading)",
+                          add_convert_arguments, run_convert),
 }
 
 

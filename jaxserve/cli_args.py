@@ -41,6 +41,30 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value:g}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value:g}")
+    return value
+
+
 def port_number(text: str) -> int:
     try:
         value = int(text)
@@ -56,6 +80,42 @@ def mesh_shape(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"expected TPxPP such as 8x2 (tensor-parallel x pipeline-parallel devices), got {text!r}")
     return text
+
+
+def layer_partition(text: str) -> list[int]:
+    """`8,8,7,7` -> [8, 8, 7, 7]: decoder layers per pipeline stage (the sum is checked against the model later)."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"expected layer counts per pipeline stage separated by commas, such as 8,8,7,7, got {text!r}")
+    return [int(p) for p in parts]
+
+
+# --- multi-node (jaxserve/parallel/launch.py reads these) ---------------------------------------------------
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
+def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("multi-node (run the same command on every node)")
+    group.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="address of process 0, reachable from every node; PORT and PORT+1 are used "
+                            "(env JAX_COORDINATOR_ADDRESS)")
+    group.add_argument("--num-processes", type=positive_int, metavar="N",
+                       help="processes in all, one per node (env JAX_NUM_PROCESSES; default 1)")
+    group.add_argument("--process-id", type=non_negative_int, metavar="I",
+                       help="this process: 0 runs the server, 1..N-1 follow it (env JAX_PROCESS_ID)")
+    group.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default="mp",
+                       help="mp: start every process yourself (default); ray: process 0 starts the others as "
+                            "Ray actors on the Ray cluster it joins")
+    group.add_argument("--distributed-timeout", type=positive_float, default=300.0, metavar="SECONDS",
+                       help="how long to wait for every process to join before naming the missing ones")
 
 
 # --- config files -------------------------------------------------------------------------------------------

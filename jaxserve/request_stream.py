@@ -24,6 +24,7 @@ class RequestStream:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._done = False
+        self._deadline: asyncio.TimerHandle | None = None
         self.waiting_for_first_output = True  # admission bookkeeping, kept by the AsyncEngine under its lock
 
     def push(self, item: Any) -> None:
@@ -54,6 +55,10 @@ class RequestStream:
     def finished(self) -> bool:
         return self._done
 
+    def expire_after(self, seconds: float, on_expiry: Callable[["RequestStream"], None]) -> None:
+        """Call `on_expiry(self)` on the consumer's loop after `seconds`, unless the stream has ended by then."""
+        self._deadline = self._loop.call_later(seconds, on_expiry, self)
+
     def close(self) -> None:
         """Stop listening; an unfinished request is aborted so that its KV blocks are freed."""
         if not self._done:
@@ -61,4 +66,6 @@ class RequestStream:
 
     def _finish(self, still_running: bool) -> None:
         self._done = True
+        if self._deadline is not None:
+            self._deadline.cancel()
         self._on_done(self.request_id, still_running)

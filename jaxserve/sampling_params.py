@@ -16,6 +16,7 @@ from typing import Any
 GREEDY_TEMPERATURE = 1e-5
 # OpenAI clamps logit_bias values to this range; larger values would swamp every other logit anyway.
 LOGIT_BIAS_LIMIT = 100.0
+INT32_MAX = 2**31 - 1
 
 
 def _is_int(value: Any) -> bool:
@@ -160,8 +161,9 @@ class SamplingParams:
         _require_int("top_k", self.top_k)
         if self.top_k == -1:
             self.top_k = 0  # vLLM's other spelling of "disabled"
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be 0 or -1 (disabled) or >= 1, got {self.top_k}")
+        # The step holds top_k as int32: a larger value would fail inside the engine loop, not here.
+        if not 0 <= self.top_k <= INT32_MAX:
+            raise ValueError(f"top_k must be 0 or -1 (disabled) or from 1 to {INT32_MAX}, got {self.top_k}")
         if not 0.0 <= _require_number("min_p", self.min_p) <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 

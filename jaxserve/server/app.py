@@ -14,12 +14,12 @@ from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import jaxserve
-from jaxserve.async_engine import AsyncEngine, EngineDeadError, QueueFull
+from jaxserve.async_engine import AsyncEngine, EngineDeadError, QueueFull, RequestTimedOut
 from jaxserve.server.chat import create_chat_completion
 from jaxserve.server.chat_protocol import ChatMessageParam
 from jaxserve.server.completions import create_completion
@@ -27,10 +27,12 @@ from jaxserve.server.errors import (
     APIError,
     bad_request,
     handle_api_error,
+    handle_client_disconnect,
     handle_http_exception,
     invalid_api_key,
     parse_json,
 )
+from jaxserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.protocol import (
     DetokenizeRequest,
@@ -112,8 +114,11 @@ async def detokenize(request: Request) -> JSONResponse:
 
 
 async def health(request: Request) -> Response:
-    if _state(request).engine.is_healthy:
+    engine = _state(request).engine
+    if engine.is_healthy:
         return Response(status_code=200)
+    if engine.is_draining:  # requests in flight still finish; load balancers should send new ones elsewhere
+        return APIError(503, "The server is shutting down", "server_error", code="shutting_down").response()
     return APIError(503, "The engine is not running; see the server log for the cause", "server_error",
                     code="engine_dead").response()
 
@@ -139,8 +144,11 @@ ROUTES = [
 
 
 def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = None,
-              api_key: str | None = None, shutdown_engine: bool = True) -> Starlette:
-    """The HTTP app over `async_engine`; it serves the model under `served_model_names` (default: its name)."""
+              api_key: str | None = None, shutdown_engine: bool = True,
+              max_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES) -> Starlette:
+    """The HTTP app over `async_engine`; it serves the model under `served_model_names` (default: its name).
+
+    Bodies over `max_body_bytes` are refused with 413 (None: no limit)."""
     names = list(served_model_names or [async_engine.model_name])
     state = ServerState(async_engine, names, ServerMetrics(async_engine, names[0]), api_key)
 
@@ -150,9 +158,12 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
         if shutdown_engine:
             await asyncio.to_thread(async_engine.shutdown)
 
-    handlers = {error: handle_api_error for error in (APIError, ValueError, QueueFull, EngineDeadError, Exception)}
+    expected_failures = (APIError, ValueError, QueueFull, EngineDeadError, RequestTimedOut)
+    handlers = {error: handle_api_error for error in (*expected_failures, Exception)}
     handlers[HTTPException] = handle_http_exception
+    handlers[ClientDisconnect] = handle_client_disconnect
     app = Starlette(routes=ROUTES, exception_handlers=handlers, lifespan=lifespan,
-                    middleware=[Middleware(APIKeyMiddleware, api_key=api_key)])
+                    middleware=[Middleware(APIKeyMiddleware, api_key=api_key),
+                                Middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)])
     app.state.server = state
     return app

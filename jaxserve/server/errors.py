@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pydantic
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
-from jaxserve.async_engine import EngineDeadError, EngineShuttingDown, QueueFull
+from jaxserve.request_errors import EngineDeadError, EngineShuttingDown, QueueFull, RequestTimedOut
 from jaxserve.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
 # Seconds a client is told to wait before retrying when the queue is full.
 RETRY_AFTER_SECONDS = 1
+# A JSON escape of a UTF-16 surrogate (\ud800-\udfff); paired ones are fine, lone ones are not text.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class APIError(Exception):
@@ -54,6 +57,11 @@ def invalid_api_key() -> APIError:
                     "invalid_request_error", code="invalid_api_key")
 
 
+def body_too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than this server's limit of {limit} bytes "
+                    "(--max-request-body-bytes)", "invalid_request_error", code="request_too_large")
+
+
 def from_validation_error(exc: pydantic.ValidationError) -> APIError:
     """A 400 naming the first offending field (never FastAPI's 422)."""
     first = exc.errors()[0]
@@ -77,6 +85,8 @@ def from_exception(exc: Exception) -> APIError:
     if isinstance(exc, QueueFull):
         return APIError(503, str(exc), "server_error", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(exc, RequestTimedOut):
+        return APIError(504, str(exc), "server_error", code="request_timeout")
     if isinstance(exc, EngineShuttingDown):
         return APIError(503, str(exc), "server_error", code="shutting_down")
     if isinstance(exc, EngineDeadError):
@@ -87,17 +97,46 @@ def from_exception(exc: Exception) -> APIError:
 
 async def parse_json(request: Request) -> dict:
     """The request body as a JSON object, or a 400 that says what is wrong with it."""
+    raw = await request.body()
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
+        # Python's json decodes a lone "\ud800" into a str that tokenizers and encoders then fail on deep inside.
+        lone_surrogate = _SURROGATE_ESCAPE.search(raw) is not None and _has_lone_surrogate(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("The request body nests JSON arrays or objects too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
+        raise bad_request(f"The request body cannot be read as JSON: {exc}") from None
+    if lone_surrogate:
+        raise bad_request("The request body has a string with an unpaired UTF-16 surrogate escape (\\ud800 to "
+                          "\\udfff), which is not valid Unicode text")
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object")
     return body
 
 
+def _has_lone_surrogate(value) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(key) or _has_lone_surrogate(item) for key, item in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(item) for item in value)
+    return False
+
+
 async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:
     return from_exception(exc).response()
+
+
+async def handle_client_disconnect(request: Request, exc: Exception) -> Response:
+    # The client left before sending its whole body: nothing to log, and nobody will read this answer.
+    return Response(status_code=499)
 
 
 async def handle_http_exception(request: Request, exc: HTTPException) -> JSONResponse:

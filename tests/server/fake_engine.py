@@ -68,6 +68,8 @@ class FakeEngine:
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"{name}={value} is above the maximum of {self.max_logprobs}")
+        if params.num_sequences * (len(token_ids) + max_tokens) > self.total_blocks * self.block_size:
+            raise ValueError("n x (prompt + max_tokens) is more than the whole KV cache holds")  # as the engine
         return FakeRequest(request_id, prompt, token_ids, params, self._start_offsets(params))
 
     def _start_offsets(self, params):
@@ -155,11 +157,9 @@ class FakeEngine:
         return [finals[f"generate-{index}"] for index in range(len(prompts))]
 
     def encode_chat(self, messages, add_generation_prompt=True):
-        for message in messages:
-            if not isinstance(message.get("content"), str):
-                raise ValueError("message content must be a string")
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                       tokenize=True, return_dict=True)["input_ids"])
+        from jaxserve.loader.tokenizer import apply_chat_template
+
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt)  # as Engine renders, errors too
 
     def stats(self):
         used = sum(

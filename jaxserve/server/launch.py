@@ -1,0 +1,45 @@
+"""`jaxserve serve` once the engine exists: wrap it in an AsyncEngine, build the app, run uvicorn until a signal.
+
+Separate from cli.py so that tests can serve a stand-in engine through exactly the code path users run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.server.app import build_app
+from jaxserve.server.uvicorn_server import DrainingServer
+
+logger = logging.getLogger("jaxserve")
+
+
+def serve_engine(engine, args: argparse.Namespace, sock: socket.socket, mesh: str | None = None) -> int:
+    """Serve `engine` on the bound `sock` with the `serve` options in `args`; returns the exit status."""
+    names = args.served_model_name or [engine.model_name]
+    async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests,
+                               request_timeout=args.request_timeout, log_prompts=args.log_prompts)
+    app = build_app(async_engine, served_model_names=names, api_key=args.api_key,
+                    max_body_bytes=args.max_request_body_bytes)
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+    log_startup(engine, mesh, names, f"http://{host}:{port}")
+    server = DrainingServer(app, async_engine, log_level=args.log_level, drain_seconds=args.shutdown_grace_seconds)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; the shutdown itself went fine
+        pass
+    return 0
+
+
+def log_startup(engine, mesh: str | None, names: list[str], url: str) -> None:
+    stats = engine.stats()
+    block_size = engine.config.cache.block_size
+    logger.info("model %s served as %s; max_model_len %d", engine.model_name, ", ".join(names),
+                engine.max_model_len)
+    logger.info("mesh %s; dtype %s", mesh or "1x1 (one device)", engine.config.dtype)
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens", stats["total_blocks"], block_size,
+                stats["total_blocks"] * block_size)
+    logger.info("listening on %s (OpenAI API at %s/v1)", url, url)

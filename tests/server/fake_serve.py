@@ -1,0 +1,65 @@
+"""`jaxserve serve` over the fake engine, as its own process: signals, exit status and serve options are tested
+through the exact code path users run, without loading a model.
+
+    python -m tests.server.fake_serve TOKENIZER_DIR STEP_DELAY [serve options...]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.server.helpers import ServerProcess, free_port, wait_for_health
+
+
+def main(argv: list[str]) -> int:
+    from transformers import AutoTokenizer
+
+    from jaxserve.cli import build_parser, listen_socket
+    from jaxserve.server.launch import serve_engine
+    from tests.server.fake_engine import FakeEngine
+
+    tokenizer_dir, step_delay, *serve_argv = argv
+    args = build_parser()[0].parse_args(["serve", *serve_argv])
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine = FakeEngine(AutoTokenizer.from_pretrained(tokenizer_dir), step_delay=float(step_delay))
+    return serve_engine(engine, args, listen_socket(args.host, args.port))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tokenizer, tmp_path_factory) -> Path:
+    """The default model's tokenizer saved as tokenizer.json: it loads in a fraction of the time the GGUF takes."""
+    path = tmp_path_factory.mktemp("tokenizer")
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@contextlib.contextmanager
+def fake_server_process(tokenizer_dir: Path, serve_args: list[str], log_path: Path, step_delay: float = 0.02):
+    """The fake-engine server on a free port; killed at the end if the test has not stopped it."""
+    port = free_port()
+    command = [sys.executable, "-m", "tests.server.fake_serve", str(tokenizer_dir), str(step_delay),
+               "--port", str(port), *serve_args]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            wait_for_health(url, 60, is_alive=lambda: process.poll() is None)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"{exc}; server log:\n{log_path.read_text()[-3000:]}") from None
+        yield ServerProcess(url, log_path, process)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+        process.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
