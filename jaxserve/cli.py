@@ -162,9 +162,8 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from jaxserve.server.launch import serve_engine
-
     from jaxserve.parallel.multinode import is_leader
+    from jaxserve.server.launch import serve_engine
 
     sock = listen_socket(args.host, args.port) if is_leader(args) else None  # followers serve no HTTP
     return serve_engine(build_engine(args), args, sock, mesh=mesh_from_args(args))

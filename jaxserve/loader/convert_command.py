@@ -42,11 +42,16 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def _use_host_devices(count: int) -> None:
-    """One CPU device per mesh position. If jax already runs (tests call this in-process), its devices stay."""
+    """One CPU device per mesh position, unless XLA_FLAGS already asks for enough, or jax already runs (then its
+    devices stay: a mesh that does not fit is reported as such)."""
+    import re
+
     import jax
 
+    asked = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
     try:
         jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", count)
+        if not asked or int(asked.group(1)) < count:
+            jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError:  # backends already started
         pass

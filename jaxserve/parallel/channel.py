@@ -2,7 +2,8 @@
 
 Why a socket of our own (and not jax's key-value store or `broadcast_one_to_all`): it names who is missing or
 lost. Every follower says hello before `jax.distributed.initialize`, so a process that never starts is named by
-its id and host instead of ending in a coordination-service abort; a process that dies closes its connection,
+its id (and the ones that came by host) instead of ending in a coordination-service abort that names no one; a
+process that dies closes its connection,
 which the other side sees at once (EOF), even while its main thread is stuck inside a collective that will never
 finish. Heartbeats in both directions catch a peer whose machine vanished without closing anything.
 
@@ -57,9 +58,15 @@ class _Link:
         self.lock = threading.Lock()
         self.last_heard = time.monotonic()
 
-    def send(self, data: bytes) -> None:
-        with self.lock:
+    def send(self, data: bytes, wait: float | None = None) -> None:
+        """`wait`: give up (TimeoutError, an OSError) if another thread's send holds the link that long, e.g.
+        a step stuck writing to a peer that stopped reading."""
+        if not self.lock.acquire(timeout=-1 if wait is None else wait):
+            raise TimeoutError("the connection is busy")
+        try:
             self.sock.sendall(data)
+        finally:
+            self.lock.release()
 
     def close(self) -> None:
         try:
@@ -92,9 +99,12 @@ class LeaderChannel:
             message = "processes were started with different options; " + "; ".join(problems)
             self.stop(clean=False, reason=message)
             raise JoinError(message)
-        for link in self.links.values():
-            link.send(wire.json_frame(wire.HELO, {"ok": True}))
-        return dict(self.peers)
+        for pid, link in self.links.items():
+            try:
+                link.send(wire.json_frame(wire.HELO, {"ok": True}))
+            except OSError:
+                raise JoinError(f"{self.peers[pid].describe()} disconnected while the processes joined") from None
+        return dict(sorted(self.peers.items()))
 
     def _accept_one(self) -> None:
         sock, _ = self.server.accept()
@@ -135,13 +145,16 @@ class LeaderChannel:
         self._last_sent = time.monotonic()
 
     def stop(self, clean: bool, reason: str = "") -> None:
-        """Tell every follower to exit (best effort: some may be gone already) and close the connections."""
+        """Tell every follower to exit (best effort: some may be gone already) and close the connections. Only
+        the first call acts, so an explicit stop and the exit-time one do not both send."""
+        if self._closing.is_set():
+            return
         self._closing.set()
         data = wire.json_frame(wire.STOP, {"clean": clean, "reason": reason})
         for link in self.links.values():
             try:
                 link.sock.settimeout(2.0)  # a follower that stopped reading must not hold the leader's exit
-                link.send(data)
+                link.send(data, wait=2.0)
             except OSError:
                 pass
             link.close()
@@ -187,14 +200,14 @@ class FollowerChannel:
         self._closing = threading.Event()
 
     @classmethod
-    def connect(cls, host: str, port: int, timeout: float, hello: dict, **kw) -> "FollowerChannel":
+    def connect(cls, host: str, port: int, timeout: float, hello: dict, **kw) -> FollowerChannel:
         """Connect (retrying: the leader may start later), say hello, wait for the leader's answer."""
         sock = _connect_retrying(host, port, timeout)
         sock.sendall(wire.json_frame(wire.HELO, hello))
         sock.settimeout(timeout)  # the leader answers once every process has joined
         try:
             kind, payload = wire.read_frame(sock)
-        except socket.timeout:
+        except TimeoutError:
             raise JoinError(f"process 0 at {host}:{port} accepted the connection but not every process joined "
                             f"within {timeout:.0f} s") from None
         except wire.ChannelClosed:
@@ -204,8 +217,11 @@ class FollowerChannel:
         sock.settimeout(None)
         return cls(sock, **kw)
 
-    def start(self, on_lost: Callable[[str], None]) -> None:
-        threading.Thread(target=self._read, args=(on_lost,), name="jaxserve-follower-read", daemon=True).start()
+    def start(self, on_lost: Callable[[str], None], on_abort: Callable[[str], None]) -> None:
+        """`on_abort(reason)`: the leader stopped the cluster for a failure; acted on here, at once, since the
+        main thread may be loading or compiling and would see the STOP only much later."""
+        threading.Thread(target=self._read, args=(on_lost, on_abort), name="jaxserve-follower-read",
+                         daemon=True).start()
         threading.Thread(target=self._beat, name="jaxserve-follower-beat", daemon=True).start()
 
     def request_shutdown(self) -> None:
@@ -218,17 +234,19 @@ class FollowerChannel:
         self._closing.set()
         self.link.close()
 
-    def _read(self, on_lost) -> None:
+    def _read(self, on_lost, on_abort) -> None:
         self.link.sock.settimeout(self.liveness_seconds)
         while not self._closing.is_set():
             try:
                 kind, payload = wire.read_frame(self.link.sock)
-            except socket.timeout:
+            except TimeoutError:
                 return on_lost(f"it sent nothing for {self.liveness_seconds:.0f} s")
             except (OSError, ValueError, wire.ChannelClosed) as exc:
                 if not self._closing.is_set():
                     on_lost(f"its connection closed ({_reason(exc)})")
                 return
+            if kind == wire.STOP and not json.loads(payload).get("clean"):
+                return on_abort(json.loads(payload).get("reason") or "no reason given")
             if kind != wire.PING:
                 self.frames.put((kind, payload))
             if kind == wire.STOP:
@@ -269,7 +287,7 @@ def _connect_retrying(host: str, port: int, timeout: float) -> socket.socket:
 
 
 def _reason(exc: BaseException) -> str:
-    if isinstance(exc, wire.ChannelClosed):
+    if isinstance(exc, (wire.ChannelClosed, ConnectionResetError, BrokenPipeError)):
         return "the process exited or was killed"
     return str(exc) or type(exc).__name__
 

@@ -14,12 +14,10 @@ from dataclasses import dataclass
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.parallel.multihost import host_copy
-from jaxserve.parallel.sharding import PIPELINE_AXIS, TENSOR_AXIS, make_mesh
+from jaxserve.parallel.sharding import PIPELINE_AXIS, TENSOR_AXIS, make_mesh, per_device_spec, replicated
 
 ITERATIONS = 5
 
@@ -61,7 +59,7 @@ def _run_with_deadline(fn, timeout: float, what: str):
     def target():
         try:
             box["value"] = fn()
-        except BaseException as exc:  # re-raised in the caller's thread
+        except BaseException as exc:  # noqa: BLE001 (re-raised in the caller's thread)
             box["error"] = exc
 
     thread = threading.Thread(target=target, daemon=True, name=f"jaxserve-check-{what}")
@@ -89,8 +87,8 @@ def _time(fn, x) -> float:
 def _per_device_input(mesh, elements: int):
     """[pp, tp, elements] float32, device (s, r) holding the value s * tp + r + 1 everywhere."""
     pp, tp = mesh.devices.shape
-    spec = PartitionSpec(PIPELINE_AXIS, TENSOR_AXIS)
-    sharding = NamedSharding(mesh, spec)
+    spec = per_device_spec()
+    sharding = jax.sharding.NamedSharding(mesh, spec)
     values = (np.arange(pp * tp, dtype=np.float32) + 1).reshape(pp, tp, 1)
     return jax.make_array_from_callback((pp, tp, elements), sharding,
                                         lambda idx: np.broadcast_to(values[idx[:2]], (1, 1, elements)).copy()), spec
@@ -130,7 +128,7 @@ def _reach(groups) -> str:
 
 def _gathered_first(x) -> np.ndarray:
     """[pp, tp]: each device's first element, read on every process (each checks the whole mesh's result)."""
-    first = jax.jit(lambda a: a[:, :, 0], out_shardings=NamedSharding(x.sharding.mesh, PartitionSpec()))(x)
+    first = jax.jit(lambda a: a[:, :, 0], out_shardings=replicated(x.sharding.mesh))(x)
     return np.asarray(host_copy(first))
 
 

@@ -8,7 +8,12 @@ from __future__ import annotations
 import argparse
 import socket
 
-from jaxserve.cli_args import UserError, add_distributed_arguments, mesh_shape, positive_float
+from jaxserve.cli_args import (
+    UserError,
+    add_distributed_arguments,
+    mesh_shape,
+    positive_float,
+)
 
 
 def add_check_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,5 +60,5 @@ def run_check(args: argparse.Namespace) -> int:
         print("  " + measurement.line())
     print("OK: every process joined and every collective returned the right values", flush=True)
     if session is not None:
-        session.cluster.close()
+        session.cluster.close(clean=True)
     return 0

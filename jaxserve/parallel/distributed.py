@@ -10,18 +10,20 @@ Ports: jax's coordination service listens on the --coordinator port, the step ch
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass, field
 
 from jaxserve.parallel.channel import FollowerChannel, JoinError, LeaderChannel, Peer
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_SECONDS = 30  # jax.distributed's exit barrier: a clean exit of every process takes far less
+SHUTDOWN_SECONDS = 15  # jax.distributed's exit barrier: a clean exit of every process takes far less
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,9 @@ class Cluster:
     leader: LeaderChannel | None = None
     follower: FollowerChannel | None = None
     peers: dict[int, Peer] = field(default_factory=dict)
+    launched: object | None = None  # Ray followers this process started: held, since Ray ends unreferenced actors
+    serving: bool = False  # leader: the engine runs, so an exit now is a normal end (clean STOP)
+    step_lock: threading.Lock = field(default_factory=threading.Lock)  # leader: held while a step runs
 
     @property
     def is_leader(self) -> bool:
@@ -65,6 +70,9 @@ class Cluster:
 
     def leader_lost(self, why: str) -> None:
         fatal(f"process 0 (the leader, at {self.options.coordinator}) was lost: {why}. Exiting")
+
+    def leader_aborted(self, reason: str) -> None:
+        fatal(f"process 0 stopped every process: {reason}")
 
     def follower_lost(self, peer: Peer, why: str) -> None:
         message = (f"{peer.describe()} was lost: {why}. The mesh cannot run without it, so every process stops; "
@@ -79,15 +87,28 @@ class Cluster:
     def broadcast(self, data: bytes) -> None:
         self.leader.broadcast(data, self.follower_lost)
 
-    def close(self) -> None:
-        """Leader: release the followers (clean exit) before jax.distributed's own exit barrier."""
-        if self.leader is not None:
-            self.leader.stop(clean=True)
+    def close(self, clean: bool | None = None) -> None:
+        """Leader: release the followers. Runs at exit (registered after jax, so before jax.distributed's exit
+        barrier, which the followers reach only once released). Clean once serving began: the followers then
+        exit normally and meet at that barrier; before that, the leader failed and the followers abort."""
+        if self.leader is None:
+            return
+        clean = self.serving if clean is None else clean
+        # Let a step in flight (the engine thread may still be in one) finish on every process first: a follower
+        # released mid-step would wait in that step's collectives for a leader that is gone. Never released:
+        # no step may start after the STOP.
+        self.step_lock.acquire(timeout=10)
+        self.leader.stop(clean=clean, reason="" if clean else "it exited before serving (see its log)")
+
+
+_FATAL = threading.Lock()
 
 
 def fatal(message: str) -> None:
     """End this process now. Not `sys.exit`: the main thread may be inside a collective that can never finish,
-    and jax's exit barrier would wait for a peer that is gone."""
+    and jax's exit barrier would wait for a peer that is gone. One report: a second caller (another thread that
+    saw the same loss) waits here for the exit."""
+    _FATAL.acquire()
     if logging.getLogger().handlers:
         log.critical(message)
         for handler in logging.getLogger().handlers:
@@ -116,10 +137,12 @@ def join(options: ClusterOptions, fingerprint: dict, liveness_seconds: float | N
         cluster.leader.start(cluster.follower_lost, cluster.follower_asked_to_stop)
     else:
         cluster.follower = FollowerChannel.connect(host, port + 1, options.timeout, hello(options, fingerprint), **kw)
-        cluster.follower.start(cluster.leader_lost)
+        cluster.follower.start(cluster.leader_lost, cluster.leader_aborted)
     for peer in cluster.peers.values():
         log.info("%s joined", peer.describe())
     initialize_jax(options)
+    if cluster.is_leader:
+        atexit.register(cluster.close)  # after jax's own exit hook, so it runs first (atexit is last-in first-out)
     return cluster
 
 

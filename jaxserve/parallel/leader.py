@@ -7,7 +7,6 @@ followers start at once; they would wait in the step's first collective anyway.
 
 from __future__ import annotations
 
-import atexit
 import logging
 
 import jax
@@ -28,19 +27,19 @@ class BroadcastingRunner:
 
     def execute(self, inputs, statics):
         leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(inputs)]
-        self._cluster.broadcast(wire.frame(wire.STEP, wire.encode_step(leaves, statics)))
-        return self._runner.execute(inputs, statics)
+        with self._cluster.step_lock:  # so that an exit releases the followers between steps, never inside one
+            self._cluster.broadcast(wire.frame(wire.STEP, wire.encode_step(leaves, statics)))
+            return self._runner.execute(inputs, statics)
 
     def __getattr__(self, name):  # everything else (mesh, kv, num_compiles, ...) is the runner's own
         return getattr(self._runner, name)
 
 
 def lead(engine, cluster: Cluster):
-    """Make `engine` drive the followers from now on (its construction ran on every process alike), and release
-    them when this process exits: atexit handlers run in reverse order, so this runs before jax's own exit
-    barrier, which the followers reach only once released."""
+    """Make `engine` drive the followers from now on (its construction ran on every process alike). From here an
+    exit releases them cleanly (`Cluster.close`)."""
     engine.runner = BroadcastingRunner(engine.runner, cluster)
-    atexit.register(cluster.close)
+    cluster.serving = True
     log.info("leading %d followers: %s", len(cluster.peers),
              ", ".join(p.describe() for p in cluster.peers.values()))
     return engine

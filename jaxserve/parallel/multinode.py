@@ -13,13 +13,19 @@ import os
 from dataclasses import dataclass
 
 from jaxserve.cli_args import UserError
-from jaxserve.parallel.distributed import Cluster, ClusterOptions, JoinError, check_mesh_fits, join
+from jaxserve.parallel.distributed import (
+    Cluster,
+    ClusterOptions,
+    JoinError,
+    check_mesh_fits,
+    join,
+)
 
 log = logging.getLogger(__name__)
 
-# Engine options that may differ between processes. Every other engine option must be the same everywhere,
-# since it shapes the weights or the compiled programs (checked when the processes join); server options
-# (port, API key, ...) matter only on process 0.
+# Options that may differ between processes. Every other option must be the same everywhere, since it shapes
+# the weights or the compiled programs (checked when the processes join); server options matter only on
+# process 0 and are left out too.
 PER_PROCESS_OPTIONS = {"process_id", "coordinator", "num_processes", "distributed_executor_backend",
                        "distributed_timeout", "log_level", "config", "seed"}
 ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES", "process_id": "JAX_PROCESS_ID"}
@@ -57,20 +63,24 @@ def is_leader(args: argparse.Namespace) -> bool:
 
 
 def fingerprint(args: argparse.Namespace) -> dict:
-    """The options every process must share: the command and its engine options."""
-    from jaxserve.cli import add_engine_arguments
+    """The options every process must share: all but the per-process and the HTTP server's own."""
+    ignored = PER_PROCESS_OPTIONS | _server_options()
+    return {k: v for k, v in sorted(vars(args).items()) if k not in ignored}
 
-    parser = argparse.ArgumentParser(add_help=False)
-    add_engine_arguments(parser)
-    keys = {action.dest for action in parser._actions} - PER_PROCESS_OPTIONS
-    return {k: v for k, v in sorted(vars(args).items()) if k in keys or k == "command"}
+
+def _server_options() -> set[str]:
+    from jaxserve.cli import add_engine_arguments, add_serve_arguments
+
+    serve, engine = argparse.ArgumentParser(add_help=False), argparse.ArgumentParser(add_help=False)
+    add_serve_arguments(serve)
+    add_engine_arguments(engine)
+    return {a.dest for a in serve._actions} - {a.dest for a in engine._actions}
 
 
 @dataclass
 class Session:
     cluster: Cluster
     shutdown: object | None = None  # a follower's signal handler
-    ray: object | None = None  # the Ray followers this process launched
 
     def take_role(self, engine):
         if self.cluster.is_leader:
@@ -98,7 +108,8 @@ def start_cluster(args: argparse.Namespace, mesh: str | None, check_mesh: bool =
         cluster = join(options, fingerprint(args))
     except JoinError as exc:
         raise UserError(str(exc)) from None
-    session = Session(cluster, ray=ray)
+    cluster.launched = ray
+    session = Session(cluster)
     if not cluster.is_leader:
         from jaxserve.parallel.follower import install_signal_handlers
 

@@ -86,6 +86,11 @@ def named_sharding(mesh: Mesh, logical: tuple[str | None, ...]) -> NamedSharding
     return NamedSharding(mesh, partition_spec(logical))
 
 
+def per_device_spec() -> PartitionSpec:
+    """A [pp, tp, ...] array split so that each device holds its own [1, 1, ...] slice (collective checks)."""
+    return PartitionSpec(*MESH_AXES)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 

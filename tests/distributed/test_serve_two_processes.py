@@ -1,0 +1,91 @@
+"""Two processes x 4 fake CPU devices (gloo) serving one 4x2 mesh, process 0 over HTTP: the same greedy text as
+one process; each restores only its own shards of a converted checkpoint; SIGTERM anywhere ends both; a killed
+process ends the other within a bound, named."""
+
+import re
+import signal
+import threading
+
+import httpx
+
+from jaxserve import cli
+from tests.distributed.procs import (
+    PROMPTS,
+    SMALL_ENGINE,
+    cluster_args,
+    complete,
+    free_port,
+    free_port_pair,
+    reference_texts,
+)
+
+# Layers outweigh the (tied) embedding, so reading only one stage's layers is visible in the bytes read.
+LAYER_HEAVY = {"intermediate_size": 8192, "num_hidden_layers": 4, "tie_word_embeddings": True}
+EXIT_BOUND = 30  # seconds: a lost peer is seen at once (EOF); this is the slack for a loaded CI machine
+
+
+def start_pair(processes, model, http_port, *extra):
+    port = free_port_pair()
+    for pid in (0, 1):
+        processes.start(f"p{pid}", ["serve", model, "--mesh", "4x2", "--port", str(http_port), *SMALL_ENGINE,
+                                    *cluster_args(port, 2, pid), *extra])
+    return processes.wait_healthy(http_port)
+
+
+def restore_line(log: str) -> tuple[int, int, int]:
+    m = re.search(r"read (\d+) bytes for its own shards' (\d+) bytes, of the checkpoint's (\d+)", log)
+    assert m, log[-2000:]
+    return tuple(int(g) for g in m.groups())
+
+
+def test_converted_checkpoint_served_by_two_processes_matches_one_process(processes, tiny_checkpoint, tmp_path):
+    model = str(tiny_checkpoint("llama", **LAYER_HEAVY))
+    converted = str(tmp_path / "converted")
+    assert cli.main(["convert", model, converted, "--mesh", "4x2", "--dtype", "float32"]) == 0
+    url = start_pair(processes, converted, free_port())
+    expected = reference_texts(model, "4x2")  # one process, the original checkpoint
+    served = [complete(url, model, prompt) for prompt in PROMPTS]
+    assert served == expected
+    for name in ("p0", "p1"):  # each process read about its own half of the layers, not the whole checkpoint
+        read, _, total = restore_line(processes.log(name))
+        assert 0 < read < 0.8 * total, processes.log(name)[-2000:]
+
+    processes.signal("p1", signal.SIGTERM)  # a follower's SIGTERM shuts the whole cluster down, cleanly
+    for name in ("p0", "p1"):
+        rc, _ = processes.wait(name, EXIT_BOUND)
+        assert rc == 0, processes.log(name)[-2000:]
+    assert "process 1 (host" in processes.log("p0") and "received a shutdown signal" in processes.log("p0")
+
+
+def test_killed_follower_makes_the_leader_exit_naming_it(processes, tiny_checkpoint):
+    model = str(tiny_checkpoint("llama"))
+    url = start_pair(processes, model, free_port())
+    generating = threading.Event()
+    threading.Thread(target=_long_request, args=(url, model, generating), daemon=True).start()
+    assert generating.wait(60), processes.logs_tail()  # mid-serve: tokens are streaming
+    processes.signal("p1", signal.SIGKILL)
+    rc, _ = processes.wait("p0", EXIT_BOUND)
+    log = processes.log("p0")
+    assert rc == 1 and re.search(r"process 1 \(host \S+, pid \d+\) was lost", log), log[-2000:]
+
+
+def test_killed_leader_makes_the_follower_exit(processes, tiny_checkpoint):
+    start_pair(processes, str(tiny_checkpoint("llama")), free_port())
+    processes.signal("p0", signal.SIGKILL)
+    rc, _ = processes.wait("p1", EXIT_BOUND)
+    log = processes.log("p1")
+    assert rc != 0
+    # Whichever notices first: our step channel (EOF) or jax's coordination client (its service is gone).
+    assert "process 0 (the leader" in log or "leader task was preempted/died" in log, log[-2000:]
+
+
+def _long_request(url: str, model: str, generating: threading.Event) -> None:
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: {"):
+                    generating.set()
+    except httpx.HTTPError:
+        pass  # the server goes away mid-request: that is the point

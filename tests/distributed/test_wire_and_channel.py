@@ -1,0 +1,139 @@
+"""The step channel without jax.distributed: the wire format round trip, and join / loss / heartbeat behaviour of
+LeaderChannel and FollowerChannel over loopback sockets (each test well under a second)."""
+
+import socket
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve.parallel import wire
+from jaxserve.parallel.channel import FollowerChannel, JoinError, LeaderChannel
+from jaxserve.runner.buckets import Buckets
+from jaxserve.runner.plan import PlanShape, empty_inputs
+from jaxserve.runner.sampler import SamplerFlags
+from jaxserve.runner.step import StepStatics
+
+
+def free_port_pair() -> int:
+    while True:
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+
+
+def test_step_round_trip_keeps_every_array_and_the_statics():
+    shape = PlanShape(Buckets.for_limits(32, 4), 8, 1000, 64, 5)
+    inputs = empty_inputs(16, 4, shape, penalties=True)
+    inputs.token_ids[:] = np.arange(16)
+    inputs.sampling.temperature[:] = 0.5
+    statics = StepStatics(SamplerFlags(all_greedy=False, top_filter=True, penalties=True, num_logprobs=5), 5, True)
+    leaves = jax.tree_util.tree_leaves(inputs)
+    kind, payload = wire.STEP, wire.encode_step(leaves, statics)
+    got_leaves, got_statics = wire.decode_step(payload, StepStatics)
+    assert got_statics == statics and isinstance(got_statics.sampler, SamplerFlags)
+    assert [(a.dtype, a.shape) for a in got_leaves] == [(a.dtype, a.shape) for a in leaves]
+    assert all(np.array_equal(a, b) for a, b in zip(got_leaves, leaves))
+    rebuilt = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(empty_inputs(1, 1, shape)), got_leaves)
+    assert np.array_equal(rebuilt.token_ids, np.arange(16)) and kind == b"STEP"
+
+
+def test_a_stranger_on_the_port_is_not_read_as_a_frame():
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        with pytest.raises(ValueError, match="not a jaxserve peer"):
+            wire.read_frame(b)
+
+
+def hello(pid, n=2, **fingerprint):
+    return {"process_id": pid, "num_processes": n, "host": "node-b", "pid": 4242, "fingerprint": fingerprint}
+
+
+def join_pair(port, fingerprint=None, follower_fingerprint=None, liveness=30.0):
+    """Leader gathers in a thread while the follower connects; -> (leader, follower or the follower's error)."""
+    leader = LeaderChannel("127.0.0.1", port, 2, liveness_seconds=liveness)
+    done = {}
+    thread = threading.Thread(target=lambda: done.setdefault("peers", _gather(leader, fingerprint or {})))
+    thread.start()
+    try:
+        follower = FollowerChannel.connect("127.0.0.1", port, 5, hello(1, **(follower_fingerprint or {})),
+                                           liveness_seconds=liveness)
+    except JoinError as exc:
+        follower = exc
+    thread.join(5)
+    return leader, follower, done["peers"]
+
+
+def _gather(leader, fingerprint):
+    try:
+        return leader.gather(5, fingerprint)
+    except JoinError as exc:
+        return exc
+
+
+def test_leader_names_the_process_that_never_joined():
+    leader = LeaderChannel("127.0.0.1", free_port_pair(), 3)
+    start = time.monotonic()
+    with pytest.raises(JoinError, match=r"process 1, process 2 of 3 did not join within 0 s"):
+        leader.gather(0.3, {})
+    assert time.monotonic() - start < 2
+    leader.stop(clean=False)
+
+
+def test_follower_names_the_unreachable_leader():
+    with pytest.raises(JoinError, match=r"could not reach process 0 at 127.0.0.1:\d+ within 0 s"):
+        FollowerChannel.connect("127.0.0.1", free_port_pair(), 0.3, hello(1))
+
+
+def test_processes_started_with_different_options_are_refused_with_the_difference():
+    _, follower, peers = join_pair(free_port_pair(), {"mesh": "4x2"}, {"mesh": "8x1"})
+    assert isinstance(peers, JoinError) and "mesh='8x1' (process 0: '4x2')" in str(peers)
+    assert isinstance(follower, JoinError) and "refused" in str(follower) and "8x1" in str(follower)
+
+
+def test_steps_flow_and_a_closed_follower_is_reported_as_lost():
+    leader, follower, peers = join_pair(free_port_pair())
+    assert peers[1].host == "node-b" and peers[1].pid == 4242
+    lost, leader_lost = [], []
+    leader.start(lambda peer, why: lost.append((peer.process_id, why)), lambda peer: None)
+    follower.start(leader_lost.append, leader_lost.append)
+    leader.broadcast(wire.frame(wire.STEP, b"payload"), lambda *a: None)
+    assert follower.frames.get(timeout=2) == (wire.STEP, b"payload")
+    follower.close()  # as if the process died: its socket closes
+    deadline = time.monotonic() + 3
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lost and lost[0][0] == 1 and "exited or was killed" in lost[0][1]
+    leader.stop(clean=False)
+
+
+def test_silence_counts_as_loss_and_stop_releases_the_follower():
+    leader, follower, _ = join_pair(free_port_pair(), liveness=0.5)
+    leader_lost = []
+    follower.start(leader_lost.append, leader_lost.append)  # the leader's ping thread is not started: it falls silent
+    deadline = time.monotonic() + 3
+    while not leader_lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert leader_lost and "sent nothing for 0 s" in leader_lost[0]
+    leader.stop(clean=True)
+    follower.close()
+
+
+def test_an_abort_reaches_the_follower_at_once_with_its_reason():
+    leader, follower, _ = join_pair(free_port_pair())
+    aborted = []
+    follower.start(lambda why: None, aborted.append)
+    leader.stop(clean=False, reason="process 2 was lost")
+    deadline = time.monotonic() + 3
+    while not aborted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert aborted == ["process 2 was lost"] and follower.frames.empty()
+    follower.close()
