@@ -14,10 +14,12 @@ from jaxserve.runner.attention import AttentionMetadata, write_kv
 from jaxserve.runner.kv_cache import KVCache
 
 
-def blockwise_paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, scale: float,
+def blockwise_paged_attention(q, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale: float,
                               sliding_window: int | None = None) -> jax.Array:
+    """Attention over `layer` of the whole cache [L, K, NB, bs, d]. The pages are gathered straight from the
+    whole cache: slicing the layer out first would copy that layer's every page, i.e. the whole cache per step."""
     T, H, d = q.shape
-    K, _, bs, _ = k_pages.shape
+    _, K, _, bs, _ = k_cache.shape
     G = H // K
     qg = q.reshape(T, K, G, d).astype(jnp.float32) * scale
     rows = meta.block_tables[meta.token_seq]  # [T, MB]
@@ -25,9 +27,9 @@ def blockwise_paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, s
 
     def body(j, carry):
         m, l, acc = carry  # running max [T,K,G], normaliser [T,K,G], output [T,K,G,d]
-        k = k_pages[:, rows[:, j]].astype(jnp.float32)  # [K, T, bs, d]
-        v = v_pages[:, rows[:, j]].astype(jnp.float32)
-        s = jnp.einsum("TKGd,KTSd->TKGS", qg, k)
+        k = k_cache[layer, :, rows[:, j]].astype(jnp.float32)  # [T, K, bs, d]
+        v = v_cache[layer, :, rows[:, j]].astype(jnp.float32)
+        s = jnp.einsum("TKGd,TKSd->TKGS", qg, k)
         kv_pos = j * bs + jnp.arange(bs)
         visible = kv_pos[None, :] <= meta.positions[:, None]
         if sliding_window is not None:
@@ -37,7 +39,7 @@ def blockwise_paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, s
         p = jnp.exp(s - m_new[..., None])  # fully masked blocks give exp(-inf) = 0
         correction = jnp.exp(m - m_new)
         l = l * correction + jnp.sum(p, axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("TKGS,KTSd->TKGd", p, v)
+        acc = acc * correction[..., None] + jnp.einsum("TKGS,TKSd->TKGd", p, v)
         return m_new, l, acc
 
     init = (jnp.full((T, K, G), -1e30, jnp.float32), jnp.zeros((T, K, G), jnp.float32),
@@ -48,5 +50,5 @@ def blockwise_paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, s
 
 def blockwise_attention_fn(q, k, v, kv: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window):
     kv = write_kv(kv, layer, k, v, meta.slot_mapping)
-    out = blockwise_paged_attention(q, kv.k[layer], kv.v[layer], meta, scale=scale, sliding_window=sliding_window)
+    out = blockwise_paged_attention(q, kv.k, kv.v, layer, meta, scale=scale, sliding_window=sliding_window)
     return out, kv
