@@ -87,7 +87,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_computed_tokens == 0:
+            # A request asking for prompt logprobs must compute every prompt position, so it takes no cache hits.
+            if seq.num_computed_tokens == 0 and seq.params.prompt_logprobs is None:
                 seq.num_computed_tokens = self.blocks.match_prefix(seq.seq_id, seq.token_ids)
                 seq.num_cached_tokens = max(seq.num_cached_tokens, min(seq.num_computed_tokens, seq.num_prompt_tokens))
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)

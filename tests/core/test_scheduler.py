@@ -110,6 +110,18 @@ def test_prefix_cache_hit_skips_computed_blocks():
     assert b.num_cached_tokens == 8 and bm.prefix_cache_hits == 8
 
 
+def test_prompt_logprobs_requests_compute_every_prompt_position():
+    s, bm = make(block_size=4)
+    a = seq(prompt_len=10, max_tokens=1, start=0)
+    s.add(a)
+    run_step(s)
+    b = seq(prompt_len=10, max_tokens=1, start=0)
+    b.params = b.params.replace(prompt_logprobs=1)
+    s.add(b)
+    out = s.schedule()
+    assert (out.chunks[0].start, out.chunks[0].num_tokens) == (0, 10) and bm.prefix_cache_hits == 0
+
+
 def test_finish_and_abort_free_blocks():
     s, bm = make()
     a = seq(prompt_len=9)
