@@ -35,9 +35,8 @@ class Buckets:
         seqs = geometric(1, max_seqs, 4)
         # A decode-only step has T == B, so every sequence bucket is also a token bucket; above that, 2x steps
         # keep prefill padding under half.
-        tokens = sorted(set(seqs) | set(geometric(16, max_num_batched_tokens, 2)) if max_num_batched_tokens > 16
-                        else set(seqs) | {max_num_batched_tokens})
-        return cls(tokens=tuple(t for t in tokens if t <= max_num_batched_tokens), seqs=seqs)
+        wide = geometric(16, max_num_batched_tokens, 2) if max_num_batched_tokens > 16 else (max_num_batched_tokens,)
+        return cls(tokens=tuple(sorted(set(seqs) | set(wide))), seqs=seqs)
 
     def shape(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         return round_up(num_tokens, self.tokens), round_up(num_seqs, self.seqs)
