@@ -82,6 +82,7 @@ class EngineConfig:
     dtype: str = "float32"  # resolved: "float32" or "bfloat16"
     seed: int = 0
     max_logprobs: int = 20
+    quantization: str | None = None  # None (weights in `dtype`) or "int8" (weight-only, per-channel scales)
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -23,6 +23,7 @@ from jaxserve.core.request import Request, Sequence
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine_inputs import normalise_conversations, normalise_prompts, prompt_token_ids, validate_lengths
 from jaxserve.loader.checkpoint import open_checkpoint
+from jaxserve.models.layers import QUANTIZATIONS
 from jaxserve.outputs import RequestOutput
 from jaxserve.parallel.multihost import agree_on_min
 from jaxserve.parallel.sharding import resolve_mesh
@@ -53,9 +54,10 @@ class Engine:
                  max_logprobs: int = 20, enable_prefix_caching: bool = True, warmup: bool = True,
                  recompile_guard: str = "warn", compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
                  tokenizer=None, attention_impl: str = "auto", tensor_parallel_size: int | None = None,
-                 pipeline_parallel_size: int | None = None, pp_layer_partition: list[int] | None = None):
+                 pipeline_parallel_size: int | None = None, pp_layer_partition: list[int] | None = None,
+                 quantization: str | None = None):
         _check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
-                              recompile_guard)
+                              recompile_guard, quantization)
         enable_compilation_cache(compilation_cache_dir)
         ckpt = open_checkpoint(model)
         cfg = ckpt.config
@@ -66,7 +68,7 @@ class Engine:
         dtype = resolve_dtype(dtype, jax.devices()[0].platform)
         self.mesh_shape = resolve_mesh(mesh, tensor_parallel_size, pipeline_parallel_size)
         self.runner = ModelRunner(cfg, ckpt.tensors, dtype, block_size, self.mesh_shape, attention_impl,
-                                  pp_layer_partition)
+                                  pp_layer_partition, quantization)
         self.plan_shape = PlanShape(Buckets.for_limits(max_num_batched_tokens, max_num_seqs),
                                     -(-max_model_len // block_size), cfg.vocab_size, max_model_len, max_logprobs)
         num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_memory_fraction)
@@ -74,7 +76,7 @@ class Engine:
             model=cfg,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
-            dtype=dtype, seed=seed, max_logprobs=max_logprobs,
+            dtype=dtype, seed=seed, max_logprobs=max_logprobs, quantization=quantization,
         )
         self.blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.blocks)
@@ -92,7 +94,8 @@ class Engine:
         self._compiles_at_warmup: int | None = None
         if warmup:
             self.warmup()
-        log.info("Loaded %s (%s, %s, mesh %dx%d)", self.model_name, cfg.architecture, dtype, *self.mesh_shape)
+        log.info("Loaded %s (%s, %s%s, mesh %dx%d)", self.model_name, cfg.architecture, dtype,
+                 f", {quantization} weights" if quantization else "", *self.mesh_shape)
 
     def _size_kv_cache(self, num_blocks: int | None, memory_fraction: float) -> int:
         """Fix the number of KV blocks (profiling a step at the largest bucket first) and allocate the cache."""
@@ -324,7 +327,8 @@ class Engine:
         }
 
 
-def _check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, memory_fraction, recompile_guard):
+def _check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, memory_fraction, recompile_guard,
+                          quantization):
     for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens)):
         if not isinstance(value, int) or value < 1:
@@ -333,6 +337,8 @@ def _check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, memo
         raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {memory_fraction}")
     if recompile_guard not in ("warn", "error", "off"):
         raise ValueError(f"recompile_guard must be 'warn', 'error' or 'off', got {recompile_guard!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r} is not supported; use None (weights in dtype) or 'int8'")
 
 
 def _profile_inputs(T: int, B: int, shape: PlanShape):

@@ -13,54 +13,55 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.layers import apply_rope, param, rms_norm, rope_inv_freq, swiglu_mlp
+from jaxserve.models.layers import apply_rope, dense, param, rms_norm, rope_inv_freq, swiglu_mlp, weight
 
 
 class DecoderLayers(nnx.Module):
     """The weights of all L decoder layers, each stacked on a leading `layers` axis."""
 
-    def __init__(self, cfg: ModelConfig, dtype):
-        L, D, H, K, d, F = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                            cfg.intermediate_size)
+    def __init__(self, cfg: ModelConfig, dtype, quantization: str | None = None):
+        L, D, H, K, d = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q = quantization
         self.attn_norm = param((L, D), ("layers", "embed"), dtype)
-        self.wq = param((L, D, H, d), ("layers", "embed", "q_heads", "head_dim"), dtype)
-        self.wk = param((L, D, K, d), ("layers", "embed", "kv_heads", "head_dim"), dtype)
-        self.wv = param((L, D, K, d), ("layers", "embed", "kv_heads", "head_dim"), dtype)
-        self.wo = param((L, H, d, D), ("layers", "q_heads", "head_dim", "embed"), dtype)
+        self.wq, self.wq_scale = weight((L, D, H, d), ("layers", "embed", "q_heads", "head_dim"), dtype, ("embed",), q)
+        self.wk, self.wk_scale = weight((L, D, K, d), ("layers", "embed", "kv_heads", "head_dim"), dtype, ("embed",), q)
+        self.wv, self.wv_scale = weight((L, D, K, d), ("layers", "embed", "kv_heads", "head_dim"), dtype, ("embed",), q)
+        self.wo, self.wo_scale = weight((L, H, d, D), ("layers", "q_heads", "head_dim", "embed"), dtype,
+                                        ("q_heads", "head_dim"), q)
         if cfg.qkv_bias:
             self.bq = param((L, H, d), ("layers", "q_heads", "head_dim"), dtype)
             self.bk = param((L, K, d), ("layers", "kv_heads", "head_dim"), dtype)
             self.bv = param((L, K, d), ("layers", "kv_heads", "head_dim"), dtype)
         self.mlp_norm = param((L, D), ("layers", "embed"), dtype)
-        self.init_mlp(cfg, dtype)
+        self.init_mlp(cfg, dtype, q)
 
-    def init_mlp(self, cfg: ModelConfig, dtype):
+    def init_mlp(self, cfg: ModelConfig, dtype, q: str | None):
         L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
-        self.w_gate = param((L, D, F), ("layers", "embed", "mlp"), dtype)
-        self.w_up = param((L, D, F), ("layers", "embed", "mlp"), dtype)
-        self.w_down = param((L, F, D), ("layers", "mlp", "embed"), dtype)
+        self.w_gate, self.w_gate_scale = weight((L, D, F), ("layers", "embed", "mlp"), dtype, ("embed",), q)
+        self.w_up, self.w_up_scale = weight((L, D, F), ("layers", "embed", "mlp"), dtype, ("embed",), q)
+        self.w_down, self.w_down_scale = weight((L, F, D), ("layers", "mlp", "embed"), dtype, ("mlp",), q)
 
     def arrays(self) -> dict[str, jax.Array]:
         return {name: p[...] for name, p in vars(self).items() if isinstance(p, nnx.Param)}
 
 
 def mlp(cfg: ModelConfig, w: dict[str, jax.Array], h: jax.Array) -> jax.Array:
-    return swiglu_mlp(h, w["w_gate"], w["w_up"], w["w_down"])
+    return swiglu_mlp(h, w)
 
 
 def decoder_layer(cfg: ModelConfig, attention_fn, mlp_fn, carry, w: dict[str, jax.Array], layer: jax.Array, meta):
     x, kv = carry
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("TD,DHd->THd", h, w["wq"])
-    k = jnp.einsum("TD,DKd->TKd", h, w["wk"])
-    v = jnp.einsum("TD,DKd->TKd", h, w["wv"])
+    q = dense("TD,DHd->THd", h, w, "wq")
+    k = dense("TD,DKd->TKd", h, w, "wk")
+    v = dense("TD,DKd->TKd", h, w, "wv")
     if cfg.qkv_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     inv_freq = rope_inv_freq(cfg)
     q = apply_rope(q, meta.positions, inv_freq)
     k = apply_rope(k, meta.positions, inv_freq)
     attn, kv = attention_fn(q, k, v, kv, layer, meta)
-    x = x + jnp.einsum("THd,HdD->TD", attn, w["wo"])
+    x = x + dense("THd,HdD->TD", attn, w, "wo")
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
     x = x + mlp_fn(cfg, w, h)
     return x, kv
@@ -83,14 +84,17 @@ class LlamaForCausalLM(nnx.Module):
     layers_class = DecoderLayers
     mlp_fn = staticmethod(mlp)
 
-    def __init__(self, cfg: ModelConfig, dtype):
+    def __init__(self, cfg: ModelConfig, dtype, quantization: str | None = None):
+        """`quantization="int8"`: the decoder layers' matmul weights are int8. The embedding and LM head stay in
+        `dtype`, as in GPTQ/AWQ checkpoints: the logits are the most quantization-sensitive output, and on CPU
+        XLA would convert the whole int8 vocabulary matrix to float every step (it does not fuse that convert)."""
         self.cfg = cfg
-        V = cfg.vocab_size + cfg.vocab_pad
-        self.embed = param((V, cfg.hidden_size), ("vocab", "embed"), dtype)
-        self.layers = self.layers_class(cfg, dtype)
-        self.final_norm = param((cfg.hidden_size,), ("embed",), dtype)
+        V, D = cfg.vocab_size + cfg.vocab_pad, cfg.hidden_size
+        self.embed = param((V, D), ("vocab", "embed"), dtype)
+        self.layers = self.layers_class(cfg, dtype, quantization)
+        self.final_norm = param((D,), ("embed",), dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = param((cfg.hidden_size, V), ("embed", "vocab"), dtype)
+            self.lm_head = param((D, V), ("embed", "vocab"), dtype)
 
     def __call__(self, token_ids: jax.Array, kv, meta, attention_fn, run_layers=scan_layers):
         """Hidden states [T, D] after the final norm, and the updated cache. `run_layers` runs the stacked

@@ -10,18 +10,20 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.layers import param
+from jaxserve.models.layers import dense, param, weight
 from jaxserve.models.llama import DecoderLayers, LlamaForCausalLM
 
 
 class MoeDecoderLayers(DecoderLayers):
-    def init_mlp(self, cfg: ModelConfig, dtype):
+    def init_mlp(self, cfg: ModelConfig, dtype, q: str | None):
         L, D, F, E = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
         Ep = E + cfg.expert_pad  # zero experts so they split evenly over tp; the router never picks them
-        self.router = param((L, D, E), ("layers", "embed", None), dtype)
-        self.w_gate = param((L, Ep, D, F), ("layers", "experts", "embed", "expert_mlp"), dtype)
-        self.w_up = param((L, Ep, D, F), ("layers", "experts", "embed", "expert_mlp"), dtype)
-        self.w_down = param((L, Ep, F, D), ("layers", "experts", "expert_mlp", "embed"), dtype)
+        self.router = param((L, D, E), ("layers", "embed", None), dtype)  # small, and routing is precision-sensitive
+        gate_up = ((L, Ep, D, F), ("layers", "experts", "embed", "expert_mlp"), dtype, ("embed",), q)
+        self.w_gate, self.w_gate_scale = weight(*gate_up)
+        self.w_up, self.w_up_scale = weight(*gate_up)
+        self.w_down, self.w_down_scale = weight((L, Ep, F, D), ("layers", "experts", "expert_mlp", "embed"), dtype,
+                                                ("expert_mlp",), q)
 
 
 def route(cfg: ModelConfig, h: jax.Array, router: jax.Array) -> jax.Array:
@@ -38,9 +40,9 @@ def moe_mlp(cfg: ModelConfig, w: dict[str, jax.Array], h: jax.Array) -> jax.Arra
     experts split over tp each device runs its own experts and one all-reduce sums them. Costs E/k times the
     FLOPs of a sparse dispatch, which does not matter at the sizes this serves on CPU."""
     combine = route(cfg, h, w["router"])
-    gate = jnp.einsum("TD,EDF->TEF", h, w["w_gate"])
-    up = jnp.einsum("TD,EDF->TEF", h, w["w_up"])
-    out = jnp.einsum("TEF,EFD->TED", jax.nn.silu(gate) * up, w["w_down"])
+    gate = dense("TD,EDF->TEF", h, w, "w_gate")
+    up = dense("TD,EDF->TEF", h, w, "w_up")
+    out = dense("TEF,EFD->TED", jax.nn.silu(gate) * up, w, "w_down")
     return jnp.einsum("TE,TED->TD", combine, out.astype(jnp.float32)).astype(h.dtype)
 
 

@@ -43,7 +43,7 @@ class StepResult:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, tensors: TensorSource, dtype: str, block_size: int,
                  mesh_shape: tuple[int, int] = (1, 1), attention_impl: str = "auto",
-                 pp_layer_partition: list[int] | None = None):
+                 pp_layer_partition: list[int] | None = None, quantization: str | None = None):
         self.dtype = jnp.dtype(dtype)
         self.block_size = block_size
         self.mesh = make_mesh(*mesh_shape)
@@ -52,7 +52,8 @@ class ModelRunner:
         log.info(describe(self.layout, self.mesh.devices))
         self.cfg = self.layout.effective_config(cfg)
         attention_fn = make_attention_fn(attention_impl, self.mesh.devices.flat[0].platform, self.cfg, self.mesh)
-        self.graphdef, self.params = load_weights(cfg, tensors, self.dtype, self.mesh, self.layout)
+        self.graphdef, self.params = load_weights(cfg, tensors, self.dtype, self.mesh, self.layout,
+                                                  quantization)
         self.kv = None
         attention = partial(attention_fn, scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window)
         run_layers = pipeline_layers(self.mesh, scan_layers) if self.layout.pp > 1 else None

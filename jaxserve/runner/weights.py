@@ -2,7 +2,8 @@
 
 Each weight is read, padded for the mesh (parallel/padding.py) and handed to `jax.device_put` with the sharding
 its logical names give, one weight at a time: every device receives only its own slice, and the host holds at
-most one (padded) weight beyond the checkpoint reader's own buffers.
+most one (padded) weight beyond the checkpoint reader's own buffers. A quantized model's matmul weights are
+quantized on the host as they are read (runner/quantize.py), so only int8 values travel to the devices.
 """
 
 from __future__ import annotations
@@ -18,26 +19,33 @@ from jaxserve.models.registry import model_class
 from jaxserve.parallel.layout import ParallelLayout, plan_layout
 from jaxserve.parallel.padding import pad_weight
 from jaxserve.parallel.sharding import named_sharding
+from jaxserve.runner.quantize import quantize_int8
 
 
-def abstract_model(cfg: ModelConfig, dtype):
+def abstract_model(cfg: ModelConfig, dtype, quantization: str | None = None):
     """(graphdef, abstract state): shapes, dtypes and logical axis names, no memory."""
     cls = model_class(cfg.architecture)
-    return nnx.split(nnx.eval_shape(lambda: cls(cfg, dtype)))
+    return nnx.split(nnx.eval_shape(lambda: cls(cfg, dtype, quantization)))
 
 
-def _flat_abstract(cfg: ModelConfig, dtype):
-    graphdef, abstract = abstract_model(cfg, dtype)
+def _flat_abstract(cfg: ModelConfig, dtype, quantization: str | None = None):
+    graphdef, abstract = abstract_model(cfg, dtype, quantization)
     return graphdef, dict(nnx.to_flat_state(abstract))
 
 
-def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, layout: ParallelLayout | None = None):
-    """-> (graphdef, params) of the model under `layout`'s effective config (default: no padding, one stage)."""
+def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, layout: ParallelLayout | None = None,
+                 quantization: str | None = None):
+    """-> (graphdef, params) of the model under `layout`'s effective config (default: no padding, one stage);
+    with `quantization="int8"`, every matmul weight is quantized on the host as it is read."""
     layout = layout or plan_layout(cfg, 1, 1)
     if hasattr(tensors, "restore"):  # a `jaxserve convert` checkpoint: stored padded, each process reads its shards
+        if quantization is not None:
+            raise ValueError(f"quantization={quantization!r} quantizes weights as they are read from the original "
+                             "checkpoint, and a `jaxserve convert` checkpoint holds placed float weights: serve the "
+                             "original model (HF directory or GGUF) with this quantization instead")
         return tensors.restore(cfg, dtype, mesh, layout)
     _, real = _flat_abstract(cfg, dtype)  # checkpoint shapes, checked before padding
-    graphdef, flat = _flat_abstract(layout.effective_config(cfg), dtype)
+    graphdef, flat = _flat_abstract(layout.effective_config(cfg), dtype, quantization)
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     placed = {}
     for path, array in load_params(cfg, tensors, np_dtype):
@@ -47,9 +55,17 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
         var = flat[path]
         logical = var.get_metadata()["logical"]
         array = pad_weight(array, logical, layout, cfg.num_kv_heads)
+        scale_path = path[:-1] + (path[-1] + "_scale",)
+        if scale_path in flat:  # quantized: int8 values and float32 scales replace the float weight
+            scale_var = flat[scale_path]
+            scale_logical = scale_var.get_metadata()["logical"]
+            contract = tuple(i for i, name in enumerate(logical) if name not in scale_logical)
+            array, scale = quantize_int8(array, contract)
+            placed[scale_path] = scale_var.replace(jax.device_put(scale, named_sharding(mesh, scale_logical)))
         placed[path] = var.replace(jax.device_put(array, named_sharding(mesh, logical)))
         del array
     missing = set(flat) - set(placed)
     if missing:
         raise ValueError(f"the checkpoint provides no weights for {sorted('.'.join(p) for p in missing)}")
     return graphdef, nnx.from_flat_state(list(placed.items()))
+

@@ -26,6 +26,8 @@ def test_convert_then_serve_gives_the_original_tokens(tiny_checkpoint, tmp_path,
     with pytest.raises(ValueError, match=r"converted for mesh 2x2 .*serve it with --mesh 2x2, or convert the "
                                          r"original model again with --mesh 4x1"):
         Engine(out, mesh="4x1", **SMALL)
+    with pytest.raises(ValueError, match="serve the original model .* with this quantization"):
+        Engine(out, mesh="2x2", quantization="int8", **SMALL)
     with pytest.raises(SystemExit):
         cli.main(["convert", model, out])
     assert "already exists" in capsys.readouterr().err

@@ -1,0 +1,110 @@
+#!/usr/bin/env python
+"""Accuracy of weight-only int8 against the float model, on the same weights (default: SmolLM2, float32 on CPU).
+
+    python scripts/eval_quantization.py [--model PATH] [--max-tokens 64] [--append BENCHMARKS.md]
+
+Three measures, each side by side:
+- perplexity of a fixed English text (teacher-forced, from prompt logprobs);
+- next-token agreement: how often the two models' most likely next token is the same, over that text;
+- greedy continuations of a few prompts: how many tokens match before the first difference.
+The last line is the perplexity ratio int8 / float.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+
+TEXT = (
+    "The river starts high in the mountains, where snow melts in the spring and runs down through narrow "
+    "valleys. By the time it reaches the town it is wide and slow, and children fish from the old stone bridge "
+    "on summer evenings. Farmers along its banks have used its water for centuries, and the mill that once "
+    "ground their grain is now a small museum that tells the story of the valley.\n\n"
+    "A computer program is a list of instructions that a machine follows one after another. Programmers write "
+    "these instructions in a language that people can read, and a compiler translates them into the simple "
+    "operations the processor understands. Good programs are easy to read, because code is read far more often "
+    "than it is written, and every reader must understand what it does before changing it.\n\n"
+    "To bake bread, mix flour, water, salt and yeast into a dough, then knead it until it is smooth and elastic. "
+    "Leave it to rise in a warm place for an hour or two, shape it into a loaf, let it rise again, and bake it "
+    "in a hot oven until the crust is brown and the loaf sounds hollow when tapped underneath."
+)
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "The three primary colors are"]
+
+
+def teacher_forced(engine, ids: list[int]) -> list[tuple[float, int]]:
+    """(logprob of the actual next token, the model's most likely next token) for every position after the first."""
+    from jaxserve import SamplingParams
+
+    out = engine.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0), use_tqdm=False)[0]
+    result = []
+    for position, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        top = next(token for token, lp in entry.items() if lp.rank == 1)
+        result.append((entry[ids[position]].logprob, top))
+    return result
+
+
+def greedy(engine, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    from jaxserve import SamplingParams
+
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                           use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def evaluate(model: str, max_tokens: int) -> dict:
+    import math
+
+    from jaxserve import Engine
+
+    def engine(quantization):
+        return Engine(model, quantization=quantization, max_model_len=512, num_kv_blocks=128, max_num_seqs=8,
+                      max_num_batched_tokens=512, warmup=False)
+
+    results = {}
+    for name, quantization in (("float", None), ("int8", "int8")):
+        e = engine(quantization)
+        ids = e.tokenizer(TEXT)["input_ids"]
+        results[name] = (teacher_forced(e, ids), greedy(e, PROMPTS, max_tokens))
+        del e
+    (ref_tf, ref_greedy), (q_tf, q_greedy) = results["float"], results["int8"]
+    ppl = {name: math.exp(-sum(lp for lp, _ in tf) / len(tf)) for name, (tf, _) in results.items()}
+    agree = sum(a[1] == b[1] for a, b in zip(ref_tf, q_tf)) / len(ref_tf)
+    prefixes = [common_prefix(a, b) for a, b in zip(ref_greedy, q_greedy)]
+    return dict(ppl_float=ppl["float"], ppl_int8=ppl["int8"], top1_agreement=agree, positions=len(ref_tf),
+                greedy_prefixes=prefixes, max_tokens=max_tokens)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model to evaluate (default: the built-in SmolLM2 GGUF)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="length of each greedy continuation")
+    ap.add_argument("--append", metavar="BENCHMARKS.md", help="append a result row to this file")
+    args = ap.parse_args()
+    from jaxserve.loader.default_model import default_model_path
+
+    model = args.model or str(default_model_path())
+    r = evaluate(model, args.max_tokens)
+    ratio = r["ppl_int8"] / r["ppl_float"]
+    prefixes = "/".join(map(str, r["greedy_prefixes"]))
+    print(f"perplexity: float {r['ppl_float']:.3f}, int8 {r['ppl_int8']:.3f} ({r['positions']} tokens)   "
+          f"next-token agreement {100 * r['top1_agreement']:.1f}%   "
+          f"greedy tokens equal before the first difference: {prefixes} of {r['max_tokens']}")
+    if args.append:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        row = (f"| {datetime.date.today()} | {platform.node() or 'cpu'} ({os.cpu_count()} cores) | {commit} | "
+               f"`scripts/eval_quantization.py --max-tokens {args.max_tokens}` | {r['ppl_float']:.3f} | "
+               f"{r['ppl_int8']:.3f} | {100 * r['top1_agreement']:.1f}% | {prefixes} of {r['max_tokens']} |\n")
+        with open(args.append, "a") as f:
+            f.write(row)
+    print(f"perplexity ratio int8/float: {ratio:.4f}")
+
+
+if __name__ == "__main__":
+    main()

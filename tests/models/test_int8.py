@@ -1,0 +1,96 @@
+"""Weight-only int8 (`quantization="int8"`): exact against transformers on the dequantized weights.
+
+The int8 engine must compute exactly the model whose weights are `round(w / s) * s` (s = max |w| / 127 per output
+channel): a checkpoint is quantized and dequantized here with torch, independently of the engine's code, and
+transformers runs it. Any error in the engine's scales, their axes, padding or sharding shows up as a logit
+difference far above the tolerance. SmolLM2's accuracy against the float model is tests/test_eval_quantization.py.
+"""
+
+import jax
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from jaxserve import Engine
+from tests.models.test_parity import PROMPTS, check_parity
+from tests.parallel.test_tiny_meshes import MODELS
+
+# Only the decoder layers' matmuls are quantized: norms, embedding, LM head, Mixtral's router and biases stay float.
+NOT_QUANTIZED = ("norm", "embed_tokens", "lm_head", "block_sparse_moe.gate.", "bias")
+
+
+def dequantized_copy(src, dst):
+    """A copy of the HF checkpoint `src` whose layer matmul weights are int8-rounded per output channel (per row of
+    the [out, in] matrices)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    for file in dst.glob("*.safetensors"):
+        tensors = load_file(file)
+        for name, w in tensors.items():
+            if w.ndim == 2 and not any(part in name for part in NOT_QUANTIZED):
+                amax = w.abs().amax(dim=1, keepdim=True)
+                scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+                tensors[name] = torch.clamp(torch.round(w / scale), -127, 127) * scale
+        save_file(tensors, file, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def int8_case(tiny_checkpoint, tmp_path_factory):
+    """name -> (checkpoint path, transformers on its dequantized copy)."""
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            arch, overrides = MODELS[name]
+            path = tiny_checkpoint(arch, **overrides)
+            copy = dequantized_copy(path, tmp_path_factory.mktemp(f"int8-{name}") / "model")
+            reference = AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+            built[name] = path, reference
+        return built[name]
+
+    return get
+
+
+def int8_engine(path, mesh=None):
+    return Engine(str(path), quantization="int8", mesh=mesh, num_kv_blocks=64, max_num_batched_tokens=64,
+                  max_num_seqs=4, warmup=False)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_int8_logits_match_transformers_on_dequantized_weights(name, int8_case):
+    path, reference = int8_case(name)
+    check_parity(int8_engine(path), reference, PROMPTS)
+
+
+def test_int8_on_a_padded_2d_mesh_matches_too(int8_case):
+    """4x2: padded heads, MLP, vocabulary and layer slots (zero channels get a harmless scale), split weights
+    whose scales are reduced across devices."""
+    path, reference = int8_case("llama-odd-sizes")
+    check_parity(int8_engine(path, mesh="4x2"), reference, PROMPTS)
+
+
+def test_int8_weights_are_stored_as_int8(int8_case):
+    path, _ = int8_case("llama-odd-sizes")
+    float_engine = Engine(str(path), num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=64, warmup=False)
+    engine = int8_engine(path)
+    layers = engine.runner.params["layers"]
+    for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        assert layers[name][...].dtype == np.int8, name
+    assert engine.runner.params["lm_head"][...].dtype == np.float32
+    assert layers["wq_scale"][...].shape == layers["wq"][...].shape[:1] + layers["wq"][...].shape[2:]
+    assert layers["attn_norm"][...].dtype == np.float32
+
+    def layer_bytes(e):
+        return sum(x.nbytes for x in jax.tree.leaves(e.runner.params["layers"]))
+
+    assert layer_bytes(engine) < 0.3 * layer_bytes(float_engine)  # a quarter, plus float norms and scales
+
+
+def test_unknown_quantization_is_refused_before_loading():
+    with pytest.raises(ValueError, match="quantization='int4' is not supported"):
+        Engine("/nonexistent/model", quantization="int4")
