@@ -77,6 +77,11 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def generation_defaults(self) -> dict:
+        """The model's generation_config.json sampling defaults, for request fields left unset."""
+        return self.engine.generation_defaults
+
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.engine.encode_chat(messages, add_generation_prompt=add_generation_prompt)
 

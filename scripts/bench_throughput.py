@@ -4,9 +4,13 @@ prompts, same weights (the default SmolLM2 GGUF, float32 on CPU). Prints the rat
 
     python scripts/bench_throughput.py --num-prompts 64 --max-tokens 128 [--append BENCHMARKS.md]
     python scripts/bench_throughput.py --num-prompts 1 --hf-batch-sizes 1      # single-stream decode
+    python scripts/bench_throughput.py --num-prompts 1 --quantization int8 --llama-cpp   # + llama.cpp, Q4_1 GGUF
 
-Both sides are warmed up first (jaxserve compiles its step buckets; transformers runs one batch), so the
-figures are steady-state generation. Every request generates exactly --max-tokens tokens (EOS ignored on both).
+Every side is warmed up first (jaxserve compiles its step buckets; transformers and llama.cpp run once), then
+the sides take turns, --repeats rounds, and each reports its best round: on a shared machine whose speed
+drifts from minute to minute, interleaving keeps the ratio fair. Every request generates exactly --max-tokens
+tokens (EOS ignored everywhere). llama.cpp (`pip install llama-cpp-python`, a 10-minute build) runs the prompts
+one after another, as single streams.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import datetime
 import os
 import platform
 import subprocess
+import sys
 import time
 
 
@@ -27,38 +32,39 @@ def make_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
     return [tokenizer(" ".join(rng.choice(words) for _ in range(rng.randint(8, 40))))["input_ids"] for _ in range(n)]
 
 
-def bench_jaxserve(gguf: str, prompts, max_tokens: int) -> tuple[float, float]:
+def jaxserve_runner(gguf: str, prompts, max_tokens: int, quantization: str | None):
+    """-> run() that times one Engine.generate over every prompt, after a warm-up that compiles what it uses."""
     from jaxserve import Engine, SamplingParams
 
-    t0 = time.perf_counter()
-    engine = Engine(gguf, max_model_len=512, max_num_seqs=len(prompts),
+    engine = Engine(gguf, max_model_len=512, max_num_seqs=len(prompts), quantization=quantization,
                     max_num_batched_tokens=min(1024, 64 * len(prompts)), warmup=False)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    engine.generate(prompts, params, use_tqdm=False)  # warm-up: compiles every bucket this workload uses
-    warmup = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
-    return len(prompts) * max_tokens / elapsed, warmup
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+        return elapsed
+
+    return run
 
 
-def bench_transformers(gguf: str, prompts, max_tokens: int, batch_sizes: list[int]) -> tuple[float, int]:
-    """transformers' throughput at its best batch size among `batch_sizes`: (tok/s, that batch size)."""
+def load_transformers(gguf: str):
     import torch
     from transformers import AutoModelForCausalLM
 
     d, f = os.path.split(gguf)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-    return max((_transformers_at(model, prompts, max_tokens, b), b) for b in batch_sizes)
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
 
 
-def _transformers_at(model, prompts, max_tokens: int, batch_size: int) -> float:
+def transformers_runner(model, prompts, max_tokens: int, batch_size: int):
+    """-> run() that times transformers' greedy generate over every prompt, `batch_size` left-padded at a time."""
     import torch
 
     pad = 2
 
-    def run(batch):
+    def generate(batch):
         width = max(len(p) for p in batch)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # left padding for generation
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
@@ -66,11 +72,44 @@ def _transformers_at(model, prompts, max_tokens: int, batch_size: int) -> float:
             model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                            do_sample=False, pad_token_id=pad)
 
-    run(prompts[:batch_size])  # warm-up
-    t0 = time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        run(prompts[i : i + batch_size])
-    return len(prompts) * max_tokens / (time.perf_counter() - t0)
+    def run() -> float:
+        t0 = time.perf_counter()
+        for i in range(0, len(prompts), batch_size):
+            generate(prompts[i : i + batch_size])
+        return time.perf_counter() - t0
+
+    return run
+
+
+def llama_cpp_runner(gguf: str, prompts, max_tokens: int):
+    """-> run() that times llama.cpp (llama-cpp-python, all cores) decoding each prompt greedily in turn."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, n_ctx=512, n_batch=512, n_threads=os.cpu_count(), verbose=False)
+
+    def one(prompt: list[int]) -> None:
+        for n, _ in enumerate(llm.generate(prompt, temp=0.0, top_k=1, reset=True), start=1):
+            if n == max_tokens:  # generate() yields until stopped, past EOS too
+                return
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        for p in prompts:
+            one(p)
+        return time.perf_counter() - t0
+
+    return run
+
+
+def best_of_interleaved(runners: dict, repeats: int) -> dict[str, float]:
+    """Warm each runner up, then run them in turn `repeats` times: name -> its shortest time."""
+    for run in runners.values():
+        run()
+    times = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, run in runners.items():
+            times[name].append(run())
+    return {name: min(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -79,6 +118,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=None,
                     help="transformers batch sizes to try; the best counts (default: 8 16 32 64, capped at the prompts)")
+    ap.add_argument("--quantization", choices=("int8",), help="jaxserve's weights (default: float32)")
+    ap.add_argument("--llama-cpp", action="store_true", help="also time llama.cpp on the GGUF itself (Q4_1)")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; each side's best counts")
     ap.add_argument("--append", metavar="BENCHMARKS.md", help="append a result row to this file")
     args = ap.parse_args()
 
@@ -89,17 +131,31 @@ def main() -> None:
     gguf = str(default_model_path())
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
     prompts = make_prompts(tokenizer, args.num_prompts)
-    ours, warmup = bench_jaxserve(gguf, prompts, args.max_tokens)
     sizes = args.hf_batch_sizes or sorted({min(b, args.num_prompts) for b in (8, 16, 32, 64)})
-    theirs, best_batch = bench_transformers(gguf, prompts, args.max_tokens, sizes)
+    runners = {"jaxserve": jaxserve_runner(gguf, prompts, args.max_tokens, args.quantization)}
+    model = load_transformers(gguf)
+    runners |= {f"transformers batch {b}": transformers_runner(model, prompts, args.max_tokens, b) for b in sizes}
+    if args.llama_cpp:
+        runners["llama.cpp"] = llama_cpp_runner(gguf, prompts, args.max_tokens)
+    tokens = args.num_prompts * args.max_tokens
+    rate = {name: tokens / t for name, t in best_of_interleaved(runners, args.repeats).items()}
+    ours = rate.pop("jaxserve")
+    llama_cpp = rate.pop("llama.cpp", None)
+    best_batch = max(sizes, key=lambda b: rate[f"transformers batch {b}"])
+    theirs = rate[f"transformers batch {best_batch}"]
     ratio = ours / theirs
-    print(f"jaxserve: {ours:.1f} tok/s (warm-up/compile {warmup:.0f} s)   "
-          f"transformers: {theirs:.1f} tok/s (best batch size {best_batch} of {sizes})")
+    weights = args.quantization or "float32"
+    line = (f"jaxserve ({weights}): {ours:.1f} tok/s   transformers (float32): {theirs:.1f} tok/s "
+            f"(best batch size {best_batch} of {sizes})")
+    if llama_cpp is not None:
+        line += f"   llama.cpp (Q4_1): {llama_cpp:.1f} tok/s (jaxserve/llama.cpp {ours / llama_cpp:.2f}x)"
+    print(line)
     if args.append:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        command = " ".join(["scripts/bench_throughput.py", *sys.argv[1:]]).replace(f" --append {args.append}", "")
+        cpp = "" if llama_cpp is None else f"{llama_cpp:.1f}"
         row = (f"| {datetime.date.today()} | {platform.node() or 'cpu'} ({os.cpu_count()} cores, CPU) | {commit} | "
-               f"`scripts/bench_throughput.py --num-prompts {args.num_prompts} --max-tokens {args.max_tokens}` | "
-               f"{ours:.1f} | {theirs:.1f} (batch {best_batch}) | {ratio:.2f}x |\n")
+               f"`{command}` | {weights} | {ours:.1f} | {theirs:.1f} (batch {best_batch}) | {ratio:.2f}x | {cpp} |\n")
         with open(args.append, "a") as f:
             f.write(row)
     print(f"ratio jaxserve/transformers: {ratio:.2f}x")

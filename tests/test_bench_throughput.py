@@ -10,10 +10,12 @@ SCRIPT = Path(__file__).parents[1] / "scripts" / "bench_throughput.py"
 def test_bench_throughput_tiny(smollm2_gguf_path, tmp_path):
     table = tmp_path / "BENCHMARKS.md"
     done = subprocess.run([sys.executable, str(SCRIPT), "--num-prompts", "2", "--max-tokens", "4",
-                           "--hf-batch-sizes", "1", "2", "--append", str(table)],
+                           "--hf-batch-sizes", "1", "2", "--repeats", "1", "--quantization", "int8",
+                           "--append", str(table)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("ratio jaxserve/transformers: ") and last.endswith("x")
     assert float(last.split(": ")[1][:-1]) > 0
-    assert "bench_throughput.py --num-prompts 2 --max-tokens 4" in table.read_text()
+    row = table.read_text()
+    assert "bench_throughput.py --num-prompts 2 --max-tokens 4" in row and "| int8 |" in row

@@ -43,12 +43,12 @@ class Endpoint:
 ENDPOINTS: dict[str, Endpoint] = {
     "/v1/completions": Endpoint(
         schema=CompletionRequest, id_prefix="cmpl",
-        inputs=lambda request, engine: completion_inputs(request),
+        inputs=lambda request, engine: completion_inputs(request, engine.generation_defaults),
         rendering=CompletionRendering, render=lambda rendering, finals: rendering.full_response(finals),
         example_body={"prompt": "x"}),
     "/v1/chat/completions": Endpoint(
         schema=ChatCompletionRequest, id_prefix="chatcmpl",
-        inputs=lambda request, engine: chat_inputs(request, engine.encode_chat),
+        inputs=lambda request, engine: chat_inputs(request, engine.encode_chat, engine.generation_defaults),
         rendering=ChatRendering, render=lambda rendering, finals: rendering.full_response(finals[0]),
         example_body={"messages": [{"role": "user", "content": "x"}]}),
 }

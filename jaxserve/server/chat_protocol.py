@@ -49,14 +49,14 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, model_defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise ValueError("top_logprobs needs logprobs set to true")
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens=max_tokens,
+        return self._sampling_params(model_defaults, max_tokens=max_tokens,
                                      logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
     def template_messages(self) -> list[dict[str, Any]]:

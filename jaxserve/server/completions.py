@@ -39,7 +39,7 @@ async def create_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = parse_request(CompletionRequest, await parse_json(request))
     model = state.resolve_model(body.model)
-    prompts, params = completion_inputs(body)
+    prompts, params = completion_inputs(body, state.engine.generation_defaults)
     arrival_time = time.monotonic()
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await start_requests(state, prompts, params, request_id, body.priority)

@@ -79,17 +79,25 @@ class SamplingFields(OpenAIModel):
     def include_usage_chunk(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
-    def _sampling_params(self, **specific: Any) -> SamplingParams:
-        """Build SamplingParams; invalid values raise ValueError naming the field."""
+    def _sampling_params(self, model_defaults: dict[str, Any] | None, **specific: Any) -> SamplingParams:
+        """Build SamplingParams; invalid values raise ValueError naming the field.
+
+        A field the body leaves unset takes the model's generation_config.json value (`model_defaults`), then
+        OpenAI's default, as vLLM does: a model tuned to sample at temperature 0.6 does so unless asked otherwise.
+        """
+        def unset_or(name: str, fallback: float) -> float:
+            value = getattr(self, name)
+            return value if value is not None else (model_defaults or {}).get(name, fallback)
+
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=unset_or("temperature", 1.0),
+            top_p=unset_or("top_p", 1.0),
+            top_k=unset_or("top_k", 0),
+            min_p=unset_or("min_p", 0.0),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=unset_or("repetition_penalty", 1.0),
             logit_bias=self.logit_bias,
             seed=self.seed,
             stop=self.stop,
@@ -130,12 +138,13 @@ class CompletionRequest(SamplingFields):
             return prompt
         raise ValueError(f"prompt must be {PROMPT_SHAPES}")
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, model_defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.suffix:
             raise ValueError("suffix is not supported")
         # Echoing the prompt with logprobs needs the prompt's logprobs too.
         prompt_logprobs = self.logprobs if self.echo else None
-        return self._sampling_params(max_tokens=self.max_tokens, best_of=self.best_of, logprobs=self.logprobs,
+        return self._sampling_params(model_defaults, max_tokens=self.max_tokens, best_of=self.best_of,
+                                     logprobs=self.logprobs,
                                      prompt_logprobs=prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:

@@ -26,10 +26,11 @@ def parse_request(schema: type[pydantic.BaseModel], body: dict):
         raise from_validation_error(exc) from None
 
 
-def build_sampling_params(body) -> SamplingParams:
-    """The request's SamplingParams; a 400 naming the field when a value is out of range."""
+def build_sampling_params(body, model_defaults: dict | None = None) -> SamplingParams:
+    """The request's SamplingParams (unset fields from the model's generation defaults); a 400 naming the field
+    when a value is out of range."""
     try:
-        return body.to_sampling_params()
+        return body.to_sampling_params(model_defaults)
     except ValueError as exc:
         field_name = str(exc).split(" ", 1)[0]
         raise bad_request(str(exc), param=field_name if field_name in type(body).model_fields else None) from None
@@ -44,15 +45,16 @@ def resolve_model_name(requested: str | None, served_model_names: list[str]) -> 
     return requested
 
 
-def completion_inputs(body: CompletionRequest) -> tuple[list[Prompt], SamplingParams]:
+def completion_inputs(body: CompletionRequest, model_defaults: dict) -> tuple[list[Prompt], SamplingParams]:
     """POST /v1/completions: one engine prompt per entry of `prompt`, all with the same params."""
-    return body.prompts(), build_sampling_params(body)
+    return body.prompts(), build_sampling_params(body, model_defaults)
 
 
-def chat_inputs(body: ChatCompletionRequest, encode_chat: ChatEncoder) -> tuple[list[Prompt], SamplingParams]:
+def chat_inputs(body: ChatCompletionRequest, encode_chat: ChatEncoder, model_defaults: dict
+                ) -> tuple[list[Prompt], SamplingParams]:
     """POST /v1/chat/completions: the messages rendered through the chat template into one token-id prompt.
 
     The params come first so that a bad value is reported before the (slower) template rendering.
     """
-    params = build_sampling_params(body)
+    params = build_sampling_params(body, model_defaults)
     return [encode_chat(body.template_messages(), body.add_generation_prompt)], params

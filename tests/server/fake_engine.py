@@ -36,6 +36,7 @@ class FakeEngine:
                  step_delay=0.002):
         self.tokenizer = tokenizer
         self.model_name = "fake-model"
+        self.generation_defaults: dict = {}  # a model whose generation_config.json sets no sampling defaults
         self.config = SimpleNamespace(cache=SimpleNamespace(block_size=block_size), dtype="float32")
         self.max_model_len = max_model_len
         self.total_blocks = total_blocks

@@ -265,3 +265,20 @@ def test_tokenize_messages_counts_like_chat_usage(server, client):
     result = client.chat.completions.create(model="fake", messages=messages, max_tokens=1)
     assert result.usage.prompt_tokens == counted
     assert_error(post(server, "/tokenize", {"messages": [{"content": "no role"}]}), 400)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"model": "fake", "prompt": "Hi", "max_tokens": 2}),
+    ("/v1/chat/completions", {"model": "fake", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+])
+def test_model_generation_defaults_fill_unset_sampling_fields(server, monkeypatch, path, body):
+    """generation_config.json's temperature/top_k apply when the request leaves them out; the request wins."""
+    _, fake, _ = server
+    seen = []
+    prepare = fake.prepare_request
+    monkeypatch.setattr(fake, "generation_defaults", {"temperature": 0.25, "top_k": 7})
+    monkeypatch.setattr(fake, "prepare_request", lambda rid, prompt, params, **kw: (
+        seen.append(params), prepare(rid, prompt, params, **kw))[1])
+    assert post(server, path, body).status_code == 200
+    assert post(server, path, body | {"temperature": 0, "top_k": 3}).status_code == 200
+    assert [(p.temperature, p.top_k) for p in seen] == [(0.25, 7), (0.0, 3)]
