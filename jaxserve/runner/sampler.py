@@ -84,7 +84,8 @@ def _filter_top(logits, t: SamplingTensors):
     desc = jnp.where(desc >= kth, desc, -jnp.inf)
     probs = jax.nn.softmax(desc, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each candidate
-    keep = before < t.top_p[:, None]
+    # The most likely token always stays: a top_p too small for float32 (1e-300 rounds to 0) means greedy.
+    keep = (before < t.top_p[:, None]) | (jnp.arange(V) == 0)[None, :]
     cut = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
     logits = jnp.where(logits >= jnp.maximum(kth, cut), logits, -jnp.inf)
     p = jax.nn.softmax(logits, axis=-1)
