@@ -17,6 +17,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from jaxserve.outputs import RequestOutput
@@ -27,6 +28,9 @@ from jaxserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
+# A step longer than this marks the engine unhealthy (/health 503) until it returns. Warmed-up steps take
+# milliseconds to a second; a compile-on-demand step (--no-warmup) takes seconds to a minute on a CPU.
+DEFAULT_STEP_TIMEOUT_S = 180.0
 # A logged prompt is cut to this many characters: enough to recognise it, not a copy of a whole document.
 MAX_LOGGED_PROMPT_CHARS = 1000
 
@@ -40,13 +44,20 @@ class AsyncEngine:
     """Serve an `Engine` to asyncio code. The engine must not be used by anyone else while this runs."""
 
     def __init__(self, engine, *, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
-                 request_timeout: float | None = None, log_prompts: bool = False):
+                 request_timeout: float | None = None, log_prompts: bool = False,
+                 step_timeout: float | None = DEFAULT_STEP_TIMEOUT_S):
         """`request_timeout`: seconds after which an unfinished request is aborted (None: no limit).
-        `log_prompts`: log each request's prompt; off by default, since prompts may hold private data."""
+        `log_prompts`: log each request's prompt; off by default, since prompts may hold private data.
+        `step_timeout`: a step running longer reports the engine unhealthy, so a hung device (which neither
+        fails nor returns) takes the server out of a load balancer's rotation (None: never)."""
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
-        if request_timeout is not None and not request_timeout > 0:
-            raise ValueError(f"request_timeout must be > 0 seconds or None, got {request_timeout}")
+        for name, value in (("request_timeout", request_timeout), ("step_timeout", step_timeout)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds or None, got {value}")
+        self.step_timeout = step_timeout
+        self._step_started: float | None = None  # monotonic start of the step running now, if any
+        self._reported_hung = False
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.request_timeout = request_timeout
@@ -87,7 +98,20 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._error is None and not self._stopped and not self._draining and self._thread.is_alive()
+        alive = self._error is None and not self._stopped and not self._draining and self._thread.is_alive()
+        return alive and not self.is_hung
+
+    @property
+    def is_hung(self) -> bool:
+        """Whether the current step has run longer than `step_timeout` (logged once per hung step)."""
+        started = self._step_started
+        if self.step_timeout is None or started is None or time.monotonic() - started <= self.step_timeout:
+            return False
+        if not self._reported_hung:
+            self._reported_hung = True
+            logger.error("engine step has been running for over %g s (--step-timeout): reporting unhealthy "
+                         "until it returns", self.step_timeout)
+        return True
 
     @property
     def is_draining(self) -> bool:
@@ -236,7 +260,11 @@ class AsyncEngine:
             if not self._apply_commands(block=idle):
                 return
             if self.engine.has_unfinished_requests():
-                outputs = self.engine.step()
+                self._step_started, self._reported_hung = time.monotonic(), False
+                try:
+                    outputs = self.engine.step()
+                finally:
+                    self._step_started = None
                 self._publish_stats()  # before delivery: a client that sees its answer sees these stats too
                 self._deliver(outputs)
 

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from jaxserve.async_engine import DEFAULT_STEP_TIMEOUT_S
 from jaxserve.cli_args import (
     OneLineErrorParser,
     UserError,
@@ -144,6 +145,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--request-timeout", type=positive_float, metavar="SECONDS",
                         help="abort a request still running after this long (504, or an error event when "
                              "streaming); default: no limit")
+    server.add_argument("--step-timeout", type=positive_float, default=DEFAULT_STEP_TIMEOUT_S, metavar="SECONDS",
+                        help="/health answers 503 while one engine step has run longer than this (a hung device "
+                             "neither fails nor returns), so a load balancer stops sending requests here "
+                             "(default: %(default).0f)")
     server.add_argument("--shutdown-grace-seconds", type=non_negative_float, default=DEFAULT_DRAIN_SECONDS,
                         metavar="SECONDS", help="on SIGTERM or Ctrl-C, how long requests in flight may run on "
                                                 "before they are aborted (new ones get 503 meanwhile)")

@@ -147,6 +147,28 @@ def test_health_and_metrics_answer_while_a_step_is_stuck(serve, tokenizer):
     assert answers[0].status_code == 200
 
 
+def test_a_step_past_the_step_timeout_turns_health_503_until_it_returns(serve, tokenizer, caplog):
+    """A hung device neither fails nor returns: /health must say so (a load balancer then routes elsewhere),
+    and recover once the step does return."""
+    url, fake, engine = serve(StuckEngine(tokenizer), step_timeout=0.3)
+    answers = []
+    waiting = threading.Thread(target=lambda: answers.append(
+        httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=15)))
+    waiting.start()
+    try:
+        assert fake.step_started.wait(5)
+        with httpx.Client(base_url=url, timeout=2) as client:
+            assert wait_until(lambda: client.get("/health").status_code == 503)
+            error = error_of(client.get("/health"), 503)
+            assert error["code"] == "engine_hung" and "0.3 s (--step-timeout)" in error["message"]
+    finally:
+        fake.release.set()
+        waiting.join(10)
+    assert answers[0].status_code == 200
+    assert wait_until(lambda: httpx.get(url + "/health").status_code == 200)
+    assert sum("has been running for over" in r.message for r in caplog.records) == 1
+
+
 def test_a_client_leaving_before_its_body_is_sent_is_no_error(serve, caplog):
     url, fake, engine = serve()
     host, port = url.removeprefix("http://").split(":")
