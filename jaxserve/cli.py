@@ -248,7 +248,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 def main(argv: list[str] | None = None) -> int:
     parser, subparsers = build_parser()
     try:
-        args = parse_with_config(parser, subparsers, sys.argv[1:] if argv is None else argv)
+        argv = sys.argv[1:] if argv is None else list(argv)
+        args = parse_with_config(parser, subparsers, argv)
+        args.argv = argv  # the Ray launcher starts followers with these same arguments
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return SUBCOMMANDS[args.command].run(args) or 0
     except UserError as exc:

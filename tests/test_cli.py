@@ -156,3 +156,22 @@ def test_engine_refusal_is_a_one_line_error():
     error_lines = [line for line in result.stderr.splitlines() if "error" in line.lower()]
     assert error_lines == [error_lines[0]] and error_lines[0].startswith("jaxserve: error: max_model_len=10000000")
     assert "Traceback" not in result.stderr
+
+
+def test_ray_followers_get_the_arguments_main_was_called_with(monkeypatch):
+    """Not sys.argv: `main(argv)` called in-process (tests, embedding) must forward its own argv."""
+    from jaxserve.parallel import multinode, ray_launcher
+
+    seen = {}
+
+    def fake_start_cluster(args, mesh):
+        seen["follower"] = ray_launcher._follower_argv(args.argv, "10.0.0.1:8476", 3, 2)
+        raise cli.UserError("stop here")
+
+    monkeypatch.setattr(multinode, "start_cluster", fake_start_cluster)
+    monkeypatch.setattr(sys, "argv", ["jaxserve", "something", "else"])
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--prompt", "x", "--mesh", "2x2", "--distributed-executor-backend", "ray"])
+    assert seen["follower"] == ["generate", "--prompt", "x", "--mesh", "2x2", "--distributed-executor-backend",
+                                "ray", "--distributed-executor-backend", "mp", "--coordinator", "10.0.0.1:8476",
+                                "--num-processes", "3", "--process-id", "2"]

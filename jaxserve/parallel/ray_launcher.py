@@ -15,7 +15,6 @@ import argparse
 import logging
 import os
 import socket
-import sys
 from dataclasses import dataclass
 
 from jaxserve.cli_args import UserError
@@ -63,7 +62,7 @@ def launch_followers(args: argparse.Namespace) -> RayFollowers:
                 placement_group=pg, placement_group_bundle_index=first + i - 1),
             runtime_env={"env_vars": _forwarded_env()}, **_actor_resources(pg.bundle_specs[first + i - 1]),
         ).remote()
-        actor.run.remote(_follower_argv(coordinator, num, i))
+        actor.run.remote(_follower_argv(args.argv, coordinator, num, i))
         actors.append(actor)
     log.info("started %d Ray follower actors; coordinator %s", num - 1, coordinator)
     return RayFollowers(coordinator, num, actors, pg)
@@ -111,10 +110,11 @@ def _actor_resources(bundle: dict) -> dict:
             "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}}
 
 
-def _follower_argv(coordinator: str, num: int, process_id: int) -> list[str]:
-    """This command line again, as process `process_id` (later flags win in argparse)."""
-    return sys.argv[1:] + ["--distributed-executor-backend", "mp", "--coordinator", coordinator,
-                           "--num-processes", str(num), "--process-id", str(process_id)]
+def _follower_argv(argv: list[str], coordinator: str, num: int, process_id: int) -> list[str]:
+    """The leader's own arguments again (as `cli.main` received them, not `sys.argv`, which differs when main is
+    called in-process), as process `process_id`: later flags win in argparse."""
+    return list(argv) + ["--distributed-executor-backend", "mp", "--coordinator", coordinator,
+                         "--num-processes", str(num), "--process-id", str(process_id)]
 
 
 def _forwarded_env() -> dict:
