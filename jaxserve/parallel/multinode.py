@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 # the weights or the compiled programs (checked when the processes join); server options matter only on
 # process 0 and are left out too.
 PER_PROCESS_OPTIONS = {"process_id", "coordinator", "num_processes", "distributed_executor_backend",
-                       "distributed_timeout", "log_level", "config", "seed"}
+                       "distributed_timeout", "log_level", "config", "seed",
+                       "argv"}  # the raw command line, kept by cli.main; its parsed options are compared
 ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES", "process_id": "JAX_PROCESS_ID"}
 
 
