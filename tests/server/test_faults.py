@@ -128,22 +128,28 @@ class StuckEngine(FakeEngine):
         return super().step()
 
 
-def test_health_and_metrics_answer_while_a_step_is_stuck(serve, tokenizer):
-    url, fake, engine = serve(StuckEngine(tokenizer))
+@contextlib.contextmanager
+def one_stuck_request(url, fake):
+    """A completion whose first step blocks until the block ends; yields the list its response lands in."""
     answers = []
     waiting = threading.Thread(target=lambda: answers.append(
         httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=15)))
     waiting.start()
     try:
         assert fake.step_started.wait(5)
-        with httpx.Client(base_url=url, timeout=2) as client:
-            started = time.monotonic()
-            assert client.get("/health").status_code == 200
-            assert "jaxserve:num_requests_running" in client.get("/metrics").text
-            assert time.monotonic() - started < 1
+        yield answers
     finally:
         fake.release.set()
         waiting.join(10)
+
+
+def test_health_and_metrics_answer_while_a_step_is_stuck(serve, tokenizer):
+    url, fake, engine = serve(StuckEngine(tokenizer))
+    with one_stuck_request(url, fake) as answers, httpx.Client(base_url=url, timeout=2) as client:
+        started = time.monotonic()
+        assert client.get("/health").status_code == 200
+        assert "jaxserve:num_requests_running" in client.get("/metrics").text
+        assert time.monotonic() - started < 1
     assert answers[0].status_code == 200
 
 
@@ -151,19 +157,10 @@ def test_a_step_past_the_step_timeout_turns_health_503_until_it_returns(serve, t
     """A hung device neither fails nor returns: /health must say so (a load balancer then routes elsewhere),
     and recover once the step does return."""
     url, fake, engine = serve(StuckEngine(tokenizer), step_timeout=0.3)
-    answers = []
-    waiting = threading.Thread(target=lambda: answers.append(
-        httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=15)))
-    waiting.start()
-    try:
-        assert fake.step_started.wait(5)
-        with httpx.Client(base_url=url, timeout=2) as client:
-            assert wait_until(lambda: client.get("/health").status_code == 503)
-            error = error_of(client.get("/health"), 503)
-            assert error["code"] == "engine_hung" and "0.3 s (--step-timeout)" in error["message"]
-    finally:
-        fake.release.set()
-        waiting.join(10)
+    with one_stuck_request(url, fake) as answers, httpx.Client(base_url=url, timeout=2) as client:
+        assert wait_until(lambda: client.get("/health").status_code == 503)
+        error = error_of(client.get("/health"), 503)
+        assert error["code"] == "engine_hung" and "0.3 s (--step-timeout)" in error["message"]
     assert answers[0].status_code == 200
     assert wait_until(lambda: httpx.get(url + "/health").status_code == 200)
     assert sum("has been running for over" in r.message for r in caplog.records) == 1
