@@ -70,7 +70,8 @@ class Engine:
         self.runner = ModelRunner(cfg, ckpt.tensors, dtype, block_size, self.mesh_shape, attention_impl,
                                   pp_layer_partition, quantization)
         self.plan_shape = PlanShape(Buckets.for_limits(max_num_batched_tokens, max_num_seqs),
-                                    -(-max_model_len // block_size), cfg.vocab_size, max_model_len, max_logprobs)
+                                    -(-max_model_len // block_size), cfg.vocab_size, max_model_len, max_logprobs,
+                                    self.runner.decode_kernel)
         num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_memory_fraction)
         self.config = EngineConfig(
             model=cfg,

@@ -19,7 +19,7 @@ import jax
 
 from jaxserve.parallel import wire
 from jaxserve.parallel.distributed import Cluster, fatal
-from jaxserve.runner.plan import empty_inputs
+from jaxserve.runner.plan import inputs_treedef
 from jaxserve.runner.step import StepStatics
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def install_signal_handlers(cluster: Cluster) -> _ShutdownRequest:
 
 def follow(engine, cluster: Cluster, shutdown: _ShutdownRequest) -> None:
     """Run the leader's steps until a clean STOP (returns), or exit the process on an abort or a lost leader."""
-    treedef = jax.tree_util.tree_structure(empty_inputs(1, 1, engine.plan_shape))
+    treedefs = {flag: inputs_treedef(engine.plan_shape, flag) for flag in (False, True)}
     frames = cluster.follower.frames
     log.info("following process 0 at %s", cluster.options.coordinator)
     num_steps = 0
@@ -66,7 +66,7 @@ def follow(engine, cluster: Cluster, shutdown: _ShutdownRequest) -> None:
             continue
         if kind == wire.STEP:
             leaves, statics = wire.decode_step(payload, StepStatics)
-            engine.runner.execute(jax.tree_util.tree_unflatten(treedef, leaves), statics)
+            engine.runner.execute(jax.tree_util.tree_unflatten(treedefs[statics.decode_only], leaves), statics)
             num_steps += 1
         elif kind == wire.STOP:
             _released(cluster, payload)

@@ -7,7 +7,7 @@ to its own sequence's cached keys, which include the ones written by this very s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,9 @@ class AttentionMetadata:
     slot_mapping: jax.Array  # [T] int32, flat cache slot (block * block_size + offset) to write each token's K/V
     token_seq: jax.Array  # [T] int32, which row of block_tables each token belongs to
     block_tables: jax.Array  # [B, MB] int32, physical blocks of each sequence (0 = null block)
+    # Static (part of the compiled shape): every sequence has exactly one token here, token i being row i's, so
+    # a decode kernel can run instead of the ragged one. Set only where the attention has one (see plan.py).
+    decode_only: bool = field(default=False, metadata=dict(static=True))
 
 
 def write_kv(kv: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVCache:

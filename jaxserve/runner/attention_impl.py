@@ -22,18 +22,23 @@ def kernel_supports(backend: str, cfg: ModelConfig) -> bool:
     return True
 
 
-def make_attention_fn(impl: str, platform: str, cfg: ModelConfig, mesh: Mesh | None = None):
-    """-> fn(q, k, v, kv, layer, meta, *, scale, sliding_window) -> (out, kv), like reference_attention_fn.
-
-    "reference": paged attention in plain XLA (the CPU path); "pallas": the Pallas kernel compiled for this
-    platform's GPU or TPU; "pallas-interpret": the same kernel run by Pallas's interpreter (any platform; slow,
-    for tests); "auto": "pallas" on GPU/TPU (where the kernel suits the model), "reference" elsewhere.
-    """
+def resolve_attention_impl(impl: str, platform: str, cfg: ModelConfig) -> str:
+    """"reference": paged attention in plain XLA (the CPU path); "pallas": the Pallas kernels compiled for this
+    platform's GPU or TPU; "pallas-interpret": the same kernels run by Pallas's interpreter (any platform; slow,
+    for tests); "auto" -> "pallas" on GPU/TPU (where the kernel suits the model), "reference" elsewhere."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl={impl!r} is not one of {', '.join(map(repr, ATTENTION_IMPLS))}")
     backend = KERNEL_PLATFORMS.get(platform)
     if impl == "auto":
-        impl = "pallas" if backend and kernel_supports(backend, cfg) else "reference"
+        return "pallas" if backend and kernel_supports(backend, cfg) else "reference"
+    return impl
+
+
+def make_attention_fn(impl: str, platform: str, cfg: ModelConfig, mesh: Mesh | None = None):
+    """-> fn(q, k, v, kv, layer, meta, *, scale, sliding_window) -> (out, kv), like reference_attention_fn, for
+    the implementation `resolve_attention_impl` names."""
+    impl = resolve_attention_impl(impl, platform, cfg)
+    backend = KERNEL_PLATFORMS.get(platform)
     if impl == "reference":
         from jaxserve.runner.paged_attention_xla import blockwise_attention_fn
 

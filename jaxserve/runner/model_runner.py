@@ -17,7 +17,7 @@ from jaxserve.parallel.layout import describe, plan_layout
 from jaxserve.parallel.multihost import host_copy
 from jaxserve.parallel.pipeline import pipeline_layers
 from jaxserve.parallel.sharding import make_mesh, named_sharding
-from jaxserve.runner.attention_impl import make_attention_fn
+from jaxserve.runner.attention_impl import make_attention_fn, resolve_attention_impl
 from jaxserve.runner.kv_cache import KV_LOGICAL_AXES, allocate_kv_cache
 from jaxserve.runner.plan import PlanShape, empty_inputs
 from jaxserve.runner.sampler import SamplerFlags
@@ -51,7 +51,12 @@ class ModelRunner:
         self.layout = plan_layout(cfg, *mesh_shape, pp_layer_partition)
         log.info(describe(self.layout, self.mesh.devices))
         self.cfg = self.layout.effective_config(cfg)
-        attention_fn = make_attention_fn(attention_impl, self.mesh.devices.flat[0].platform, self.cfg, self.mesh)
+        platform = self.mesh.devices.flat[0].platform
+        attention_fn = make_attention_fn(attention_impl, platform, self.cfg, self.mesh)
+        # The Pallas attention has a decode kernel for steps of one token per sequence. Pipeline micro-batches
+        # split a step's tokens but not its sequences, which breaks the token i = row i pairing it needs.
+        self.decode_kernel = resolve_attention_impl(attention_impl, platform, self.cfg) != "reference" and \
+            self.layout.pp == 1
         self.graphdef, self.params = load_weights(cfg, tensors, self.dtype, self.mesh, self.layout,
                                                   quantization)
         self.kv = None
@@ -86,6 +91,10 @@ class ModelRunner:
         tick = progress.update if progress is not None else (lambda n: None)
         variants = SamplerFlags.all_variants(shape.max_logprobs)
         for T, B in shape.buckets.forward_shapes():
+            if shape.decode_kernel and T == B:  # the decode-only variant of this shape
+                x = empty_inputs(T, B, shape, decode_only=True)
+                self.kv, *_ = self.fns.forward(self.params, self.kv, x.token_ids, x.meta, x.logits_indices)
+                tick(1)
             x = empty_inputs(T, B, shape)
             self.kv, hidden, rows = self.fns.forward(self.params, self.kv, x.token_ids, x.meta, x.logits_indices)
             tick(1)
@@ -102,4 +111,6 @@ class ModelRunner:
     @staticmethod
     def warmup_size(shape: PlanShape) -> int:
         b = shape.buckets
-        return len(b.forward_shapes()) + len(b.seqs) * len(SamplerFlags.all_variants(shape.max_logprobs)) + len(b.tokens)
+        decode_variants = sum(T == B for T, B in b.forward_shapes()) if shape.decode_kernel else 0
+        return (len(b.forward_shapes()) + decode_variants + len(b.seqs) * len(SamplerFlags.all_variants(shape.max_logprobs))
+                + len(b.tokens))

@@ -1,7 +1,8 @@
-"""The Pallas ragged paged-attention kernel behind the engine's attention interface.
+"""The Pallas paged-attention kernels behind the engine's attention interface.
 
-The step's per-token metadata (AttentionMetadata) becomes the kernel's per-sequence description
-(q_start, q_lens, kv_lens); on a mesh with tensor parallelism the kernel runs under `shard_map` over heads, each
+Decode-only steps (`meta.decode_only`) run the decode kernel, one query per sequence; every other step runs the
+ragged kernel, for which the step's per-token metadata (AttentionMetadata) becomes the kernel's per-sequence
+description (q_start, q_lens, kv_lens). On a mesh with tensor parallelism the kernel runs under `shard_map` over heads, each
 device attending with its own q heads and its own kv heads' slice of the cache.
 """
 
@@ -16,6 +17,7 @@ from jax.sharding import Mesh
 from jaxserve.parallel.sharding import mesh_axes, nested_map_mesh, partition_spec
 from jaxserve.runner.attention import AttentionMetadata, write_kv
 from jaxserve.runner.kv_cache import KVCache
+from pallas_kernels.paged_attention import DECODE_KERNELS
 from pallas_kernels.ragged_attention import RAGGED_KERNELS
 
 # The cache's logical axes inside a map over heads: only kv heads are split (layers stay whole there).
@@ -41,6 +43,12 @@ def ragged_metadata(meta: AttentionMetadata, block_size: int):
 
 def _attend(q, k, v, kv: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window, backend, interpret):
     kv = write_kv(kv, layer, k, v, meta.slot_mapping)
+    if meta.decode_only:  # token i is row i's only token: the decode kernel (one query per sequence)
+        assert q.shape[0] == meta.block_tables.shape[0], (q.shape, meta.block_tables.shape)
+        context_lens = jnp.where(meta.slot_mapping >= kv.block_size, meta.positions + 1, 0)  # padding rows: 0
+        out = DECODE_KERNELS[backend](q, kv.k, kv.v, meta.block_tables, context_lens, layer=layer, scale=scale,
+                                      sliding_window=sliding_window, interpret=interpret)
+        return out, kv
     q_start, q_lens, kv_lens = ragged_metadata(meta, kv.block_size)
     out = RAGGED_KERNELS[backend](q, kv.k, kv.v, meta.block_tables, q_start, q_lens, kv_lens, layer=layer,
                                   scale=scale, sliding_window=sliding_window, interpret=interpret)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from jaxserve.core.block_manager import BlockManager
@@ -25,12 +26,15 @@ class PlanShape:
     vocab_size: int
     max_model_len: int  # penalty history width
     max_logprobs: int
+    decode_kernel: bool = False  # the attention runs a decode kernel on steps of one token per sequence
 
 
 def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanShape) -> tuple[StepInputs, StepStatics]:
     bs = blocks.block_size
     T, B = shape.buckets.shape(out.num_tokens, len(out.chunks))
-    inputs = empty_inputs(T, B, shape, penalties=any(c.seq.params.needs_penalties for c in out.chunks))
+    decode_only = shape.decode_kernel and T == B and all(c.num_tokens == 1 for c in out.chunks)
+    inputs = empty_inputs(T, B, shape, penalties=any(c.seq.params.needs_penalties for c in out.chunks),
+                          decode_only=decode_only)
     offset = 0
     for row, chunk in enumerate(out.chunks):
         seq, n = chunk.seq, chunk.num_tokens
@@ -47,10 +51,10 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanSha
         inputs.logits_indices[row] = offset + n - 1
         _fill_sampling_row(inputs.sampling, row, chunk)
         offset += n
-    return inputs, _statics(out.chunks, shape.max_logprobs)
+    return inputs, _statics(out.chunks, shape.max_logprobs, decode_only)
 
 
-def empty_inputs(T: int, B: int, shape: PlanShape, penalties: bool = False) -> StepInputs:
+def empty_inputs(T: int, B: int, shape: PlanShape, penalties: bool = False, decode_only: bool = False) -> StepInputs:
     """All-padding inputs: tokens write into the null block, rows sample greedily with no extras."""
     V = shape.vocab_size
     P = shape.max_model_len if penalties else 0
@@ -63,8 +67,14 @@ def empty_inputs(T: int, B: int, shape: PlanShape, penalties: bool = False) -> S
         presence=f32(0.0), frequency=f32(0.0), repetition=f32(1.0),
     )
     meta = AttentionMetadata(np.zeros(T, np.int32), np.zeros(T, np.int32), np.zeros(T, np.int32),
-                             np.zeros((B, shape.max_blocks_per_seq), np.int32))
+                             np.zeros((B, shape.max_blocks_per_seq), np.int32), decode_only)
     return StepInputs(np.zeros(T, np.int32), meta, np.zeros(B, np.int32), sampling, np.zeros(T, np.int32))
+
+
+def inputs_treedef(shape: PlanShape, decode_only: bool):
+    """The pytree structure of a step's inputs, which other processes receive as bare arrays: it holds the static
+    `decode_only`, so a follower picks it by the step's `StepStatics.decode_only`."""
+    return jax.tree_util.tree_structure(empty_inputs(1, 1, shape, decode_only=decode_only))
 
 
 def bias_entries(chunk: ScheduledChunk) -> dict[int, float]:
@@ -88,7 +98,7 @@ def _fill_sampling_row(t: SamplingTensors, row: int, chunk: ScheduledChunk) -> N
         t.history_is_output[row, seq.num_prompt_tokens : seq.num_tokens] = True
 
 
-def _statics(chunks: list[ScheduledChunk], max_logprobs: int) -> StepStatics:
+def _statics(chunks: list[ScheduledChunk], max_logprobs: int, decode_only: bool) -> StepStatics:
     sampling = [c.seq.params for c in chunks if c.samples]
     flags = SamplerFlags(
         all_greedy=all(p.greedy for p in sampling),
@@ -97,4 +107,5 @@ def _statics(chunks: list[ScheduledChunk], max_logprobs: int) -> StepStatics:
         num_logprobs=max_logprobs if any(p.logprobs for p in sampling) else 0,
     )
     wants_prompt_logprobs = any(c.seq.params.prompt_logprobs is not None for c in chunks)
-    return StepStatics(sampler=flags, prompt_logprobs=max_logprobs if wants_prompt_logprobs else -1)
+    return StepStatics(sampler=flags, prompt_logprobs=max_logprobs if wants_prompt_logprobs else -1,
+                       decode_only=decode_only)

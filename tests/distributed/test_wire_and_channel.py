@@ -12,7 +12,7 @@ import pytest
 from jaxserve.parallel import wire
 from jaxserve.parallel.channel import FollowerChannel, JoinError, LeaderChannel
 from jaxserve.runner.buckets import Buckets
-from jaxserve.runner.plan import PlanShape, empty_inputs
+from jaxserve.runner.plan import PlanShape, empty_inputs, inputs_treedef
 from jaxserve.runner.sampler import SamplerFlags
 from jaxserve.runner.step import StepStatics
 
@@ -41,8 +41,19 @@ def test_step_round_trip_keeps_every_array_and_the_statics():
     assert got_statics == statics and isinstance(got_statics.sampler, SamplerFlags)
     assert [(a.dtype, a.shape) for a in got_leaves] == [(a.dtype, a.shape) for a in leaves]
     assert all(np.array_equal(a, b) for a, b in zip(got_leaves, leaves))
-    rebuilt = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(empty_inputs(1, 1, shape)), got_leaves)
+    rebuilt = jax.tree_util.tree_unflatten(inputs_treedef(shape, got_statics.decode_only), got_leaves)
     assert np.array_equal(rebuilt.token_ids, np.arange(16)) and kind == b"STEP"
+
+
+def test_a_decode_only_step_is_rebuilt_with_its_static_flag():
+    """The flag is part of the pytree structure, which is not sent: the statics' copy must restore it, or a
+    follower would compile a different program than the leader."""
+    shape = PlanShape(Buckets.for_limits(32, 4), 8, 1000, 64, 5, decode_kernel=True)
+    inputs = empty_inputs(4, 4, shape, decode_only=True)
+    leaves, statics = wire.decode_step(wire.encode_step(jax.tree_util.tree_leaves(inputs), StepStatics(decode_only=True)),
+                                       StepStatics)
+    rebuilt = jax.tree_util.tree_unflatten(inputs_treedef(shape, statics.decode_only), leaves)
+    assert rebuilt.meta.decode_only and jax.tree_util.tree_structure(rebuilt) == jax.tree_util.tree_structure(inputs)
 
 
 def test_a_stranger_on_the_port_is_not_read_as_a_frame():

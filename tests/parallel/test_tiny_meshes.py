@@ -101,4 +101,5 @@ def test_pallas_kernel_runs_inside_a_pipeline_stage(tiny_checkpoint, shared_chec
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     engine = Engine(str(path), mesh="2x2", num_kv_blocks=16, max_num_batched_tokens=64, max_num_seqs=4, warmup=False,
                     attention_impl="pallas-interpret")
+    assert not engine.plan_shape.decode_kernel  # micro-batches split tokens, not sequences: ragged only
     check_parity(engine, reference, [PROMPTS[0], PROMPTS[2]], max_tokens=3)

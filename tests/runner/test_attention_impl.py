@@ -1,6 +1,8 @@
 """Engine-side attention selection and the Pallas adapter: a padded mixed step (prefill chunks, a decode, padding
 tokens and an empty batch row, as runner/plan.py builds them) gives the reference's outputs and cache."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,6 +60,38 @@ def test_pallas_interpret_matches_reference(tp):
     fn = make_attention_fn("pallas-interpret", "cpu", CFG, make_mesh(tp, 1))
     out, kv = run(fn, args)
     assert float(jnp.abs(out[:real] - want_out[:real]).max()) <= 1e-5
+    assert jnp.array_equal(kv.k, want_kv.k) and jnp.array_equal(kv.v, want_kv.v)
+
+
+def decode_step(B=4, L=2, NB=20):
+    """Rows 0-2 decode one token each (positions 20, 0 and 15: a full block, a first token, a block's last slot);
+    row 3 is batch padding. Token i is row i's, as plan.py lays decode-only steps out."""
+    rng = np.random.default_rng(2)
+    tables = np.zeros((B, 4), np.int32)
+    tables[:3] = rng.permutation(np.arange(1, NB))[:12].reshape(3, 4)
+    positions = np.array([20, 0, 15, 0], np.int32)
+    slots = np.where(np.arange(B) < 3, tables[np.arange(B), positions // BS] * BS + positions % BS, 0).astype(np.int32)
+    meta = AttentionMetadata(*map(jnp.asarray, (positions, slots, np.arange(B, dtype=np.int32), tables)))
+    keys = jax.random.split(jax.random.key(3), 5)
+    K, H, d = CFG.num_kv_heads, CFG.num_heads, CFG.head_dim
+    kv = KVCache(jax.random.normal(keys[0], (L, K, NB, BS, d)), jax.random.normal(keys[1], (L, K, NB, BS, d)))
+    q, k, v = (jax.random.normal(key, (B, n, d)) for key, n in zip(keys[2:], (H, K, K)))
+    return q, k, v, kv, jnp.int32(0), meta
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_decode_only_steps_run_the_decode_kernel_and_match_the_reference(tp, monkeypatch):
+    from pallas_kernels.paged_attention import DECODE_KERNELS
+
+    args = decode_step()
+    want_out, want_kv = run(reference_attention_fn, args)
+    traced, kernel = [], DECODE_KERNELS["gpu"]
+    monkeypatch.setitem(DECODE_KERNELS, "gpu", lambda *a, **kw: traced.append(1) or kernel(*a, **kw))
+    q, k, v, kv, layer, meta = args
+    decode_meta = dataclasses.replace(meta, decode_only=True)
+    out, kv = run(make_attention_fn("pallas-interpret", "cpu", CFG, make_mesh(tp, 1)), (q, k, v, kv, layer, decode_meta))
+    assert traced
+    assert float(jnp.abs(out[:3] - want_out[:3]).max()) <= 1e-5
     assert jnp.array_equal(kv.k, want_kv.k) and jnp.array_equal(kv.v, want_kv.v)
 
 
