@@ -31,12 +31,14 @@ class Buckets:
     @classmethod
     def for_limits(cls, max_num_batched_tokens: int, max_num_seqs: int) -> "Buckets":
         max_seqs = min(max_num_seqs, max_num_batched_tokens)
-        # Sequence counts grow by 4x: padding rows cost little (a block-table row and an LM-head row each).
-        seqs = geometric(1, max_seqs, 4)
-        # A decode-only step has T == B, so every sequence bucket is also a token bucket; above that, 2x steps
-        # keep prefill padding under half.
+        # Small sequence counts grow by 4x: padding rows cost little (a block-table row and an LM-head row each).
+        # Tokens grow by 2x from 16, which keeps prefill padding under half.
         wide = geometric(16, max_num_batched_tokens, 2) if max_num_batched_tokens > 16 else (max_num_batched_tokens,)
-        return cls(tokens=tuple(sorted(set(seqs) | set(wide))), seqs=seqs)
+        tokens = tuple(sorted(set(geometric(1, max_seqs, 4)) | set(wide)))
+        # Every token bucket up to max_seqs is also a sequence bucket: then a step's B never rounds past its T (a
+        # step has at least one token per sequence), so every step's (T, B) is one warm-up compiled, and a
+        # decode-only step gets T == B instead of paying for padding tokens.
+        return cls(tokens=tokens, seqs=tuple(t for t in tokens if t <= max_seqs))
 
     def shape(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         return round_up(num_tokens, self.tokens), round_up(num_seqs, self.seqs)
