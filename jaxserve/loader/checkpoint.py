@@ -54,6 +54,32 @@ def _open_gguf(path: Path, name: str) -> Checkpoint:
     return Checkpoint(name=name, config=f.model_config(), tensors=f, tokenizer=tokenizer)
 
 
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(generation: dict[str, Any], source: Path) -> dict[str, Any]:
+    """The sampling fields of a generation_config.json that requests inherit, each checked now: a bad value in the
+    model's file must not turn every request that omits the field into a 400. Nulls are skipped (HF writes
+    them), a whole-number float top_k becomes an int, and a value SamplingParams refuses is dropped with a
+    warning."""
+    from jaxserve.sampling_params import SamplingParams
+
+    defaults = {}
+    for key in SAMPLING_DEFAULT_KEYS:
+        value = generation.get(key)
+        if value is None:
+            continue
+        if key == "top_k" and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        try:
+            SamplingParams(**{key: value})
+        except (ValueError, TypeError) as exc:
+            log.warning("ignoring %s=%r from %s: %s", key, value, source, exc)
+            continue
+        defaults[key] = value
+    return defaults
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
@@ -72,7 +98,7 @@ def _open_hf_dir(directory: Path, name: str) -> Checkpoint:
     config = model_config_from_hf(_read_json(config_path), generation)
     tensors = SafetensorsSource(directory)
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
-    defaults = {k: generation[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty") if k in generation}
+    defaults = sampling_defaults(generation, gen_path)
     return Checkpoint(name=name, config=config, tensors=tensors, tokenizer=tokenizer, generation_defaults=defaults)
 
 

@@ -104,3 +104,16 @@ def test_bad_requests_are_refused_with_clear_errors(smol_engine):
     with pytest.raises(ValueError, match="max_model_len=100000"):
         Engine(None, max_model_len=100000)
     assert not e.has_unfinished_requests()  # nothing half-admitted by the refused batches
+
+
+def test_generation_config_sampling_defaults_are_checked_once_at_load(caplog, tmp_path):
+    """A model file's bad value must not make every request that omits the field fail: nulls are skipped,
+    a float top_k that is whole becomes an int, an invalid value is dropped with a warning."""
+    from jaxserve.loader.checkpoint import sampling_defaults
+
+    generation = {"temperature": None, "top_k": 50.0, "top_p": 2.0, "min_p": 0.1, "repetition_penalty": 1.1,
+                  "do_sample": True, "max_new_tokens": 20}
+    defaults = sampling_defaults(generation, tmp_path / "generation_config.json")
+    assert defaults == {"top_k": 50, "min_p": 0.1, "repetition_penalty": 1.1}
+    assert isinstance(defaults["top_k"], int)
+    assert any("ignoring top_p=2.0" in r.message for r in caplog.records)
