@@ -123,6 +123,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; each side's best counts")
     ap.add_argument("--append", metavar="BENCHMARKS.md", help="append a result row to this file")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
 
     from transformers import AutoTokenizer
 

@@ -53,13 +53,15 @@ def weight(shape: tuple[int, ...], logical: tuple[str | None, ...], dtype, contr
 def dense(spec: str, x: jax.Array, weights: dict[str, jax.Array], name: str) -> jax.Array:
     """`einsum(spec, x, weights[name])`, scaled back when the weight is int8 (its `<name>_scale` is present).
 
-    The scale is per output channel, so it is applied once to the [.., out] result instead of to the weight;
-    XLA fuses the int8 -> float convert into the matmul's operand read.
+    The scale is per output channel, so it is applied once to the [.., out] result instead of to the weight, in
+    float32 (a bfloat16 scale would add up to 0.4% of gain error per channel). GPU backends can fuse the int8 ->
+    float convert into the matmul's operand read; XLA's CPU backend converts one layer's weight at a time first.
     """
     w, scale = weights[name], weights.get(name + "_scale")
     if scale is None:
         return jnp.einsum(spec, x, w)
-    return jnp.einsum(spec, x, w.astype(x.dtype)) * scale.astype(x.dtype)
+    y = jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y * scale).astype(x.dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -68,8 +68,8 @@ def test_int8_logits_match_transformers_on_dequantized_weights(name, int8_case):
 
 
 def test_int8_on_a_padded_2d_mesh_matches_too(int8_case):
-    """4x2: padded heads, MLP, vocabulary and layer slots (zero channels get a harmless scale), split weights
-    whose scales are reduced across devices."""
+    """4x2: padded heads, MLP, vocabulary and layer slots (zero channels get a harmless scale), and weights split
+    over devices after the host quantized them whole."""
     path, reference = int8_case("llama-odd-sizes")
     check_parity(int8_engine(path, mesh="4x2"), reference, PROMPTS)
 
