@@ -57,7 +57,6 @@ class AsyncEngine:
                 raise ValueError(f"{name} must be > 0 seconds or None, got {value}")
         self.step_timeout = step_timeout
         self._step_started: float | None = None  # monotonic start of the step running now, if any
-        self._reported_hung = False
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.request_timeout = request_timeout
@@ -74,6 +73,8 @@ class AsyncEngine:
         self._stats = self._collect_stats()
         self._thread = threading.Thread(target=self._run_loop, name="jaxserve-engine-loop", daemon=True)
         self._thread.start()
+        if step_timeout is not None:
+            threading.Thread(target=self._watch_steps, name="jaxserve-step-watchdog", daemon=True).start()
 
     # --- what the server may know about the engine ------------------------------------------------------------
     @property
@@ -103,15 +104,10 @@ class AsyncEngine:
 
     @property
     def is_hung(self) -> bool:
-        """Whether the current step has run longer than `step_timeout` (logged once per hung step)."""
+        """Whether the current step has run longer than `step_timeout` (the watchdog thread logs it)."""
         started = self._step_started
-        if self.step_timeout is None or started is None or time.monotonic() - started <= self.step_timeout:
-            return False
-        if not self._reported_hung:
-            self._reported_hung = True
-            logger.error("engine step has been running for over %g s (--step-timeout): reporting unhealthy "
-                         "until it returns", self.step_timeout)
-        return True
+        return self.step_timeout is not None and started is not None and \
+            time.monotonic() - started > self.step_timeout
 
     @property
     def is_draining(self) -> bool:
@@ -260,13 +256,30 @@ class AsyncEngine:
             if not self._apply_commands(block=idle):
                 return
             if self.engine.has_unfinished_requests():
-                self._step_started, self._reported_hung = time.monotonic(), False
+                self._step_started = started = time.monotonic()
                 try:
                     outputs = self.engine.step()
                 finally:
                     self._step_started = None
+                self._log_slow_step(time.monotonic() - started)
                 self._publish_stats()  # before delivery: a client that sees its answer sees these stats too
                 self._deliver(outputs)
+
+    def _watch_steps(self) -> None:
+        """Log a step that overruns `step_timeout` while it still runs: a hung device never returns to say so."""
+        reported = None
+        while self._thread.is_alive():
+            time.sleep(min(self.step_timeout / 4, 5.0))
+            started = self._step_started
+            if started is not None and started != reported and self.is_hung:
+                reported = started
+                logger.error("an engine step has been running for over %g s (--step-timeout): /health answers "
+                             "503 until it returns", self.step_timeout)
+
+    def _log_slow_step(self, seconds: float) -> None:
+        if self.step_timeout is not None and seconds > self.step_timeout:
+            logger.error("an engine step took %.1f s, over --step-timeout (%g s): /health answered 503 meanwhile",
+                         seconds, self.step_timeout)
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued adds and aborts (waiting for one if `block`). Returns False once asked to stop."""

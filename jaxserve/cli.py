@@ -145,9 +145,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--request-timeout", type=positive_float, metavar="SECONDS",
                         help="abort a request still running after this long (504, or an error event when "
                              "streaming); default: no limit")
-    server.add_argument("--step-timeout", type=positive_float, default=DEFAULT_STEP_TIMEOUT_S, metavar="SECONDS",
+    server.add_argument("--step-timeout", type=non_negative_float, default=DEFAULT_STEP_TIMEOUT_S,
+                        metavar="SECONDS",
                         help="/health answers 503 while one engine step has run longer than this (a hung device "
-                             "neither fails nor returns), so a load balancer stops sending requests here "
+                             "neither fails nor returns), so a load balancer stops sending requests here; 0 turns "
+                             "it off, e.g. for --no-warmup with a model whose first compile takes longer "
                              "(default: %(default).0f)")
     server.add_argument("--shutdown-grace-seconds", type=non_negative_float, default=DEFAULT_DRAIN_SECONDS,
                         metavar="SECONDS", help="on SIGTERM or Ctrl-C, how long requests in flight may run on "

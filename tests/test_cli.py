@@ -159,19 +159,37 @@ def test_engine_refusal_is_a_one_line_error():
 
 
 def test_ray_followers_get_the_arguments_main_was_called_with(monkeypatch):
-    """Not sys.argv: `main(argv)` called in-process (tests, embedding) must forward its own argv."""
+    """Not sys.argv: `main(argv)` called in-process (tests, embedding) must forward its own argv. Ray itself is
+    stubbed: the test follows the arguments from `cli.main` through `launch_followers` to each actor's run()."""
     from jaxserve.parallel import multinode, ray_launcher
 
-    seen = {}
+    started = []
+
+    class Actor:
+        run = types.SimpleNamespace(remote=started.append)
+
+    class ActorClass:
+        def options(self, **_):
+            return types.SimpleNamespace(remote=Actor)
+
+    fake_ray = types.SimpleNamespace(
+        util=types.SimpleNamespace(get_node_ip_address=lambda: "10.0.0.1", scheduling_strategies=types.SimpleNamespace(
+            PlacementGroupSchedulingStrategy=lambda **_: None)),
+        nodes=lambda: [], remote=lambda cls: ActorClass())
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    monkeypatch.setattr(ray_launcher, "_connect", lambda ray: None)
+    monkeypatch.setattr(ray_launcher, "_follower_bundle", lambda ray, host: {})
+    monkeypatch.setattr(ray_launcher, "_reserve", lambda *a: (types.SimpleNamespace(bundle_specs=[{}] * 3), 0))
 
     def fake_start_cluster(args, mesh):
-        seen["follower"] = ray_launcher._follower_argv(args.argv, "10.0.0.1:8476", 3, 2)
+        ray_launcher.launch_followers(args)
         raise cli.UserError("stop here")
 
     monkeypatch.setattr(multinode, "start_cluster", fake_start_cluster)
     monkeypatch.setattr(sys, "argv", ["jaxserve", "something", "else"])
+    argv = ["generate", "--prompt", "x", "--mesh", "2x2", "--distributed-executor-backend", "ray",
+            "--num-processes", "3", "--coordinator", "10.0.0.1:8476"]
     with pytest.raises(SystemExit):
-        cli.main(["generate", "--prompt", "x", "--mesh", "2x2", "--distributed-executor-backend", "ray"])
-    assert seen["follower"] == ["generate", "--prompt", "x", "--mesh", "2x2", "--distributed-executor-backend",
-                                "ray", "--distributed-executor-backend", "mp", "--coordinator", "10.0.0.1:8476",
-                                "--num-processes", "3", "--process-id", "2"]
+        cli.main(argv)
+    assert [a[: len(argv)] for a in started] == [argv, argv]
+    assert [a[a.index("--process-id") + 1] for a in started] == ["1", "2"]

@@ -115,11 +115,12 @@ async def detokenize(request: Request) -> JSONResponse:
 
 async def health(request: Request) -> Response:
     engine = _state(request).engine
-    if engine.is_healthy:
+    hung = engine.is_hung  # read once: a step may return between two reads
+    if engine.is_healthy and not hung:
         return Response(status_code=200)
     if engine.is_draining:  # requests in flight still finish; load balancers should send new ones elsewhere
         return APIError(503, "The server is shutting down", "server_error", code="shutting_down").response()
-    if engine.is_hung:
+    if hung:
         return APIError(503, f"An engine step has run for over {engine.step_timeout:g} s (--step-timeout); see "
                              "the server log", "server_error", code="engine_hung").response()
     return APIError(503, "The engine is not running; see the server log for the cause", "server_error",

@@ -21,7 +21,7 @@ def serve_engine(engine, args: argparse.Namespace, sock: socket.socket, mesh: st
     names = args.served_model_name or [engine.model_name]
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests,
                                request_timeout=args.request_timeout, log_prompts=args.log_prompts,
-                               step_timeout=args.step_timeout)
+                               step_timeout=args.step_timeout or None)  # 0: off
     app = build_app(async_engine, served_model_names=names, api_key=args.api_key,
                     max_body_bytes=args.max_request_body_bytes)
     host, port = sock.getsockname()[:2]

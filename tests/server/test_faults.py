@@ -161,9 +161,11 @@ def test_a_step_past_the_step_timeout_turns_health_503_until_it_returns(serve, t
         assert wait_until(lambda: client.get("/health").status_code == 503)
         error = error_of(client.get("/health"), 503)
         assert error["code"] == "engine_hung" and "0.3 s (--step-timeout)" in error["message"]
+        assert wait_until(lambda: any("has been running" in r.message for r in caplog.records))  # the watchdog
     assert answers[0].status_code == 200
     assert wait_until(lambda: httpx.get(url + "/health").status_code == 200)
-    assert sum("has been running for over" in r.message for r in caplog.records) == 1
+    assert sum("has been running for over 0.3 s" in r.message for r in caplog.records) == 1  # while hung
+    assert any("over --step-timeout (0.3 s)" in r.message for r in caplog.records)  # once it returned
 
 
 def test_a_client_leaving_before_its_body_is_sent_is_no_error(serve, caplog):
