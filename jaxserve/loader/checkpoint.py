@@ -47,11 +47,8 @@ def open_checkpoint(model: str | None) -> Checkpoint:
 
 
 def _open_gguf(path: Path, name: str) -> Checkpoint:
-    from transformers import AutoTokenizer
-
     f = GGUFFile(path)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return Checkpoint(name=name, config=f.model_config(), tensors=f, tokenizer=tokenizer)
+    return Checkpoint(name=name, config=f.model_config(), tensors=f, tokenizer=f.tokenizer())
 
 
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

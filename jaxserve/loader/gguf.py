@@ -50,6 +50,11 @@ def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# Special tokens of a GGUF tokenizer and the metadata keys (under tokenizer.ggml.) holding their ids.
+SPECIAL_TOKEN_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                     "pad_token": "padding_token_id"}
+
+
 class GGUFFile:
     def __init__(self, path: Path):
         if not path.exists():
@@ -73,6 +78,28 @@ class GGUFFile:
     def field(self, key: str, default=None):
         f = self.reader.fields.get(key)
         return default if f is None else f.contents()
+
+    def tokenizer(self):
+        """The tokenizer (and chat template) this file describes.
+
+        Built with transformers' own GGUF tokenizer mapping, but from metadata read by the `gguf` package:
+        `AutoTokenizer.from_pretrained(gguf_file=...)` goes through transformers' GGUF reader, which imports
+        torch, and serving needs no torch.
+        """
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+        groups = {group: {name: self.field(f"tokenizer.{key}") for key, name in renames.items()
+                          if f"tokenizer.{key}" in self.reader.fields}
+                  for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+        tokenizer, config = groups["tokenizer"], groups["tokenizer_config"]
+        if tokenizer.get("tokenizer_type") == "llama":  # llama.cpp adds BOS to a sentencepiece vocabulary by default
+            config.setdefault("add_bos_token", True)
+        for name, key in SPECIAL_TOKEN_IDS.items():
+            token_id = self.field(f"tokenizer.ggml.{key}")
+            config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+        backend, extra = convert_gguf_tokenizer(self.arch, tokenizer)
+        return PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=str(self.path), **config, **extra)
 
     def model_config(self) -> ModelConfig:
         a = self.arch

@@ -117,3 +117,27 @@ def test_generation_config_sampling_defaults_are_checked_once_at_load(caplog, tm
     assert defaults == {"top_k": 50, "min_p": 0.1, "repetition_penalty": 1.1}
     assert isinstance(defaults["top_k"], int)
     assert any("ignoring top_p=2.0" in r.message for r in caplog.records)
+
+
+def test_gguf_tokenizer_without_torch_matches_transformers(smollm2_gguf_path):
+    """The engine builds a GGUF's tokenizer from `gguf` metadata (transformers' GGUF reader imports torch, which
+    serving does not install); it must tokenize, decode and render chats exactly as transformers' own loader."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from jaxserve.loader.gguf import GGUFFile
+    from jaxserve.loader.tokenizer import apply_chat_template
+
+    path = Path(smollm2_gguf_path)
+    ours, ref = GGUFFile(path).tokenizer(), AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    texts = ["Hello, my name is", "def f(n):\n    return n", "  spaces\tand tabs  ", "日本語", "émigré café",
+             "<|im_start|>user\nhi<|im_end|>", ""]
+    for text in texts:
+        ids = ours(text)["input_ids"]
+        assert ids == ref(text)["input_ids"], text
+        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True), text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colors."}]
+    assert apply_chat_template(ours, messages) == apply_chat_template(ref, messages)
+    assert (ours.bos_token, ours.eos_token, ours.eos_token_id, len(ours)) == (ref.bos_token, ref.eos_token,
+                                                                             ref.eos_token_id, len(ref))
