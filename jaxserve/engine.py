@@ -223,7 +223,8 @@ class Engine:
 
     def _on_token(self, seq: Sequence, result: StepResult, row: int) -> None:
         token = seq.token_ids[-1]
-        seq.cumulative_logprob += float(result.logprobs[row])
+        if seq.params.needs_logprobs:  # else the step skipped them
+            seq.cumulative_logprob += float(result.logprobs[row])
         text = self._texts[seq.seq_id]
         if seq.params.logprobs is not None:
             seq.logprobs.append(position_logprobs(text.detok, token, result.logprobs[row], result.ranks[row],

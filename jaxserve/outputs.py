@@ -24,7 +24,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     logprobs: list[PositionLogprobs] | None = None
-    cumulative_logprob: float | None = None
+    cumulative_logprob: float | None = None  # None unless logprobs were asked for (or best_of needed them)
 
     @property
     def finished(self) -> bool:

@@ -205,6 +205,11 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
     @property
+    def needs_logprobs(self) -> bool:
+        """Whether the sampled tokens' logprobs are computed: asked for, or needed to keep best_of's n best."""
+        return self.logprobs is not None or self.num_sequences > self.n
+
+    @property
     def num_sequences(self) -> int:
         """How many sequences to generate: best_of when set, else n."""
         return self.best_of if self.best_of is not None else self.n

@@ -68,7 +68,7 @@ def request_output(req: Request, texts: dict[int, SequenceText]) -> RequestOutpu
             finish_reason=s.finish_reason,
             stop_reason=s.stop_reason,
             logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
-            cumulative_logprob=s.cumulative_logprob,
+            cumulative_logprob=s.cumulative_logprob if s.params.needs_logprobs else None,
         )
         for i, s in enumerate(seqs)
     ]

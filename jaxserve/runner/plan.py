@@ -104,7 +104,7 @@ def _statics(chunks: list[ScheduledChunk], max_logprobs: int, decode_only: bool)
         all_greedy=all(p.greedy for p in sampling),
         top_filter=any(p.needs_top_filter and not p.greedy for p in sampling),
         penalties=any(c.seq.params.needs_penalties for c in chunks),
-        num_logprobs=max_logprobs if any(p.logprobs for p in sampling) else 0,
+        num_logprobs=max_logprobs if any(p.needs_logprobs for p in sampling) else -1,
     )
     wants_prompt_logprobs = any(c.seq.params.prompt_logprobs is not None for c in chunks)
     return StepStatics(sampler=flags, prompt_logprobs=max_logprobs if wants_prompt_logprobs else -1,

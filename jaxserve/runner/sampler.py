@@ -41,23 +41,38 @@ class SamplerFlags:
     all_greedy: bool = True
     top_filter: bool = False
     penalties: bool = False
-    num_logprobs: int = 0
+    # -1: no row asked for logprobs, so the log-softmax, ranks and top-N are skipped (about a tenth of a
+    # 64-sequence CPU step); else the top-N width (rows asking for fewer are cut on the host).
+    num_logprobs: int = -1
 
     @classmethod
     def all_variants(cls, max_logprobs: int) -> list["SamplerFlags"]:
         """Every combination warm-up compiles (top_filter only matters when sampling)."""
         modes = [(True, False), (False, False), (False, True)]
-        return [cls(greedy, top, pen, lp) for greedy, top in modes for pen in (False, True) for lp in (0, max_logprobs)]
+        return [cls(greedy, top, pen, lp) for greedy, top in modes for pen in (False, True) for lp in (-1, max_logprobs)]
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class SamplerOutput:
     tokens: jax.Array  # [B] i32
-    logprobs: jax.Array  # [B] f32, of the chosen token
-    ranks: jax.Array  # [B] i32, 1 = most likely
+    logprobs: jax.Array  # [B] f32, of the chosen token (0 when flags.num_logprobs < 0)
+    ranks: jax.Array  # [B] i32, 1 = most likely (0 when flags.num_logprobs < 0)
     top_ids: jax.Array  # [B, N] i32
     top_logprobs: jax.Array  # [B, N] f32
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` (first index of the maximum; NaN counts as the maximum) as two plain reductions.
+
+    XLA's CPU backend runs argmax as one reduction over (value, index) pairs that it does not vectorise: 7 ms on
+    [64, 49152] logits against 1.5 ms for a max followed by a min over the matching indices.
+    """
+    nan = jnp.isnan(x)
+    top = jnp.max(x, axis=-1, keepdims=True)  # may skip NaNs on CPU, hence the explicit check
+    hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, x == top)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
 
 
 def _apply_bias(logits, t: SamplingTensors):
@@ -101,25 +116,25 @@ def _gumbel(t: SamplingTensors, vocab: int):
 
 
 def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> SamplerOutput:
-    raw = jax.nn.log_softmax(logits, axis=-1)
     x = _apply_bias(logits, t)
     if flags.penalties:
         x = _apply_penalties(x, t)
-    tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    tokens = first_argmax(x)
     if not flags.all_greedy:
         scaled = x / jnp.maximum(t.temperature, GREEDY_EPS)[:, None]
         if flags.top_filter:
             scaled = _filter_top(scaled, t)
-        sampled = jnp.argmax(scaled + _gumbel(t, logits.shape[-1]), axis=-1).astype(jnp.int32)
+        sampled = first_argmax(scaled + _gumbel(t, logits.shape[-1]))
         tokens = jnp.where(t.temperature < GREEDY_EPS, tokens, sampled)
-    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
-    ranks = 1 + jnp.sum(raw > chosen[:, None], axis=-1).astype(jnp.int32)
-    top_logprobs, top_ids = jax.lax.top_k(raw, flags.num_logprobs)
-    return SamplerOutput(tokens, chosen, ranks, top_ids.astype(jnp.int32), top_logprobs)
+    if flags.num_logprobs < 0:
+        B = tokens.shape[0]
+        return SamplerOutput(tokens, jnp.zeros(B, jnp.float32), jnp.zeros(B, jnp.int32), jnp.zeros((B, 0), jnp.int32),
+                             jnp.zeros((B, 0), jnp.float32))
+    return SamplerOutput(tokens, *logprobs_of(logits, tokens, flags.num_logprobs))
 
 
-def prompt_logprobs(logits: jax.Array, targets: jax.Array, num_logprobs: int):
-    """Logprob and rank of each next prompt token [T], plus the top-N [T, N], for prompt_logprobs."""
+def logprobs_of(logits: jax.Array, targets: jax.Array, num_logprobs: int):
+    """Logprob and rank of each target [T] (the next prompt token, or the sampled one), plus the top-N [T, N]."""
     raw = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(raw, targets[:, None], axis=-1)[:, 0]
     ranks = 1 + jnp.sum(raw > chosen[:, None], axis=-1).astype(jnp.int32)

@@ -18,7 +18,7 @@ import jax
 from flax import nnx
 
 from jaxserve.runner.attention import AttentionMetadata
-from jaxserve.runner.sampler import SamplerFlags, SamplingTensors, prompt_logprobs, sample
+from jaxserve.runner.sampler import SamplerFlags, SamplingTensors, logprobs_of, sample
 
 
 @jax.tree_util.register_dataclass
@@ -65,7 +65,7 @@ class StepFunctions:
 
         def prompt_rows(params, hidden, targets, num):
             traces.count += 1
-            return prompt_logprobs(nnx.merge(graphdef, params).logits(hidden), targets, num)
+            return logprobs_of(nnx.merge(graphdef, params).logits(hidden), targets, num)
 
         def logits(params, rows):
             return nnx.merge(graphdef, params).logits(rows)

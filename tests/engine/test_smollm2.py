@@ -1,5 +1,6 @@
 """The real SmolLM2-135M-Instruct (GGUF) against transformers, and the engine's batching guarantees."""
 
+import pytest
 import torch
 
 from jaxserve import SamplingParams
@@ -101,8 +102,8 @@ def test_stream_pieces_concatenate_to_final_text(smol_engine):
 
 
 def test_n_best_of_stop_and_logprobs(smol_engine):
-    out = smol_engine.generate("The quick brown fox", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8),
-                               use_tqdm=False)[0]
+    out = smol_engine.generate("The quick brown fox", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8,
+                                                                     logprobs=0), use_tqdm=False)[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
     best = smol_engine.generate("The quick brown fox", SamplingParams(n=1, best_of=3, temperature=1.0, seed=7,
@@ -127,3 +128,12 @@ def test_n_best_of_stop_and_logprobs(smol_engine):
     assert all(lp.prompt_token_ids[i] in lp.prompt_logprobs[i] for i in range(1, len(lp.prompt_token_ids)))
     assert abs(sum(l.logprob for p in lp.outputs[0].logprobs for t, l in p.items() if l.rank == 1)
                - lp.outputs[0].cumulative_logprob) < 1e-3
+
+    # logprobs=0: the chosen token's logprob alone; no logprobs asked: none computed, none reported.
+    chosen = smol_engine.generate("Hello, my name is", SamplingParams(temperature=0, max_tokens=4, logprobs=0),
+                                  use_tqdm=False)[0].outputs[0]
+    assert [list(p) for p in chosen.logprobs] == [[t] for t in lp.outputs[0].token_ids]
+    assert [p[t].logprob for p, t in zip(chosen.logprobs, chosen.token_ids)] == pytest.approx(
+        [p[t].logprob for p, t in zip(lp.outputs[0].logprobs, chosen.token_ids)], abs=1e-5)
+    plain = smol_engine.generate("Hello, my name is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert plain[0].outputs[0].logprobs is None and plain[0].outputs[0].cumulative_logprob is None

@@ -1,0 +1,66 @@
+"""The jitted sampler on its own: its argmax, and the logprob work it skips when no row asks for logprobs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.runner.sampler import BIAS_SLOTS, SamplerFlags, SamplingTensors, first_argmax, sample
+
+V = 1000
+
+
+def _rows_with_edge_cases() -> np.ndarray:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, V)).astype(np.float32)
+    x[1, [3, 500, 999]] = 10.0  # ties: the first index wins
+    x[2, :] = -np.inf  # every token banned
+    x[3, [7, 20]] = np.nan  # NaN counts as the maximum, the first one
+    x[4, :] = np.nan
+    x[5, -1] = np.inf
+    x[6, :] = 0.0
+    return x
+
+
+def test_first_argmax_matches_jnp_argmax_on_ties_infinities_and_nans():
+    x = jnp.asarray(_rows_with_edge_cases())
+    got = jax.jit(first_argmax)(x)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(x, axis=-1)))
+    assert list(np.asarray(got)[1:7]) == [3, 0, 7, 0, V - 1, 0]
+
+
+def _tensors(B: int, temperature: float) -> SamplingTensors:
+    return SamplingTensors(
+        temperature=jnp.full(B, temperature, jnp.float32), top_k=jnp.zeros(B, jnp.int32),
+        top_p=jnp.ones(B, jnp.float32), min_p=jnp.zeros(B, jnp.float32),
+        seeds=jnp.arange(B, dtype=jnp.uint32), counters=jnp.zeros(B, jnp.int32),
+        bias_ids=jnp.full((B, BIAS_SLOTS), V, jnp.int32), bias_values=jnp.zeros((B, BIAS_SLOTS), jnp.float32),
+        history=jnp.zeros((B, 0), jnp.int32), history_is_output=jnp.zeros((B, 0), bool),
+        presence=jnp.zeros(B, jnp.float32), frequency=jnp.zeros(B, jnp.float32), repetition=jnp.ones(B, jnp.float32))
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_skipping_logprobs_keeps_the_tokens(greedy):
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal((4, V)).astype(np.float32) * 3)
+    t = _tensors(4, 0.0 if greedy else 1.0)
+    without = sample(logits, t, SamplerFlags(all_greedy=greedy, num_logprobs=-1))
+    with_lp = sample(logits, t, SamplerFlags(all_greedy=greedy, num_logprobs=3))
+    np.testing.assert_array_equal(np.asarray(without.tokens), np.asarray(with_lp.tokens))
+    if greedy:
+        np.testing.assert_array_equal(np.asarray(without.tokens), np.argmax(np.asarray(logits), axis=-1))
+    assert without.top_ids.shape == (4, 0) and not np.asarray(without.logprobs).any()
+
+    raw = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    chosen = raw[np.arange(4), np.asarray(with_lp.tokens)]
+    np.testing.assert_allclose(np.asarray(with_lp.logprobs), chosen, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(with_lp.ranks), 1 + (raw > chosen[:, None]).sum(-1))
+    np.testing.assert_array_equal(np.asarray(with_lp.top_ids), np.argsort(-raw, axis=-1)[:, :3])
+
+
+def test_warmup_variants_cover_both_logprob_modes():
+    variants = SamplerFlags.all_variants(max_logprobs=20)
+    assert {f.num_logprobs for f in variants} == {-1, 20}
+    assert SamplerFlags().num_logprobs == -1
