@@ -67,6 +67,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--quantization", "-q", choices=("int8",),
                         help="int8: weight-only int8 with per-channel scales (a quarter of float32's weight bytes, "
                              "faster memory-bound decode; see BENCHMARKS.md for its accuracy)")
+    engine.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                        help="dummy: random weights for the model's config (no weight files needed; benchmarks)")
     engine.add_argument("--max-model-len", type=positive_int, metavar="N", help="context length (prompt + output)")
     engine.add_argument("--max-num-seqs", type=positive_int, default=64, metavar="N",
                         help="most sequences in one step")
@@ -122,7 +124,8 @@ def build_engine(args: argparse.Namespace):
                         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, mesh=mesh,
                         max_logprobs=args.max_logprobs, pp_layer_partition=args.pp_layer_partition,
-                        warmup=not args.no_warmup, quantization=args.quantization)
+                        warmup=not args.no_warmup, quantization=args.quantization,
+                        load_format=args.load_format)
     except (ValueError, OSError) as exc:  # the engine words these for people (DESIGN.md convention 9)
         raise UserError(str(exc)) from None
     # Process 0 gets its engine back (now driving the others); a follower follows and exits inside take_role.

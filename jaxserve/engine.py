@@ -55,11 +55,11 @@ class Engine:
                  recompile_guard: str = "warn", compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
                  tokenizer=None, attention_impl: str = "auto", tensor_parallel_size: int | None = None,
                  pipeline_parallel_size: int | None = None, pp_layer_partition: list[int] | None = None,
-                 quantization: str | None = None):
+                 quantization: str | None = None, load_format: str = "auto"):
         _check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
                               recompile_guard, quantization)
         enable_compilation_cache(compilation_cache_dir)
-        ckpt = open_checkpoint(model)
+        ckpt = open_checkpoint(model, load_format)
         cfg = ckpt.config
         self.model_name = ckpt.name
         self.tokenizer = tokenizer or ckpt.tokenizer

@@ -65,6 +65,7 @@ def test_config_file_values_with_command_line_winning(tmp_path):
     (["serve", "--mesh", "8"], "TPxPP"),
     (["serve", "--dtype", "float16"], "invalid choice"),
     (["serve", "--quantization", "int4"], "invalid choice"),
+    (["serve", "--load-format", "pt"], "invalid choice"),
     (["serve", "--mesh", "2x1", "-pp", "2"], "not both"),
     (["serve", "./missing-model.gguf"], "missing-model.gguf does not exist"),
     (["serve", "--config", "/no/such.yaml"], "does not exist"),
@@ -118,10 +119,11 @@ def tokenizer(smollm2_gguf_path):
 
 def test_generate_prints_the_completion(capsys, fake_engine_module):
     assert cli.main(["generate", "--prompt", "Count:", "--max-tokens", "3", "--max-model-len", "128",
-                     "-tp", "2", "--quantization", "int8"]) == 0
+                     "-tp", "2", "--quantization", "int8", "--load-format", "dummy"]) == 0
     assert capsys.readouterr().out == " one two three\n"
     assert fake_engine_module["max_model_len"] == 128 and fake_engine_module["mesh"] == "2x1"
     assert fake_engine_module["model"] is None and fake_engine_module["quantization"] == "int8"
+    assert fake_engine_module["load_format"] == "dummy"
 
 
 def test_serve_logs_model_mesh_kv_capacity_and_url(fake_engine_module, caplog, monkeypatch):

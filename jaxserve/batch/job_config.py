@@ -28,6 +28,7 @@ class EngineOptions(BaseModel):
     pipeline_parallel_size: PositiveInt | None = None
     dtype: Literal["auto", "float32", "bfloat16"] | None = None
     quantization: Literal["int8"] | None = None
+    load_format: Literal["auto", "dummy"] | None = None
     max_model_len: PositiveInt | None = None
     block_size: PositiveInt | None = None
     num_kv_blocks: PositiveInt | None = None

@@ -14,6 +14,7 @@ from jaxserve.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from jaxserve.loader.gguf import GGUFFile
 from jaxserve.loader.hf_config import model_config_from_hf
 from jaxserve.loader.orbax_checkpoint import is_orbax_checkpoint, open_orbax_checkpoint
+from jaxserve.loader.random_weights import RandomWeights
 from jaxserve.loader.safetensors import SafetensorsSource
 from jaxserve.loader.weights import TensorSource
 
@@ -29,21 +30,38 @@ class Checkpoint:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
-def open_checkpoint(model: str | None) -> Checkpoint:
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def open_checkpoint(model: str | None, load_format: str = "auto") -> Checkpoint:
+    """`load_format="dummy"`: the model's config and tokenizer with random weights (loader/random_weights.py);
+    an HF model then needs no weight files at all."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} is not one of {', '.join(map(repr, LOAD_FORMATS))}")
+    ckpt = _open(model, weights=load_format != "dummy")
+    if load_format == "dummy":
+        ckpt.tensors = RandomWeights(ckpt.config)
+    return ckpt
+
+
+def _open(model: str | None, weights: bool) -> Checkpoint:
     if model is None:
         return _open_gguf(default_model_path(), name=DEFAULT_MODEL_NAME)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _open_gguf(path, name=path.stem)
     if path.is_dir() and is_orbax_checkpoint(path):
+        if not weights:
+            raise ValueError(f"{model} is a `jaxserve convert` checkpoint, which load_format='dummy' cannot "
+                             "read: give the original model (HF directory, hub id or GGUF file)")
         return open_orbax_checkpoint(path)  # written by `jaxserve convert`
     if path.is_dir():
-        return _open_hf_dir(path, name=model)
+        return _open_hf_dir(path, name=model, weights=weights)
     if path.suffix == ".gguf" or model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise FileNotFoundError(
             f"model path {model!r} does not exist: give a GGUF file, a Hugging Face model directory or a hub id"
         )
-    return _open_hf_dir(_download_from_hub(model), name=model)
+    return _open_hf_dir(_download_from_hub(model, weights), name=model, weights=weights)
 
 
 def _open_gguf(path: Path, name: str) -> Checkpoint:
@@ -84,7 +102,7 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON ({e})") from None
 
 
-def _open_hf_dir(directory: Path, name: str) -> Checkpoint:
+def _open_hf_dir(directory: Path, name: str, weights: bool = True) -> Checkpoint:
     from transformers import AutoTokenizer
 
     config_path = directory / "config.json"
@@ -93,16 +111,16 @@ def _open_hf_dir(directory: Path, name: str) -> Checkpoint:
     gen_path = directory / "generation_config.json"
     generation = _read_json(gen_path) if gen_path.exists() else {}
     config = model_config_from_hf(_read_json(config_path), generation)
-    tensors = SafetensorsSource(directory)
+    tensors = SafetensorsSource(directory) if weights else None
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
     defaults = sampling_defaults(generation, gen_path)
     return Checkpoint(name=name, config=config, tensors=tensors, tokenizer=tokenizer, generation_defaults=defaults)
 
 
-def _download_from_hub(repo_id: str) -> Path:
+def _download_from_hub(repo_id: str, weights: bool = True) -> Path:
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt"]
+    patterns = ["*.json", "tokenizer*", "*.model", "*.jinja", "*.txt"] + (["*.safetensors"] if weights else [])
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:  # offline, unknown repo, gated repo: all end the same way for the user

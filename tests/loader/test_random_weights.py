@@ -1,0 +1,85 @@
+"""`load_format="dummy"`: random weights for a config, through the real loading path.
+
+The reference is transformers on a checkpoint whose every tensor is replaced by the one the dummy loader makes
+for that name, so a wrong shape, name or layout in the dummy loader fails here (as a shape error while writing
+the copy, or as a logit difference).
+"""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from jaxserve import Engine, SamplingParams
+from jaxserve.loader.hf_config import model_config_from_hf
+from jaxserve.loader.random_weights import RandomWeights
+from tests.models.test_parity import PROMPTS, check_parity
+from tests.parallel.test_tiny_meshes import MODELS
+
+
+def config_only_copy(src, dst):
+    """The HF directory without its weight files: all the dummy loader needs."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    return dst
+
+
+def random_weights_copy(src, dst):
+    """The HF directory with every tensor replaced by the dummy loader's tensor of the same name."""
+    import json
+
+    shutil.copytree(src, dst)
+    source = RandomWeights(model_config_from_hf(json.loads((src / "config.json").read_text())))
+    for file in dst.glob("*.safetensors"):
+        tensors = load_file(file)
+        for name, w in tensors.items():
+            made = source.get(name)
+            assert made.shape == tuple(w.shape), (name, made.shape, tuple(w.shape))
+            tensors[name] = torch.from_numpy(made)
+        save_file(tensors, file, metadata={"format": "pt"})
+    return dst
+
+
+def dummy_engine(path, mesh=None):
+    return Engine(str(path), load_format="dummy", mesh=mesh, num_kv_blocks=64, max_num_batched_tokens=64,
+                  max_num_seqs=4, warmup=False)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_dummy_weights_are_the_named_tensors_transformers_would_load(name, tiny_checkpoint, tmp_path):
+    arch, overrides = MODELS[name]
+    path = tiny_checkpoint(arch, **overrides)
+    reference = AutoModelForCausalLM.from_pretrained(random_weights_copy(path, tmp_path / "random"),
+                                                     dtype=torch.float32, attn_implementation="eager").eval()
+    check_parity(dummy_engine(config_only_copy(path, tmp_path / "config-only")), reference, PROMPTS[:2])
+
+
+def test_dummy_weights_are_the_same_on_every_mesh_and_every_load(tiny_checkpoint, tmp_path):
+    arch, overrides = MODELS["llama-odd-sizes"]  # heads and vocab padded on 4x2
+    path = config_only_copy(tiny_checkpoint(arch, **overrides), tmp_path / "config-only")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = [[o.outputs[0].token_ids for o in dummy_engine(path, mesh).generate(PROMPTS, params, use_tqdm=False)]
+              for mesh in (None, None, "4x2")]
+    assert tokens[0] == tokens[1] == tokens[2]
+    assert len({tuple(t) for t in tokens[0]}) > 1  # not one degenerate token stream for every prompt
+
+
+def test_random_tensors_look_like_an_initialised_model():
+    cfg = model_config_from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+                                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                "num_key_value_heads": 2})
+    src = RandomWeights(cfg, seed=0)
+    w = src.get("model.layers.1.mlp.down_proj.weight")
+    assert w.shape == (64, 128) and w.dtype == np.float32 and 0.015 < w.std() < 0.025
+    assert not np.array_equal(w, src.get("model.layers.0.mlp.down_proj.weight"))  # each name its own stream
+    assert not np.array_equal(w, RandomWeights(cfg, seed=1).get("model.layers.1.mlp.down_proj.weight"))
+    assert (src.get("model.layers.0.input_layernorm.weight") == 1).all()
+    with pytest.raises(KeyError, match="dummy loader does not know"):
+        src.get("model.layers.0.mlp.shared_expert.weight")
+
+
+def test_unknown_load_format_is_refused(tiny_checkpoint):
+    with pytest.raises(ValueError, match="load_format='pt' is not one of 'auto', 'dummy'"):
+        Engine(str(tiny_checkpoint("llama")), load_format="pt", warmup=False)
