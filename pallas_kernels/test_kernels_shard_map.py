@@ -1,5 +1,6 @@
-"""The kernels under a tensor-parallel mesh: shard_map over heads (4 fake CPU devices), each device attending
-with its own q heads and its own kv heads' slice of the cache, equals the unsharded reference."""
+"""The kernels under a tensor-parallel mesh: shard_map over heads (4 fake CPU devices, or as many of a compiled
+run's GPUs as there are, up to 4), each device attending with its own q heads and its own kv heads' slice of the
+cache, equals the unsharded reference."""
 
 from functools import partial
 
@@ -10,7 +11,7 @@ import pytest
 from jaxserve.parallel.sharding import make_mesh, mesh_axes, partition_spec
 from pallas_kernels.paged_attention import DECODE_KERNELS, paged_decode_reference
 from pallas_kernels.ragged_attention import RAGGED_KERNELS, ragged_reference
-from pallas_kernels.testing import max_abs_diff, random_paged_case
+from pallas_kernels.testing import BACKENDS, INTERPRET, max_abs_diff, random_paged_case
 
 CACHE = (None, "kv_heads", None, None, "head_dim")
 HEADS = (None, "q_heads", None)
@@ -25,14 +26,14 @@ def over_heads(kernel, mesh, num_seq_args, backend):
                          out_specs=partition_spec(HEADS), axis_names=axes, check_vma=False)
 
 
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_kernels_run_sharded_over_heads(backend):
-    mesh = make_mesh(4, 1)
+    mesh = make_mesh(min(4, len(jax.devices())), 1)
     kv_lens = [3, 16, 29]
     case = random_paged_case(5, kv_lens=kv_lens, num_tokens=3, H=8, K=4, d=64)
     kw = dict(layer=case.layer, scale=0.125, sliding_window=None)
 
-    decode = over_heads(partial(DECODE_KERNELS[backend], interpret=True, **kw), mesh, 1, backend)
+    decode = over_heads(partial(DECODE_KERNELS[backend], interpret=INTERPRET, **kw), mesh, 1, backend)
     out = jax.jit(decode)(case.q, case.k_cache, case.v_cache, case.block_tables, case.kv_lens)
     ref = paged_decode_reference(case.q, case.k_cache, case.v_cache, case.block_tables, case.kv_lens, **kw)
     assert max_abs_diff(out, ref) <= 1e-5
@@ -41,7 +42,7 @@ def test_kernels_run_sharded_over_heads(backend):
     q_lens = jnp.array([3, 2, 1], jnp.int32)
     seq_args = (jnp.array([0, 3, 5], jnp.int32), q_lens, case.kv_lens)
     q = jnp.tile(case.q, (2, 1, 1))
-    ragged = over_heads(partial(RAGGED_KERNELS[backend], interpret=True, **kw), mesh, 3, backend)
+    ragged = over_heads(partial(RAGGED_KERNELS[backend], interpret=INTERPRET, **kw), mesh, 3, backend)
     out = jax.jit(ragged)(q, case.k_cache, case.v_cache, case.block_tables, *seq_args)
     ref = ragged_reference(q, case.k_cache, case.v_cache, case.block_tables, *seq_args, **kw)
     assert max_abs_diff(out, ref) <= 1e-5

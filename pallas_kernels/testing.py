@@ -2,11 +2,34 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+# `PALLAS_COMPILED=1 python -m pytest pallas_kernels` on a GPU (or TPU) machine: the kernels of that platform
+# compiled, instead of both platforms' kernels interpreted on CPU (the default, and CI's).
+COMPILED = os.environ.get("PALLAS_COMPILED") == "1"
+INTERPRET = not COMPILED
+KERNEL_OF_PLATFORM = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+
+
+def kernel_backends() -> list[str]:
+    """The kernel variants the tests run: ["gpu", "tpu"] interpreted, or this machine's own compiled."""
+    if not COMPILED:
+        return ["gpu", "tpu"]
+    platform = jax.devices()[0].platform
+    if platform not in KERNEL_OF_PLATFORM:
+        raise RuntimeError(f"PALLAS_COMPILED=1 compiles the kernels for this machine's GPU or TPU, but jax sees "
+                           f"{platform!r}: unset it to interpret them on CPU")
+    return [KERNEL_OF_PLATFORM[platform]]
+
+
+BACKENDS = kernel_backends()
+GPU_ONLY = [b for b in BACKENDS if b == "gpu"]  # tests of the GPU variant's own options
 
 
 @dataclass

@@ -8,7 +8,8 @@ import pytest
 
 # Tests run on the host CPU; 8 fake devices let mesh tests run anywhere. Set before jax is imported.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ.get("PALLAS_COMPILED") != "1":  # a GPU session's compiled kernel run (pallas_kernels/testing.py)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from tests.helpers import make_tiny_checkpoint  # noqa: E402
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import DECODE_KERNELS, paged_decode_reference
-from pallas_kernels.testing import max_abs_diff, random_paged_case
+from pallas_kernels.testing import BACKENDS, GPU_ONLY, INTERPRET, max_abs_diff, random_paged_case
 
 # One token; exactly one block; a partial last block; a block boundary; several blocks.
 KV_LENS = [1, 16, 37, 64, 100]
@@ -26,7 +26,7 @@ TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-3}
 
 def decode(backend, case, **kwargs):
     return DECODE_KERNELS[backend](case.q, case.k_cache, case.v_cache, case.block_tables, case.kv_lens,
-                                   layer=case.layer, interpret=True, **kwargs)
+                                   layer=case.layer, interpret=INTERPRET, **kwargs)
 
 
 def exact(case, **kwargs):
@@ -35,7 +35,7 @@ def exact(case, **kwargs):
                                   case.kv_lens, layer=case.layer, **kwargs)
 
 
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("G,d,dtype,window", CASES)
 def test_decode_matches_reference(backend, G, d, dtype, window):
     K = 2
@@ -49,29 +49,31 @@ def test_decode_matches_reference(backend, G, d, dtype, window):
     assert max_abs_diff(out, exact(case, **kw)) <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("backend", GPU_ONLY)
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
-def test_gpu_context_splits_agree(num_splits):
+def test_gpu_context_splits_agree(backend, num_splits):
     """Flash-decoding splits (more splits than a short sequence has pages, too) merge to the same output."""
     case = random_paged_case(1, kv_lens=KV_LENS, num_tokens=len(KV_LENS), H=8, K=2, d=64)
     kw = dict(scale=0.125, sliding_window=None)
-    out = decode("gpu", case, pages_per_block=1, num_splits=num_splits, **kw)
+    out = decode(backend, case, pages_per_block=1, num_splits=num_splits, **kw)
     assert max_abs_diff(out, exact(case, **kw)) <= 1e-5
 
 
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_one_layer_pages_and_empty_sequences(backend):
     """A [K, NB, bs, d] cache of one layer is accepted; a sequence with no context (batch padding) gives 0."""
     case = random_paged_case(2, kv_lens=[0, 5, 33], num_tokens=3, H=4, K=4, d=64, L=1)
     out = DECODE_KERNELS[backend](case.q, case.k_cache[0], case.v_cache[0], case.block_tables, case.kv_lens,
-                                  scale=0.125, interpret=True)
+                                  scale=0.125, interpret=INTERPRET)
     assert float(jnp.abs(out[0]).max()) == 0.0
     assert max_abs_diff(out, exact(case, scale=0.125)) <= 1e-5
 
 
-def test_bad_shapes_are_refused():
+@pytest.mark.parametrize("backend", GPU_ONLY)
+def test_bad_shapes_are_refused(backend):
     case = random_paged_case(3, kv_lens=[5], num_tokens=1, H=3, K=2, d=64)
     with pytest.raises(ValueError, match="multiple of K"):
-        decode("gpu", case, scale=1.0)
+        decode(backend, case, scale=1.0)
     case = random_paged_case(3, kv_lens=[5], num_tokens=1, H=2, K=2, d=48)
     with pytest.raises(ValueError, match="head_dim to be a power of two"):
-        decode("gpu", case, scale=1.0)
+        decode(backend, case, scale=1.0)

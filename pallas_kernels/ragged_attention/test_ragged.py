@@ -11,7 +11,7 @@ import pytest
 from pallas_kernels.paged_attention import paged_decode_reference
 from pallas_kernels.ragged_attention import RAGGED_KERNELS, ragged_reference
 from pallas_kernels.ragged_attention.tiles import plan_tiles
-from pallas_kernels.testing import max_abs_diff, random_paged_case
+from pallas_kernels.testing import BACKENDS, INTERPRET, max_abs_diff, random_paged_case
 
 # (tokens this step, context length after it): a decode with context 1; a whole first block of prefill; a chunk
 # ending mid-block of a longer context; a decode at a block boundary; a prefill spanning several tiles and
@@ -43,10 +43,10 @@ def exact(case, seq_args, **kwargs):
 
 def ragged(backend, case, seq_args, **kwargs):
     return RAGGED_KERNELS[backend](case.q, case.k_cache, case.v_cache, case.block_tables, *seq_args,
-                                   layer=case.layer, interpret=True, **kwargs)
+                                   layer=case.layer, interpret=INTERPRET, **kwargs)
 
 
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("G,d,dtype,window", CASES)
 def test_ragged_matches_reference(backend, G, d, dtype, window):
     K = 2
@@ -59,7 +59,7 @@ def test_ragged_matches_reference(backend, G, d, dtype, window):
     assert float(jnp.abs(out[-PAD_TOKENS:].astype(jnp.float32)).max()) == 0.0
 
 
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_only_batch_matches_decode_reference(backend):
     """A step of decodes only (one token per sequence) is the decode kernel's problem, solved by this kernel."""
     kv_lens = [1, 16, 17, 40]

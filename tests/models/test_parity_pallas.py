@@ -1,18 +1,24 @@
-"""Engine logit parity with transformers when attention runs through the Pallas kernels (interpret mode on CPU):
-prefills and mixed steps through the ragged kernel, decode-only steps through the decode kernel, on a tiny
-Llama."""
+"""Engine logit parity with transformers when attention runs through the Pallas kernels (interpret mode on CPU;
+compiled on a GPU with PALLAS_COMPILED=1, pallas_kernels/testing.py): prefills and mixed steps through the ragged
+kernel, decode-only steps through the decode kernel, on a tiny Llama in float32."""
 
+import contextlib
+
+import jax
 import torch
 from transformers import AutoModelForCausalLM
 
 from jaxserve import Engine
 from pallas_kernels.paged_attention import DECODE_KERNELS
 from pallas_kernels.ragged_attention import RAGGED_KERNELS
+from pallas_kernels.testing import COMPILED
 from tests.models.test_parity import PROMPTS, check_parity
+
+IMPL = "pallas" if COMPILED else "pallas-interpret"
 
 
 def spy(monkeypatch, kernels: dict) -> list:
-    """Record each trace of the kernel "pallas-interpret" runs on CPU (the GPU one)."""
+    """Record each trace of the GPU kernel (the one "pallas-interpret" runs on CPU)."""
     traced, kernel = [], kernels["gpu"]
     monkeypatch.setitem(kernels, "gpu", lambda *a, **kw: traced.append(a[0].shape) or kernel(*a, **kw))
     return traced
@@ -22,17 +28,20 @@ def test_pallas_interpret_attention_keeps_parity(tiny_checkpoint, monkeypatch):
     ragged, decode = spy(monkeypatch, RAGGED_KERNELS), spy(monkeypatch, DECODE_KERNELS)
     path = tiny_checkpoint("llama", tie_word_embeddings=False)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    engine = Engine(str(path), num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4,
-                    attention_impl="pallas-interpret", warmup=False)
+    engine = Engine(str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4,
+                    attention_impl=IMPL, warmup=False)
     assert engine.plan_shape.decode_kernel
-    check_parity(engine, reference, PROMPTS)
+    # A GPU's float32 matmuls default to TF32 (10-bit mantissa); parity at 1e-4 needs them in full float32.
+    with jax.default_matmul_precision("highest") if COMPILED else contextlib.nullcontext():
+        check_parity(engine, reference, PROMPTS)
     assert ragged, "no step ran the ragged kernel"
     assert decode, "no decode-only step ran the decode kernel"
     assert all(q_shape[0] == 4 for q_shape in decode)  # 3 prompts decode together in the 4-sequence bucket
 
 
-def test_the_cpu_attention_compiles_no_decode_variants(smol_engine):
-    assert not smol_engine.plan_shape.decode_kernel
+def test_only_the_kernels_compile_decode_variants(smol_engine):
+    """"auto" attention is the CPU reference here (no decode variants), the Pallas kernels on a GPU."""
+    assert smol_engine.plan_shape.decode_kernel == (jax.devices()[0].platform != "cpu")
 
 
 def test_warmup_compiles_the_decode_variants_too(tiny_checkpoint):
@@ -42,6 +51,6 @@ def test_warmup_compiles_the_decode_variants_too(tiny_checkpoint):
 
     path = tiny_checkpoint("llama", tie_word_embeddings=False)
     engine = Engine(str(path), num_kv_blocks=16, max_num_batched_tokens=8, max_num_seqs=2,
-                    attention_impl="pallas-interpret", recompile_guard="error")
+                    attention_impl=IMPL, recompile_guard="error")
     engine.generate([PROMPTS[0], PROMPTS[1][:5]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert engine.compiles_after_warmup == 0

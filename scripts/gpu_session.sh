@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The checks a session with a lent GPU owes issues 4 and 9, each step one device call (the device tool's `run`,
+# 10 minutes a call, 30 minutes a session). The GPU image has jax, flax, transformers and torch but not `gguf`
+# (which jaxserve's loader imports), so carry its wheel. Once, here (not on the device), in the repo root:
+#
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf
+#
+# then, with the device tool:   run(command="bash scripts/gpu_session.sh kernels", carry=[".whl"])
+#                               run(command="bash scripts/gpu_session.sh synthetic", carry=[".whl"])
+#
+#   kernels    compiled Pallas kernels against their references, engine parity through them (float32, tiny
+#              Llama), then scripts/bench_kernels.py (decode kernel vs JAX's bundled one and the roofline)
+#   synthetic  scripts/bench_synthetic.py: Llama-3-8B shape, bfloat16: batch-1 decode vs the roofline, 1000 x
+#              (1000 in + 100 out) offline throughput, transformers on the same GPU
+#
+# Logs and BENCHMARKS.md rows land in $OUT (the device tool brings them back); copy the rows into BENCHMARKS.md.
+set -uo pipefail
+step=${1:?usage: scripts/gpu_session.sh kernels|synthetic}
+out=${OUT:-/tmp/gpu_session}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  echo "no .whl/ wheels: see the top of $0 (the GPU image lacks the gguf package)" >&2
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/device.txt" 2>&1
+python3 -c "import jax; print(jax.__version__, jax.devices())" >>"$out/device.txt" 2>&1
+cat "$out/device.txt"
+
+case "$step" in
+  kernels)
+    PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider pallas_kernels tests/models/test_parity_pallas.py \
+      2>&1 | tee "$out/kernel_tests.log"
+    python3 scripts/bench_kernels.py --append "$out/benchmark_rows.md" 2>&1 | tee "$out/bench_kernels.log"
+    ;;
+  synthetic)
+    python3 scripts/bench_synthetic.py --append "$out/benchmark_rows.md" 2>&1 | tee "$out/bench_synthetic.log"
+    ;;
+  *)
+    echo "unknown step $step: use kernels or synthetic" >&2
+    exit 2
+    ;;
+esac
