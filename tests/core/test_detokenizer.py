@@ -116,3 +116,33 @@ def test_holdback():
     assert holdback("a#b", ["#c"]) == 0
     assert holdback("", ["###"]) == 0
     assert holdback("ab", []) == 0
+
+
+def test_fast_tokenizers_decode_through_the_rust_library_with_the_same_text(smol_tokenizer):
+    """The shortcut past transformers' decode wrapper (rust_decode) gives its exact text, specials included."""
+    import numpy as np
+
+    from jaxserve.core.detokenizer import rust_decode
+
+    tok = smol_tokenizer
+    fast = rust_decode(tok)
+    assert fast is not None
+    rng = np.random.default_rng(0)
+    specials = tok.all_special_ids
+    for _ in range(50):
+        ids = rng.integers(0, len(tok), rng.integers(1, 12)).tolist() + [int(rng.choice(specials))]
+        for skip in (True, False):
+            assert fast(ids, skip_special_tokens=skip) == decode(tok, ids, skip_special_tokens=skip)
+
+
+def test_a_tokenizer_with_its_own_decode_keeps_it(smol_tokenizer):
+    from jaxserve.core.detokenizer import rust_decode
+
+    class Custom(type(smol_tokenizer)):
+        def decode(self, token_ids, **kwargs):
+            return "x" * len(token_ids)  # one "x" per id: each pushed token adds one
+
+    custom = Custom.__new__(Custom)
+    custom.__dict__.update(smol_tokenizer.__dict__)
+    assert rust_decode(custom) is None
+    assert IncrementalDetokenizer(custom, [1]).push([5, 6]) == "xx"
