@@ -182,7 +182,9 @@ class Engine:
 
     # ---- the step ---------------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one step; return the outputs of the requests it advanced, or with `finished_only` those it finished
+        (building an output copies the request's tokens and text, which callers that wait for the end skip)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -205,7 +207,7 @@ class Engine:
         for seq in progressed:
             self._on_token(seq, result, rows[seq.seq_id])
             touched[seq.request_id] = self._requests[seq.request_id]
-        return [self._emit(req) for req in touched.values()]
+        return [self._emit(req) for req in touched.values() if req.finished or not finished_only]
 
     def _on_recompile(self, sched: SchedulerOutput) -> None:
         if self._compiles_at_warmup is None or self.recompile_guard == "off":
@@ -303,10 +305,9 @@ class Engine:
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm) as bar:
             while len(results) < len(ids):
-                for out in self.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
+                for out in self.step(finished_only=True):
+                    results[out.request_id] = out
+                    bar.update(1)
         return [results[rid] for rid in ids]
 
     def default_sampling_params(self) -> SamplingParams:

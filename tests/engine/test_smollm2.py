@@ -137,3 +137,17 @@ def test_n_best_of_stop_and_logprobs(smol_engine):
         [p[t].logprob for p, t in zip(lp.outputs[0].logprobs, chosen.token_ids)], abs=1e-5)
     plain = smol_engine.generate("Hello, my name is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert plain[0].outputs[0].logprobs is None and plain[0].outputs[0].cumulative_logprob is None
+
+
+def test_steps_can_return_only_the_requests_they_finish(smol_engine):
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 5)]
+    for i, p in enumerate(params):
+        smol_engine.add_request(f"only-finished-{i}", PROMPTS[i], p)
+    seen = []
+    while smol_engine.has_unfinished_requests():
+        seen += smol_engine.step(finished_only=True)
+    assert [o.request_id for o in seen] == ["only-finished-0", "only-finished-1"]
+    assert all(o.finished for o in seen)
+    expected = smol_engine.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in seen] == [o.outputs[0].token_ids for o in expected]
+    assert [o.outputs[0].text for o in seen] == [o.outputs[0].text for o in expected]
