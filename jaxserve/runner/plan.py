@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import jax
 import numpy as np
@@ -30,28 +31,37 @@ class PlanShape:
 
 
 def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanShape) -> tuple[StepInputs, StepStatics]:
-    bs = blocks.block_size
-    T, B = shape.buckets.shape(out.num_tokens, len(out.chunks))
-    decode_only = shape.decode_kernel and T == B and all(c.num_tokens == 1 for c in out.chunks)
-    inputs = empty_inputs(T, B, shape, penalties=any(c.seq.params.needs_penalties for c in out.chunks),
+    """Whole-array numpy work wherever it can be (a few operations per step, not per sequence): at 256 sequences
+    a step's host work is a fifth of a GPU step, and it runs between steps (BENCHMARKS.md)."""
+    chunks = out.chunks
+    T, B = shape.buckets.shape(out.num_tokens, len(chunks))
+    decode_only = shape.decode_kernel and T == B and all(c.num_tokens == 1 for c in chunks)
+    inputs = empty_inputs(T, B, shape, penalties=any(c.seq.params.needs_penalties for c in chunks),
                           decode_only=decode_only)
-    offset = 0
-    for row, chunk in enumerate(out.chunks):
-        seq, n = chunk.seq, chunk.num_tokens
-        table = np.asarray(blocks.block_table(seq.seq_id), np.int32)
-        pos = np.arange(chunk.start, chunk.start + n)
-        ids = np.asarray(seq.token_ids[chunk.start : chunk.start + n + 1], np.int32)
-        span = slice(offset, offset + n)
-        inputs.token_ids[span] = ids[:n]
-        inputs.meta.positions[span] = pos
-        inputs.meta.slot_mapping[span] = table[pos // bs] * bs + pos % bs
-        inputs.meta.token_seq[span] = row
-        inputs.prompt_targets[offset : offset + len(ids) - 1] = ids[1:]
-        inputs.meta.block_tables[row, : len(table)] = table
-        inputs.logits_indices[row] = offset + n - 1
-        _fill_sampling_row(inputs.sampling, row, chunk)
-        offset += n
-    return inputs, _statics(out.chunks, shape.max_logprobs, decode_only)
+    meta, bs = inputs.meta, blocks.block_size
+    for row, chunk in enumerate(chunks):
+        table = blocks.block_table(chunk.seq.seq_id)
+        meta.block_tables[row, : len(table)] = table
+    counts = np.fromiter((c.num_tokens for c in chunks), np.int64, len(chunks))
+    N = int(counts.sum())
+    ends = np.cumsum(counts)  # one past each chunk's last token in the flat batch
+    rows = np.repeat(np.arange(len(chunks)), counts)
+    starts = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
+    positions = np.arange(N) - np.repeat(ends - counts - starts, counts)
+    meta.positions[:N] = positions
+    meta.token_seq[:N] = rows
+    meta.slot_mapping[:N] = meta.block_tables[rows, positions // bs] * bs + positions % bs
+    inputs.token_ids[:N] = list(chain.from_iterable(c.seq.token_ids[c.start : c.start + c.num_tokens] for c in chunks))
+    # Each token's next token, where the sequence has one (prompt_logprobs); 0 past a sequence's last token.
+    inputs.prompt_targets[:N] = list(chain.from_iterable(_next_tokens(c) for c in chunks))
+    inputs.logits_indices[: len(chunks)] = ends - 1
+    _fill_sampling(inputs.sampling, chunks)
+    return inputs, _statics(chunks, shape.max_logprobs, decode_only)
+
+
+def _next_tokens(chunk: ScheduledChunk) -> list[int]:
+    following = chunk.seq.token_ids[chunk.start + 1 : chunk.start + chunk.num_tokens + 1]
+    return following + [0] * (chunk.num_tokens - len(following))
 
 
 def empty_inputs(T: int, B: int, shape: PlanShape, penalties: bool = False, decode_only: bool = False) -> StepInputs:
@@ -86,16 +96,24 @@ def bias_entries(chunk: ScheduledChunk) -> dict[int, float]:
     return bias
 
 
-def _fill_sampling_row(t: SamplingTensors, row: int, chunk: ScheduledChunk) -> None:
-    seq, p = chunk.seq, chunk.seq.params
-    t.temperature[row], t.top_p[row], t.min_p[row], t.top_k[row] = p.temperature, p.top_p, p.min_p, p.top_k
-    t.seeds[row], t.counters[row] = seq.seed & 0xFFFFFFFF, seq.num_output_tokens
-    for j, (token, value) in enumerate(bias_entries(chunk).items()):
-        t.bias_ids[row, j], t.bias_values[row, j] = token, value
-    if p.needs_penalties:
-        t.presence[row], t.frequency[row], t.repetition[row] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
-        t.history[row, : seq.num_tokens] = seq.token_ids
-        t.history_is_output[row, seq.num_prompt_tokens : seq.num_tokens] = True
+def _fill_sampling(t: SamplingTensors, chunks: list[ScheduledChunk]) -> None:
+    n = len(chunks)
+    params = [c.seq.params for c in chunks]
+    t.temperature[:n] = [p.temperature for p in params]
+    t.top_p[:n] = [p.top_p for p in params]
+    t.min_p[:n] = [p.min_p for p in params]
+    t.top_k[:n] = [p.top_k for p in params]
+    t.seeds[:n] = [c.seq.seed & 0xFFFFFFFF for c in chunks]
+    t.counters[:n] = [c.seq.num_output_tokens for c in chunks]
+    for row, chunk in enumerate(chunks):
+        seq, p = chunk.seq, params[row]
+        if p.logit_bias or p.min_tokens > seq.num_output_tokens:
+            for j, (token, value) in enumerate(bias_entries(chunk).items()):
+                t.bias_ids[row, j], t.bias_values[row, j] = token, value
+        if p.needs_penalties:
+            t.presence[row], t.frequency[row], t.repetition[row] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+            t.history[row, : seq.num_tokens] = seq.token_ids
+            t.history_is_output[row, seq.num_prompt_tokens : seq.num_tokens] = True
 
 
 def _statics(chunks: list[ScheduledChunk], max_logprobs: int, decode_only: bool) -> StepStatics:
