@@ -80,6 +80,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-logprobs", type=int, default=20, metavar="N",
                         help="largest logprobs / top_logprobs a request may ask for")
     engine.add_argument("--seed", type=int, default=0, help="seed of requests that set none")
+    engine.add_argument("--no-async-scheduling", action="store_true",
+                        help="read each step back before scheduling the next (by default the next step is "
+                             "dispatched first, so host work overlaps device work; for debugging)")
     engine.add_argument("--no-warmup", action="store_true",
                         help="compile step programs when first needed instead of at start-up (faster start, "
                              "slower first requests)")
@@ -125,7 +128,7 @@ def build_engine(args: argparse.Namespace):
                         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, mesh=mesh,
                         max_logprobs=args.max_logprobs, pp_layer_partition=args.pp_layer_partition,
                         warmup=not args.no_warmup, quantization=args.quantization,
-                        load_format=args.load_format)
+                        load_format=args.load_format, async_scheduling=not args.no_async_scheduling)
     except (ValueError, OSError) as exc:  # the engine words these for people (DESIGN.md convention 9)
         raise UserError(str(exc)) from None
     # Process 0 gets its engine back (now driving the others); a follower follows and exits inside take_role.

@@ -30,13 +30,21 @@ from jaxserve.parallel.sharding import resolve_mesh
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.capacity import capacity_line, free_bytes_for_cache, num_blocks_for
 from jaxserve.runner.compilation_cache import DEFAULT_COMPILATION_CACHE, enable_compilation_cache
-from jaxserve.runner.model_runner import ModelRunner, StepResult
+from jaxserve.runner.model_runner import ModelRunner, PendingStep, StepResult
 from jaxserve.runner.plan import PlanShape, build_step_inputs, empty_inputs
 from jaxserve.runner.sampler import SamplerFlags
 from jaxserve.runner.step import StepStatics
 from jaxserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlightStep:
+    """A dispatched step: what was scheduled, and its device outputs (PendingStep) or, once read, StepResult."""
+
+    sched: SchedulerOutput
+    pending: PendingStep | StepResult
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,7 @@ class Engine:
                  recompile_guard: str = "warn", compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
                  tokenizer=None, attention_impl: str = "auto", tensor_parallel_size: int | None = None,
                  pipeline_parallel_size: int | None = None, pp_layer_partition: list[int] | None = None,
-                 quantization: str | None = None, load_format: str = "auto"):
+                 quantization: str | None = None, load_format: str = "auto", async_scheduling: bool = True):
         _check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
                               recompile_guard, quantization)
         enable_compilation_cache(compilation_cache_dir)
@@ -72,6 +80,11 @@ class Engine:
         self.plan_shape = PlanShape(Buckets.for_limits(max_num_batched_tokens, max_num_seqs),
                                     -(-max_model_len // block_size), cfg.vocab_size, max_model_len, max_logprobs,
                                     self.runner.decode_kernel)
+        self.runner.set_token_feed(self.plan_shape.buckets.seqs[-1])
+        # Overlap needs the step's read-back to stay this process's own: with several processes, followers run
+        # each step whole and the host copy can be a collective (parallel/multihost.py).
+        self.async_scheduling = async_scheduling and jax.process_count() == 1
+        self._in_flight: InFlightStep | None = None
         num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_memory_fraction)
         self.config = EngineConfig(
             model=cfg,
@@ -178,36 +191,66 @@ class Engine:
             self._texts.pop(seq.seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or self._in_flight is not None
 
     # ---- the step ---------------------------------------------------------------------------------------
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one step; return the outputs of the requests it advanced, or with `finished_only` those it finished
-        (building an output copies the request's tokens and text, which callers that wait for the end skip)."""
+        (building an output copies the request's tokens and text, which callers that wait for the end skip).
+
+        With async scheduling the next step is scheduled and dispatched before the step in flight is read back,
+        so the host work between steps (reading back, detokenizing, stop checks, scheduling, building inputs)
+        overlaps the device's work instead of idling it; the outputs returned are the earlier step's.
+        """
+        previous, self._in_flight = self._in_flight, None
+        touched: dict[str, Request] = {}
+        if previous is not None and not self._can_launch_over(previous):
+            self._collect(previous, touched)
+            previous = None
+        launched = self._launch()
+        if previous is not None:
+            self._collect(previous, touched)
+        if launched is not None:
+            if self.async_scheduling:
+                self._in_flight = launched
+            else:
+                self._collect(launched, touched)
+        return [self._emit(req) for req in touched.values() if req.finished or not finished_only]
+
+    def _can_launch_over(self, in_flight: InFlightStep) -> bool:
+        """Penalties read every sequence's tokens from the host (the sampler's history): a sequence of the step in
+        flight would have a placeholder there, so its next step waits for the real token."""
+        return not any(c.seq.params.needs_penalties for c in in_flight.sched.chunks)
+
+    def _launch(self) -> InFlightStep | None:
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return None
         inputs, statics = build_step_inputs(sched, self.blocks, self.plan_shape)
         if self.logits_log is not None:
             statics = dataclasses.replace(statics, return_logits=True)
         compiles_before = self.runner.num_compiles
-        result = self.runner.execute(inputs, statics)
+        # Multi-process runs read the step back at once: followers run each step whole (parallel/follower.py).
+        pending = self.runner.launch(inputs, statics) if self.async_scheduling else self.runner.execute(inputs, statics)
         if self.runner.num_compiles != compiles_before:
             self._on_recompile(sched)
         self._record(sched)
+        self.scheduler.advance(sched)
+        return InFlightStep(sched, pending)
+
+    def _collect(self, step: InFlightStep, touched: dict[str, Request]) -> None:
+        sched = step.sched
+        result = step.pending if isinstance(step.pending, StepResult) else self.runner.collect(step.pending)
         if self.logits_log is not None:
-            self.logits_log.extend((list(c.seq.token_ids), result.logits[i])
-                                   for i, c in enumerate(sched.chunks) if c.samples)
+            self.logits_log.extend((c.seq.token_ids[: c.start + c.num_tokens], result.logits[i])
+                                   for i, c in enumerate(sched.chunks) if c.samples and not c.seq.finished)
         sampled = [int(result.tokens[i]) if c.samples else None for i, c in enumerate(sched.chunks)]
         self._record_prompt_logprobs(sched, result)
-        progressed = self.scheduler.update(sched, sampled)
         rows = {c.seq.seq_id: i for i, c in enumerate(sched.chunks)}
-        touched: dict[str, Request] = {}
-        for seq in progressed:
-            self._on_token(seq, result, rows[seq.seq_id])
+        for seq, token in self.scheduler.resolve(sched, sampled):
+            self._on_token(seq, token, result, rows[seq.seq_id])
             touched[seq.request_id] = self._requests[seq.request_id]
-        return [self._emit(req) for req in touched.values() if req.finished or not finished_only]
 
     def _on_recompile(self, sched: SchedulerOutput) -> None:
         if self._compiles_at_warmup is None or self.recompile_guard == "off":
@@ -223,8 +266,7 @@ class Engine:
         self.step_records.append(StepRecord(self._num_steps, chunks))
         self._num_steps += 1
 
-    def _on_token(self, seq: Sequence, result: StepResult, row: int) -> None:
-        token = seq.token_ids[-1]
+    def _on_token(self, seq: Sequence, token: int, result: StepResult, row: int) -> None:
         if seq.params.needs_logprobs:  # else the step skipped them
             seq.cumulative_logprob += float(result.logprobs[row])
         text = self._texts[seq.seq_id]
@@ -244,6 +286,9 @@ class Engine:
         offset = 0
         for chunk in sched.chunks:
             seq, num = chunk.seq, chunk.seq.params.prompt_logprobs
+            if seq.finished:  # aborted while the step ran: its text is gone
+                offset += chunk.num_tokens
+                continue
             for i in range(chunk.num_tokens):
                 target = chunk.start + i + 1  # the prompt position this token's logits predict
                 if num is not None and target < seq.num_prompt_tokens and len(seq.prompt_logprobs) == target:

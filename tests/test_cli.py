@@ -123,7 +123,7 @@ def test_generate_prints_the_completion(capsys, fake_engine_module):
     assert capsys.readouterr().out == " one two three\n"
     assert fake_engine_module["max_model_len"] == 128 and fake_engine_module["mesh"] == "2x1"
     assert fake_engine_module["model"] is None and fake_engine_module["quantization"] == "int8"
-    assert fake_engine_module["load_format"] == "dummy"
+    assert fake_engine_module["load_format"] == "dummy" and fake_engine_module["async_scheduling"] is True
 
 
 def test_serve_logs_model_mesh_kv_capacity_and_url(fake_engine_module, caplog, monkeypatch):

@@ -39,6 +39,7 @@ class EngineOptions(BaseModel):
     seed: int | None = None
     enable_prefix_caching: bool | None = None
     warmup: bool | None = None
+    async_scheduling: bool | None = None
     recompile_guard: Literal["warn", "error", "off"] | None = None
     attention_impl: str | None = None
     compilation_cache_dir: str | None = None

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from ..sampling_params import SamplingParams
 
 
+PLACEHOLDER = -1  # a sampled token id not read back yet (async scheduling); never an input id on the device
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -35,6 +38,11 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list = field(default_factory=list)  # per generated token, when asked
     prompt_logprobs: list = field(default_factory=list)  # per prompt position, when asked
+    # With async scheduling a step is dispatched before the previous one's tokens are read back: the sequence's
+    # token sampled by the step in flight is then PLACEHOLDER at `pending_index` in token_ids, and the next step
+    # takes its value on the device from row `pending_row` of the in-flight step's sampled tokens.
+    pending_index: int | None = None
+    pending_row: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -46,10 +54,12 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        """The generated tokens known on the host (without a placeholder still in flight)."""
+        return self.token_ids[self.num_prompt_tokens : self.pending_index]
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens, a placeholder in flight included (the count the next step's sampling sees)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
@@ -60,20 +70,25 @@ class Sequence:
     def order(self) -> tuple[int, int]:
         return (self.priority, self.arrival)
 
-    def stop_after(self, token: int) -> tuple[str, int | None] | None:
-        """The finish reason (and stop token) once `token` has been appended, or None to go on."""
+    def stop_after(self, token: int, index: int) -> tuple[str, int | None] | None:
+        """The finish reason (and stop token) once `token` is in place at `index` of token_ids, or None to go on.
+        `index` is explicit because a later token may already be in flight after it."""
         p = self.params
-        n_out = self.num_output_tokens
+        n_out = index + 1 - self.num_prompt_tokens
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return "stop", None
             if p.stop_token_ids and token in p.stop_token_ids:
                 return "stop", token
-        if p.max_tokens is not None and n_out >= p.max_tokens:
-            return "length", None
-        if self.num_tokens >= self.max_model_len:
+        if self.reaches_length_limit(index + 1):
             return "length", None
         return None
+
+    def reaches_length_limit(self, num_tokens: int) -> bool:
+        """Whether a sequence of num_tokens tokens has used up max_tokens or the context length."""
+        p = self.params
+        return (p.max_tokens is not None and num_tokens - self.num_prompt_tokens >= p.max_tokens) or \
+            num_tokens >= self.max_model_len
 
 
 @dataclass(eq=False)

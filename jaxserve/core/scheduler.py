@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ..config import SchedulerConfig
 from .block_manager import BlockManager
-from .request import Sequence, SequenceStatus
+from .request import PLACEHOLDER, Sequence, SequenceStatus
 
 
 @dataclass
@@ -71,6 +71,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.pending_index is not None and seq.reaches_length_limit(seq.num_tokens):
+                i += 1  # its token in flight is its last: it finishes when that step is read back
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + n):
                 victim = max(self.running, key=lambda s: s.order)
@@ -109,24 +112,44 @@ class Scheduler:
         self.num_preemptions += 1
         self.add(seq)
 
-    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
-        """Account for a finished step: advance computed tokens, append sampled tokens, stop what is done.
-        Returns the sequences that received a token."""
+    def advance(self, out: SchedulerOutput) -> None:
+        """Account for a step as it is dispatched: its tokens count as computed, and each sampling sequence gets
+        a PLACEHOLDER for the token the step will sample, so the next step can be scheduled before this one's
+        tokens are read back (async scheduling). `resolve` fills the placeholders in."""
+        for row, chunk in enumerate(out.chunks):
+            seq = chunk.seq
+            seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            if chunk.samples:
+                seq.pending_index, seq.pending_row = seq.num_tokens, row
+                seq.token_ids.append(PLACEHOLDER)
+
+    def resolve(self, out: SchedulerOutput, sampled: list[int | None]) -> list[tuple[Sequence, int]]:
+        """Account for a step's results, steps in dispatch order: register its now-computed blocks, put each
+        sampled token in its placeholder's place, stop what is done. Returns (sequence, token) for each sequence
+        that received a token."""
         progressed = []
         for chunk, token in zip(out.chunks, sampled):
             seq = chunk.seq
             if seq.finished:  # aborted or stopped while the step ran
                 continue
-            seq.num_computed_tokens = chunk.start + chunk.num_tokens
-            self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            computed = chunk.start + chunk.num_tokens
+            if seq.status is SequenceStatus.RUNNING:  # not preempted since: it still holds its blocks
+                self.blocks.commit(seq.seq_id, seq.token_ids, computed)
             if not chunk.samples:
                 continue
-            seq.token_ids.append(token)
-            progressed.append(seq)
-            stop = seq.stop_after(token)
+            seq.token_ids[computed] = token
+            if seq.pending_index == computed:  # no later step holds a placeholder of this sequence
+                seq.pending_index = seq.pending_row = None
+            progressed.append((seq, token))
+            stop = seq.stop_after(token, computed)
             if stop is not None:
                 self.finish(seq, *stop)
         return progressed
+
+    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+        """`advance` then `resolve`: a step whose results are read back before the next is scheduled."""
+        self.advance(out)
+        return [seq for seq, _ in self.resolve(out, sampled)]
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         if seq.finished:
@@ -136,6 +159,9 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq.seq_id)
+        if seq.pending_index is not None:  # the token of a step still in flight will not be part of it
+            del seq.token_ids[seq.pending_index :]
+            seq.pending_index = seq.pending_row = None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason

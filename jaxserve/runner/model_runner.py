@@ -28,6 +28,15 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class PendingStep:
+    """A launched step's device outputs, not read back yet."""
+
+    sampled: object  # SamplerOutput of device arrays
+    prompt: object | None
+    logits: object | None
+
+
+@dataclass
 class StepResult:
     """Host copies of what the step returns, one row per scheduled sequence."""
 
@@ -73,16 +82,33 @@ class ModelRunner:
         self.kv = allocate_kv_cache(self.cfg, num_blocks, self.block_size, self.dtype,
                                     named_sharding(self.mesh, KV_LOGICAL_AXES))
 
-    def execute(self, inputs: StepInputs, statics: StepStatics) -> StepResult:
+    def set_token_feed(self, max_rows: int) -> None:
+        """Size the device buffer of the last step's sampled tokens, which the next step reads for the ids its
+        host copy holds as placeholders (async scheduling): the largest sequence bucket, one size for all."""
+        replicated = named_sharding(self.mesh, ())
+        self.feed_rows = max_rows
+        self.fed_tokens = jax.jit(lambda: jnp.zeros(max_rows, jnp.int32), out_shardings=replicated)()
+
+    def launch(self, inputs: StepInputs, statics: StepStatics) -> PendingStep:
+        """Dispatch the step and return at once: the device works while the host goes on (jax is asynchronous)."""
         f = self.fns
-        self.kv, hidden, rows = f.forward(self.params, self.kv, inputs.token_ids, inputs.meta, inputs.logits_indices)
-        sampled = f.sample_rows(self.params, rows, inputs.sampling, statics.sampler)
+        self.kv, hidden, rows = f.forward(self.params, self.kv, inputs.token_ids, inputs.meta, inputs.logits_indices,
+                                          self.fed_tokens, inputs.token_source)
+        sampled, self.fed_tokens = f.sample_rows(self.params, rows, inputs.sampling, statics.sampler, self.feed_rows)
         prompt = None
         if statics.prompt_logprobs >= 0:
             prompt = f.prompt_rows(self.params, hidden, inputs.prompt_targets, statics.prompt_logprobs)
         logits = f.logits(self.params, rows) if statics.return_logits else None
-        s, prompt, logits = host_copy((sampled, prompt, logits))  # device_get, also across processes
+        return PendingStep(sampled, prompt, logits)
+
+    @staticmethod
+    def collect(pending: PendingStep) -> StepResult:
+        """Wait for a launched step and copy its results to the host."""
+        s, prompt, logits = host_copy((pending.sampled, pending.prompt, pending.logits))  # also across processes
         return StepResult(s.tokens, s.logprobs, s.ranks, s.top_ids, s.top_logprobs, prompt, logits)
+
+    def execute(self, inputs: StepInputs, statics: StepStatics) -> StepResult:
+        return self.collect(self.launch(inputs, statics))
 
     def warmup(self, shape: PlanShape, progress=None) -> None:
         """Compile every program a step can need: each (T, B) forward, each sampler variant per B, and prompt
@@ -93,15 +119,17 @@ class ModelRunner:
         for T, B in shape.buckets.forward_shapes():
             if shape.decode_kernel and T == B:  # the decode-only variant of this shape
                 x = empty_inputs(T, B, shape, decode_only=True)
-                self.kv, *_ = self.fns.forward(self.params, self.kv, x.token_ids, x.meta, x.logits_indices)
+                self.kv, *_ = self.fns.forward(self.params, self.kv, x.token_ids, x.meta, x.logits_indices,
+                                               self.fed_tokens, x.token_source)
                 tick(1)
             x = empty_inputs(T, B, shape)
-            self.kv, hidden, rows = self.fns.forward(self.params, self.kv, x.token_ids, x.meta, x.logits_indices)
+            self.kv, hidden, rows = self.fns.forward(self.params, self.kv, x.token_ids, x.meta, x.logits_indices,
+                                                     self.fed_tokens, x.token_source)
             tick(1)
             if T == B:  # once per sequence bucket
                 for flags in variants:
                     sampling = empty_inputs(T, B, shape, penalties=flags.penalties).sampling
-                    jax.block_until_ready(self.fns.sample_rows(self.params, rows, sampling, flags))
+                    jax.block_until_ready(self.fns.sample_rows(self.params, rows, sampling, flags, self.feed_rows))
                     tick(1)
             if B == 1:  # once per token bucket
                 jax.block_until_ready(self.fns.prompt_rows(self.params, hidden, x.prompt_targets, shape.max_logprobs))

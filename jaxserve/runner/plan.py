@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.request import PLACEHOLDER
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.runner.attention import AttentionMetadata
 from jaxserve.runner.buckets import Buckets
@@ -52,6 +53,11 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanSha
     meta.token_seq[:N] = rows
     meta.slot_mapping[:N] = meta.block_tables[rows, positions // bs] * bs + positions % bs
     inputs.token_ids[:N] = list(chain.from_iterable(c.seq.token_ids[c.start : c.start + c.num_tokens] for c in chunks))
+    for row, chunk in enumerate(chunks):  # a placeholder is a sequence's last token, sampled by the step in flight
+        if chunk.seq.pending_index is not None and chunk.seq.pending_index < chunk.start + chunk.num_tokens:
+            inputs.token_source[ends[row] - 1] = chunk.seq.pending_row
+    assert not np.any((inputs.token_ids[:N] == PLACEHOLDER) & (inputs.token_source[:N] < 0)), \
+        "a placeholder token id would reach the model"
     # Each token's next token, where the sequence has one (prompt_logprobs); 0 past a sequence's last token.
     inputs.prompt_targets[:N] = list(chain.from_iterable(_next_tokens(c) for c in chunks))
     inputs.logits_indices[: len(chunks)] = ends - 1
@@ -78,7 +84,8 @@ def empty_inputs(T: int, B: int, shape: PlanShape, penalties: bool = False, deco
     )
     meta = AttentionMetadata(np.zeros(T, np.int32), np.zeros(T, np.int32), np.zeros(T, np.int32),
                              np.zeros((B, shape.max_blocks_per_seq), np.int32), decode_only)
-    return StepInputs(np.zeros(T, np.int32), meta, np.zeros(B, np.int32), sampling, np.zeros(T, np.int32))
+    return StepInputs(np.zeros(T, np.int32), meta, np.zeros(B, np.int32), sampling, np.zeros(T, np.int32),
+                      np.full(T, -1, np.int32))
 
 
 def inputs_treedef(shape: PlanShape, decode_only: bool):

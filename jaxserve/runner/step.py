@@ -2,6 +2,7 @@
 
 - `forward`: embed -> layers over the paged cache -> final norm; returns the hidden states of the rows that
   sample. Donates the KV cache, so its pages are updated in place. Compiled per (tokens, sequences) bucket.
+  Token ids the host does not know yet (async scheduling) are taken from the previous step's sampled tokens.
 - `sample_rows`: LM head on those rows -> penalties, filters, sampling, logprobs. Compiled per sequence
   bucket and per static sampler choice.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.runner.attention import AttentionMetadata
@@ -29,6 +31,9 @@ class StepInputs:
     logits_indices: jax.Array  # [B], the token whose logits row samples each sequence's next token
     sampling: SamplingTensors
     prompt_targets: jax.Array  # [T] next prompt token of each token (for prompt_logprobs)
+    # [T] row of the previous step's sampled tokens that is this token's id (its host copy is a placeholder,
+    # async scheduling), or -1: the id is token_ids'.
+    token_source: jax.Array
 
 
 @dataclass(frozen=True)
@@ -53,15 +58,19 @@ class StepFunctions:
         traces = self.traces
         layer_runner = {} if run_layers is None else {"run_layers": run_layers}
 
-        def forward(params, kv, token_ids, meta, logits_indices):
+        def forward(params, kv, token_ids, meta, logits_indices, fed_tokens, token_source):
             traces.count += 1  # runs only while tracing, i.e. once per compiled shape
+            token_ids = jnp.where(token_source >= 0, fed_tokens[jnp.maximum(token_source, 0)], token_ids)
             model = nnx.merge(graphdef, params)
             hidden, kv = model(token_ids, kv, meta, attention_fn, **layer_runner)
             return kv, hidden, hidden[logits_indices]
 
-        def sample_rows(params, rows, sampling, flags):
+        def sample_rows(params, rows, sampling, flags, feed_rows):
+            """The sampler's output, and its tokens padded to `feed_rows` for the next step's `fed_tokens` (one
+            size for every step, so the forward compiles once per shape, not once per previous shape too)."""
             traces.count += 1
-            return sample(nnx.merge(graphdef, params).logits(rows), sampling, flags)
+            out = sample(nnx.merge(graphdef, params).logits(rows), sampling, flags)
+            return out, jnp.zeros(feed_rows, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
 
         def prompt_rows(params, hidden, targets, num):
             traces.count += 1
@@ -71,6 +80,6 @@ class StepFunctions:
             return nnx.merge(graphdef, params).logits(rows)
 
         self.forward = jax.jit(forward, donate_argnames=("kv",))
-        self.sample_rows = jax.jit(sample_rows, static_argnames=("flags",))
+        self.sample_rows = jax.jit(sample_rows, static_argnames=("flags", "feed_rows"))
         self.prompt_rows = jax.jit(prompt_rows, static_argnames=("num",))
         self.logits = jax.jit(logits)

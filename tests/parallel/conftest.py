@@ -13,10 +13,10 @@ def shared_checkpoints():
     opened = {}
     real = engine.open_checkpoint
 
-    def open_once(model):
-        if model not in opened:
-            opened[model] = real(model)
-        return opened[model]
+    def open_once(model, load_format="auto"):
+        if (model, load_format) not in opened:
+            opened[model, load_format] = real(model, load_format)
+        return opened[model, load_format]
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(engine, "open_checkpoint", open_once)

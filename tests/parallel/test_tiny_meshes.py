@@ -88,7 +88,8 @@ def test_compiled_step_has_tp_reductions_and_stage_hand_offs(engines):
     engine, _ = engines("llama-odd-sizes", "4x2")
     runner = engine.runner
     x = empty_inputs(16, 4, engine.plan_shape)
-    compiled = runner.fns.forward.lower(runner.params, runner.kv, x.token_ids, x.meta, x.logits_indices).compile()
+    compiled = runner.fns.forward.lower(runner.params, runner.kv, x.token_ids, x.meta, x.logits_indices,
+                                        runner.fed_tokens, x.token_source).compile()
     text = compiled.as_text()
     assert "all-reduce" in text  # row-parallel o / down projections and the vocab-parallel embedding
     assert "collective-permute" in text  # activations handed from stage to stage

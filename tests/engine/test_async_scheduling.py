@@ -1,0 +1,124 @@
+"""Async scheduling: step N+1 is scheduled and dispatched before step N is read back, its decode inputs taken
+from step N's sampled tokens on the device. Whatever a request asks for, the outputs must be exactly those of
+the synchronous engine (`async_scheduling=False`), which reads every step back before scheduling the next."""
+
+import pytest
+
+from jaxserve import Engine, SamplingParams
+from jaxserve.core.request import PLACEHOLDER
+from jaxserve.runner import plan
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "Once upon a time,"]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoint):
+    """(async engine, sync engine) on one tiny Llama; a small cache so that long runs preempt."""
+    path = str(tiny_checkpoint("llama", tie_word_embeddings=False))
+    kw = dict(max_model_len=128, num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=32, warmup=False)
+    return Engine(path, **kw), Engine(path, async_scheduling=False, **kw)
+
+
+def run(engine, prompts, params):
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs, c.cumulative_logprob)
+             for c in out.outputs] for out in engine.generate(prompts, params, use_tqdm=False)]
+
+
+def both(engines, prompts, params):
+    fast, slow = engines
+    got, expected = run(fast, prompts, params), run(slow, prompts, params)
+    assert got == expected
+    return got
+
+
+def test_greedy_sampled_and_n_best_of_match_the_synchronous_engine(engines):
+    greedy = both(engines, PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert all(len(c[0][0]) == 12 for c in greedy)
+    both(engines, PROMPTS, SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True))
+    both(engines, PROMPTS[:2], SamplingParams(n=2, best_of=3, temperature=1.0, seed=5, max_tokens=6,
+                                              ignore_eos=True))
+    both(engines, PROMPTS, SamplingParams(temperature=0, max_tokens=6, logprobs=2, min_tokens=3))
+
+
+def test_lengths_of_one_to_three_tokens_and_the_context_limit(engines):
+    for n in (1, 2, 3):
+        out = both(engines, PROMPTS, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        assert all(len(c[0][0]) == n and c[0][2] == "length" for c in out)
+    # A prompt 2 tokens short of max_model_len: the step that would pass the context is never scheduled.
+    fast, _ = engines
+    long_prompt = list(range(100, 226))
+    out = both(engines, [long_prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    assert len(out[0][0][0]) == 2 and out[0][0][2] == "length"
+    assert fast.blocks.num_free_blocks == fast.config.cache.num_blocks - 1  # every block back, null block aside
+
+
+def test_stop_strings_and_tokens_found_while_the_next_step_runs(engines):
+    _, slow = engines
+    free = slow.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    stop = free[0].outputs[0].text[4:7]  # a string the first prompt's greedy text contains
+    stop_token = free[1].outputs[0].token_ids[5]
+    out = both(engines, PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop],
+                                                stop_token_ids=[stop_token]))
+    assert out[0][0][2] == "stop" and stop not in out[0][0][1]
+    assert out[1][0][2] == "stop" and len(out[1][0][0]) <= 6
+
+
+def test_preemption_while_a_step_is_in_flight(engines):
+    fast, _ = engines
+    before = fast.scheduler.num_preemptions
+    both(engines, PROMPTS * 2, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert fast.scheduler.num_preemptions > before  # 8 sequences of ~50 tokens do not fit 23 blocks of 16
+
+
+def test_penalties_wait_for_the_real_tokens(engines, monkeypatch):
+    sources = spy_token_sources(monkeypatch)
+    both(engines, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3,
+                                              presence_penalty=0.5, ignore_eos=True))
+    assert sources and not any(fed for fed, _ in sources)  # no step read a token from the device
+
+
+def test_decode_inputs_come_from_the_device_while_the_host_catches_up(engines, monkeypatch):
+    fast, _ = engines
+    sources = spy_token_sources(monkeypatch)
+    fast.add_request("in-flight", PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert fast.step() == []  # the prefill is dispatched; nothing read back yet
+    assert fast.has_unfinished_requests()
+    outs = fast.step()  # dispatches the first decode, then reads the prefill back
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1]
+    fed, host_ids = sources[-1]
+    assert fed and host_ids == [PLACEHOLDER]  # the host did not know the decode's input yet
+    while fast.has_unfinished_requests():
+        outs += fast.step()
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 5
+    assert all(PLACEHOLDER not in o.outputs[0].token_ids for o in outs)
+
+
+def test_abort_while_a_step_is_in_flight(engines):
+    fast, slow = engines
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    fast.add_request("kept", PROMPTS[0], params)
+    fast.add_request("dropped", PROMPTS[1], params)
+    fast.step()
+    fast.step()
+    fast.abort_request("dropped")
+    outs = []
+    while fast.has_unfinished_requests():
+        outs += fast.step()
+    assert {o.request_id for o in outs} == {"kept"}
+    assert outs[-1].outputs[0].token_ids == slow.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert fast.blocks.num_free_blocks == fast.config.cache.num_blocks - 1
+
+
+def spy_token_sources(monkeypatch) -> list[tuple[bool, list[int]]]:
+    """Record, per step built: (whether any token is read from the device, the host ids of those tokens)."""
+    seen = []
+    build = plan.build_step_inputs
+
+    def spy(*args):
+        inputs, statics = build(*args)
+        fed = inputs.token_source >= 0
+        seen.append((bool(fed.any()), inputs.token_ids[fed].tolist()))
+        return inputs, statics
+
+    monkeypatch.setattr("jaxserve.engine.build_step_inputs", spy)
+    return seen
