@@ -165,7 +165,8 @@ def run_jaxserve(model_dir: Path, prompts, args):
     print(f"memory bandwidth (elementwise copy of {args.bandwidth_mib} MiB): {bandwidth / 1e9:.0f} GB/s")
     short, long = args.decode_lens
     engine = Engine(str(model_dir), load_format="dummy", max_model_len=args.input_len + max(args.output_len, long),
-                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, warmup=False)
+                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, warmup=False,
+                    async_scheduling=not args.no_async_scheduling)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.runner.params))
     roofline = weight_bytes / bandwidth
     per_token = decode_seconds_per_token(engine, prompts[0][:16], short, long, args.repeats)
@@ -193,6 +194,8 @@ def main() -> None:
     ap.add_argument("--hf-num-prompts", type=int, default=128)
     ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="jaxserve reads each step back before scheduling the next (to measure what overlap buys)")
     ap.add_argument("--append", metavar="BENCHMARKS.md", help="append the result rows to this file")
     args = ap.parse_args()
     if min(args.num_prompts, args.input_len, args.output_len, args.repeats, args.hf_num_prompts) < 1:

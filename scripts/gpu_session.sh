@@ -8,15 +8,17 @@
 #
 # then, with the device tool:   run(command="bash scripts/gpu_session.sh kernels", carry=[".whl"])
 #                               run(command="bash scripts/gpu_session.sh synthetic", carry=[".whl"])
+#                               run(command="bash scripts/gpu_session.sh sync", carry=[".whl"])
 #
 #   kernels    compiled Pallas kernels against their references, engine parity through them (float32, tiny
 #              Llama), then scripts/bench_kernels.py (decode kernel vs JAX's bundled one and the roofline)
 #   synthetic  scripts/bench_synthetic.py: Llama-3-8B shape, bfloat16: batch-1 decode vs the roofline, 1000 x
 #              (1000 in + 100 out) offline throughput, transformers on the same GPU
+#   sync       the same without transformers and with --no-async-scheduling: what overlapping host work buys
 #
 # Logs and BENCHMARKS.md rows land in $OUT (the device tool brings them back); copy the rows into BENCHMARKS.md.
 set -uo pipefail
-step=${1:?usage: scripts/gpu_session.sh kernels|synthetic}
+step=${1:?usage: scripts/gpu_session.sh kernels|synthetic|sync}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -43,8 +45,12 @@ case "$step" in
   synthetic)
     python3 scripts/bench_synthetic.py --append "$out/benchmark_rows.md" 2>&1 | tee "$out/bench_synthetic.log"
     ;;
+  sync)
+    python3 scripts/bench_synthetic.py --no-transformers --no-async-scheduling --append "$out/benchmark_rows.md" \
+      2>&1 | tee "$out/bench_synthetic_sync.log"
+    ;;
   *)
-    echo "unknown step $step: use kernels or synthetic" >&2
+    echo "unknown step $step: use kernels, synthetic or sync" >&2
     exit 2
     ;;
 esac
