@@ -119,6 +119,10 @@ class Scheduler:
         for row, chunk in enumerate(out.chunks):
             seq = chunk.seq
             seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            # Full blocks of known tokens join the prefix cache now, not when the step is read back: a step that
+            # reuses them is dispatched later, so the device runs it after this one has written them.
+            known = seq.num_computed_tokens if seq.pending_index is None else seq.pending_index
+            self.blocks.commit(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, known))
             if chunk.samples:
                 seq.pending_index, seq.pending_row = seq.num_tokens, row
                 seq.token_ids.append(PLACEHOLDER)

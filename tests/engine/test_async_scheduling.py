@@ -122,3 +122,21 @@ def spy_token_sources(monkeypatch) -> list[tuple[bool, list[int]]]:
 
     monkeypatch.setattr("jaxserve.engine.build_step_inputs", spy)
     return seen
+
+
+def test_a_prefix_computed_by_the_step_in_flight_is_shared_at_once(engines):
+    """Blocks join the prefix cache when their step is dispatched: a request scheduled while that step is still
+    in flight reuses them (the device runs its step after the one writing them)."""
+    fast, slow = engines
+    prompt = list(range(300, 300 + 40))  # two full blocks of 16, and a partial one
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    fast.add_request("first", prompt, params)
+    fast.step()  # the first prompt's prefill is in flight
+    fast.add_request("second", prompt, params)
+    outs = []
+    while fast.has_unfinished_requests():
+        outs += fast.step(finished_only=True)
+    second = next(o for o in outs if o.request_id == "second")
+    assert second.num_cached_tokens == 32
+    expected = slow.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert [o.outputs[0].token_ids for o in outs] == [expected, expected]
