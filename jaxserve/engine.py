@@ -45,6 +45,7 @@ class InFlightStep:
 
     sched: SchedulerOutput
     pending: PendingStep | StepResult
+    recompiled: bool = False  # dispatching it compiled a new program
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class Engine:
         # Overlap needs the step's read-back to stay this process's own: with several processes, followers run
         # each step whole and the host copy can be a collective (parallel/multihost.py).
         self.async_scheduling = async_scheduling and jax.process_count() == 1
-        self._in_flight: InFlightStep | None = None
+        self._launched: deque[InFlightStep] = deque()  # dispatched, not read back yet (oldest first)
         num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_memory_fraction)
         self.config = EngineConfig(
             model=cfg,
@@ -191,31 +192,28 @@ class Engine:
             self._texts.pop(seq.seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or self._in_flight is not None
+        return bool(self._requests) or bool(self._launched)
 
     # ---- the step ---------------------------------------------------------------------------------------
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
-        """Run one step; return the outputs of the requests it advanced, or with `finished_only` those it finished
-        (building an output copies the request's tokens and text, which callers that wait for the end skip).
+        """Run one step; return the outputs of the requests advanced by the steps read back during this call, or
+        with `finished_only` those finished (building an output copies the request's tokens and text, which
+        callers that wait for the end skip).
 
         With async scheduling the next step is scheduled and dispatched before the step in flight is read back,
         so the host work between steps (reading back, detokenizing, stop checks, scheduling, building inputs)
-        overlaps the device's work instead of idling it; the outputs returned are the earlier step's.
+        overlaps the device's work instead of idling it: a call returns the outputs of the step launched by the
+        call before. A step stays queued until it is read back, so an exception or an interrupt in between (a
+        KeyboardInterrupt while waiting, recompile_guard="error") leaves nothing half done: the next call reads it.
         """
-        previous, self._in_flight = self._in_flight, None
         touched: dict[str, Request] = {}
-        if previous is not None and not self._can_launch_over(previous):
-            self._collect(previous, touched)
-            previous = None
+        if self._launched and not self._can_launch_over(self._launched[-1]):
+            self._read_back_all_but(0, touched)
         launched = self._launch()
-        if previous is not None:
-            self._collect(previous, touched)
-        if launched is not None:
-            if self.async_scheduling:
-                self._in_flight = launched
-            else:
-                self._collect(launched, touched)
+        if launched is not None and launched.recompiled:
+            self._on_recompile(launched.sched)  # may raise: every launched step is queued, so nothing is lost
+        self._read_back_all_but(1 if launched is not None and self.async_scheduling else 0, touched)
         return [self._emit(req) for req in touched.values() if req.finished or not finished_only]
 
     def _can_launch_over(self, in_flight: InFlightStep) -> bool:
@@ -233,15 +231,22 @@ class Engine:
         compiles_before = self.runner.num_compiles
         # Multi-process runs read the step back at once: followers run each step whole (parallel/follower.py).
         pending = self.runner.launch(inputs, statics) if self.async_scheduling else self.runner.execute(inputs, statics)
-        if self.runner.num_compiles != compiles_before:
-            self._on_recompile(sched)
+        step = InFlightStep(sched, pending, recompiled=self.runner.num_compiles != compiles_before)
         self._record(sched)
         self.scheduler.advance(sched)
-        return InFlightStep(sched, pending)
+        self._launched.append(step)
+        return step
 
-    def _collect(self, step: InFlightStep, touched: dict[str, Request]) -> None:
-        sched = step.sched
-        result = step.pending if isinstance(step.pending, StepResult) else self.runner.collect(step.pending)
+    def _read_back_all_but(self, keep: int, touched: dict[str, Request]) -> None:
+        """Read back and account for the launched steps, oldest first, leaving the newest `keep` in flight."""
+        while len(self._launched) > keep:
+            step = self._launched[0]
+            if not isinstance(step.pending, StepResult):
+                step.pending = self.runner.collect(step.pending)  # waits; if interrupted, the step stays queued
+            self._launched.popleft()
+            self._account(step.sched, step.pending, touched)
+
+    def _account(self, sched: SchedulerOutput, result: StepResult, touched: dict[str, Request]) -> None:
         if self.logits_log is not None:
             self.logits_log.extend((c.seq.token_ids[: c.start + c.num_tokens], result.logits[i])
                                    for i, c in enumerate(sched.chunks) if c.samples and not c.seq.finished)
@@ -348,11 +353,18 @@ class Engine:
         for request in requests:
             self.add_prepared_request(request)
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm) as bar:
-            while len(results) < len(ids):
-                for out in self.step(finished_only=True):
-                    results[out.request_id] = out
-                    bar.update(1)
+        wanted = set(ids)
+        try:
+            with tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm) as bar:
+                while len(results) < len(ids):
+                    for out in self.step(finished_only=True):
+                        if out.request_id in wanted:  # not a request left over from an interrupted call
+                            results[out.request_id] = out
+                            bar.update(1)
+        except BaseException:  # an interrupt or an error: these requests must not run on inside later calls
+            for rid in ids:
+                self.abort_request(rid)
+            raise
         return [results[rid] for rid in ids]
 
     def default_sampling_params(self) -> SamplingParams:

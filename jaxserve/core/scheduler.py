@@ -76,7 +76,7 @@ class Scheduler:
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + n):
-                victim = max(self.running, key=lambda s: s.order)
+                victim = self.running[-1]  # the lowest priority, latest arrival: not scheduled yet this step
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -101,7 +101,9 @@ class Scheduler:
                 return
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            # Running sequences stay in (priority, arrival) order too: they are scheduled in that order and the
+            # last one is the preemption victim, so a victim is never one already scheduled in this step.
+            bisect.insort(self.running, seq, key=lambda s: s.order)
             out.chunks.append(ScheduledChunk.of(seq, n))
             budget -= n
 

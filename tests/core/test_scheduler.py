@@ -130,3 +130,24 @@ def test_finish_and_abort_free_blocks():
     s.finish(a, "abort")
     assert a.finished and bm.num_free_blocks == bm.total_blocks
     assert not s.has_unfinished()
+
+
+def test_a_higher_priority_arrival_never_preempts_a_sequence_already_scheduled_in_the_step():
+    """Running sequences are kept in (priority, arrival) order: a priority-0 request admitted after a priority-5
+    one runs first, and when blocks run out the victim is the priority-5 one, never one scheduled this step
+    (which would run on an emptied block table)."""
+    s, bm = make(num_blocks=5, block_size=4, budget=64)  # 4 usable blocks
+    low = seq(prompt_len=5, max_tokens=50, priority=5)
+    s.add(low)
+    run_step(s)
+    high = seq(prompt_len=7, max_tokens=50, priority=0)
+    s.add(high)
+    run_step(s)
+    assert s.running == [high, low]
+    for _ in range(6):
+        out = run_step(s)
+        scheduled = [c.seq for c in out.chunks]
+        assert not set(out.preempted) & set(scheduled)
+        assert all(bm.block_table(q.seq_id) for q in scheduled)  # every scheduled sequence holds its blocks
+    assert low in out.preempted or low.status.value == "waiting"
+    assert high.num_output_tokens >= 6

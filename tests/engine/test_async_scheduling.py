@@ -140,3 +140,58 @@ def test_a_prefix_computed_by_the_step_in_flight_is_shared_at_once(engines):
     assert second.num_cached_tokens == 32
     expected = slow.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert [o.outputs[0].token_ids for o in outs] == [expected, expected]
+
+
+@pytest.mark.parametrize("where", ["read back", "inputs"])
+def test_an_interrupt_inside_a_step_loses_nothing(engines, monkeypatch, where):
+    """A KeyboardInterrupt while a step is read back (or an error while the next one is built) leaves every
+    launched step queued: stepping on gives the synchronous engine's tokens, with no placeholder anywhere."""
+    fast, slow = engines
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = slow.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids
+    calls = {"n": 0}
+
+    def once_on_the_third_call(real, error):
+        def wrapped(*args):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise error
+            return real(*args)
+        return wrapped
+
+    if where == "read back":
+        monkeypatch.setattr(fast.runner, "collect", once_on_the_third_call(fast.runner.collect, KeyboardInterrupt))
+    else:
+        monkeypatch.setattr("jaxserve.engine.build_step_inputs",
+                            once_on_the_third_call(plan.build_step_inputs, RuntimeError("boom")))
+    fast.add_request("interrupted", PROMPTS[0], params)
+    outs, raised = [], 0
+    while fast.has_unfinished_requests():
+        try:
+            outs += fast.step()
+        except (KeyboardInterrupt, RuntimeError):
+            raised += 1
+    assert raised == 1
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == expected
+    assert all(PLACEHOLDER not in o.outputs[0].token_ids for o in outs)
+    assert fast.blocks.num_free_blocks == fast.config.cache.num_blocks - 1
+
+
+def test_an_interrupted_generate_aborts_its_requests(engines, monkeypatch):
+    fast, slow = engines
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    real = fast.runner.collect
+    calls = {"n": 0}
+
+    def interrupt_once(pending):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(pending)
+
+    monkeypatch.setattr(fast.runner, "collect", interrupt_once)
+    with pytest.raises(KeyboardInterrupt):
+        fast.generate(PROMPTS, params, use_tqdm=False)
+    assert not fast._requests  # aborted, not left running inside the next call
+    assert run(fast, PROMPTS[:2], params) == run(slow, PROMPTS[:2], params)
+    assert fast.blocks.num_free_blocks == fast.config.cache.num_blocks - 1
