@@ -21,9 +21,9 @@ from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.output_processor import SequenceText, position_logprobs, request_output
 from jaxserve.core.request import Request, Sequence
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
-from jaxserve.engine_inputs import normalise_conversations, normalise_prompts, prompt_token_ids, validate_lengths
+from jaxserve.engine_inputs import (check_engine_options, check_max_model_len, normalise_conversations,
+                                   normalise_prompts, prompt_token_ids, validate_lengths)
 from jaxserve.loader.checkpoint import open_checkpoint
-from jaxserve.models.layers import QUANTIZATIONS
 from jaxserve.outputs import RequestOutput
 from jaxserve.parallel.multihost import agree_on_min
 from jaxserve.parallel.sharding import resolve_mesh
@@ -65,7 +65,7 @@ class Engine:
                  tokenizer=None, attention_impl: str = "auto", tensor_parallel_size: int | None = None,
                  pipeline_parallel_size: int | None = None, pp_layer_partition: list[int] | None = None,
                  quantization: str | None = None, load_format: str = "auto", async_scheduling: bool = True):
-        _check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
+        check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
                               recompile_guard, quantization)
         enable_compilation_cache(compilation_cache_dir)
         ckpt = open_checkpoint(model, load_format)
@@ -73,7 +73,7 @@ class Engine:
         self.model_name = ckpt.name
         self.tokenizer = tokenizer or ckpt.tokenizer
         self.generation_defaults = ckpt.generation_defaults
-        max_model_len = _check_max_model_len(max_model_len, cfg.max_position_embeddings)
+        max_model_len = check_max_model_len(max_model_len, cfg.max_position_embeddings)
         dtype = resolve_dtype(dtype, jax.devices()[0].platform)
         self.mesh_shape = resolve_mesh(mesh, tensor_parallel_size, pipeline_parallel_size)
         self.runner = ModelRunner(cfg, ckpt.tensors, dtype, block_size, self.mesh_shape, attention_impl,
@@ -387,30 +387,8 @@ class Engine:
         }
 
 
-def _check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, memory_fraction, recompile_guard,
-                          quantization):
-    for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if not 0 < memory_fraction <= 1:
-        raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {memory_fraction}")
-    if recompile_guard not in ("warn", "error", "off"):
-        raise ValueError(f"recompile_guard must be 'warn', 'error' or 'off', got {recompile_guard!r}")
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization={quantization!r} is not supported; use None (weights in dtype) or 'int8'")
-
-
 def _profile_inputs(T: int, B: int, shape: PlanShape):
     """The largest step with every sampler extra on: what the cache must leave room for."""
     inputs = empty_inputs(T, B, shape, penalties=True)
     flags = SamplerFlags(all_greedy=False, top_filter=True, penalties=True, num_logprobs=shape.max_logprobs)
     return inputs, StepStatics(sampler=flags, prompt_logprobs=shape.max_logprobs)
-
-
-def _check_max_model_len(requested: int | None, model_max: int) -> int:
-    if requested is None:
-        return model_max
-    if requested < 1 or requested > model_max:
-        raise ValueError(f"max_model_len={requested} is outside 1..{model_max} (the model's max_position_embeddings)")
-    return requested

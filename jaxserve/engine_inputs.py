@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jaxserve.config import EngineConfig
+from jaxserve.models.layers import QUANTIZATIONS
 from jaxserve.runner.sampler import BIAS_SLOTS
 from jaxserve.sampling_params import SamplingParams
 
@@ -79,3 +80,26 @@ def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int
             f"max_tokens) but the whole cache holds {capacity}; lower n or max_tokens, or raise num_kv_blocks"
         )
     return params
+
+
+def check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, memory_fraction, recompile_guard,
+                         quantization) -> None:
+    """The Engine's own keyword arguments, checked before anything loads."""
+    for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {memory_fraction}")
+    if recompile_guard not in ("warn", "error", "off"):
+        raise ValueError(f"recompile_guard must be 'warn', 'error' or 'off', got {recompile_guard!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r} is not supported; use None (weights in dtype) or 'int8'")
+
+
+def check_max_model_len(requested: int | None, model_max: int) -> int:
+    if requested is None:
+        return model_max
+    if requested < 1 or requested > model_max:
+        raise ValueError(f"max_model_len={requested} is outside 1..{model_max} (the model's max_position_embeddings)")
+    return requested
