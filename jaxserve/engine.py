@@ -66,7 +66,7 @@ class Engine:
                  pipeline_parallel_size: int | None = None, pp_layer_partition: list[int] | None = None,
                  quantization: str | None = None, load_format: str = "auto", async_scheduling: bool = True):
         check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
-                              recompile_guard, quantization)
+                             recompile_guard, quantization)
         enable_compilation_cache(compilation_cache_dir)
         ckpt = open_checkpoint(model, load_format)
         cfg = ckpt.config
@@ -252,9 +252,8 @@ class Engine:
                                    for i, c in enumerate(sched.chunks) if c.samples and not c.seq.finished)
         sampled = [int(result.tokens[i]) if c.samples else None for i, c in enumerate(sched.chunks)]
         self._record_prompt_logprobs(sched, result)
-        rows = {c.seq.seq_id: i for i, c in enumerate(sched.chunks)}
-        for seq, token in self.scheduler.resolve(sched, sampled):
-            self._on_token(seq, token, result, rows[seq.seq_id])
+        for seq, token, row in self.scheduler.resolve(sched, sampled):
+            self._on_token(seq, token, result, row)
             touched[seq.request_id] = self._requests[seq.request_id]
 
     def _on_recompile(self, sched: SchedulerOutput) -> None:

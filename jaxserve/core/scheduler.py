@@ -131,10 +131,10 @@ class Scheduler:
 
     def resolve(self, out: SchedulerOutput, sampled: list[int | None]) -> list[tuple[Sequence, int]]:
         """Account for a step's results, steps in dispatch order: register its now-computed blocks, put each
-        sampled token in its placeholder's place, stop what is done. Returns (sequence, token) for each sequence
-        that received a token."""
+        sampled token in its placeholder's place, stop what is done. Returns (sequence, token, row of the step)
+        for each sequence that received a token."""
         progressed = []
-        for chunk, token in zip(out.chunks, sampled):
+        for row, (chunk, token) in enumerate(zip(out.chunks, sampled)):
             seq = chunk.seq
             if seq.finished:  # aborted or stopped while the step ran
                 continue
@@ -146,7 +146,7 @@ class Scheduler:
             seq.token_ids[computed] = token
             if seq.pending_index == computed:  # no later step holds a placeholder of this sequence
                 seq.pending_index = seq.pending_row = None
-            progressed.append((seq, token))
+            progressed.append((seq, token, row))
             stop = seq.stop_after(token, computed)
             if stop is not None:
                 self.finish(seq, *stop)
@@ -155,7 +155,7 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
         """`advance` then `resolve`: a step whose results are read back before the next is scheduled."""
         self.advance(out)
-        return [seq for seq, _ in self.resolve(out, sampled)]
+        return [seq for seq, _, _ in self.resolve(out, sampled)]
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         if seq.finished:

@@ -40,9 +40,14 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanSha
     inputs = empty_inputs(T, B, shape, penalties=any(c.seq.params.needs_penalties for c in chunks),
                           decode_only=decode_only)
     meta, bs = inputs.meta, blocks.block_size
+    fed_rows, fed_from = [], []  # rows whose last token is a placeholder, sampled by the step in flight
     for row, chunk in enumerate(chunks):
-        table = blocks.block_table(chunk.seq.seq_id)
+        seq = chunk.seq
+        table = blocks.block_table(seq.seq_id)
         meta.block_tables[row, : len(table)] = table
+        if seq.pending_index is not None and seq.pending_index < chunk.start + chunk.num_tokens:
+            fed_rows.append(row)
+            fed_from.append(seq.pending_row)
     counts = np.fromiter((c.num_tokens for c in chunks), np.int64, len(chunks))
     N = int(counts.sum())
     ends = np.cumsum(counts)  # one past each chunk's last token in the flat batch
@@ -53,9 +58,7 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanSha
     meta.token_seq[:N] = rows
     meta.slot_mapping[:N] = meta.block_tables[rows, positions // bs] * bs + positions % bs
     inputs.token_ids[:N] = list(chain.from_iterable(c.seq.token_ids[c.start : c.start + c.num_tokens] for c in chunks))
-    for row, chunk in enumerate(chunks):  # a placeholder is a sequence's last token, sampled by the step in flight
-        if chunk.seq.pending_index is not None and chunk.seq.pending_index < chunk.start + chunk.num_tokens:
-            inputs.token_source[ends[row] - 1] = chunk.seq.pending_row
+    inputs.token_source[ends[fed_rows] - 1] = fed_from
     assert not np.any((inputs.token_ids[:N] == PLACEHOLDER) & (inputs.token_source[:N] < 0)), \
         "a placeholder token id would reach the model"
     # Each token's next token, where the sequence has one (prompt_logprobs); 0 past a sequence's last token.
