@@ -18,6 +18,9 @@ logger = logging.getLogger(__name__)
 
 # Seconds a client is told to wait before retrying when the queue is full.
 RETRY_AFTER_SECONDS = 1
+# OpenAI's SDKs retry every 5xx twice unless the server says otherwise with this (non-standard) header. A request
+# that ran past --request-timeout would only run past it again, tripling the load it already put on the server.
+DO_NOT_RETRY = {"x-should-retry": "false"}
 # A JSON escape of a UTF-16 surrogate (\ud800-\udfff); paired ones are fine, lone ones are not text.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
@@ -86,7 +89,7 @@ def from_exception(exc: Exception) -> APIError:
         return APIError(503, str(exc), "server_error", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(exc, RequestTimedOut):
-        return APIError(504, str(exc), "server_error", code="request_timeout")
+        return APIError(504, str(exc), "server_error", code="request_timeout", headers=DO_NOT_RETRY)
     if isinstance(exc, EngineShuttingDown):
         return APIError(503, str(exc), "server_error", code="shutting_down")
     if isinstance(exc, EngineDeadError):

@@ -64,6 +64,18 @@ def test_request_timeout_aborts_the_request_frees_its_blocks_and_answers_504(ser
     assert httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).status_code == 200
 
 
+def test_openai_sdk_does_not_retry_a_timed_out_request(serve):
+    """The SDK retries 5xx answers twice by default; a timed-out request would time out again each time."""
+    import openai
+
+    url, fake, engine = serve(request_timeout=0.2)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=2, timeout=10)
+    with pytest.raises(openai.InternalServerError) as raised:
+        client.completions.create(model="fake-model", prompt="Hello", max_tokens=200)
+    assert raised.value.status_code == 504 and raised.value.response.headers["x-should-retry"] == "false"
+    assert len(fake.aborted) == 1  # one attempt: each attempt that times out is aborted
+
+
 def test_request_timeout_mid_stream_ends_with_an_error_event(serve):
     url, fake, engine = serve(request_timeout=0.3)
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200, "stream": True}
