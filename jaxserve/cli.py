@@ -221,6 +221,7 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
     from jaxserve.batch.command import add_job_arguments
 
     add_job_arguments(parser)
+    add_distributed_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
 
 

@@ -110,7 +110,8 @@ def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-processes", type=positive_int, metavar="N",
                        help="processes in all, one per node (env JAX_NUM_PROCESSES; default 1)")
     group.add_argument("--process-id", type=non_negative_int, metavar="I",
-                       help="this process: 0 runs the server, 1..N-1 follow it (env JAX_PROCESS_ID)")
+                       help="this process: 0 leads (serves HTTP, or runs the batch job), 1..N-1 follow it "
+                            "(env JAX_PROCESS_ID)")
     group.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default="mp",
                        help="mp: start every process yourself (default); ray: process 0 starts the others as "
                             "Ray actors on the Ray cluster it joins")

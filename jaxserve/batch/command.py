@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 
 from jaxserve.cli_args import UserError
 
@@ -25,13 +26,26 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
 def run_batch_command(args: argparse.Namespace) -> int:
     if args.validate:
         return _validate(args.job)
+    from jaxserve.batch.cluster import follow_job, join_job_cluster, leader_engine_factory
     from jaxserve.batch.job import run_job  # pulls in the server schemas; --help stays instant
 
+    session, job = join_job_cluster(args)  # (None, None) on one process
+    if session is not None and not session.cluster.is_leader:
+        return follow_job(session, job)
+    # A scheduler's SIGTERM (and a follower's Ctrl-C, which process 0 receives as one) ends the job as Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        run_job(args.job, show_progress=not args.no_progress)
+        run_job(args.job, show_progress=not args.no_progress,
+                engine_factory=leader_engine_factory(session) if session is not None else None)
     except KeyboardInterrupt:
         log.warning("interrupted; every finished result is saved: run the same command again to finish the job")
         return EXIT_INTERRUPTED
+    except Exception as exc:
+        if session is not None:  # the followers stop at once, saying why, whether or not they are running steps
+            session.cluster.close(clean=False, reason=f"the batch job failed: {exc}")
+        raise
+    if session is not None:
+        session.cluster.close(clean=True)  # also when nothing was left to run and the followers built nothing
     return 0
 
 

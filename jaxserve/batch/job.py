@@ -32,8 +32,9 @@ class JobSummary:
     generated_tokens: int = 0
 
 
-def run_job(path: str | Path, *, engine=None, show_progress: bool = True) -> JobSummary:
-    """Run (or resume) the job in `path`. `engine`: an Engine to use instead of building the job's own."""
+def run_job(path: str | Path, *, engine=None, engine_factory=None, show_progress: bool = True) -> JobSummary:
+    """Run (or resume) the job in `path`. `engine`: an Engine to use instead of building the job's own;
+    `engine_factory(job)`: how to build it when there is work to do (default: `build_engine`)."""
     job = load_job(path)
     scan = scan_input(job.input)
     if scan.duplicates:
@@ -43,7 +44,7 @@ def run_job(path: str | Path, *, engine=None, show_progress: bool = True) -> Job
         _log_resume(scan, results.done, len(todo), job)
         if not todo:
             return JobSummary(len(scan.entries), len(scan.entries), RunTotals())
-        engine = engine if engine is not None else build_engine(job)
+        engine = engine if engine is not None else (engine_factory or build_engine)(job)
         progress = BatchProgress(len(scan.entries), len(scan.entries) - len(todo), enabled=show_progress)
         runner = BatchRunner(engine, results, progress, sampling_defaults=job.sampling,
                              served_model_names=job.served_model_name or [engine.model_name],

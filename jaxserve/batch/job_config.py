@@ -128,14 +128,15 @@ def read_job_mapping(path: Path) -> dict[str, Any]:
     return {str(key).replace("-", "_"): value for key, value in content.items()}
 
 
-def load_job(path: str | Path) -> BatchJob:
-    """The checked job; a JobError listing every problem (unknown keys, bad values, clashing paths)."""
+def load_job(path: str | Path, check_paths: bool = True) -> BatchJob:
+    """The checked job; a JobError listing every problem (unknown keys, bad values, clashing paths).
+    `check_paths=False`: for a process that never opens the input and output (a multi-node follower)."""
     path = Path(path)
     try:
         job = BatchJob.model_validate(read_job_mapping(path), context={"base_dir": path.parent})
     except pydantic.ValidationError as exc:
         raise JobError(path, [describe_validation_error(error, BatchJob) for error in exc.errors()]) from None
-    problems = _path_problems(job) + _engine_problems(job) + _sampling_problems(job)
+    problems = (_path_problems(job) if check_paths else []) + _engine_problems(job) + _sampling_problems(job)
     if problems:
         raise JobError(path, problems)
     return job

@@ -198,6 +198,10 @@ class FollowerChannel:
         self.liveness_seconds = liveness_seconds
         self.frames: queue.Queue = queue.Queue()
         self._closing = threading.Event()
+        # True while the main thread runs no collective and will read `frames` (a batch follower before LOAD):
+        # an abort is then queued for it, so that this process exits through jax.distributed's exit barrier as
+        # the leader does, rather than from the reader thread (which leaves the leader waiting at that barrier).
+        self.main_thread_waits = False
 
     @classmethod
     def connect(cls, host: str, port: int, timeout: float, hello: dict, **kw) -> FollowerChannel:
@@ -245,7 +249,7 @@ class FollowerChannel:
                 if not self._closing.is_set():
                     on_lost(f"its connection closed ({_reason(exc)})")
                 return
-            if kind == wire.STOP and not json.loads(payload).get("clean"):
+            if kind == wire.STOP and not json.loads(payload).get("clean") and not self.main_thread_waits:
                 return on_abort(json.loads(payload).get("reason") or "no reason given")
             if kind != wire.PING:
                 self.frames.put((kind, payload))

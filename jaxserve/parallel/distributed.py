@@ -87,10 +87,11 @@ class Cluster:
     def broadcast(self, data: bytes) -> None:
         self.leader.broadcast(data, self.follower_lost)
 
-    def close(self, clean: bool | None = None) -> None:
+    def close(self, clean: bool | None = None, reason: str = "it exited before serving (see its log)") -> None:
         """Leader: release the followers. Runs at exit (registered after jax, so before jax.distributed's exit
         barrier, which the followers reach only once released). Clean once serving began: the followers then
-        exit normally and meet at that barrier; before that, the leader failed and the followers abort."""
+        exit normally and meet at that barrier; before that, the leader failed and the followers abort,
+        told `reason`."""
         if self.leader is None:
             return
         clean = self.serving if clean is None else clean
@@ -98,7 +99,7 @@ class Cluster:
         # released mid-step would wait in that step's collectives for a leader that is gone. Never released:
         # no step may start after the STOP.
         self.step_lock.acquire(timeout=10)
-        self.leader.stop(clean=clean, reason="" if clean else "it exited before serving (see its log)")
+        self.leader.stop(clean=clean, reason="" if clean else reason)
 
 
 _FATAL = threading.Lock()
@@ -123,9 +124,11 @@ def hello(options: ClusterOptions, fingerprint: dict) -> dict:
             "pid": os.getpid(), "fingerprint": fingerprint}
 
 
-def join(options: ClusterOptions, fingerprint: dict, liveness_seconds: float | None = None) -> Cluster:
+def join(options: ClusterOptions, fingerprint: dict, liveness_seconds: float | None = None,
+         wait_for_load: bool = False) -> Cluster:
     """Meet every process on the step channel, then start `jax.distributed`. Raises JoinError naming the
-    process that did not come (or whose options differ). Must run before jax creates its backends."""
+    process that did not come (or whose options differ). Must run before jax creates its backends.
+    `wait_for_load`: followers build nothing until the leader sends LOAD (follower.await_load)."""
     host, port = split_address(options.coordinator)
     kw = {} if liveness_seconds is None else {"liveness_seconds": liveness_seconds}
     cluster = Cluster(options)
@@ -137,6 +140,7 @@ def join(options: ClusterOptions, fingerprint: dict, liveness_seconds: float | N
         cluster.leader.start(cluster.follower_lost, cluster.follower_asked_to_stop)
     else:
         cluster.follower = FollowerChannel.connect(host, port + 1, options.timeout, hello(options, fingerprint), **kw)
+        cluster.follower.main_thread_waits = wait_for_load  # until LOAD, no collective can hold the main thread
         cluster.follower.start(cluster.leader_lost, cluster.leader_aborted)
     for peer in cluster.peers.values():
         log.info("%s joined", peer.describe())

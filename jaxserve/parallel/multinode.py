@@ -94,8 +94,11 @@ class Session:
         raise SystemExit(0)
 
 
-def start_cluster(args: argparse.Namespace, mesh: str | None, check_mesh: bool = True) -> Session | None:
-    """Join the other processes (starting them as Ray actors first with --distributed-executor-backend ray)."""
+def start_cluster(args: argparse.Namespace, mesh: str | None, check_mesh: bool = True,
+                  shared: dict | None = None, wait_for_load: bool = False) -> Session | None:
+    """Join the other processes (starting them as Ray actors first with --distributed-executor-backend ray).
+    `shared`: what every process must agree on, when the command line is not it (default: its options);
+    `wait_for_load`: see `distributed.join`."""
     ray = None
     if getattr(args, "distributed_executor_backend", "mp") == "ray" and _from_env(args, "process_id", int) is None:
         from jaxserve.parallel.ray_launcher import launch_followers
@@ -106,7 +109,7 @@ def start_cluster(args: argparse.Namespace, mesh: str | None, check_mesh: bool =
     if options is None:
         return None
     try:
-        cluster = join(options, fingerprint(args))
+        cluster = join(options, fingerprint(args) if shared is None else shared, wait_for_load=wait_for_load)
     except JoinError as exc:
         raise UserError(str(exc)) from None
     cluster.launched = ray

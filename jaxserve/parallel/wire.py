@@ -19,11 +19,12 @@ from typing import Any
 
 import numpy as np
 
-# Frame kinds. Leader -> follower: STEP, PING (idle heartbeat), STOP (payload: {"clean": bool, "reason": str}).
+# Frame kinds. Leader -> follower: STEP, PING (idle heartbeat), STOP (payload: {"clean": bool, "reason": str}),
+# LOAD (build the engine now: commands whose leader may decide to run nothing, like `batch`, send it first).
 # Follower -> leader: HELO (payload: JSON facts about the process), LIVE (heartbeat), TERM (it got a signal).
-STEP, PING, STOP = b"STEP", b"PING", b"STOP"
+STEP, PING, STOP, LOAD = b"STEP", b"PING", b"STOP", b"LOAD"
 HELO, LIVE, TERM = b"HELO", b"LIVE", b"TERM"
-KINDS = {STEP, PING, STOP, HELO, LIVE, TERM}
+KINDS = {STEP, PING, STOP, LOAD, HELO, LIVE, TERM}
 
 _HEADER = struct.Struct("!4sQ")
 _JSON_LEN = struct.Struct("!I")
