@@ -22,6 +22,7 @@ from jaxserve.cli_args import (
     add_distributed_arguments,
     fail,
     layer_partition,
+    memory_fraction,
     mesh_shape,
     non_negative_float,
     parse_with_config,
@@ -29,6 +30,7 @@ from jaxserve.cli_args import (
     positive_float,
     positive_int,
 )
+from jaxserve.config import ATTENTION_IMPLS
 from jaxserve.loader.convert_command import add_convert_arguments, run_convert
 from jaxserve.parallel.check_command import add_check_arguments, run_check
 from jaxserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -77,6 +79,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block")
     engine.add_argument("--num-kv-blocks", type=positive_int, metavar="N",
                         help="KV cache blocks (default: sized from free device memory)")
+    engine.add_argument("--gpu-memory-utilization", type=memory_fraction, default=0.9, metavar="FRACTION",
+                        help="share of each accelerator's memory the engine fills: weights, activations, then the "
+                             "KV cache in what is left (as in vLLM; ignored with --num-kv-blocks; default 0.9)")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="share the KV blocks of a common prompt prefix between requests (default: on)")
+    engine.add_argument("--attention-impl", default="auto", choices=ATTENTION_IMPLS,
+                        help="auto: the Pallas kernels on GPU/TPU, the XLA reference on CPU; pallas-interpret "
+                             "runs the kernels in Pallas's interpreter (slow; for debugging)")
+    engine.add_argument("--chat-template", metavar="TEMPLATE",
+                        help="a Jinja chat template, or a file holding one, to use instead of the tokenizer's "
+                             "(a model without one needs it for /v1/chat/completions)")
+    engine.add_argument("--compilation-cache-dir", metavar="DIR",
+                        help="where compiled step programs are kept between runs ('' turns the cache off; "
+                             "default: ~/.cache/jaxserve/xla, under $XDG_CACHE_HOME when set)")
     engine.add_argument("--max-logprobs", type=int, default=20, metavar="N",
                         help="largest logprobs / top_logprobs a request may ask for")
     engine.add_argument("--seed", type=int, default=0, help="seed of requests that set none")
@@ -128,11 +144,21 @@ def build_engine(args: argparse.Namespace):
                         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, mesh=mesh,
                         max_logprobs=args.max_logprobs, pp_layer_partition=args.pp_layer_partition,
                         warmup=not args.no_warmup, quantization=args.quantization,
-                        load_format=args.load_format, async_scheduling=not args.no_async_scheduling)
+                        load_format=args.load_format, async_scheduling=not args.no_async_scheduling,
+                        kv_cache_memory_fraction=args.gpu_memory_utilization,
+                        enable_prefix_caching=args.enable_prefix_caching, attention_impl=args.attention_impl,
+                        chat_template=args.chat_template, **compilation_cache_option(args))
     except (ValueError, OSError) as exc:  # the engine words these for people (DESIGN.md convention 9)
         raise UserError(str(exc)) from None
     # Process 0 gets its engine back (now driving the others); a follower follows and exits inside take_role.
     return engine if cluster is None else cluster.take_role(engine)
+
+
+def compilation_cache_option(args: argparse.Namespace) -> dict:
+    """--compilation-cache-dir as Engine keywords: none given keeps the Engine's default; '' turns it off."""
+    if args.compilation_cache_dir is None:
+        return {}
+    return {"compilation_cache_dir": args.compilation_cache_dir or None}
 
 
 # --- serve --------------------------------------------------------------------------------------------------

@@ -58,6 +58,13 @@ def positive_float(text: str) -> float:
     return value
 
 
+def memory_fraction(text: str) -> float:
+    value = _float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], such as 0.9, got {value:g}")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     value = _float(text)
     if value < 0:

@@ -10,6 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+# Engine(attention_impl=...): "auto" takes the Pallas kernels on GPU/TPU and the reference on CPU.
+ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas-interpret")
+
 
 @dataclass(frozen=True)
 class RopeScaling:

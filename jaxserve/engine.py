@@ -24,6 +24,7 @@ from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine_inputs import (check_engine_options, check_max_model_len, normalise_conversations,
                                    normalise_prompts, prompt_token_ids, validate_lengths)
 from jaxserve.loader.checkpoint import open_checkpoint
+from jaxserve.loader.tokenizer import read_chat_template
 from jaxserve.outputs import RequestOutput
 from jaxserve.parallel.multihost import agree_on_min
 from jaxserve.parallel.sharding import resolve_mesh
@@ -64,14 +65,18 @@ class Engine:
                  recompile_guard: str = "warn", compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
                  tokenizer=None, attention_impl: str = "auto", tensor_parallel_size: int | None = None,
                  pipeline_parallel_size: int | None = None, pp_layer_partition: list[int] | None = None,
-                 quantization: str | None = None, load_format: str = "auto", async_scheduling: bool = True):
+                 quantization: str | None = None, load_format: str = "auto", async_scheduling: bool = True,
+                 chat_template: str | None = None):
         check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
                              recompile_guard, quantization)
+        template = None if chat_template is None else read_chat_template(chat_template)  # before the load
         enable_compilation_cache(compilation_cache_dir)
         ckpt = open_checkpoint(model, load_format)
         cfg = ckpt.config
         self.model_name = ckpt.name
         self.tokenizer = tokenizer or ckpt.tokenizer
+        if template is not None:  # replaces the tokenizer's own
+            self.tokenizer.chat_template = template
         self.generation_defaults = ckpt.generation_defaults
         max_model_len = check_max_model_len(max_model_len, cfg.max_position_embeddings)
         dtype = resolve_dtype(dtype, jax.devices()[0].platform)

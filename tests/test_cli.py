@@ -69,6 +69,9 @@ def test_config_file_values_with_command_line_winning(tmp_path):
     (["serve", "--mesh", "2x1", "-pp", "2"], "not both"),
     (["serve", "./missing-model.gguf"], "missing-model.gguf does not exist"),
     (["serve", "--config", "/no/such.yaml"], "does not exist"),
+    (["serve", "--gpu-memory-utilization", "1.5"], "fraction in (0, 1]"),
+    (["serve", "--attention-impl", "flash"], "invalid choice"),
+    (["generate", "--prompt", "x", "--chat-template", "missing.jinja"], "neither an existing file"),
     (["generate"], "--prompt"),
     (["generate", "--prompt", "x", "--temperature", "-1"], "temperature"),
 ])
@@ -124,6 +127,20 @@ def test_generate_prints_the_completion(capsys, fake_engine_module):
     assert fake_engine_module["max_model_len"] == 128 and fake_engine_module["mesh"] == "2x1"
     assert fake_engine_module["model"] is None and fake_engine_module["quantization"] == "int8"
     assert fake_engine_module["load_format"] == "dummy" and fake_engine_module["async_scheduling"] is True
+
+
+def test_vllm_engine_flags_reach_the_engine(capsys, fake_engine_module):
+    assert cli.main(["generate", "--prompt", "Count:", "--max-tokens", "3"]) == 0
+    defaults = dict(fake_engine_module)
+    assert defaults["kv_cache_memory_fraction"] == 0.9 and defaults["enable_prefix_caching"] is True
+    assert defaults["attention_impl"] == "auto" and defaults["chat_template"] is None
+    assert "compilation_cache_dir" not in defaults  # the Engine's own default
+    assert cli.main(["generate", "--prompt", "Count:", "--max-tokens", "3", "--gpu-memory-utilization", "0.5",
+                     "--no-enable-prefix-caching", "--attention-impl", "reference", "--chat-template", "{{ x }}",
+                     "--compilation-cache-dir", ""]) == 0
+    assert fake_engine_module["kv_cache_memory_fraction"] == 0.5 and fake_engine_module["enable_prefix_caching"] is False
+    assert fake_engine_module["attention_impl"] == "reference" and fake_engine_module["chat_template"] == "{{ x }}"
+    assert fake_engine_module["compilation_cache_dir"] is None  # '' turns the cache off
 
 
 def test_serve_logs_model_mesh_kv_capacity_and_url(fake_engine_module, caplog, monkeypatch):

@@ -32,7 +32,10 @@ class EngineOptions(BaseModel):
     max_model_len: PositiveInt | None = None
     block_size: PositiveInt | None = None
     num_kv_blocks: PositiveInt | None = None
-    kv_cache_memory_fraction: float | None = pydantic.Field(default=None, gt=0, le=1)
+    # vLLM's name for it is accepted too.
+    kv_cache_memory_fraction: float | None = pydantic.Field(
+        default=None, gt=0, le=1, validation_alias=pydantic.AliasChoices("kv_cache_memory_fraction",
+                                                                         "gpu_memory_utilization"))
     max_num_seqs: PositiveInt | None = None
     max_num_batched_tokens: PositiveInt | None = None
     max_logprobs: pydantic.NonNegativeInt | None = None
@@ -43,6 +46,7 @@ class EngineOptions(BaseModel):
     recompile_guard: Literal["warn", "error", "off"] | None = None
     attention_impl: str | None = None
     compilation_cache_dir: str | None = None
+    chat_template: str | None = None  # a Jinja chat template or a file holding one (relative: to the job file)
 
     @field_validator("mesh", mode="before")
     @classmethod
@@ -53,6 +57,13 @@ class EngineOptions(BaseModel):
             return mesh_shape(str(mesh))
         except Exception as exc:  # argparse.ArgumentTypeError carries the sentence we want
             raise ValueError(str(exc)) from None
+
+    @field_validator("chat_template", mode="after")
+    @classmethod
+    def _template_file_beside_the_job(cls, template: str | None, info: ValidationInfo) -> str | None:
+        if template is None or "{" in template:  # the template itself
+            return template
+        return str(Path((info.context or {}).get("base_dir", ".")) / Path(template).expanduser())
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `Engine(...)`: only what the job set, with -tp/-pp folded into the mesh."""
@@ -160,8 +171,12 @@ def _path_problems(job: BatchJob) -> list[str]:
 
 
 def _engine_problems(job: BatchJob) -> list[str]:
+    from jaxserve.loader.tokenizer import read_chat_template
+
     try:
         job.engine.engine_kwargs()
+        if job.engine.chat_template is not None:
+            read_chat_template(job.engine.chat_template)
     except ValueError as exc:
         return [str(exc)]
     return []

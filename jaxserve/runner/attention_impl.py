@@ -6,11 +6,10 @@ import logging
 
 from jax.sharding import Mesh
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ATTENTION_IMPLS, ModelConfig
 
 log = logging.getLogger(__name__)
 
-ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas-interpret")
 KERNEL_PLATFORMS = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
 

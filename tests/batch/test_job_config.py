@@ -97,6 +97,15 @@ def test_engine_options_map_onto_engine_keywords():
         EngineOptions(mesh="2x1", pipeline_parallel_size=2).engine_kwargs()
 
 
+def test_vllm_memory_name_and_a_chat_template_file_beside_the_job(tmp_path):
+    (tmp_path / "chat.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    job = load_job(write_job(tmp_path, [], engine={"gpu_memory_utilization": 0.7, "chat_template": "chat.jinja"}))
+    assert job.engine.engine_kwargs() == {"kv_cache_memory_fraction": 0.7,
+                                          "chat_template": str(tmp_path / "chat.jinja")}
+    broken = write_job(tmp_path, [], name="broken.yaml", engine={"chat_template": "{% if %}"})
+    assert any("not valid Jinja" in problem for problem in problems_of(broken))
+
+
 def test_every_engine_option_is_an_engine_keyword():
     from jaxserve.engine import Engine
 

@@ -1,0 +1,47 @@
+"""`chat_template=` / `--chat-template`: a file or the Jinja text replaces the tokenizer's template; a broken or
+missing one fails when the engine starts, before the weights load."""
+
+import pytest
+
+from jaxserve.loader.tokenizer import read_chat_template
+
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}" \
+           "<assistant>{% endif %}"
+
+
+def test_a_file_or_the_template_text(tmp_path):
+    path = tmp_path / "chat.jinja"
+    path.write_text(TEMPLATE)
+    assert read_chat_template(str(path)) == TEMPLATE
+    assert read_chat_template(TEMPLATE) == TEMPLATE
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("templates/missing.jinja", "neither an existing file nor a Jinja template"),
+    ("{% for m in messages %}{{ m }}", "not valid Jinja"),  # no endfor
+])
+def test_bad_templates_are_refused_with_the_reason(value, expected):
+    with pytest.raises(ValueError, match=expected):
+        read_chat_template(value)
+
+
+def test_the_engine_renders_chats_with_the_given_template(tiny_checkpoint, tmp_path):
+    from jaxserve import Engine
+
+    path = tmp_path / "chat.jinja"
+    path.write_text(TEMPLATE)
+    engine = Engine(str(tiny_checkpoint("llama")), chat_template=str(path), num_kv_blocks=16, max_num_seqs=2,
+                    max_num_batched_tokens=16, warmup=False)
+    ids = engine.encode_chat([{"role": "user", "content": "Hi there"}])
+    assert engine.tokenizer.decode(ids) == "<user>Hi there<assistant>"
+
+
+def test_a_broken_template_fails_before_the_model_loads(monkeypatch):
+    from jaxserve import engine as engine_module
+
+    def must_not_load(*args):
+        raise AssertionError("the checkpoint was opened before the template was checked")
+
+    monkeypatch.setattr(engine_module, "open_checkpoint", must_not_load)
+    with pytest.raises(ValueError, match="not valid Jinja"):
+        engine_module.Engine("/no/such/model", chat_template="{{ unclosed")
