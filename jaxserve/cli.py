@@ -133,7 +133,7 @@ def build_engine(args: argparse.Namespace):
     """The Engine the options describe; its user-facing errors (bad mesh, missing file...) become UserError."""
     mesh = mesh_from_args(args)
     check_model_path(args.model)
-    from jaxserve.parallel.multinode import start_cluster
+    from jaxserve.parallel.multinode import is_leader, start_cluster
 
     cluster = start_cluster(args, mesh)  # None on one process; joins the others before jax starts its backends
     from jaxserve.engine import Engine  # imports jax: only now that it is needed
@@ -147,7 +147,8 @@ def build_engine(args: argparse.Namespace):
                         load_format=args.load_format, async_scheduling=not args.no_async_scheduling,
                         kv_cache_memory_fraction=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching, attention_impl=args.attention_impl,
-                        chat_template=args.chat_template, **compilation_cache_option(args))
+                        chat_template=args.chat_template if is_leader(args) else None,  # only it sees prompts
+                        **compilation_cache_option(args))
     except (ValueError, OSError) as exc:  # the engine words these for people (DESIGN.md convention 9)
         raise UserError(str(exc)) from None
     # Process 0 gets its engine back (now driving the others); a follower follows and exits inside take_role.

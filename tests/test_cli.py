@@ -71,7 +71,7 @@ def test_config_file_values_with_command_line_winning(tmp_path):
     (["serve", "--config", "/no/such.yaml"], "does not exist"),
     (["serve", "--gpu-memory-utilization", "1.5"], "fraction in (0, 1]"),
     (["serve", "--attention-impl", "flash"], "invalid choice"),
-    (["generate", "--prompt", "x", "--chat-template", "missing.jinja"], "neither an existing file"),
+    (["generate", "--prompt", "x", "--chat-template", "missing.jinja"], "neither a readable file"),
     (["generate"], "--prompt"),
     (["generate", "--prompt", "x", "--temperature", "-1"], "temperature"),
 ])

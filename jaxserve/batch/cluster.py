@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
-from jaxserve.batch.job_config import BatchJob, load_job
+from jaxserve.batch.job_config import BatchJob, load_job, read_job_mapping
 from jaxserve.parallel import wire
 from jaxserve.parallel.multinode import Session, start_cluster
 
 log = logging.getLogger("jaxserve.batch")
+
+
+# Engine options that need not match: the chat template is used on process 0 alone (followers never see a
+# prompt), the compilation cache is each node's own directory.
+PER_PROCESS_ENGINE_OPTIONS = {"chat_template", "compilation_cache_dir"}
 
 
 def join_job_cluster(args: argparse.Namespace) -> tuple[Session | None, BatchJob | None]:
@@ -27,10 +33,17 @@ def join_job_cluster(args: argparse.Namespace) -> tuple[Session | None, BatchJob
     if cluster_options(args) is None and getattr(args, "distributed_executor_backend", "mp") != "ray":
         return None, None
     job = load_job(args.job, check_paths=False)
-    engine_options = job.engine.engine_kwargs()
-    # What shapes the weights and the compiled programs must agree everywhere (checked as the processes join).
-    shared = {"model": job.model, "engine": engine_options}
-    return start_cluster(args, engine_options.get("mesh"), shared=shared, wait_for_load=True), job
+    return start_cluster(args, job.engine.engine_kwargs().get("mesh"), shared=shared_options(Path(args.job)),
+                         wait_for_load=True), job
+
+
+def shared_options(path: Path) -> dict:
+    """What shapes the weights and the compiled programs, as the job file writes it (not as resolved: the file
+    may sit in another directory on each node), one key per engine option so that a refusal names the one."""
+    raw = read_job_mapping(path)
+    engine = raw.get("engine") if isinstance(raw.get("engine"), dict) else {}
+    options = {f"engine.{key}": value for key, value in engine.items() if key not in PER_PROCESS_ENGINE_OPTIONS}
+    return {"model": raw.get("model"), **options}
 
 
 def follow_job(session: Session, job: BatchJob) -> int:
@@ -41,8 +54,9 @@ def follow_job(session: Session, job: BatchJob) -> int:
     if not await_load(session.cluster, session.shutdown):
         log.info("process 0 released this process: the job had nothing to run")
         return 0
-    session.take_role(build_engine(job))  # follows until process 0 releases it, then exits
-    return 0
+    leader_only = {"chat_template": None}
+    session.take_role(build_engine(job.model_copy(update={"engine": job.engine.model_copy(update=leader_only)})))
+    return 0  # not reached: take_role follows until process 0 releases this process, then exits
 
 
 def leader_engine_factory(session: Session):

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationInfo, field_v
 
 from jaxserve.batch.problems import JobError, describe_validation_error
 from jaxserve.cli_args import mesh_shape
+from jaxserve.config import ATTENTION_IMPLS
+from jaxserve.loader.tokenizer import is_template_text
 
 
 class EngineOptions(BaseModel):
@@ -44,7 +46,7 @@ class EngineOptions(BaseModel):
     warmup: bool | None = None
     async_scheduling: bool | None = None
     recompile_guard: Literal["warn", "error", "off"] | None = None
-    attention_impl: str | None = None
+    attention_impl: Literal[ATTENTION_IMPLS] | None = None
     compilation_cache_dir: str | None = None
     chat_template: str | None = None  # a Jinja chat template or a file holding one (relative: to the job file)
 
@@ -61,7 +63,7 @@ class EngineOptions(BaseModel):
     @field_validator("chat_template", mode="after")
     @classmethod
     def _template_file_beside_the_job(cls, template: str | None, info: ValidationInfo) -> str | None:
-        if template is None or "{" in template:  # the template itself
+        if template is None or is_template_text(template):
             return template
         return str(Path((info.context or {}).get("base_dir", ".")) / Path(template).expanduser())
 

@@ -21,22 +21,38 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     return list(ids)
 
 
-def read_chat_template(value: str) -> str:
-    """`chat_template=`: a file holding a Jinja chat template, or the template itself (as vLLM takes it); its
-    syntax is checked now, so a broken template fails at start-up rather than on every chat request."""
-    import jinja2
+def is_template_text(value: str) -> bool:
+    """A `chat_template` value holding Jinja's markers is the template itself; anything else names a file."""
+    return "{" in value
 
-    path = Path(value).expanduser()
-    if path.is_file():
-        template = path.read_text()
-    elif "{" in value:  # Jinja's markers: the template itself, not a path
-        template = value
+
+def read_chat_template(value: str) -> str:
+    """`chat_template=`: a file holding a Jinja chat template, or the template itself (as vLLM takes it). It is
+    compiled now, as transformers compiles it to render chats, so a broken template fails at start-up rather
+    than on every chat request."""
+    if is_template_text(value):
+        template, source = value, "given"
     else:
-        raise ValueError(f"chat template {value!r} is neither an existing file nor a Jinja template; give the path "
-                         f"of a template file or the template text")
+        path = Path(value).expanduser()
+        try:
+            template, source = path.read_text(), str(path)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"chat template {value!r} is neither a readable file ({getattr(exc, 'strerror', exc)}) "
+                             f"nor a Jinja template; give the path of a template file or the template text") from None
     try:
-        jinja2.Environment().parse(template)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"chat template {value if path.is_file() else 'given'} is not valid Jinja: {exc.message} "
-                         f"(line {exc.lineno})") from None
+        _compile(template)
+    except Exception as exc:  # jinja2.TemplateSyntaxError and its kin: one sentence with the line
+        where = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
+        raise ValueError(f"chat template {source} is not valid Jinja: {getattr(exc, 'message', exc)}{where}") from None
     return template
+
+
+def _compile(template: str) -> None:
+    try:  # transformers' own compile (its sandbox and extensions: loop controls, {% generation %})
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a transformers without it: plain Jinja with loop controls
+        import jinja2
+
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+        return
+    _compile_jinja_template(template)

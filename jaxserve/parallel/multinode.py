@@ -25,9 +25,10 @@ log = logging.getLogger(__name__)
 
 # Options that may differ between processes. Every other option must be the same everywhere, since it shapes
 # the weights or the compiled programs (checked when the processes join); server options matter only on
-# process 0 and are left out too.
+# process 0 and are left out too, as is the chat template (only process 0 sees prompts) and the compilation
+# cache (each node's own directory).
 PER_PROCESS_OPTIONS = {"process_id", "coordinator", "num_processes", "distributed_executor_backend",
-                       "distributed_timeout", "log_level", "config", "seed",
+                       "distributed_timeout", "log_level", "config", "seed", "chat_template", "compilation_cache_dir",
                        "argv"}  # the raw command line, kept by cli.main; its parsed options are compared
 ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES", "process_id": "JAX_PROCESS_ID"}
 

@@ -121,3 +121,17 @@ def test_cli_reports_a_bad_job_in_one_line(tmp_path, capsys):
     assert exit_info.value.code == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("jaxserve: error: job file") and "unknown key 'engine.max_num_seq'" in line
+
+
+def test_processes_compare_the_engine_options_as_written_one_key_each(tmp_path):
+    """A multi-node job: the same file in another directory on each node agrees; a differing option is named;
+    the chat template (process 0's alone) and the compilation cache (each node's own) may differ."""
+    from jaxserve.batch.cluster import shared_options
+
+    engine = {"mesh": "4x2", "max_num_seqs": 8, "chat_template": "a.jinja", "compilation_cache_dir": "/here"}
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    here = write_job(tmp_path / "a", [], model="./model.gguf", engine=engine)
+    there = write_job(tmp_path / "b", [], model="./model.gguf", engine={**engine, "chat_template": "b.jinja",
+                                                                          "compilation_cache_dir": "/there"})
+    assert shared_options(here) == shared_options(there) == {"model": "./model.gguf", "engine.mesh": "4x2",
+                                                              "engine.max_num_seqs": 8}

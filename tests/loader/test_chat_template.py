@@ -14,10 +14,20 @@ def test_a_file_or_the_template_text(tmp_path):
     path.write_text(TEMPLATE)
     assert read_chat_template(str(path)) == TEMPLATE
     assert read_chat_template(TEMPLATE) == TEMPLATE
+    long_inline = TEMPLATE + "x" * 300  # longer than a file name may be: still the template itself
+    assert read_chat_template(long_inline) == long_inline
+
+
+def test_templates_using_transformers_extensions_are_accepted():
+    """Hub templates use Jinja's loop controls and transformers' {% generation %} tag; they render, so they pass."""
+    loop_controls = "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m['content'] }}{% endfor %}"
+    generation = "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"
+    for template in (loop_controls, generation):
+        assert read_chat_template(template) == template
 
 
 @pytest.mark.parametrize("value, expected", [
-    ("templates/missing.jinja", "neither an existing file nor a Jinja template"),
+    ("templates/missing.jinja", "neither a readable file"),
     ("{% for m in messages %}{{ m }}", "not valid Jinja"),  # no endfor
 ])
 def test_bad_templates_are_refused_with_the_reason(value, expected):
