@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 
 from jaxserve.cli_args import UserError
 
@@ -28,17 +27,19 @@ def run_batch_command(args: argparse.Namespace) -> int:
         return _validate(args.job)
     from jaxserve.batch.cluster import follow_job, join_job_cluster, leader_engine_factory
     from jaxserve.batch.job import run_job  # pulls in the server schemas; --help stays instant
+    from jaxserve.batch.stop import JobInterrupted, StopSignals
 
     session, job = join_job_cluster(args)  # (None, None) on one process
     if session is not None and not session.cluster.is_leader:
         return follow_job(session, job)
-    # A scheduler's SIGTERM (and a follower's Ctrl-C, which process 0 receives as one) ends the job as Ctrl-C does.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        run_job(args.job, show_progress=not args.no_progress,
-                engine_factory=leader_engine_factory(session) if session is not None else None)
-    except KeyboardInterrupt:
+        with StopSignals() as stop:  # a follower's Ctrl-C reaches process 0 as a SIGTERM
+            run_job(args.job, show_progress=not args.no_progress, stop=stop,
+                    engine_factory=leader_engine_factory(session) if session is not None else None)
+    except (JobInterrupted, KeyboardInterrupt):
         log.warning("interrupted; every finished result is saved: run the same command again to finish the job")
+        if session is not None:  # clean once the followers run steps: they were stopped, not failed
+            session.cluster.close(reason="the batch job was interrupted before it started")
         return EXIT_INTERRUPTED
     except Exception as exc:
         if session is not None:  # the followers stop at once, saying why, whether or not they are running steps

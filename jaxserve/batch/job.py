@@ -16,6 +16,7 @@ from jaxserve.batch.problems import JobError
 from jaxserve.batch.progress import BatchProgress
 from jaxserve.batch.result_log import ResultLog
 from jaxserve.batch.runner import BatchRunner, RunTotals
+from jaxserve.batch.stop import StopSignals
 from jaxserve.cli_args import UserError
 
 log = logging.getLogger("jaxserve.batch")
@@ -32,9 +33,11 @@ class JobSummary:
     generated_tokens: int = 0
 
 
-def run_job(path: str | Path, *, engine=None, engine_factory=None, show_progress: bool = True) -> JobSummary:
+def run_job(path: str | Path, *, engine=None, engine_factory=None, show_progress: bool = True,
+            stop: StopSignals | None = None) -> JobSummary:
     """Run (or resume) the job in `path`. `engine`: an Engine to use instead of building the job's own;
-    `engine_factory(job)`: how to build it when there is work to do (default: `build_engine`)."""
+    `engine_factory(job)`: how to build it when there is work to do (default: `build_engine`); `stop`: checked
+    before the engine is built and between steps (JobInterrupted once a stop was asked for)."""
     job = load_job(path)
     scan = scan_input(job.input)
     if scan.duplicates:
@@ -44,11 +47,14 @@ def run_job(path: str | Path, *, engine=None, engine_factory=None, show_progress
         _log_resume(scan, results.done, len(todo), job)
         if not todo:
             return JobSummary(len(scan.entries), len(scan.entries), RunTotals())
+        stop = stop or StopSignals()
+        stop.check()
         engine = engine if engine is not None else (engine_factory or build_engine)(job)
         progress = BatchProgress(len(scan.entries), len(scan.entries) - len(todo), enabled=show_progress)
         runner = BatchRunner(engine, results, progress, sampling_defaults=job.sampling,
                              served_model_names=job.served_model_name or [engine.model_name],
-                             max_concurrency=job.max_concurrency or default_concurrency(engine))
+                             max_concurrency=job.max_concurrency or default_concurrency(engine),
+                             stop_check=stop.check)
         try:
             totals = runner.run(todo)
         finally:

@@ -45,13 +45,14 @@ class RunTotals:
 
 class BatchRunner:
     def __init__(self, engine, results: ResultLog, progress: BatchProgress, *, sampling_defaults: dict,
-                 served_model_names: list[str], max_concurrency: int):
+                 served_model_names: list[str], max_concurrency: int, stop_check=lambda: None):
         self.engine = engine
         self.results = results
         self.progress = progress
         self.sampling_defaults = sampling_defaults
         self.served_model_names = served_model_names
         self.max_concurrency = max_concurrency
+        self.stop_check = stop_check  # raises to end the run between steps
         self.totals = RunTotals()
         self._lines_in_flight = 0
         self._owner: dict[str, InFlight] = {}  # engine request id -> its batch line
@@ -65,6 +66,7 @@ class BatchRunner:
             if self._lines_in_flight:
                 self._step()
             self.results.commit()  # everything finished so far is on disk before the next step
+            self.stop_check()
         return self.totals
 
     def _start(self, entry: InputItem | BadLine) -> None:

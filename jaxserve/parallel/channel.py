@@ -251,6 +251,8 @@ class FollowerChannel:
                 return
             if kind == wire.STOP and not json.loads(payload).get("clean") and not self.main_thread_waits:
                 return on_abort(json.loads(payload).get("reason") or "no reason given")
+            if kind == wire.LOAD:  # from here the main thread builds an engine: a later abort must act at once
+                self.main_thread_waits = False
             if kind != wire.PING:
                 self.frames.put((kind, payload))
             if kind == wire.STOP:

@@ -63,6 +63,7 @@ class Cluster:
     launched: object | None = None  # Ray followers this process started: held, since Ray ends unreferenced actors
     serving: bool = False  # leader: the engine runs, so an exit now is a normal end (clean STOP)
     step_lock: threading.Lock = field(default_factory=threading.Lock)  # leader: held while a step runs
+    closed: bool = False  # leader: the followers were released (the step lock stays held from then on)
 
     @property
     def is_leader(self) -> bool:
@@ -92,8 +93,9 @@ class Cluster:
         barrier, which the followers reach only once released). Clean once serving began: the followers then
         exit normally and meet at that barrier; before that, the leader failed and the followers abort,
         told `reason`."""
-        if self.leader is None:
+        if self.leader is None or self.closed:  # the exit-time call after an explicit one: nothing left to do
             return
+        self.closed = True
         clean = self.serving if clean is None else clean
         # Let a step in flight (the engine thread may still be in one) finish on every process first: a follower
         # released mid-step would wait in that step's collectives for a leader that is gone. Never released:

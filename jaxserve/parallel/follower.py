@@ -79,28 +79,25 @@ def await_load(cluster: Cluster, shutdown: _ShutdownRequest) -> bool:
     nothing (a clean STOP: False). No time limit: process 0 may be reading a long input first, and its
     heartbeats tell that it is alive. An abort (process 0 refused the job) exits with status 1, through jax's
     exit barrier, which process 0 waits at. Needs `join(..., wait_for_load=True)`, so that an abort sent before
-    this call comes here too."""
-    try:
-        while True:
-            try:
-                kind, payload = cluster.follower.frames.get(timeout=1.0)
-            except queue.Empty:
-                if shutdown.overdue():
-                    fatal(f"process 0 did not stop the cluster within {STOP_GRACE_SECONDS:.0f} s of the shutdown "
-                          f"request")
-                continue
-            if kind == wire.LOAD:
-                return True
-            if kind == wire.STOP:
-                stop = json.loads(payload)
-                cluster.follower.close()
-                if not stop.get("clean"):
-                    log.critical("process 0 stopped every process: %s", stop.get("reason") or "no reason given")
-                    raise SystemExit(1)
-                return False
-            fatal(f"process 0 sent {kind!r} where this process expected LOAD or STOP")
-    finally:
-        cluster.follower.main_thread_waits = False
+    this call comes here too (the channel's reader stops queueing aborts once it has queued LOAD)."""
+    while True:
+        try:
+            kind, payload = cluster.follower.frames.get(timeout=1.0)
+        except queue.Empty:
+            if shutdown.overdue():
+                fatal(f"process 0 did not stop the cluster within {STOP_GRACE_SECONDS:.0f} s of the shutdown "
+                      f"request")
+            continue
+        if kind == wire.LOAD:
+            return True
+        if kind == wire.STOP:
+            stop = json.loads(payload)
+            cluster.follower.close()
+            if not stop.get("clean"):
+                log.critical("process 0 stopped every process: %s", stop.get("reason") or "no reason given")
+                raise SystemExit(1)
+            return False
+        fatal(f"process 0 sent {kind!r} where this process expected LOAD or STOP")
 
 
 def await_release(cluster: Cluster, timeout: float) -> None:

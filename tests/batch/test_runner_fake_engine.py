@@ -100,3 +100,38 @@ def test_an_interrupted_job_resumes_where_it_stopped(tmp_path, fake_engine):
     keys = sorted(str(record["custom_id"] or record["error"]["line"]) for record in records)
     assert keys == sorted([f"r{index}" for index in range(30)] + ["8"])
     assert run_job(job, engine=object(), show_progress=False).skipped == 31  # done: the engine is not touched
+
+
+def test_a_stop_signal_ends_the_job_between_steps_with_every_finished_result_saved(tmp_path, fake_engine):
+    """SIGTERM (a scheduler's) stops after the step in flight, never inside it; more SIGTERMs change nothing; a
+    second Ctrl-C stops at once; the handlers before the job come back after it."""
+    import os
+    import signal
+
+    from jaxserve.batch.stop import JobInterrupted, StopSignals
+
+    lines = [completion_line(f"r{index}", f"Prompt {index}", max_tokens=3) for index in range(20)]
+    job = write_job(tmp_path, lines, sampling=SAMPLING, max_concurrency=2)
+    real_step, steps = fake_engine.step, []
+
+    def step_then_signal():
+        outputs = real_step()  # the signal lands while the step is in flight: the step still completes
+        steps.append(1)
+        if len(steps) == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # one per follower that got a signal: ignored
+        return outputs
+
+    fake_engine.step = step_then_signal
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(JobInterrupted), StopSignals() as stop:
+        run_job(job, engine=fake_engine, show_progress=False, stop=stop)
+    assert len(steps) == 5 and signal.getsignal(signal.SIGTERM) is before
+    saved = read_jsonl(tmp_path / "out.jsonl")
+    assert 0 < len(saved) < 20 and all(record["response"]["status_code"] == 200 for record in saved)
+
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested  # the first Ctrl-C only asks
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)

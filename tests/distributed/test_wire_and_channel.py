@@ -148,3 +148,39 @@ def test_an_abort_reaches_the_follower_at_once_with_its_reason():
         time.sleep(0.05)
     assert aborted == ["process 2 was lost"] and follower.frames.empty()
     follower.close()
+
+
+def test_closing_twice_sends_one_stop_and_the_second_close_returns_at_once():
+    """A command that releases its followers itself is closed again at exit: that must not wait out the step
+    lock the first close kept (10 s), which would eat into the followers' wait at jax's exit barrier."""
+    from types import SimpleNamespace
+
+    from jaxserve.parallel.distributed import Cluster, ClusterOptions
+
+    stops = []
+    leader = SimpleNamespace(stop=lambda clean, reason="": stops.append((clean, reason)))
+    cluster = Cluster(ClusterOptions("127.0.0.1:1234", 2, 0), leader=leader)
+    cluster.close(clean=True)
+    started = time.monotonic()
+    cluster.close()
+    assert time.monotonic() - started < 1 and stops == [(True, "")]
+
+
+def test_an_abort_after_load_reaches_the_follower_at_once():
+    """Before LOAD a batch follower's main thread reads aborts from the queue; after it, the main thread builds an
+    engine (collectives), so the reader must act on an abort itself."""
+    port = free_port_pair()
+    leader = LeaderChannel("127.0.0.1", port + 1, 2)
+    hello = {"process_id": 1, "num_processes": 2, "host": "h", "pid": 1, "fingerprint": {}}
+    joined = threading.Thread(target=lambda: setattr(leader, "peers_", leader.gather(5, {})))
+    joined.start()
+    follower = FollowerChannel.connect("127.0.0.1", port + 1, 5, hello)
+    joined.join()
+    follower.main_thread_waits = True
+    aborted = threading.Event()
+    follower.start(on_lost=lambda why: None, on_abort=lambda reason: aborted.set())
+    leader.start(lambda peer, why: None, lambda peer: None)
+    leader.broadcast(wire.frame(wire.LOAD), lambda peer, why: None)
+    leader.stop(clean=False, reason="the model is missing")
+    assert aborted.wait(5) and follower.frames.get(timeout=1)[0] == wire.LOAD
+    assert not follower.main_thread_waits
