@@ -30,7 +30,8 @@ def join_job_cluster(args: argparse.Namespace) -> tuple[Session | None, BatchJob
     and engine options, so the input and output paths are checked on process 0 alone."""
     from jaxserve.parallel.multinode import cluster_options
 
-    if cluster_options(args) is None and getattr(args, "distributed_executor_backend", "mp") != "ray":
+    launches_ray = getattr(args, "distributed_executor_backend", "mp") == "ray"  # start_cluster picks the rest
+    if not launches_ray and cluster_options(args) is None:
         return None, None
     job = load_job(args.job, check_paths=False)
     return start_cluster(args, job.engine.engine_kwargs().get("mesh"), shared=shared_options(Path(args.job)),

@@ -88,3 +88,20 @@ def test_a_job_process_0_refuses_stops_the_follower_with_the_reason(processes, t
     assert "following process 0" not in follower  # it never built an engine
     for name in ("p0", "p1"):  # both left through jax's exit barrier together: no native abort after the error
         assert "Check failure" not in processes.log(name), processes.log(name)[-3000:]
+
+
+def test_the_ray_backend_needs_no_coordinator_or_process_id(tmp_path, monkeypatch):
+    """With --distributed-executor-backend ray, process 0 starts the others and picks the coordinator itself
+    (checked end to end with serve in test_ray_backend.py); the batch command must hand it the job's mesh."""
+    import argparse
+
+    from jaxserve.batch import cluster
+
+    calls = []
+    monkeypatch.setattr(cluster, "start_cluster", lambda args, mesh, **kw: calls.append((mesh, kw)) or "session")
+    job = write_job(tmp_path, LINES, engine=ENGINE)
+    args = argparse.Namespace(job=str(job), distributed_executor_backend="ray", num_processes=3, coordinator=None,
+                              process_id=None)
+    session, loaded = cluster.join_job_cluster(args)
+    assert session == "session" and loaded.engine.mesh == "4x2"
+    assert calls[0][0] == "4x2" and calls[0][1]["wait_for_load"] is True
