@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.protocol import OpenAIModel, SamplingFields, UsageInfo
@@ -48,6 +48,18 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tool_choice: Any = None  # before `tools`, whose check reads it
+    tools: list[dict[str, Any]] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tool_calls(cls, tools: list[dict[str, Any]] | None, info: ValidationInfo) -> list[dict[str, Any]] | None:
+        # Refused rather than ignored: the client would wait for tool calls that never come. tool_choice "none"
+        # asks for none, so the tools are then simply not used (as vLLM does).
+        if tools and info.data.get("tool_choice") != "none":
+            raise ValueError("tools are not supported: this server does not produce tool calls; leave tools out or "
+                             "set tool_choice to \"none\"")
+        return tools
 
     def to_sampling_params(self, model_defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None:

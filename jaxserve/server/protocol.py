@@ -1,6 +1,8 @@
 """Request and response schemas of the OpenAI-compatible API (pydantic), as OpenAI and vLLM clients send them.
 
-Unknown request fields are ignored, as vLLM does, so clients written for newer API versions still work.
+Unknown request fields are ignored, as vLLM does, so clients written for newer API versions still work; the few
+that change what a right answer is (constrained output, tool calls), which this server does not implement, are
+refused by name.
 Chat schemas live in `chat_protocol.py`; this file holds the shared pieces, completions, tokenize and models.
 """
 
@@ -50,6 +52,31 @@ class UsageInfo(OpenAIModel):
 
 class SamplingFields(OpenAIModel):
     """Sampling fields common to completions and chat (OpenAI's, then vLLM's extras)."""
+
+    # Constrained decoding is not implemented, so asking for it is refused by name rather than ignored like other
+    # unknown fields: a client that set response_format parses JSON, and free text would break it later.
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        kind = (value or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(f"response_format type {kind!r} is not supported: this server has no constrained "
+                             f"decoding; leave response_format out and ask for the format in the prompt")
+        return value
+
+    @field_validator("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+    @classmethod
+    def _no_guided_decoding(cls, value: Any, info) -> Any:
+        if value is not None:
+            raise ValueError(f"{info.field_name} is not supported: this server has no constrained decoding")
+        return value
 
     model: str | None = None
     n: int = 1

@@ -141,6 +141,29 @@ def test_chat_validation_errors_are_400(server):
                  param="top_logprobs")
 
 
+@pytest.mark.parametrize("path, extra, param, contains", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "json_object"),
+    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format",
+     "no constrained decoding"),
+    ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json", "no constrained decoding"),
+    ("/v1/completions", {"guided_choice": ["yes", "no"]}, "guided_choice", "no constrained decoding"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "tool_choice"),
+])
+def test_unsupported_output_constraints_are_400_not_ignored(server, path, extra, param, contains):
+    """Unknown fields are ignored, but these change what a correct answer is: ignoring them would hand free text
+    to a client that parses JSON or waits for a tool call."""
+    body = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
+    assert_error(post(server, path, {**body, **extra}), 400, param=param, contains=contains)
+
+
+def test_text_output_and_declined_tools_are_served(server):
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
+    for extra in ({"response_format": {"type": "text"}}, {"tools": [], "tool_choice": "auto"},
+                  {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}):
+        assert post(server, "/v1/chat/completions", {**chat, **extra}).status_code == 200, extra
+
+
 def test_api_key_errors_are_401(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         error = assert_error(post(server, "/v1/completions", {"prompt": "x"}, headers=headers), 401)
