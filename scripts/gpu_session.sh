@@ -17,6 +17,12 @@
 #   sync       the same without transformers and with --no-async-scheduling: what overlapping host work buys
 #
 # Logs and BENCHMARKS.md rows land in $OUT (the device tool brings them back); copy the rows into BENCHMARKS.md.
+#
+# Compiles: the offline run meets about 19 step shapes (counted on CPU with `--shape tiny` and the same
+# scheduler settings), each an 8B-layer program to compile. If `synthetic` reaches the call's 10-minute limit,
+# call it again at once: while the machine is still warm (30 s after a call) the programs already compiled are
+# read from jaxserve's persistent compilation cache (~/.cache/jaxserve/xla there), and the log in $OUT says
+# how far the first call got.
 set -uo pipefail
 step=${1:?usage: scripts/gpu_session.sh kernels|synthetic|sync}
 out=${OUT:-/tmp/gpu_session}
