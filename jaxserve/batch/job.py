@@ -47,14 +47,14 @@ def run_job(path: str | Path, *, engine=None, engine_factory=None, show_progress
         _log_resume(scan, results.done, len(todo), job)
         if not todo:
             return JobSummary(len(scan.entries), len(scan.entries), RunTotals())
-        stop = stop or StopSignals()
-        stop.check()
+        stop_check = stop.check if stop is not None else lambda: None
+        stop_check()
         engine = engine if engine is not None else (engine_factory or build_engine)(job)
         progress = BatchProgress(len(scan.entries), len(scan.entries) - len(todo), enabled=show_progress)
         runner = BatchRunner(engine, results, progress, sampling_defaults=job.sampling,
                              served_model_names=job.served_model_name or [engine.model_name],
                              max_concurrency=job.max_concurrency or default_concurrency(engine),
-                             stop_check=stop.check)
+                             stop_check=stop_check)
         try:
             totals = runner.run(todo)
         finally:
