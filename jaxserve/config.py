@@ -40,6 +40,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each q and k head (its own gains, shared by heads) before RoPE
     sliding_window: int | None = None  # Mistral, when configured
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()

@@ -19,9 +19,14 @@ def make_tiny_checkpoint(arch: str, out: Path, gguf_path: str, **overrides) -> P
     settings = dict(TINY, vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2) | overrides
     config = AutoConfig.for_model(arch, **settings)
     config.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                             "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}[arch]]
+                             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                             "mixtral": "MixtralForCausalLM"}[arch]]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # RMSNorm gains start at 1: made distinct, so a norm loaded into the wrong place shows
+        for name, weight in model.named_parameters():
+            if name.endswith("norm.weight"):
+                weight.uniform_(0.5, 1.5)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

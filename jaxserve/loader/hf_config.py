@@ -38,8 +38,11 @@ def _eos_ids(*sources: dict[str, Any]) -> tuple[int, ...]:
 
 def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
     window = d.get("sliding_window")
-    if arch.startswith("Qwen2") and not d.get("use_sliding_window", False):
+    if arch.startswith(("Qwen2", "Qwen3")) and not d.get("use_sliding_window", False):
         return None
+    if window and len(set(d.get("layer_types") or ())) > 1:
+        raise ValueError(f"this {arch} mixes sliding-window and full-attention layers (layer_types), which "
+                         f"jaxserve does not run yet; only models whose layers all attend alike are supported")
     return int(window) if window else None
 
 
@@ -67,6 +70,7 @@ def model_config_from_hf(d: dict[str, Any], generation: dict[str, Any] | None = 
         max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         qkv_bias=arch.startswith("Qwen2") or bool(d.get("attention_bias", False)),
+        qk_norm=arch.startswith("Qwen3"),
         sliding_window=_sliding_window(arch, d),
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_eos_ids(generation or {}, d),

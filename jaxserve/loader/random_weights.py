@@ -29,6 +29,7 @@ def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
         "q_proj.weight": (H * d, D), "k_proj.weight": (K * d, D), "v_proj.weight": (K * d, D),
         "o_proj.weight": (D, H * d), "q_proj.bias": (H * d,), "k_proj.bias": (K * d,), "v_proj.bias": (K * d,),
+        "q_norm.weight": (d,), "k_norm.weight": (d,),
         "gate_proj.weight": (F, D), "up_proj.weight": (F, D), "down_proj.weight": (D, F),
     }
     if cfg.num_experts:

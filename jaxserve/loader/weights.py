@@ -39,6 +39,11 @@ def _layer_weights(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
             "bk": ("self_attn.k_proj.bias", lambda b: b.reshape(K, d)),
             "bv": ("self_attn.v_proj.bias", lambda b: b.reshape(K, d)),
         }
+    if cfg.qk_norm:
+        table |= {
+            "q_norm": ("self_attn.q_norm.weight", lambda w: w),
+            "k_norm": ("self_attn.k_norm.weight", lambda w: w),
+        }
     if cfg.num_experts:
         table |= {
             "router": ("block_sparse_moe.gate.weight", lambda w: w.T),

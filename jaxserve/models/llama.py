@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral with its sliding window, Qwen2 with q/k/v bias).
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral with its sliding window, Qwen2 with q/k/v bias, Qwen3
+with its q/k norms).
 
 Architecture only: weights are stacked on a leading `layers` axis and the layers run under one `lax.scan`,
 so compile time does not grow with depth. Attention over the paged cache is passed in (`attention_fn`).
@@ -32,6 +33,9 @@ class DecoderLayers(nnx.Module):
             self.bq = param((L, H, d), ("layers", "q_heads", "head_dim"), dtype)
             self.bk = param((L, K, d), ("layers", "kv_heads", "head_dim"), dtype)
             self.bv = param((L, K, d), ("layers", "kv_heads", "head_dim"), dtype)
+        if cfg.qk_norm:
+            self.q_norm = param((L, d), ("layers", "head_dim"), dtype)
+            self.k_norm = param((L, d), ("layers", "head_dim"), dtype)
         self.mlp_norm = param((L, D), ("layers", "embed"), dtype)
         self.init_mlp(cfg, dtype, q)
 
@@ -57,6 +61,8 @@ def decoder_layer(cfg: ModelConfig, attention_fn, mlp_fn, carry, w: dict[str, ja
     v = dense("TD,DKd->TKd", h, w, "wv")
     if cfg.qkv_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+    if cfg.qk_norm:  # over head_dim, each head alike (zero heads padded for tp stay zero)
+        q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
     inv_freq = rope_inv_freq(cfg)
     q = apply_rope(q, meta.positions, inv_freq)
     k = apply_rope(k, meta.positions, inv_freq)

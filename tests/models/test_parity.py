@@ -17,6 +17,8 @@ ARCHITECTURES = {
     "llama-tied": ("llama", dict(tie_word_embeddings=True)),
     "mistral-sliding-window": ("mistral", dict(sliding_window=12)),
     "qwen2-bias": ("qwen2", dict(tie_word_embeddings=True)),
+    # q/k norms, and a head_dim that is not hidden_size / heads (32 vs 16), as in real Qwen3 checkpoints.
+    "qwen3-qk-norm": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
 }
 
 PROMPTS = [

@@ -19,6 +19,7 @@ MODELS = {
                                       tie_word_embeddings=False)),
     "qwen2-bias": ("qwen2", dict(tie_word_embeddings=True)),
     "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "qwen3-qk-norm": ("qwen3", dict(head_dim=32)),  # 4 q / 2 kv heads: replicated kv heads on tp=4
 }
 MESHES = ["2x2", "4x2"]
 
