@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
+
 # Small but not trivial: GQA (4 q heads on 2 kv heads), 3 layers, weights large enough that logits spread.
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.08)
@@ -38,3 +40,50 @@ def hf_logits(model, token_ids: list[int]):
 
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].float().numpy()
+
+
+def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str) -> Path:
+    """The float32 weights of a tiny HF checkpoint as a GGUF file of llama.cpp's `arch` (no rotary permutation:
+    only llama's converter permutes), with the tokenizer metadata of `tokenizer_gguf` (the same vocabulary)."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    from jaxserve.loader.gguf import _GLOBAL_NAMES, _LAYER_NAMES
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(out), arch)
+    for key, value in {"context_length": cfg["max_position_embeddings"], "embedding_length": cfg["hidden_size"],
+                       "block_count": cfg["num_hidden_layers"], "feed_forward_length": cfg["intermediate_size"],
+                       "attention.head_count": cfg["num_attention_heads"],
+                       "attention.head_count_kv": cfg["num_key_value_heads"],
+                       "attention.key_length": cfg["head_dim"], "attention.value_length": cfg["head_dim"]}.items():
+        writer.add_uint32(f"{arch}.{key}", int(value))
+    writer.add_float32(f"{arch}.rope.freq_base", float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(cfg["rms_norm_eps"]))
+    source = gguf.GGUFReader(tokenizer_gguf)
+    for key, field in source.fields.items():
+        if key.startswith("tokenizer."):
+            kind = field.types[0]
+            if kind == gguf.GGUFValueType.ARRAY:
+                writer.add_array(key, field.contents())
+            elif kind == gguf.GGUFValueType.BOOL:
+                writer.add_bool(key, field.contents())
+            elif kind == gguf.GGUFValueType.STRING:
+                writer.add_string(key, field.contents())
+            else:
+                writer.add_uint32(key, field.contents())
+    hf_to_gguf = {hf: name for name, hf in _GLOBAL_NAMES.items()}
+    for name, w in load_file(hf_dir / "model.safetensors").items():
+        if name in hf_to_gguf:
+            writer.add_tensor(hf_to_gguf[name], w.astype(np.float32))
+            continue
+        layer, rest = name.removeprefix("model.layers.").split(".", 1)
+        gguf_name = next(g for g, hf in _LAYER_NAMES.items() if hf == rest)
+        writer.add_tensor(f"blk.{layer}.{gguf_name}", w.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -12,7 +12,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 
 # GGUF `general.architecture` -> HF architecture name.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -28,6 +28,8 @@ _LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -115,12 +117,15 @@ class GGUFFile:
             num_layers=int(self.field(f"{a}.block_count")),
             num_heads=heads,
             num_kv_heads=int(self.field(f"{a}.attention.head_count_kv", heads)),
-            head_dim=int(self.field(f"{a}.rope.dimension_count", hidden // heads)),
+            # Qwen3 says its head size (128, not hidden / heads) as the key length; Llama as the rotary width.
+            head_dim=int(self.field(f"{a}.attention.key_length") or self.field(f"{a}.rope.dimension_count")
+                         or hidden // heads),
             rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
             max_position_embeddings=int(self.field(f"{a}.context_length", 2048)),
             tie_word_embeddings="lm_head.weight" not in self._tensors,
             qkv_bias=a == "qwen2",
+            qk_norm=a == "qwen3",
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
         )

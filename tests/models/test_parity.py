@@ -69,3 +69,17 @@ def test_chunked_prefill_keeps_parity(tiny_checkpoint):
 def test_smollm2_gguf_logits_match_transformers(smol_engine, hf_smollm2):
     prompts = [smol_engine.tokenizer(p)["input_ids"] for p in ("Hello, my name is", "def fibonacci(n):")]
     check_parity(smol_engine, hf_smollm2, prompts, max_tokens=8, tol=2e-4)
+
+
+def test_qwen3_gguf_logits_match_transformers(tiny_checkpoint, smollm2_gguf_path, tmp_path):
+    """A Qwen3 GGUF (llama.cpp's tensor names and metadata: attn_q_norm, attention.key_length as the head size)
+    reads as the same model as its safetensors."""
+    from tests.helpers import write_gguf
+
+    arch, overrides = ARCHITECTURES["qwen3-qk-norm"]
+    path = tiny_checkpoint(arch, **overrides)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    gguf_file = write_gguf(path, tmp_path / "tiny-qwen3.gguf", "qwen3", smollm2_gguf_path)
+    engine = Engine(str(gguf_file), num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
+    assert engine.config.model.architecture == "Qwen3ForCausalLM" and engine.config.model.head_dim == 32
+    check_parity(engine, reference, PROMPTS)
