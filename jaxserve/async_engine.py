@@ -94,8 +94,8 @@ class AsyncEngine:
         """The model's generation_config.json sampling defaults, for request fields left unset."""
         return self.engine.generation_defaults
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.engine.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **rendering) -> list[int]:
+        return self.engine.encode_chat(messages, add_generation_prompt=add_generation_prompt, **rendering)
 
     @property
     def is_healthy(self) -> bool:

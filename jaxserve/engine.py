@@ -329,10 +329,11 @@ class Engine:
         prompts = [self.encode_chat(conv) for conv in normalise_conversations(messages)]
         return self._run_all(prompts, params, use_tqdm)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **rendering) -> list[int]:
+        """`rendering`: continue_final_message, template_kwargs (see loader/tokenizer.apply_chat_template)."""
         from jaxserve.loader.tokenizer import apply_chat_template
 
-        return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt, **rendering)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that advanced it, until it finishes."""

@@ -48,6 +48,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message is left open to go on with
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables (enable_thinking...)
     tool_choice: Any = None  # before `tools`, whose check reads it
     tools: list[dict[str, Any]] | None = None
 
@@ -73,6 +75,11 @@ class ChatCompletionRequest(SamplingFields):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [message.to_template_dict() for message in self.messages]
+
+    def rendering(self) -> dict[str, Any]:
+        """encode_chat's options beyond the messages."""
+        return {"continue_final_message": self.continue_final_message,
+                "template_kwargs": self.chat_template_kwargs}
 
 
 class ChatLogProb(OpenAIModel):

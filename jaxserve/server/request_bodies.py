@@ -16,7 +16,7 @@ from jaxserve.server.errors import bad_request, from_validation_error, model_not
 from jaxserve.server.protocol import CompletionRequest
 
 Prompt = str | list[int]
-ChatEncoder = Callable[[list[dict], bool], list[int]]
+ChatEncoder = Callable[..., list[int]]  # (messages, add_generation_prompt, **rendering) -> token ids
 
 
 def parse_request(schema: type[pydantic.BaseModel], body: dict):
@@ -57,4 +57,4 @@ def chat_inputs(body: ChatCompletionRequest, encode_chat: ChatEncoder, model_def
     The params come first so that a bad value is reported before the (slower) template rendering.
     """
     params = build_sampling_params(body, model_defaults)
-    return [encode_chat(body.template_messages(), body.add_generation_prompt)], params
+    return [encode_chat(body.template_messages(), body.add_generation_prompt, **body.rendering())], params

@@ -55,3 +55,22 @@ def test_a_broken_template_fails_before_the_model_loads(monkeypatch):
     monkeypatch.setattr(engine_module, "open_checkpoint", must_not_load)
     with pytest.raises(ValueError, match="not valid Jinja"):
         engine_module.Engine("/no/such/model", chat_template="{{ unclosed")
+
+
+def test_template_variables_and_an_open_last_message(tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    from jaxserve.loader.tokenizer import apply_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("llama"))
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</>{% endfor %}"
+                               "{% if enable_thinking %}<think>{% endif %}")
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+
+    def render(**kw):
+        return tokenizer.decode(apply_chat_template(tokenizer, messages, False, **kw))
+
+    assert render() == "<user>Hi</><assistant>Hello</>"
+    assert render(template_kwargs={"enable_thinking": True}) == "<user>Hi</><assistant>Hello</><think>"
+    # transformers cuts the rendering right after the last message's content.
+    assert render(continue_final_message=True).endswith("<assistant>Hello")

@@ -157,10 +157,11 @@ class FakeEngine:
             finals.update({output.request_id: output for output in self.step() if output.finished})
         return [finals[f"generate-{index}"] for index in range(len(prompts))]
 
-    def encode_chat(self, messages, add_generation_prompt=True):
+    def encode_chat(self, messages, add_generation_prompt=True, **rendering):
         from jaxserve.loader.tokenizer import apply_chat_template
 
-        return apply_chat_template(self.tokenizer, messages, add_generation_prompt)  # as Engine renders, errors too
+        # As Engine renders, errors too.
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt, **rendering)
 
     def stats(self):
         used = sum(

@@ -305,3 +305,24 @@ def test_model_generation_defaults_fill_unset_sampling_fields(server, monkeypatc
     assert post(server, path, body).status_code == 200
     assert post(server, path, body | {"temperature": 0, "top_k": 3}).status_code == 200
     assert [(p.temperature, p.top_k) for p in seen] == [(0.25, 7), (0.0, 3)]
+
+
+def test_continue_final_message_and_chat_template_kwargs_reach_the_template(server):
+    """vLLM's chat extras: the last assistant message left open, and template variables (Qwen3's
+    enable_thinking is the common one); /tokenize renders the same way as chat completions."""
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    body = {"messages": conversation, "add_generation_prompt": False, "continue_final_message": True,
+            "return_token_strs": True}
+    reply = post(server, "/tokenize", body)
+    assert reply.status_code == 200, reply.text
+    assert "".join(reply.json()["token_strs"]).endswith("ĠI" + "Ġam")  # ends inside the assistant's message
+    chat = {"messages": conversation, "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 2}
+    assert post(server, "/v1/chat/completions", chat).json()["usage"]["prompt_tokens"] == reply.json()["count"]
+    assert_error(post(server, "/v1/chat/completions", {**chat, "add_generation_prompt": True}), 400,
+                 contains="cannot both be true")
+    assert_error(post(server, "/v1/chat/completions", {**chat, "chat_template_kwargs": {"tokenize": False}}), 400,
+                 contains="may not set tokenize")
+    # SmolLM2's template reads no extra variables, so one it does not know changes nothing.
+    plain = {"messages": conversation[:1], "max_tokens": 2}
+    counted = post(server, "/v1/chat/completions", {**plain, "chat_template_kwargs": {"enable_thinking": False}})
+    assert counted.json()["usage"] == post(server, "/v1/chat/completions", plain).json()["usage"]
