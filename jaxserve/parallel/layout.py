@@ -104,7 +104,7 @@ def plan_layout(cfg: ModelConfig, tp: int, pp: int, partition: Sequence[int] | N
     parts = default_partition(cfg.num_layers, pp) if partition is None else check_partition(partition,
                                                                                            cfg.num_layers, pp)
     return ParallelLayout(tp=tp, pp=pp, partition=parts, heads=plan_heads(cfg.num_heads, cfg.num_kv_heads, tp),
-                          mlp=round_up(cfg.intermediate_size, tp), vocab=round_up(cfg.vocab_size, tp * pp),
+                          mlp=round_up(cfg.intermediate_size, tp), vocab=round_up(cfg.vocab_size, tp),
                           experts=round_up(cfg.num_experts, tp) if cfg.num_experts else 0)
 
 

@@ -13,14 +13,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-# Logical axis -> mesh axis or axes (None: replicated). Megatron-style tensor parallelism: heads and MLP are
-# split over `tp`; the stacked `layers` axis is split over `pp`. The vocabulary (embedding and LM head, which
-# run outside the pipeline) is split over every device, so pipeline stages neither each hold a copy of it nor
-# each compute the whole LM head.
-LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
+# Logical axis -> mesh axis (None: replicated). Megatron-style tensor parallelism: heads, MLP and vocabulary
+# are split over `tp`; the stacked `layers` axis is split over `pp`.
+LOGICAL_RULES: dict[str, str | None] = {
     "layers": "pp",
     "embed": None,
-    "vocab": ("tp", "pp"),
+    "vocab": "tp",
     "q_heads": "tp",
     "kv_heads": "tp",
     "head_dim": None,
@@ -81,11 +79,7 @@ def partition_spec(logical: tuple[str | None, ...]) -> PartitionSpec:
 
 def mesh_axes(logical: tuple[str | None, ...]) -> frozenset[str]:
     """The mesh axes that `logical` names map onto, e.g. shard_map's `axis_names` for a map over heads."""
-    axes = set()
-    for name in logical:
-        rule = LOGICAL_RULES.get(name) if name else None
-        axes.update((rule,) if isinstance(rule, str) else rule or ())
-    return frozenset(axes)
+    return frozenset(axis for name in logical if name and (axis := LOGICAL_RULES.get(name)))
 
 
 def named_sharding(mesh: Mesh, logical: tuple[str | None, ...]) -> NamedSharding:

@@ -78,18 +78,6 @@ def test_kv_cache_split_by_kv_heads_and_by_stage(engines):
         assert shard.index[0] == slice(stage * L // 2, (stage + 1) * L // 2)
 
 
-def test_embedding_and_lm_head_split_over_every_device(engines):
-    """The vocabulary is split over tp and pp: no pipeline stage holds a copy of the embedding or LM head."""
-    engine, _ = engines("llama-odd-sizes", "4x2")  # untied: both matrices
-    params = engine.runner.params
-    embed, lm_head = params["embed"][...], params["lm_head"][...]
-    V = embed.shape[0]
-    assert V % 8 == 0 and V >= 49157  # padded to a multiple of tp x pp
-    assert {s.data.shape for s in embed.addressable_shards} == {(V // 8, embed.shape[1])}
-    assert {s.data.shape for s in lm_head.addressable_shards} == {(lm_head.shape[0], V // 8)}
-    assert len({s.index[0].start for s in embed.addressable_shards}) == 8  # eight different slices, none repeated
-
-
 def test_experts_split_over_tp(engines):
     engine, _ = engines("mixtral", "4x2")
     w_gate = engine.runner.params["layers"]["w_gate"][...]  # [L, E, D, F]
