@@ -26,6 +26,10 @@ def _rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
+# transformers' default for Qwen2/Qwen3 configs that leave max_window_layers out.
+QWEN_MAX_WINDOW_LAYERS = 28
+
+
 def _eos_ids(*sources: dict[str, Any]) -> tuple[int, ...]:
     ids: list[int] = []
     for src in sources:
@@ -37,13 +41,30 @@ def _eos_ids(*sources: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
+    """The window every layer uses, or None when every layer attends to the whole context."""
     window = d.get("sliding_window")
     if arch.startswith(("Qwen2", "Qwen3")) and not d.get("use_sliding_window", False):
         return None
-    if window and len(set(d.get("layer_types") or ())) > 1:
-        raise ValueError(f"this {arch} mixes sliding-window and full-attention layers (layer_types), which "
-                         f"jaxserve does not run yet; only models whose layers all attend alike are supported")
-    return int(window) if window else None
+    if not window:
+        return None
+    kinds = set(_layer_kinds(arch, d))
+    if kinds == {"full_attention"}:
+        return None
+    if len(kinds) > 1:
+        raise ValueError(f"this {arch} mixes sliding-window and full-attention layers, which jaxserve does not run "
+                         f"yet; only models whose layers all attend alike are supported")
+    return int(window)
+
+
+def _layer_kinds(arch: str, d: dict[str, Any]) -> list[str]:
+    """Each layer's attention kind, as transformers decides it when config.json does not list them."""
+    if d.get("layer_types"):
+        return list(d["layer_types"])
+    num_layers = int(d["num_hidden_layers"])
+    if arch.startswith(("Qwen2", "Qwen3")):  # the first max_window_layers layers attend to everything
+        first_sliding = int(d.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS))
+        return ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
+    return ["sliding_attention"] * num_layers
 
 
 def model_config_from_hf(d: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
