@@ -94,8 +94,10 @@ class AsyncEngine:
         """The model's generation_config.json sampling defaults, for request fields left unset."""
         return self.engine.generation_defaults
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **rendering) -> list[int]:
-        return self.engine.encode_chat(messages, add_generation_prompt=add_generation_prompt, **rendering)
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
+        return self.engine.encode_chat(messages, add_generation_prompt, continue_final_message=continue_final_message,
+                                       chat_template_kwargs=chat_template_kwargs)
 
     @property
     def is_healthy(self) -> bool:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True, *,
-                        continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+                        continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids of `messages` rendered by the chat template. `continue_final_message`: leave the last (assistant)
-    message open for the model to go on with; `template_kwargs`: extra template variables (vLLM's
-    `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
+    message open for the model to go on with; `chat_template_kwargs`: extra template variables (e.g. Qwen3's
+    `enable_thinking`). The names are vLLM's."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use completions with a plain prompt, or start "
                          "the server with --chat-template")
@@ -20,13 +20,13 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true: either a new "
                          "assistant turn starts or the last message goes on")
-    reserved = sorted(set(template_kwargs or {}) & _rendering_options(tokenizer))
+    reserved = sorted(set(chat_template_kwargs or {}) & _rendering_options(tokenizer))
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: they are rendering options, not "
                          f"template variables")
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                            continue_final_message=continue_final_message, **(template_kwargs or {}))
+                                            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
     except Exception as e:  # template errors come from Jinja with the template's own words
         raise ValueError(f"the chat template could not render these messages: {e}") from None
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding

@@ -93,7 +93,7 @@ async def tokenize(request: Request) -> JSONResponse:
         messages = [ChatMessageParam.model_validate(message).to_template_dict() for message in body.messages]
         tokens = await asyncio.to_thread(state.engine.encode_chat, messages, body.add_generation_prompt,
                                          continue_final_message=body.continue_final_message,
-                                         template_kwargs=body.chat_template_kwargs)
+                                         chat_template_kwargs=body.chat_template_kwargs)
     elif body.prompt is not None:
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:

@@ -52,15 +52,18 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables (enable_thinking...)
     tool_choice: Any = None  # before `tools`, whose check reads it
     tools: list[dict[str, Any]] | None = None
+    function_call: Any = None  # OpenAI's older names for tool_choice and tools
+    functions: list[dict[str, Any]] | None = None
 
-    @field_validator("tools")
+    @field_validator("tools", "functions")
     @classmethod
     def _no_tool_calls(cls, tools: list[dict[str, Any]] | None, info: ValidationInfo) -> list[dict[str, Any]] | None:
-        # Refused rather than ignored: the client would wait for tool calls that never come. tool_choice "none"
+        # Refused rather than ignored: the client would wait for tool calls that never come. A choice of "none"
         # asks for none, so the tools are then simply not used (as vLLM does).
-        if tools and info.data.get("tool_choice") != "none":
-            raise ValueError("tools are not supported: this server does not produce tool calls; leave tools out or "
-                             "set tool_choice to \"none\"")
+        choice = "tool_choice" if info.field_name == "tools" else "function_call"
+        if tools and info.data.get(choice) != "none":
+            raise ValueError(f"{info.field_name} are not supported: this server does not produce tool calls; leave "
+                             f"{info.field_name} out or set {choice} to \"none\"")
         return tools
 
     def to_sampling_params(self, model_defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -79,7 +82,7 @@ class ChatCompletionRequest(SamplingFields):
     def rendering(self) -> dict[str, Any]:
         """encode_chat's options beyond the messages."""
         return {"continue_final_message": self.continue_final_message,
-                "template_kwargs": self.chat_template_kwargs}
+                "chat_template_kwargs": self.chat_template_kwargs}
 
 
 class ChatLogProb(OpenAIModel):

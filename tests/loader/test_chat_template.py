@@ -6,7 +6,7 @@ import pytest
 from jaxserve.loader.tokenizer import read_chat_template
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}" \
-           "<assistant>{% endif %}"
+           "<assistant>{% endif %}{% if enable_thinking %}<think>{% endif %}"
 
 
 def test_a_file_or_the_template_text(tmp_path):
@@ -36,7 +36,7 @@ def test_bad_templates_are_refused_with_the_reason(value, expected):
 
 
 def test_the_engine_renders_chats_with_the_given_template(tiny_checkpoint, tmp_path):
-    from jaxserve import Engine
+    from jaxserve import Engine, SamplingParams
 
     path = tmp_path / "chat.jinja"
     path.write_text(TEMPLATE)
@@ -44,6 +44,9 @@ def test_the_engine_renders_chats_with_the_given_template(tiny_checkpoint, tmp_p
                     max_num_batched_tokens=16, warmup=False)
     ids = engine.encode_chat([{"role": "user", "content": "Hi there"}])
     assert engine.tokenizer.decode(ids) == "<user>Hi there<assistant>"
+    out = engine.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1), use_tqdm=False,
+                      chat_template_kwargs={"enable_thinking": True})[0]  # as vLLM's LLM.chat takes them
+    assert engine.tokenizer.decode(out.prompt_token_ids) == "<user>Hi<assistant><think>"
 
 
 def test_a_broken_template_fails_before_the_model_loads(monkeypatch):
@@ -71,6 +74,6 @@ def test_template_variables_and_an_open_last_message(tiny_checkpoint):
         return tokenizer.decode(apply_chat_template(tokenizer, messages, False, **kw))
 
     assert render() == "<user>Hi</><assistant>Hello</>"
-    assert render(template_kwargs={"enable_thinking": True}) == "<user>Hi</><assistant>Hello</><think>"
+    assert render(chat_template_kwargs={"enable_thinking": True}) == "<user>Hi</><assistant>Hello</><think>"
     # transformers cuts the rendering right after the last message's content.
     assert render(continue_final_message=True).endswith("<assistant>Hello")

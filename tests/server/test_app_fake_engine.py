@@ -149,6 +149,8 @@ def test_chat_validation_errors_are_400(server):
     ("/v1/completions", {"guided_choice": ["yes", "no"]}, "guided_choice", "no constrained decoding"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
      "tool_choice"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}], "function_call": "auto"}, "functions",
+     "function_call"),
 ])
 def test_unsupported_output_constraints_are_400_not_ignored(server, path, extra, param, contains):
     """Unknown fields are ignored, but these change what a correct answer is: ignoring them would hand free text
