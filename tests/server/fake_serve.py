@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from tests.server.helpers import ServerProcess, free_port, wait_for_health
 
@@ -30,14 +29,6 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = FakeEngine(AutoTokenizer.from_pretrained(tokenizer_dir), step_delay=float(step_delay))
     return serve_engine(engine, args, listen_socket(args.host, args.port))
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tokenizer, tmp_path_factory) -> Path:
-    """The default model's tokenizer saved as tokenizer.json: it loads in a fraction of the time the GGUF takes."""
-    path = tmp_path_factory.mktemp("tokenizer")
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from jaxserve.loader import checkpoint
 from jaxserve.loader.tokenizer import apply_chat_template
 from jaxserve.server.app import ROUTES, build_app
 from tests.server.fake_engine import FakeEngine
-from tests.server.fake_serve import fake_server_process, tokenizer_dir  # noqa: F401 - a fixture
+from tests.server.fake_serve import fake_server_process
 from tests.server.helpers import API_KEY, serve_in_thread
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from tests.server.fake_serve import fake_server_process, tokenizer_dir  # noqa: F401 - a fixture
+from tests.server.fake_serve import fake_server_process
 
 STEP_SECONDS = 0.02  # per generated token
 GRACE_SECONDS = 4.0
