@@ -213,18 +213,11 @@ class Engine:
         KeyboardInterrupt while waiting, recompile_guard="error") leaves nothing half done: the next call reads it.
         """
         touched: dict[str, Request] = {}
-        if self._launched and not self._can_launch_over(self._launched[-1]):
-            self._read_back_all_but(0, touched)
         launched = self._launch()
         if launched is not None and launched.recompiled:
             self._on_recompile(launched.sched)  # may raise: every launched step is queued, so nothing is lost
         self._read_back_all_but(1 if launched is not None and self.async_scheduling else 0, touched)
         return [self._emit(req) for req in touched.values() if req.finished or not finished_only]
-
-    def _can_launch_over(self, in_flight: InFlightStep) -> bool:
-        """Penalties read every sequence's tokens from the host (the sampler's history): a sequence of the step in
-        flight would have a placeholder there, so its next step waits for the real token."""
-        return not any(c.seq.params.needs_penalties for c in in_flight.sched.chunks)
 
     def _launch(self) -> InFlightStep | None:
         sched = self.scheduler.schedule()

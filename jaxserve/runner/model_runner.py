@@ -94,7 +94,8 @@ class ModelRunner:
         f = self.fns
         self.kv, hidden, rows = f.forward(self.params, self.kv, inputs.token_ids, inputs.meta, inputs.logits_indices,
                                           self.fed_tokens, inputs.token_source)
-        sampled, self.fed_tokens = f.sample_rows(self.params, rows, inputs.sampling, statics.sampler, self.feed_rows)
+        sampled, self.fed_tokens = f.sample_rows(self.params, rows, inputs.sampling, statics.sampler, self.feed_rows,
+                                                 self.fed_tokens)
         prompt = None
         if statics.prompt_logprobs >= 0:
             prompt = f.prompt_rows(self.params, hidden, inputs.prompt_targets, statics.prompt_logprobs)
@@ -129,7 +130,8 @@ class ModelRunner:
             if T == B:  # once per sequence bucket
                 for flags in variants:
                     sampling = empty_inputs(T, B, shape, penalties=flags.penalties).sampling
-                    jax.block_until_ready(self.fns.sample_rows(self.params, rows, sampling, flags, self.feed_rows))
+                    jax.block_until_ready(self.fns.sample_rows(self.params, rows, sampling, flags, self.feed_rows,
+                                                               self.fed_tokens))
                     tick(1)
             if B == 1:  # once per token bucket
                 jax.block_until_ready(self.fns.prompt_rows(self.params, hidden, x.prompt_targets, shape.max_logprobs))

@@ -83,6 +83,7 @@ def empty_inputs(T: int, B: int, shape: PlanShape, penalties: bool = False, deco
         seeds=np.zeros(B, np.uint32), counters=np.zeros(B, np.int32),
         bias_ids=np.full((B, BIAS_SLOTS), V, np.int32), bias_values=np.zeros((B, BIAS_SLOTS), np.float32),
         history=np.full((B, P), V, np.int32), history_is_output=np.zeros((B, P), bool),
+        history_fed_pos=np.full(B, -1, np.int32), history_fed_row=np.zeros(B, np.int32),
         presence=f32(0.0), frequency=f32(0.0), repetition=f32(1.0),
     )
     meta = AttentionMetadata(np.zeros(T, np.int32), np.zeros(T, np.int32), np.zeros(T, np.int32),
@@ -124,6 +125,8 @@ def _fill_sampling(t: SamplingTensors, chunks: list[ScheduledChunk]) -> None:
             t.presence[row], t.frequency[row], t.repetition[row] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             t.history[row, : seq.num_tokens] = seq.token_ids
             t.history_is_output[row, seq.num_prompt_tokens : seq.num_tokens] = True
+            if seq.pending_index is not None:  # sampled by the step in flight: the sampler reads it on the device
+                t.history_fed_pos[row], t.history_fed_row[row] = seq.pending_index, seq.pending_row
 
 
 def _statics(chunks: list[ScheduledChunk], max_logprobs: int, decode_only: bool) -> StepStatics:

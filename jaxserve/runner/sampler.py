@@ -29,6 +29,10 @@ class SamplingTensors:
     bias_values: jax.Array  # [B, W] f32
     history: jax.Array  # [B, P] i32 prompt+output ids for penalties, padded with V; P = max_model_len, or 0 when unused
     history_is_output: jax.Array  # [B, P] bool
+    # Async scheduling: the history position (-1: none) whose id is still a placeholder on the host, and the row
+    # of the previous step's sampled tokens that holds it on the device.
+    history_fed_pos: jax.Array  # [B] i32
+    history_fed_row: jax.Array  # [B] i32
     presence: jax.Array  # [B] f32
     frequency: jax.Array  # [B] f32
     repetition: jax.Array  # [B] f32
@@ -80,11 +84,14 @@ def _apply_bias(logits, t: SamplingTensors):
     return logits.at[rows, t.bias_ids].add(t.bias_values, mode="drop")
 
 
-def _apply_penalties(logits, t: SamplingTensors):
+def _apply_penalties(logits, t: SamplingTensors, fed_tokens: jax.Array):
     B, V = logits.shape
     rows = jnp.arange(B)[:, None]
-    out_counts = jnp.zeros((B, V), jnp.float32).at[rows, t.history].add(t.history_is_output.astype(jnp.float32), mode="drop")
-    seen = jnp.zeros((B, V), bool).at[rows, t.history].set(True, mode="drop")
+    # The token the previous step sampled is on the device only: put it where the host holds its placeholder.
+    fed = fed_tokens[jnp.maximum(t.history_fed_row, 0)][:, None]
+    history = jnp.where(jnp.arange(t.history.shape[1])[None, :] == t.history_fed_pos[:, None], fed, t.history)
+    out_counts = jnp.zeros((B, V), jnp.float32).at[rows, history].add(t.history_is_output.astype(jnp.float32), mode="drop")
+    seen = jnp.zeros((B, V), bool).at[rows, history].set(True, mode="drop")
     rep = t.repetition[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     return logits - t.frequency[:, None] * out_counts - t.presence[:, None] * (out_counts > 0)
@@ -115,10 +122,11 @@ def _gumbel(t: SamplingTensors, vocab: int):
     return jax.vmap(one)(t.seeds, t.counters)
 
 
-def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> SamplerOutput:
+def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, fed_tokens: jax.Array) -> SamplerOutput:
+    """`fed_tokens`: the previous step's sampled tokens (async scheduling), which penalties may need."""
     x = _apply_bias(logits, t)
     if flags.penalties:
-        x = _apply_penalties(x, t)
+        x = _apply_penalties(x, t, fed_tokens)
     tokens = first_argmax(x)
     if not flags.all_greedy:
         scaled = x / jnp.maximum(t.temperature, GREEDY_EPS)[:, None]

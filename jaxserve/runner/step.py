@@ -65,11 +65,12 @@ class StepFunctions:
             hidden, kv = model(token_ids, kv, meta, attention_fn, **layer_runner)
             return kv, hidden, hidden[logits_indices]
 
-        def sample_rows(params, rows, sampling, flags, feed_rows):
+        def sample_rows(params, rows, sampling, flags, feed_rows, fed_tokens):
             """The sampler's output, and its tokens padded to `feed_rows` for the next step's `fed_tokens` (one
-            size for every step, so the forward compiles once per shape, not once per previous shape too)."""
+            size for every step, so the forward compiles once per shape, not once per previous shape too). It
+            reads this step's `fed_tokens` too: penalties count the tokens the host does not know yet."""
             traces.count += 1
-            out = sample(nnx.merge(graphdef, params).logits(rows), sampling, flags)
+            out = sample(nnx.merge(graphdef, params).logits(rows), sampling, flags, fed_tokens)
             return out, jnp.zeros(feed_rows, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
 
         def prompt_rows(params, hidden, targets, num):

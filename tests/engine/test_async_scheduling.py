@@ -70,11 +70,15 @@ def test_preemption_while_a_step_is_in_flight(engines):
     assert fast.scheduler.num_preemptions > before  # 8 sequences of ~50 tokens do not fit 23 blocks of 16
 
 
-def test_penalties_wait_for_the_real_tokens(engines, monkeypatch):
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_penalties_count_the_token_still_on_the_device(engines, monkeypatch, temperature):
+    """The history a step's penalties read holds the previous step's token, which only the device knows yet:
+    the steps still overlap, and every penalty sees what the synchronous engine's does."""
     sources = spy_token_sources(monkeypatch)
-    both(engines, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3,
-                                              presence_penalty=0.5, ignore_eos=True))
-    assert sources and not any(fed for fed, _ in sources)  # no step read a token from the device
+    params = SamplingParams(temperature=temperature, seed=7, max_tokens=16, repetition_penalty=1.5,
+                            presence_penalty=0.7, frequency_penalty=0.6, ignore_eos=True)
+    both(engines, PROMPTS, params)
+    assert any(fed for fed, _ in sources)  # decode steps were dispatched before the host knew their input
 
 
 def test_decode_inputs_come_from_the_device_while_the_host_catches_up(engines, monkeypatch):

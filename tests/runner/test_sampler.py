@@ -39,6 +39,7 @@ def _tensors(B: int, temperature: float) -> SamplingTensors:
         seeds=jnp.arange(B, dtype=jnp.uint32), counters=jnp.zeros(B, jnp.int32),
         bias_ids=jnp.full((B, BIAS_SLOTS), V, jnp.int32), bias_values=jnp.zeros((B, BIAS_SLOTS), jnp.float32),
         history=jnp.zeros((B, 0), jnp.int32), history_is_output=jnp.zeros((B, 0), bool),
+        history_fed_pos=jnp.full(B, -1, jnp.int32), history_fed_row=jnp.zeros(B, jnp.int32),
         presence=jnp.zeros(B, jnp.float32), frequency=jnp.zeros(B, jnp.float32), repetition=jnp.ones(B, jnp.float32))
 
 
@@ -46,8 +47,9 @@ def _tensors(B: int, temperature: float) -> SamplingTensors:
 def test_skipping_logprobs_keeps_the_tokens(greedy):
     logits = jnp.asarray(np.random.default_rng(1).standard_normal((4, V)).astype(np.float32) * 3)
     t = _tensors(4, 0.0 if greedy else 1.0)
-    without = sample(logits, t, SamplerFlags(all_greedy=greedy, num_logprobs=-1))
-    with_lp = sample(logits, t, SamplerFlags(all_greedy=greedy, num_logprobs=3))
+    no_feed = jnp.zeros(4, jnp.int32)
+    without = sample(logits, t, SamplerFlags(all_greedy=greedy, num_logprobs=-1), no_feed)
+    with_lp = sample(logits, t, SamplerFlags(all_greedy=greedy, num_logprobs=3), no_feed)
     np.testing.assert_array_equal(np.asarray(without.tokens), np.asarray(with_lp.tokens))
     if greedy:
         np.testing.assert_array_equal(np.asarray(without.tokens), np.argmax(np.asarray(logits), axis=-1))
