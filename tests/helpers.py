@@ -53,12 +53,13 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str) -> Path:
     from jaxserve.loader.gguf import _GLOBAL_NAMES, _LAYER_NAMES
 
     cfg = json.loads((hf_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     writer = gguf.GGUFWriter(str(out), arch)
     for key, value in {"context_length": cfg["max_position_embeddings"], "embedding_length": cfg["hidden_size"],
                        "block_count": cfg["num_hidden_layers"], "feed_forward_length": cfg["intermediate_size"],
                        "attention.head_count": cfg["num_attention_heads"],
                        "attention.head_count_kv": cfg["num_key_value_heads"],
-                       "attention.key_length": cfg["head_dim"], "attention.value_length": cfg["head_dim"]}.items():
+                       "attention.key_length": head_dim, "attention.value_length": head_dim}.items():
         writer.add_uint32(f"{arch}.{key}", int(value))
     writer.add_float32(f"{arch}.rope.freq_base", float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(cfg["rms_norm_eps"]))

@@ -71,15 +71,17 @@ def test_smollm2_gguf_logits_match_transformers(smol_engine, hf_smollm2):
     check_parity(smol_engine, hf_smollm2, prompts, max_tokens=8, tol=2e-4)
 
 
-def test_qwen3_gguf_logits_match_transformers(tiny_checkpoint, smollm2_gguf_path, tmp_path):
-    """A Qwen3 GGUF (llama.cpp's tensor names and metadata: attn_q_norm, attention.key_length as the head size)
-    reads as the same model as its safetensors."""
+@pytest.mark.parametrize("name, head_dim", [("qwen2-bias", 16), ("qwen3-qk-norm", 32)])
+def test_qwen_gguf_logits_match_transformers(name, head_dim, tiny_checkpoint, smollm2_gguf_path, tmp_path):
+    """Qwen2 and Qwen3 GGUFs (llama.cpp's tensor names and metadata: q/k/v biases, attn_q_norm, the head size
+    as attention.key_length) read as the same model as their safetensors."""
     from tests.helpers import write_gguf
 
-    arch, overrides = ARCHITECTURES["qwen3-qk-norm"]
+    arch, overrides = ARCHITECTURES[name]
     path = tiny_checkpoint(arch, **overrides)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    gguf_file = write_gguf(path, tmp_path / "tiny-qwen3.gguf", "qwen3", smollm2_gguf_path)
+    gguf_file = write_gguf(path, tmp_path / f"tiny-{arch}.gguf", arch, smollm2_gguf_path)
     engine = Engine(str(gguf_file), num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
-    assert engine.config.model.architecture == "Qwen3ForCausalLM" and engine.config.model.head_dim == 32
+    assert engine.config.model.architecture == reference.config.architectures[0]
+    assert engine.config.model.head_dim == head_dim
     check_parity(engine, reference, PROMPTS)
