@@ -63,10 +63,11 @@ def test_stop_strings_and_tokens_found_while_the_next_step_runs(engines):
     assert out[1][0][2] == "stop" and len(out[1][0][0]) <= 6
 
 
-def test_preemption_while_a_step_is_in_flight(engines):
+@pytest.mark.parametrize("penalties", [{}, dict(repetition_penalty=1.3, frequency_penalty=0.4)])
+def test_preemption_while_a_step_is_in_flight(engines, penalties):
     fast, _ = engines
     before = fast.scheduler.num_preemptions
-    both(engines, PROMPTS * 2, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    both(engines, PROMPTS * 2, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **penalties))
     assert fast.scheduler.num_preemptions > before  # 8 sequences of ~50 tokens do not fit 23 blocks of 16
 
 
