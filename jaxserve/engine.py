@@ -213,6 +213,8 @@ class Engine:
         KeyboardInterrupt while waiting, recompile_guard="error") leaves nothing half done: the next call reads it.
         """
         touched: dict[str, Request] = {}
+        # One step in flight at most when scheduling (a call that raised leaves two): one placeholder a sequence.
+        self._read_back_all_but(1, touched)
         launched = self._launch()
         if launched is not None and launched.recompiled:
             self._on_recompile(launched.sched)  # may raise: every launched step is queued, so nothing is lost

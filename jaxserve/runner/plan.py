@@ -127,6 +127,8 @@ def _fill_sampling(t: SamplingTensors, chunks: list[ScheduledChunk]) -> None:
             t.history_is_output[row, seq.num_prompt_tokens : seq.num_tokens] = True
             if seq.pending_index is not None:  # sampled by the step in flight: the sampler reads it on the device
                 t.history_fed_pos[row], t.history_fed_row[row] = seq.pending_index, seq.pending_row
+            holes = np.flatnonzero(t.history[row, : seq.num_tokens] == PLACEHOLDER)
+            assert list(holes) in ([], [seq.pending_index]), "a token the penalties cannot see (two steps in flight)"
 
 
 def _statics(chunks: list[ScheduledChunk], max_logprobs: int, decode_only: bool) -> StepStatics:

@@ -147,12 +147,14 @@ def test_a_prefix_computed_by_the_step_in_flight_is_shared_at_once(engines):
     assert [o.outputs[0].token_ids for o in outs] == [expected, expected]
 
 
+@pytest.mark.parametrize("penalties", [{}, dict(repetition_penalty=1.5, frequency_penalty=0.6)])
 @pytest.mark.parametrize("where", ["read back", "inputs"])
-def test_an_interrupt_inside_a_step_loses_nothing(engines, monkeypatch, where):
+def test_an_interrupt_inside_a_step_loses_nothing(engines, monkeypatch, where, penalties):
     """A KeyboardInterrupt while a step is read back (or an error while the next one is built) leaves every
-    launched step queued: stepping on gives the synchronous engine's tokens, with no placeholder anywhere."""
+    launched step queued: stepping on gives the synchronous engine's tokens, with no placeholder anywhere, and
+    penalties still count every token (two steps were queued: the next call reads one back before it schedules)."""
     fast, slow = engines
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **penalties)
     expected = slow.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids
     calls = {"n": 0}
 
