@@ -22,6 +22,7 @@ from jaxserve.cli_args import (
     add_distributed_arguments,
     fail,
     layer_partition,
+    json_object,
     memory_fraction,
     mesh_shape,
     non_negative_float,
@@ -187,6 +188,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--shutdown-grace-seconds", type=non_negative_float, default=DEFAULT_DRAIN_SECONDS,
                         metavar="SECONDS", help="on SIGTERM or Ctrl-C, how long requests in flight may run on "
                                                 "before they are aborted (new ones get 503 meanwhile)")
+    server.add_argument("--default-chat-template-kwargs", type=json_object, metavar="JSON",
+                        help="template variables for every chat request, e.g. '{\"enable_thinking\": false}' for "
+                             "Qwen3; a request's own chat_template_kwargs win (as in vLLM)")
     server.add_argument("--log-prompts", action="store_true",
                         help="log each request's prompt (kept out of the logs unless set: prompts may be private)")
 

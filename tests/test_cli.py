@@ -71,6 +71,8 @@ def test_config_file_values_with_command_line_winning(tmp_path):
     (["serve", "--config", "/no/such.yaml"], "does not exist"),
     (["serve", "--gpu-memory-utilization", "1.5"], "fraction in (0, 1]"),
     (["serve", "--attention-impl", "flash"], "invalid choice"),
+    (["serve", "--default-chat-template-kwargs", "{nope"], "expected a JSON object"),
+    (["serve", "--default-chat-template-kwargs", "[1]"], "expected a JSON object"),
     (["generate", "--prompt", "x", "--chat-template", "missing.jinja"], "neither a readable file"),
     (["generate"], "--prompt"),
     (["generate", "--prompt", "x", "--temperature", "-1"], "temperature"),
@@ -150,7 +152,8 @@ def test_serve_logs_model_mesh_kv_capacity_and_url(fake_engine_module, caplog, m
     monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: started.update(
         app=server.config.app, port=sockets[0].getsockname()[1]))
     caplog.set_level("INFO", logger="jaxserve")
-    assert cli.main(["serve", "--port", "0", "--served-model-name", "smol", "--api-key", "k"]) == 0
+    assert cli.main(["serve", "--port", "0", "--served-model-name", "smol", "--api-key", "k",
+                     "--default-chat-template-kwargs", '{"enable_thinking": false}']) == 0
     log = caplog.text
     port = started["port"]
     assert "model fake-model served as smol" in log and "mesh 1x1" in log
@@ -158,6 +161,7 @@ def test_serve_logs_model_mesh_kv_capacity_and_url(fake_engine_module, caplog, m
     assert f"http://127.0.0.1:{port}" in log
     state = started["app"].state.server
     assert state.served_model_names == ["smol"] and state.api_key == "k"
+    assert state.default_chat_template_kwargs == {"enable_thinking": False}
     state.engine.shutdown()
 
 

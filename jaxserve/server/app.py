@@ -93,7 +93,8 @@ async def tokenize(request: Request) -> JSONResponse:
         messages = [ChatMessageParam.model_validate(message).to_template_dict() for message in body.messages]
         tokens = await asyncio.to_thread(state.engine.encode_chat, messages, body.add_generation_prompt,
                                          continue_final_message=body.continue_final_message,
-                                         chat_template_kwargs=body.chat_template_kwargs)
+                                         chat_template_kwargs={**(state.default_chat_template_kwargs or {}),
+                                                               **(body.chat_template_kwargs or {})} or None)
     elif body.prompt is not None:
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
@@ -151,12 +152,14 @@ ROUTES = [
 
 def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = None,
               api_key: str | None = None, shutdown_engine: bool = True,
-              max_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES) -> Starlette:
+              max_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              default_chat_template_kwargs: dict | None = None) -> Starlette:
     """The HTTP app over `async_engine`; it serves the model under `served_model_names` (default: its name).
 
     Bodies over `max_body_bytes` are refused with 413 (None: no limit)."""
     names = list(served_model_names or [async_engine.model_name])
-    state = ServerState(async_engine, names, ServerMetrics(async_engine, names[0]), api_key)
+    state = ServerState(async_engine, names, ServerMetrics(async_engine, names[0]), api_key,
+                        default_chat_template_kwargs)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -41,7 +41,7 @@ async def create_chat_completion(request: Request) -> Response:
     model = state.resolve_model(body.model)
     # Rendering a long conversation through the template is CPU work: keep it off the event loop.
     prompts, params = await asyncio.to_thread(chat_inputs, body, state.engine.encode_chat,
-                                              state.engine.generation_defaults)
+                                              state.engine.generation_defaults, state.default_chat_template_kwargs)
     arrival_time = time.monotonic()
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await start_requests(state, prompts, params, request_id, body.priority)

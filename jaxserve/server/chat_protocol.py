@@ -79,10 +79,11 @@ class ChatCompletionRequest(SamplingFields):
     def template_messages(self) -> list[dict[str, Any]]:
         return [message.to_template_dict() for message in self.messages]
 
-    def rendering(self) -> dict[str, Any]:
-        """encode_chat's options beyond the messages."""
+    def rendering(self, default_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """encode_chat's options beyond the messages; the request's template variables win over the server's
+        `--default-chat-template-kwargs`."""
         return {"continue_final_message": self.continue_final_message,
-                "chat_template_kwargs": self.chat_template_kwargs}
+                "chat_template_kwargs": {**(default_kwargs or {}), **(self.chat_template_kwargs or {})} or None}
 
 
 class ChatLogProb(OpenAIModel):

@@ -23,7 +23,8 @@ def serve_engine(engine, args: argparse.Namespace, sock: socket.socket, mesh: st
                                request_timeout=args.request_timeout, log_prompts=args.log_prompts,
                                step_timeout=args.step_timeout or None)  # 0: off
     app = build_app(async_engine, served_model_names=names, api_key=args.api_key,
-                    max_body_bytes=args.max_request_body_bytes)
+                    max_body_bytes=args.max_request_body_bytes,
+                    default_chat_template_kwargs=args.default_chat_template_kwargs)
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
     log_startup(engine, mesh, names, f"http://{host}:{port}")

@@ -50,11 +50,12 @@ def completion_inputs(body: CompletionRequest, model_defaults: dict) -> tuple[li
     return body.prompts(), build_sampling_params(body, model_defaults)
 
 
-def chat_inputs(body: ChatCompletionRequest, encode_chat: ChatEncoder, model_defaults: dict
-                ) -> tuple[list[Prompt], SamplingParams]:
+def chat_inputs(body: ChatCompletionRequest, encode_chat: ChatEncoder, model_defaults: dict,
+                template_defaults: dict | None = None) -> tuple[list[Prompt], SamplingParams]:
     """POST /v1/chat/completions: the messages rendered through the chat template into one token-id prompt.
 
     The params come first so that a bad value is reported before the (slower) template rendering.
     """
     params = build_sampling_params(body, model_defaults)
-    return [encode_chat(body.template_messages(), body.add_generation_prompt, **body.rendering())], params
+    return [encode_chat(body.template_messages(), body.add_generation_prompt, **body.rendering(template_defaults))], \
+        params

@@ -25,6 +25,7 @@ class ServerState:
     served_model_names: list[str]
     metrics: ServerMetrics
     api_key: str | None = None
+    default_chat_template_kwargs: dict | None = None  # --default-chat-template-kwargs; a request's own win
     started_at: float = field(default_factory=time.time)
 
     def resolve_model(self, requested: str | None) -> str:

@@ -328,3 +328,23 @@ def test_continue_final_message_and_chat_template_kwargs_reach_the_template(serv
     plain = {"messages": conversation[:1], "max_tokens": 2}
     counted = post(server, "/v1/chat/completions", {**plain, "chat_template_kwargs": {"enable_thinking": False}})
     assert counted.json()["usage"] == post(server, "/v1/chat/completions", plain).json()["usage"]
+
+
+def test_server_default_chat_template_kwargs_under_the_requests_own(tokenizer):
+    """--default-chat-template-kwargs: variables every chat renders with, unless the request sets its own."""
+    import copy
+
+    own = copy.deepcopy(tokenizer)
+    own.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if thinking %} and think{% endif %}"
+    app = build_app(AsyncEngine(FakeEngine(own)), default_chat_template_kwargs={"thinking": True})
+    chat = {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False}
+    with serve_in_thread(app) as url:
+        def rendered(extra):
+            reply = httpx.post(url + "/tokenize", json={**chat, **extra})
+            assert reply.status_code == 200, reply.text
+            prompt_tokens = httpx.post(url + "/v1/chat/completions", json={**chat, **extra, "max_tokens": 1})
+            assert prompt_tokens.json()["usage"]["prompt_tokens"] == reply.json()["count"]  # chat renders alike
+            return own.decode(reply.json()["tokens"])
+
+        assert rendered({}) == "hi and think"
+        assert rendered({"chat_template_kwargs": {"thinking": False}}) == "hi"
