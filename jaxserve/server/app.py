@@ -21,7 +21,7 @@ from starlette.routing import Route
 import jaxserve
 from jaxserve.async_engine import AsyncEngine, EngineDeadError, QueueFull, RequestTimedOut
 from jaxserve.server.chat import create_chat_completion
-from jaxserve.server.chat_protocol import ChatMessageParam
+from jaxserve.server.chat_protocol import ChatMessageParam, template_kwargs
 from jaxserve.server.completions import create_completion
 from jaxserve.server.errors import (
     APIError,
@@ -93,8 +93,8 @@ async def tokenize(request: Request) -> JSONResponse:
         messages = [ChatMessageParam.model_validate(message).to_template_dict() for message in body.messages]
         tokens = await asyncio.to_thread(state.engine.encode_chat, messages, body.add_generation_prompt,
                                          continue_final_message=body.continue_final_message,
-                                         chat_template_kwargs={**(state.default_chat_template_kwargs or {}),
-                                                               **(body.chat_template_kwargs or {})} or None)
+                                         chat_template_kwargs=template_kwargs(state.default_chat_template_kwargs,
+                                                                              body.chat_template_kwargs))
     elif body.prompt is not None:
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:

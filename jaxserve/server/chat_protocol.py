@@ -83,7 +83,12 @@ class ChatCompletionRequest(SamplingFields):
         """encode_chat's options beyond the messages; the request's template variables win over the server's
         `--default-chat-template-kwargs`."""
         return {"continue_final_message": self.continue_final_message,
-                "chat_template_kwargs": {**(default_kwargs or {}), **(self.chat_template_kwargs or {})} or None}
+                "chat_template_kwargs": template_kwargs(default_kwargs, self.chat_template_kwargs)}
+
+
+def template_kwargs(server_defaults: dict[str, Any] | None, own: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A request's chat template variables over the server's defaults (None when neither sets any)."""
+    return {**(server_defaults or {}), **(own or {})} or None
 
 
 class ChatLogProb(OpenAIModel):
