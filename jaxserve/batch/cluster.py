@@ -15,7 +15,7 @@ from pathlib import Path
 
 from jaxserve.batch.job_config import BatchJob, load_job, read_job_mapping
 from jaxserve.parallel import wire
-from jaxserve.parallel.multinode import Session, start_cluster
+from jaxserve.parallel.multinode import Session, cluster_options, start_cluster
 
 log = logging.getLogger("jaxserve.batch")
 
@@ -28,8 +28,6 @@ PER_PROCESS_ENGINE_OPTIONS = {"chat_template", "compilation_cache_dir"}
 def join_job_cluster(args: argparse.Namespace) -> tuple[Session | None, BatchJob | None]:
     """(session, job) for a multi-process run, (None, None) for one process. Followers read only the job's model
     and engine options, so the input and output paths are checked on process 0 alone."""
-    from jaxserve.parallel.multinode import cluster_options
-
     launches_ray = getattr(args, "distributed_executor_backend", "mp") == "ray"  # start_cluster picks the rest
     if not launches_ray and cluster_options(args) is None:
         return None, None
