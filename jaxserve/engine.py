@@ -18,7 +18,7 @@ import jax
 
 from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_dtype
 from jaxserve.core.block_manager import BlockManager
-from jaxserve.core.output_processor import SequenceText, position_logprobs, request_output
+from jaxserve.core.output_processor import SequenceText, position_logprobs, record_prompt_logprobs, request_output
 from jaxserve.core.request import Request, Sequence
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine_inputs import (check_engine_options, check_max_model_len, normalise_conversations,
@@ -251,7 +251,8 @@ class Engine:
             self.logits_log.extend((c.seq.token_ids[: c.start + c.num_tokens], result.logits[i])
                                    for i, c in enumerate(sched.chunks) if c.samples and not c.seq.finished)
         sampled = [int(result.tokens[i]) if c.samples else None for i, c in enumerate(sched.chunks)]
-        self._record_prompt_logprobs(sched, result)
+        if result.prompt is not None:
+            record_prompt_logprobs(sched.chunks, result.prompt, self._texts)
         for seq, token, row in self.scheduler.resolve(sched, sampled):
             self._on_token(seq, token, result, row)
             touched[seq.request_id] = self._requests[seq.request_id]
@@ -282,25 +283,6 @@ class Engine:
             self.scheduler.finish(seq, "stop", stop)
         if seq.finished:
             text.finish(seq)
-
-    def _record_prompt_logprobs(self, sched: SchedulerOutput, result: StepResult) -> None:
-        if result.prompt is None:
-            return
-        logprobs, ranks, top_ids, top_logprobs = result.prompt
-        offset = 0
-        for chunk in sched.chunks:
-            seq, num = chunk.seq, chunk.seq.params.prompt_logprobs
-            if seq.finished:  # aborted while the step ran: its text is gone
-                offset += chunk.num_tokens
-                continue
-            for i in range(chunk.num_tokens):
-                target = chunk.start + i + 1  # the prompt position this token's logits predict
-                if num is not None and target < seq.num_prompt_tokens and len(seq.prompt_logprobs) == target:
-                    detok = self._texts[seq.seq_id].detok
-                    t = offset + i
-                    seq.prompt_logprobs.append(position_logprobs(detok, seq.token_ids[target], logprobs[t], ranks[t],
-                                                                 top_ids[t], top_logprobs[t], num))
-            offset += chunk.num_tokens
 
     def _emit(self, request: Request) -> RequestOutput:
         output = request_output(request, self._texts)

@@ -55,6 +55,24 @@ def position_logprobs(detok: IncrementalDetokenizer, token: int, logprob: float,
     return entry
 
 
+def record_prompt_logprobs(chunks, prompt: tuple, texts: dict[int, SequenceText]) -> None:
+    """Append a step's prompt logprobs (per-token arrays over the step's flat batch) to the sequences that asked."""
+    logprobs, ranks, top_ids, top_logprobs = prompt
+    offset = 0
+    for chunk in chunks:
+        seq, num = chunk.seq, chunk.seq.params.prompt_logprobs
+        if seq.finished:  # aborted while the step ran: its text is gone
+            offset += chunk.num_tokens
+            continue
+        for i in range(chunk.num_tokens):
+            target = chunk.start + i + 1  # the prompt position this token's logits predict
+            if num is not None and target < seq.num_prompt_tokens and len(seq.prompt_logprobs) == target:
+                t = offset + i
+                seq.prompt_logprobs.append(position_logprobs(texts[seq.seq_id].detok, seq.token_ids[target],
+                                                             logprobs[t], ranks[t], top_ids[t], top_logprobs[t], num))
+        offset += chunk.num_tokens
+
+
 def request_output(req: Request, texts: dict[int, SequenceText]) -> RequestOutput:
     seqs = req.sequences
     n = req.params.n
