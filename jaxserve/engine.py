@@ -18,6 +18,7 @@ import jax
 
 from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_dtype
 from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.grammar import GrammarCompiler, grammar_ended
 from jaxserve.core.output_processor import SequenceText, position_logprobs, record_prompt_logprobs, request_output
 from jaxserve.core.request import Request, Sequence
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
@@ -101,6 +102,7 @@ class Engine:
         self.blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.blocks)
         self._requests: dict[str, Request] = {}
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self._eos_token_ids())
         self._texts: dict[int, SequenceText] = {}
         self._rng = random.Random(seed)
         self._seq_ids = itertools.count()
@@ -162,19 +164,25 @@ class Engine:
         ids = prompt_token_ids(self.tokenizer, prompt, self.config.model.vocab_size)
         params = validate_lengths(params, len(ids), self.max_model_len, self.config)
         seqs = [self._new_sequence(request_id, i, ids, params, priority) for i in range(params.num_sequences)]
+        if params.constrained:  # compiled here, off the engine thread; an invalid grammar is a ValueError
+            matcher = self.grammars.matcher(params.structured_outputs)
+            for i, seq in enumerate(seqs):
+                seq.matcher = matcher.deep_copy() if i else matcher
         return Request(request_id, prompt if isinstance(prompt, str) else None, seqs, params)
 
     def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
                       priority: int) -> Sequence:
         seed = self._rng.getrandbits(32) if params.seed is None else (params.seed + index * 0x9E3779B9) & 0xFFFFFFFF
-        eos = tuple(self.config.model.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id
-                                                          is not None else ())
         seq = Sequence(next(self._seq_ids), request_id, index, list(ids), len(ids), params, seed,
-                       arrival=next(self._arrivals), priority=priority, eos_token_ids=eos,
+                       arrival=next(self._arrivals), priority=priority, eos_token_ids=self._eos_token_ids(),
                        max_model_len=self.max_model_len)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs.append(None)  # the first prompt token has no context to be predicted from
         return seq
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.tokenizer.eos_token_id
+        return tuple(self.config.model.eos_token_ids) or (() if eos is None else (eos,))
 
     def add_prepared_request(self, request: Request) -> None:
         if request.request_id in self._requests:
@@ -214,7 +222,8 @@ class Engine:
         """
         touched: dict[str, Request] = {}
         # One step in flight at most when scheduling (a call that raised leaves two): one placeholder a sequence.
-        self._read_back_all_but(1, touched)
+        # None when it samples for a grammar: the next mask needs the token it samples.
+        self._read_back_all_but(0 if self._grammar_in_flight() else 1, touched)
         launched = self._launch()
         if launched is not None and launched.recompiled:
             self._on_recompile(launched.sched)  # may raise: every launched step is queued, so nothing is lost
@@ -236,6 +245,9 @@ class Engine:
         self.scheduler.advance(sched)
         self._launched.append(step)
         return step
+
+    def _grammar_in_flight(self) -> bool:
+        return any(c.seq.matcher is not None and c.samples for step in self._launched for c in step.sched.chunks)
 
     def _read_back_all_but(self, keep: int, touched: dict[str, Request]) -> None:
         """Read back and account for the launched steps, oldest first, leaving the newest `keep` in flight."""
@@ -281,6 +293,8 @@ class Engine:
         stop = text.add_token(seq, token)
         if stop is not None:
             self.scheduler.finish(seq, "stop", stop)
+        elif seq.matcher is not None and not seq.finished and grammar_ended(seq.matcher, token, seq.request_id):
+            self.scheduler.finish(seq, "stop")
         if seq.finished:
             text.finish(seq)
 
@@ -377,6 +391,6 @@ class Engine:
 
 def _profile_inputs(T: int, B: int, shape: PlanShape):
     """The largest step with every sampler extra on: what the cache must leave room for."""
-    inputs = empty_inputs(T, B, shape, penalties=True)
-    flags = SamplerFlags(all_greedy=False, top_filter=True, penalties=True, num_logprobs=shape.max_logprobs)
+    inputs = empty_inputs(T, B, shape, penalties=True, constrained=True)
+    flags = SamplerFlags.for_constrained(shape.max_logprobs)
     return inputs, StepStatics(sampler=flags, prompt_logprobs=shape.max_logprobs)

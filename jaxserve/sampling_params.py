@@ -12,6 +12,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from jaxserve.structured_outputs import StructuredOutputsParams
+
 # Below this temperature sampling is greedy (argmax); dividing logits by ~0 would only produce inf/nan.
 GREEDY_TEMPERATURE = 1e-5
 # OpenAI clamps logit_bias values to this range; larger values would swamp every other logit anyway.
@@ -119,6 +121,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    # Constrain the output to a JSON schema, regex, choice or grammar (a dict of its fields is accepted too).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -129,6 +133,7 @@ class SamplingParams:
         self.stop = _normalise_stop(self.stop)
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
         self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
 
     def _check_counts(self) -> None:
         _require_int("n", self.n)
@@ -203,6 +208,10 @@ class SamplingParams:
     @property
     def needs_top_filter(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
+    def constrained(self) -> bool:
+        return self.structured_outputs is not None
 
     @property
     def needs_logprobs(self) -> bool:

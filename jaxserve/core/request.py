@@ -43,6 +43,8 @@ class Sequence:
     # takes its value on the device from row `pending_row` of the in-flight step's sampled tokens.
     pending_index: int | None = None
     pending_row: int | None = None
+    # Structured outputs: the llguidance matcher that has consumed this sequence's output so far (core/grammar.py).
+    matcher: object | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -129,7 +129,7 @@ class ModelRunner:
             tick(1)
             if T == B:  # once per sequence bucket
                 for flags in variants:
-                    sampling = empty_inputs(T, B, shape, penalties=flags.penalties).sampling
+                    sampling = empty_inputs(T, B, shape, penalties=flags.penalties, constrained=flags.constrained).sampling
                     jax.block_until_ready(self.fns.sample_rows(self.params, rows, sampling, flags, self.feed_rows,
                                                                self.fed_tokens))
                     tick(1)

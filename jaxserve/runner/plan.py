@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.grammar import bitmask_width, fill_masks
 from jaxserve.core.request import PLACEHOLDER
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.runner.attention import AttentionMetadata
@@ -37,8 +38,10 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanSha
     chunks = out.chunks
     T, B = shape.buckets.shape(out.num_tokens, len(chunks))
     decode_only = shape.decode_kernel and T == B and all(c.num_tokens == 1 for c in chunks)
-    inputs = empty_inputs(T, B, shape, penalties=any(c.seq.params.needs_penalties for c in chunks),
-                          decode_only=decode_only)
+    grammar_rows = [(row, c.seq.matcher) for row, c in enumerate(chunks) if c.samples and c.seq.matcher is not None]
+    # A constrained step runs the sampler with every extra (SamplerFlags.for_constrained), penalties included.
+    inputs = empty_inputs(T, B, shape, penalties=bool(grammar_rows) or any(c.seq.params.needs_penalties for c in chunks),
+                          decode_only=decode_only, constrained=bool(grammar_rows))
     meta, bs = inputs.meta, blocks.block_size
     fed_rows, fed_from = [], []  # rows whose last token is a placeholder, sampled by the step in flight
     for row, chunk in enumerate(chunks):
@@ -65,7 +68,11 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanSha
     inputs.prompt_targets[:N] = list(chain.from_iterable(_next_tokens(c) for c in chunks))
     inputs.logits_indices[: len(chunks)] = ends - 1
     _fill_sampling(inputs.sampling, chunks)
-    return inputs, _statics(chunks, shape.max_logprobs, decode_only)
+    if grammar_rows:
+        assert all(chunks[row].seq.pending_index is None for row, _ in grammar_rows), \
+            "a grammar mask planned before the token it follows was read back"
+        fill_masks(grammar_rows, inputs.sampling.allowed)
+    return inputs, _statics(chunks, shape.max_logprobs, decode_only, constrained=bool(grammar_rows))
 
 
 def _next_tokens(chunk: ScheduledChunk) -> list[int]:
@@ -73,10 +80,12 @@ def _next_tokens(chunk: ScheduledChunk) -> list[int]:
     return following + [0] * (chunk.num_tokens - len(following))
 
 
-def empty_inputs(T: int, B: int, shape: PlanShape, penalties: bool = False, decode_only: bool = False) -> StepInputs:
+def empty_inputs(T: int, B: int, shape: PlanShape, penalties: bool = False, decode_only: bool = False,
+                 constrained: bool = False) -> StepInputs:
     """All-padding inputs: tokens write into the null block, rows sample greedily with no extras."""
     V = shape.vocab_size
     P = shape.max_model_len if penalties else 0
+    W = bitmask_width(V) if constrained else 0
     f32 = lambda v: np.full(B, v, np.float32)  # noqa: E731
     sampling = SamplingTensors(
         temperature=f32(0.0), top_k=np.zeros(B, np.int32), top_p=f32(1.0), min_p=f32(0.0),
@@ -84,7 +93,7 @@ def empty_inputs(T: int, B: int, shape: PlanShape, penalties: bool = False, deco
         bias_ids=np.full((B, BIAS_SLOTS), V, np.int32), bias_values=np.zeros((B, BIAS_SLOTS), np.float32),
         history=np.full((B, P), V, np.int32), history_is_output=np.zeros((B, P), bool),
         history_fed_pos=np.full(B, -1, np.int32), history_fed_row=np.zeros(B, np.int32),
-        presence=f32(0.0), frequency=f32(0.0), repetition=f32(1.0),
+        presence=f32(0.0), frequency=f32(0.0), repetition=f32(1.0), allowed=np.full((B, W), -1, np.int32),
     )
     meta = AttentionMetadata(np.zeros(T, np.int32), np.zeros(T, np.int32), np.zeros(T, np.int32),
                              np.zeros((B, shape.max_blocks_per_seq), np.int32), decode_only)
@@ -131,13 +140,14 @@ def _fill_sampling(t: SamplingTensors, chunks: list[ScheduledChunk]) -> None:
             assert list(holes) in ([], [seq.pending_index]), "a token the penalties cannot see (two steps in flight)"
 
 
-def _statics(chunks: list[ScheduledChunk], max_logprobs: int, decode_only: bool) -> StepStatics:
+def _statics(chunks: list[ScheduledChunk], max_logprobs: int, decode_only: bool, constrained: bool) -> StepStatics:
     sampling = [c.seq.params for c in chunks if c.samples]
-    flags = SamplerFlags(
+    num_logprobs = max_logprobs if any(p.needs_logprobs for p in sampling) else -1
+    flags = SamplerFlags.for_constrained(num_logprobs) if constrained else SamplerFlags(
         all_greedy=all(p.greedy for p in sampling),
         top_filter=any(p.needs_top_filter and not p.greedy for p in sampling),
         penalties=any(c.seq.params.needs_penalties for c in chunks),
-        num_logprobs=max_logprobs if any(p.needs_logprobs for p in sampling) else -1,
+        num_logprobs=num_logprobs,
     )
     wants_prompt_logprobs = any(c.seq.params.prompt_logprobs is not None for c in chunks)
     return StepStatics(sampler=flags, prompt_logprobs=max_logprobs if wants_prompt_logprobs else -1,

@@ -36,6 +36,9 @@ class SamplingTensors:
     presence: jax.Array  # [B] f32
     frequency: jax.Array  # [B] f32
     repetition: jax.Array  # [B] f32
+    # Structured outputs: bit t % 32 of word t // 32 says whether token t may come next (all ones in rows that are
+    # not constrained); [B, ceil(V / 32)] i32, or [B, 0] when no row is.
+    allowed: jax.Array
 
 
 @dataclass(frozen=True)
@@ -48,12 +51,20 @@ class SamplerFlags:
     # -1: no row asked for logprobs, so the log-softmax, ranks and top-N are skipped (about a tenth of a
     # 64-sequence CPU step); else the top-N width (rows asking for fewer are cut on the host).
     num_logprobs: int = -1
+    # Some row's next token is restricted by a grammar (the `allowed` bitmask). Such steps take every other extra
+    # too (each is exact for rows that do not use it), so constraining adds two programs per bucket, not twelve.
+    constrained: bool = False
 
     @classmethod
     def all_variants(cls, max_logprobs: int) -> list["SamplerFlags"]:
         """Every combination warm-up compiles (top_filter only matters when sampling)."""
         modes = [(True, False), (False, False), (False, True)]
-        return [cls(greedy, top, pen, lp) for greedy, top in modes for pen in (False, True) for lp in (-1, max_logprobs)]
+        plain = [cls(greedy, top, pen, lp) for greedy, top in modes for pen in (False, True) for lp in (-1, max_logprobs)]
+        return plain + [cls.for_constrained(lp) for lp in (-1, max_logprobs)]
+
+    @classmethod
+    def for_constrained(cls, num_logprobs: int) -> "SamplerFlags":
+        return cls(all_greedy=False, top_filter=True, penalties=True, num_logprobs=num_logprobs, constrained=True)
 
 
 @jax.tree_util.register_dataclass
@@ -106,12 +117,21 @@ def _filter_top(logits, t: SamplingTensors):
     desc = jnp.where(desc >= kth, desc, -jnp.inf)
     probs = jax.nn.softmax(desc, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each candidate
-    # The most likely token always stays: a top_p too small for float32 (1e-300 rounds to 0) means greedy.
-    keep = (before < t.top_p[:, None]) | (jnp.arange(V) == 0)[None, :]
+    # The most likely token always stays: a top_p too small for float32 (1e-300 rounds to 0) means greedy. top_p = 1
+    # keeps everything, also the tail that float32 cumulative sums round to 1.
+    keep = (before < t.top_p[:, None]) | (t.top_p >= 1.0)[:, None] | (jnp.arange(V) == 0)[None, :]
     cut = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
     logits = jnp.where(logits >= jnp.maximum(kth, cut), logits, -jnp.inf)
     p = jax.nn.softmax(logits, axis=-1)
     return jnp.where(p >= t.min_p[:, None] * jnp.max(p, axis=-1, keepdims=True), logits, -jnp.inf)
+
+
+def _apply_allowed(logits, t: SamplingTensors):
+    """Rule out every token the row's grammar does not allow next."""
+    B, V = logits.shape
+    bits = jnp.arange(32, dtype=jnp.int32)
+    allowed = (t.allowed[:, :, None] >> bits[None, None, :]) & 1  # [B, W, 32]; the arithmetic shift keeps bit 31
+    return jnp.where(allowed.reshape(B, -1)[:, :V] != 0, logits, -jnp.inf)
 
 
 def _gumbel(t: SamplingTensors, vocab: int):
@@ -127,6 +147,8 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, fed_token
     x = _apply_bias(logits, t)
     if flags.penalties:
         x = _apply_penalties(x, t, fed_tokens)
+    if flags.constrained:
+        x = _apply_allowed(x, t)
     tokens = first_argmax(x)
     if not flags.all_greedy:
         scaled = x / jnp.maximum(t.temperature, GREEDY_EPS)[:, None]

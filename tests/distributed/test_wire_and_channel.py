@@ -31,10 +31,11 @@ def free_port_pair() -> int:
 
 def test_step_round_trip_keeps_every_array_and_the_statics():
     shape = PlanShape(Buckets.for_limits(32, 4), 8, 1000, 64, 5)
-    inputs = empty_inputs(16, 4, shape, penalties=True)
+    inputs = empty_inputs(16, 4, shape, penalties=True, constrained=True)  # every optional array present
     inputs.token_ids[:] = np.arange(16)
     inputs.sampling.temperature[:] = 0.5
-    statics = StepStatics(SamplerFlags(all_greedy=False, top_filter=True, penalties=True, num_logprobs=5), 5, True)
+    inputs.sampling.allowed[1, :] = 0x5555
+    statics = StepStatics(SamplerFlags.for_constrained(5), 5, True)
     leaves = jax.tree_util.tree_leaves(inputs)
     kind, payload = wire.STEP, wire.encode_step(leaves, statics)
     got_leaves, got_statics = wire.decode_step(payload, StepStatics)

@@ -47,11 +47,12 @@ def test_shared_prefix_is_computed_once(tiny):
 
 
 def random_params(rng: random.Random) -> SamplingParams:
-    kind = rng.choice(["greedy", "sample", "top", "logprobs", "penalties", "prompt_logprobs", "bias"])
+    kind = rng.choice(["greedy", "sample", "top", "logprobs", "penalties", "prompt_logprobs", "bias", "grammar"])
     p = dict(max_tokens=rng.randint(1, 24), ignore_eos=True, seed=rng.randint(0, 99))
     p |= {"greedy": dict(temperature=0), "sample": dict(temperature=0.8), "top": dict(top_p=0.8, top_k=20),
           "logprobs": dict(logprobs=5), "penalties": dict(repetition_penalty=1.2, presence_penalty=0.5),
-          "prompt_logprobs": dict(prompt_logprobs=2), "bias": dict(logit_bias={5: 3.0}, min_tokens=1)}[kind]
+          "prompt_logprobs": dict(prompt_logprobs=2), "bias": dict(logit_bias={5: 3.0}, min_tokens=1),
+          "grammar": dict(temperature=0.8, structured_outputs={"regex": "[a-z ]{1,40}"}, logprobs=rng.choice([None, 2]))}[kind]
     return SamplingParams(**p)
 
 
@@ -72,6 +73,8 @@ def test_no_compiles_after_warmup_for_200_random_requests(tiny, caplog):
     params = [random_params(rng) for _ in prompts]
     outs = engine.generate(prompts, params, use_tqdm=False)  # recompile_guard="error" raises on any compile
     assert all(o.finished for o in outs)
+    constrained = [o.outputs[0].text for o, p in zip(outs, params) if p.constrained]
+    assert constrained and all(re.fullmatch("[a-z ]{1,40}", text) for text in constrained), constrained
     assert engine.stats()["compiles_after_warmup"] == 0
     assert engine.stats()["free_blocks"] == engine.stats()["total_blocks"]
 

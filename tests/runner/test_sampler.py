@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.runner.sampler import BIAS_SLOTS, SamplerFlags, SamplingTensors, first_argmax, sample
+from jaxserve.runner.sampler import BIAS_SLOTS, SamplerFlags, SamplingTensors, _filter_top, first_argmax, sample
 
 V = 1000
 
@@ -32,7 +32,7 @@ def test_first_argmax_matches_jnp_argmax_on_ties_infinities_and_nans():
     assert list(np.asarray(got)[1:7]) == [3, 0, 7, 0, V - 1, 0]
 
 
-def _tensors(B: int, temperature: float) -> SamplingTensors:
+def _tensors(B: int, temperature: float, allowed: np.ndarray | None = None) -> SamplingTensors:
     return SamplingTensors(
         temperature=jnp.full(B, temperature, jnp.float32), top_k=jnp.zeros(B, jnp.int32),
         top_p=jnp.ones(B, jnp.float32), min_p=jnp.zeros(B, jnp.float32),
@@ -40,7 +40,8 @@ def _tensors(B: int, temperature: float) -> SamplingTensors:
         bias_ids=jnp.full((B, BIAS_SLOTS), V, jnp.int32), bias_values=jnp.zeros((B, BIAS_SLOTS), jnp.float32),
         history=jnp.zeros((B, 0), jnp.int32), history_is_output=jnp.zeros((B, 0), bool),
         history_fed_pos=jnp.full(B, -1, jnp.int32), history_fed_row=jnp.zeros(B, jnp.int32),
-        presence=jnp.zeros(B, jnp.float32), frequency=jnp.zeros(B, jnp.float32), repetition=jnp.ones(B, jnp.float32))
+        presence=jnp.zeros(B, jnp.float32), frequency=jnp.zeros(B, jnp.float32), repetition=jnp.ones(B, jnp.float32),
+        allowed=jnp.asarray(allowed if allowed is not None else np.zeros((B, 0), np.int32)))
 
 
 @pytest.mark.parametrize("greedy", [True, False])
@@ -65,4 +66,55 @@ def test_skipping_logprobs_keeps_the_tokens(greedy):
 def test_warmup_variants_cover_both_logprob_modes():
     variants = SamplerFlags.all_variants(max_logprobs=20)
     assert {f.num_logprobs for f in variants} == {-1, 20}
+    assert {f for f in variants if f.constrained} == {SamplerFlags.for_constrained(-1), SamplerFlags.for_constrained(20)}
     assert SamplerFlags().num_logprobs == -1
+
+
+def _packed(allowed: np.ndarray) -> np.ndarray:
+    """[B, V] booleans -> llguidance's bitmask: bit t % 32 of int32 word t // 32 (little-endian bit order)."""
+    B = allowed.shape[0]
+    padded = np.zeros((B, -(-V // 32) * 32), bool)
+    padded[:, :V] = allowed
+    return np.packbits(padded, axis=-1, bitorder="little").view(np.int32)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_mask_allows_exactly_its_tokens(temperature):
+    rng = np.random.default_rng(2)
+    B = 6
+    allowed = rng.random((B, V)) < 0.05
+    allowed[0, :] = False
+    allowed[0, [31, 63, 999]] = True  # bit 31 of a word (the sign bit) and the last, partial word
+    allowed[1, :] = True  # a row no grammar constrains
+    logits = jnp.asarray(rng.standard_normal((B, V)).astype(np.float32) * 3)
+    t = _tensors(B, temperature, _packed(allowed))
+    for counter in range(5):  # several random draws
+        t.counters = jnp.full(B, counter, jnp.int32)
+        tokens = np.asarray(sample(logits, t, SamplerFlags.for_constrained(-1), jnp.zeros(B, jnp.int32)).tokens)
+        assert allowed[np.arange(B), tokens].all(), tokens
+    if temperature == 0.0:
+        expected = np.argmax(np.where(allowed, np.asarray(logits), -np.inf), axis=-1)
+        np.testing.assert_array_equal(tokens, expected)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_the_constrained_variant_samples_unconstrained_rows_as_the_plain_one(temperature):
+    """A constrained step runs every sampler extra: rows that use none must get the very same tokens."""
+    B = 4
+    logits = jnp.asarray(np.random.default_rng(3).standard_normal((B, V)).astype(np.float32) * 3)
+    everything = np.full((B, -(-V // 32)), -1, np.int32)
+    plain, constrained = _tensors(B, temperature), _tensors(B, temperature, everything)
+    for counter in range(8):
+        plain.counters = constrained.counters = jnp.full(B, counter, jnp.int32)
+        want = sample(logits, plain, SamplerFlags(all_greedy=temperature == 0.0), jnp.zeros(B, jnp.int32)).tokens
+        got = sample(logits, constrained, SamplerFlags.for_constrained(-1), jnp.zeros(B, jnp.int32)).tokens
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_top_p_one_keeps_the_tail_that_float32_sums_round_away():
+    """With one dominant logit the cumulative probability is exactly 1.0 in float32 before the tail: top_p = 1
+    must still keep every token (the constrained variant filters rows that asked for no filter)."""
+    logits = np.zeros((1, V), np.float32)
+    logits[0, 0] = 30.0
+    kept = np.asarray(_filter_top(jnp.asarray(logits), _tensors(1, 1.0)))
+    np.testing.assert_array_equal(kept, logits)

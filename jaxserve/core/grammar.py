@@ -1,0 +1,106 @@
+"""Grammar matchers for constrained output (llguidance), and the token masks they give each step.
+
+A constrained sequence owns an `LLMatcher`: before each sampling step the matcher says which tokens may come
+next, as a bitmask (bit t of word t // 32 is token t) that the sampler applies on the device; after the step it
+consumes the sampled token. The mask depends on the token sampled just before, so a constrained sequence never
+has a step in flight when the next one is planned (engine.py).
+
+JSON is generated on one line with ", " and ": " separators: letting the model choose whitespace freely lets a
+small model emit newlines for ever without breaking the grammar.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+
+import numpy as np
+
+from jaxserve.structured_outputs import StructuredOutputsParams
+
+log = logging.getLogger(__name__)
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class GrammarCompiler:
+    """Turns a request's StructuredOutputsParams into matchers. Thread-safe: requests are prepared off the engine
+    thread. The tokenizer's llguidance view is built on first use (about a second for a large vocabulary)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._ll_tokenizer = None
+        self._lock = threading.Lock()
+
+    def matcher(self, params: StructuredOutputsParams):
+        """A fresh matcher at the start of the output; ValueError naming the problem for an invalid grammar."""
+        import llguidance
+
+        grammar = _grammar_text(params)
+        matcher = llguidance.LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured outputs {params.kind} is invalid: {_first_line(matcher.get_error())}")
+        return matcher
+
+    def _llguidance_tokenizer(self):
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
+
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size,
+                                                                  eos_token=self._eos or None)
+            return self._ll_tokenizer
+
+
+def _grammar_text(params: StructuredOutputsParams) -> str:
+    from llguidance import LLMatcher, grammar_from
+
+    kind = params.kind
+    if kind == "json":
+        return LLMatcher.grammar_from_json_schema(params.json, defaults=JSON_OPTIONS)
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(params.regex)
+    if kind == "choice":
+        return grammar_from("choice", params.choice)
+    try:
+        return grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
+    except ValueError as e:
+        raise ValueError(f"structured outputs grammar is invalid: {_first_line(str(e))}") from None
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else "unknown error"
+
+
+def grammar_ended(matcher, token: int, request_id: str) -> bool:
+    """Feed the sampled token to the matcher; whether the output must end here: the grammar is complete and
+    allows nothing more (the text stops as at EOS), or, which masking rules out, the token broke it."""
+    if not matcher.consume_token(token):
+        log.warning("request %s: token %d does not fit its grammar (%s); the output ends here", request_id, token,
+                    _first_line(matcher.get_error()))
+        return True
+    return matcher.is_stopped()
+
+
+def fill_masks(rows: list[tuple[int, object]], out: np.ndarray) -> None:
+    """Write each (row, matcher)'s allowed next tokens into `out[row]` ([B, bitmask_width] int32), the rows in
+    parallel on llguidance's threads (the GIL is released)."""
+    import llguidance.numpy
+
+    llguidance.numpy.fill_next_token_bitmask_par(_executor(), [(m, row) for row, m in rows], out)
+
+
+@functools.cache
+def _executor():
+    import llguidance
+
+    return llguidance.LLExecutor()
