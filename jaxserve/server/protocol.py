@@ -1,8 +1,7 @@
 """Request and response schemas of the OpenAI-compatible API (pydantic), as OpenAI and vLLM clients send them.
 
-Unknown request fields are ignored, as vLLM does, so clients written for newer API versions still work; the few
-that change what a right answer is (constrained output, tool calls), which this server does not implement, are
-refused by name.
+Unknown request fields are ignored, as vLLM does, so clients written for newer API versions still work; tool
+calls, which change what a right answer is and which this server does not implement, are refused by name.
 Chat schemas live in `chat_protocol.py`; this file holds the shared pieces, completions, tokenize and models.
 """
 
@@ -14,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured_outputs import StructuredOutputsParams
 
 PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
@@ -53,30 +53,13 @@ class UsageInfo(OpenAIModel):
 class SamplingFields(OpenAIModel):
     """Sampling fields common to completions and chat (OpenAI's, then vLLM's extras)."""
 
-    # Constrained decoding is not implemented, so asking for it is refused by name rather than ignored like other
-    # unknown fields: a client that set response_format parses JSON, and free text would break it later.
+    # Constrained output, as OpenAI (response_format), vLLM (structured_outputs) and older vLLM (guided_*) ask.
     response_format: dict[str, Any] | None = None
+    structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    structured_outputs: Any = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        kind = (value or {}).get("type", "text")
-        if kind != "text":
-            raise ValueError(f"response_format type {kind!r} is not supported: this server has no constrained "
-                             f"decoding; leave response_format out and ask for the format in the prompt")
-        return value
-
-    @field_validator("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
-    @classmethod
-    def _no_guided_decoding(cls, value: Any, info) -> Any:
-        if value is not None:
-            raise ValueError(f"{info.field_name} is not supported: this server has no constrained decoding")
-        return value
 
     model: str | None = None
     n: int = 1
@@ -134,8 +117,52 @@ class SamplingFields(OpenAIModel):
             min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            structured_outputs=self._structured_outputs(),
             **specific,
         )
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one output constraint the body asks for, in whichever spelling; a ValueError naming the field."""
+        asked = {name: getattr(self, name) for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
+                 if getattr(self, name) is not None}
+        if _response_format_kind(self.response_format) == "text":
+            asked.pop("response_format", None)
+        if len(asked) > 1:
+            raise ValueError(f"{next(iter(asked))} cannot be combined with {', '.join(list(asked)[1:])}: ask for one "
+                             f"output constraint")
+        if not asked:
+            return None
+        (name, value), = asked.items()
+        try:
+            if name == "response_format":
+                return _from_response_format(value)
+            if name == "structured_outputs":
+                return StructuredOutputsParams.of(value)
+            return StructuredOutputsParams(**{GUIDED_FIELDS[name]: value})
+        except ValueError as e:
+            raise ValueError(f"{name} is invalid: {e}") from None
+
+
+# vLLM's older request fields -> the StructuredOutputsParams field each sets.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _response_format_kind(value: dict[str, Any] | None) -> str:
+    return (value or {}).get("type", "text")
+
+
+def _from_response_format(value: dict[str, Any]) -> StructuredOutputsParams:
+    """OpenAI's response_format: {"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name": ...,
+    "schema": {...}, "strict": ...}}."""
+    kind = _response_format_kind(value)
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        schema = (value.get("json_schema") or {}).get("schema")
+        if schema is None:
+            raise ValueError('type "json_schema" needs the schema in json_schema.schema')
+        return StructuredOutputsParams(json=schema)
+    raise ValueError(f"type {kind!r} is not supported; use text, json_object or json_schema")
 
 
 # --- completions --------------------------------------------------------------------------------------------

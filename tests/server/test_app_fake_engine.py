@@ -142,17 +142,20 @@ def test_chat_validation_errors_are_400(server):
 
 
 @pytest.mark.parametrize("path, extra, param, contains", [
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "json_object"),
-    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format",
-     "no constrained decoding"),
-    ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json", "no constrained decoding"),
-    ("/v1/completions", {"guided_choice": ["yes", "no"]}, "guided_choice", "no constrained decoding"),
+    ("/v1/chat/completions", {"response_format": {"type": "grammar"}}, "response_format", "'grammar' is not supported"),
+    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", "json_schema.schema"),
+    ("/v1/chat/completions", {"guided_json": {"type": "object"}, "guided_choice": ["a"]}, "guided_json",
+     "cannot be combined with guided_choice"),
+    ("/v1/completions", {"guided_choice": "yes"}, "guided_choice", "non-empty list"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+     "exactly one"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
      "tool_choice"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}], "function_call": "auto"}, "functions",
      "function_call"),
 ])
-def test_unsupported_output_constraints_are_400_not_ignored(server, path, extra, param, contains):
+def test_unsupported_or_invalid_output_constraints_are_400_not_ignored(server, path, extra, param, contains):
     """Unknown fields are ignored, but these change what a correct answer is: ignoring them would hand free text
     to a client that parses JSON or waits for a tool call."""
     body = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}

@@ -1,6 +1,10 @@
 """Acceptance: /v1/chat/completions on the real server with SmolLM2."""
 
+import json
+
 import httpx
+import openai
+import pytest
 
 from tests.server.helpers import REAL_MODEL
 
@@ -54,3 +58,20 @@ def test_stream_with_usage_and_stop(openai_client):
         stopped = chat(openai_client, temperature=0, stop=[text[1:3]])
         assert stopped.choices[0].finish_reason == "stop"
         assert stopped.choices[0].message.content == text[: text.index(text[1:3])]
+
+
+def test_json_schema_response_format(openai_client):
+    schema = {"type": "object", "properties": {"planet": {"type": "string"}, "moons": {"type": "integer"}},
+              "required": ["planet", "moons"], "additionalProperties": False}
+    reply = chat(openai_client, temperature=0, max_completion_tokens=40, response_format={
+        "type": "json_schema", "json_schema": {"name": "planet", "schema": schema, "strict": True}})
+    answer = json.loads(reply.choices[0].message.content)
+    assert set(answer) == {"planet", "moons"} and isinstance(answer["moons"], int)
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_streamed_choice_and_an_invalid_regex(openai_client):
+    chunks = list(chat(openai_client, temperature=0, stream=True, extra_body={"guided_choice": ["Mars", "Venus"]}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) in ("Mars", "Venus")
+    with pytest.raises(openai.BadRequestError, match="regex is invalid"):
+        chat(openai_client, extra_body={"structured_outputs": {"regex": "(unclosed"}})
