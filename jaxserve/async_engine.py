@@ -71,10 +71,16 @@ class AsyncEngine:
         self._draining = False  # set by stop_admitting(): new requests are refused, admitted ones run on
         self._loop_exited = False  # set under the lock; afterwards nothing more is queued
         self._stats = self._collect_stats()
+        # Set when the loop thread ends; the watchdog waits on it, so shutdown() ends both threads at once. A
+        # daemon thread still running at interpreter exit can be killed while it frees jax arrays, which aborts
+        # the process ("FATAL: exception not rethrown").
+        self._loop_done = threading.Event()
         self._thread = threading.Thread(target=self._run_loop, name="jaxserve-engine-loop", daemon=True)
         self._thread.start()
+        self._watchdog = None
         if step_timeout is not None:
-            threading.Thread(target=self._watch_steps, name="jaxserve-step-watchdog", daemon=True).start()
+            self._watchdog = threading.Thread(target=self._watch_steps, name="jaxserve-step-watchdog", daemon=True)
+            self._watchdog.start()
 
     # --- what the server may know about the engine ------------------------------------------------------------
     @property
@@ -94,10 +100,8 @@ class AsyncEngine:
         """The model's generation_config.json sampling defaults, for request fields left unset."""
         return self.engine.generation_defaults
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
-                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
-        return self.engine.encode_chat(messages, add_generation_prompt, continue_final_message=continue_final_message,
-                                       chat_template_kwargs=chat_template_kwargs)
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **rendering) -> list[int]:
+        return self.engine.encode_chat(messages, add_generation_prompt, **rendering)
 
     @property
     def is_healthy(self) -> bool:
@@ -180,6 +184,8 @@ class AsyncEngine:
         """`stop()`, then wait for the loop thread to finish."""
         self.stop()
         self._thread.join(timeout)
+        if self._watchdog is not None and self._loop_done.is_set():
+            self._watchdog.join()  # returns at once: it wakes on _loop_done
 
     # --- admission bookkeeping (both sides) -------------------------------------------------------------------
     def _admit(self, request_id: str) -> None:
@@ -251,6 +257,7 @@ class AsyncEngine:
             self._die(exc)
         finally:
             self._close_command_queue()
+            self._loop_done.set()
 
     def _step_until_stopped(self) -> None:
         while True:
@@ -270,8 +277,7 @@ class AsyncEngine:
     def _watch_steps(self) -> None:
         """Log a step that overruns `step_timeout` while it still runs: a hung device never returns to say so."""
         reported = None
-        while self._thread.is_alive():
-            time.sleep(min(self.step_timeout / 4, 5.0))
+        while not self._loop_done.wait(min(self.step_timeout / 4, 5.0)):
             started = self._step_started
             if started is not None and started != reported and self.is_hung:
                 reported = started

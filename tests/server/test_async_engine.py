@@ -1,6 +1,8 @@
 """AsyncEngine over the fake engine: streaming, validation before streaming, aborts, admission, failures."""
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -128,3 +130,13 @@ def test_abort_from_another_task_ends_the_stream(engine, fake):
 
     asyncio.run(run())
     assert fake.aborted == ["victim"]
+
+
+def test_shutdown_ends_every_thread_it_started(fake):
+    """A daemon thread left running at interpreter exit can be killed while it frees jax arrays, which aborts
+    the process (exit 134): shutdown must end the step watchdog too, not leave it asleep for seconds."""
+    engine = AsyncEngine(fake, step_timeout=60.0)  # the watchdog would sleep min(60 / 4, 5) s between checks
+    started = time.monotonic()
+    engine.shutdown()
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("jaxserve-") and t.is_alive()]
+    assert alive == [] and time.monotonic() - started < 2
