@@ -316,21 +316,20 @@ class Engine:
 
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or a list of conversations; the template
         options are vLLM's `LLM.chat` ones."""
         prompts = [self.encode_chat(conv, add_generation_prompt, continue_final_message=continue_final_message,
-                                    chat_template_kwargs=chat_template_kwargs)
+                                    chat_template_kwargs=chat_template_kwargs, tools=tools)
                    for conv in normalise_conversations(messages)]
         return self._run_all(prompts, params, use_tqdm)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
-                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **rendering) -> list[int]:
+        """Token ids of the messages through the chat template; `rendering`: continue_final_message,
+        chat_template_kwargs, tools (loader/tokenizer.apply_chat_template)."""
         from jaxserve.loader.tokenizer import apply_chat_template
 
-        return apply_chat_template(self.tokenizer, messages, add_generation_prompt,
-                                   continue_final_message=continue_final_message,
-                                   chat_template_kwargs=chat_template_kwargs)
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt, **rendering)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that advanced it, until it finishes."""

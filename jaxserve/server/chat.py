@@ -26,6 +26,7 @@ from jaxserve.server.request_bodies import chat_inputs, parse_request
 from jaxserve.server.response_bodies import ChatRendering, completion_token_count
 from jaxserve.server.serving import ServerState, close_all, collect_final_outputs, observed, start_requests
 from jaxserve.server.streaming import EventStreamResponse, cancel_on_disconnect, sse_events
+from jaxserve.server.tools import ToolCall
 
 
 @dataclass
@@ -75,12 +76,23 @@ def _delta_choice(job: ChatJob, completion: CompletionOutput, progress: dict[int
     """The new part of one choice since its last chunk (the first one also names the role), or None."""
     first_chunk = completion.index not in progress
     chars_sent, tokens_sent, finished = progress.get(completion.index, (0, 0, False))
-    if finished:
+    mode = job.request.tool_mode()
+    if finished or (mode == "required" and not completion.finished):  # calls are parsed from the whole text
         return None
     text = completion.text[chars_sent:]
     if not first_chunk and not text and len(completion.token_ids) <= tokens_sent and not completion.finished:
         return None
     progress[completion.index] = (len(completion.text), len(completion.token_ids), completion.finished)
-    delta = DeltaMessage(role="assistant" if first_chunk else None, content=text)
+    role = "assistant" if first_chunk else None
+    finish_reason = completion.finish_reason
+    if mode is None:
+        delta = DeltaMessage(role=role, content=text)
+    elif mode == "required":
+        message, finish_reason = job.message(completion)
+        calls = [{"index": i, **call} for i, call in enumerate(message.tool_calls)]
+        delta = DeltaMessage(role=role, content=message.content, tool_calls=calls or None)
+    else:  # a named function: its arguments stream as they are generated
+        call = ToolCall(mode, text).body(0) if first_chunk else {"index": 0, "function": {"arguments": text}}
+        delta = DeltaMessage(role=role, tool_calls=[call])
     return ChatStreamChoice(index=completion.index, delta=delta, logprobs=job.logprobs(completion, tokens_sent),
-                            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+                            finish_reason=finish_reason, stop_reason=completion.stop_reason)

@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.protocol import OpenAIModel, SamplingFields, UsageInfo
+from jaxserve.server.tools import template_tool_calls, tool_choice_mode, tool_constraint
+from jaxserve.structured_outputs import StructuredOutputsParams
 
 # OpenAI's cap on top_logprobs for chat.
 MAX_TOP_LOGPROBS = 20
@@ -38,7 +40,7 @@ class ChatMessageParam(BaseModel):
             message["content"] = "".join(part["text"] for part in self.content)
         elif self.content is None:
             message["content"] = ""
-        return message
+        return template_tool_calls(message)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -50,21 +52,33 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the last (assistant) message is left open to go on with
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables (enable_thinking...)
-    tool_choice: Any = None  # before `tools`, whose check reads it
-    tools: list[dict[str, Any]] | None = None
-    function_call: Any = None  # OpenAI's older names for tool_choice and tools
+    tool_choice: Any = None
+    tools: list[dict[str, Any]] | None = None  # tool calls: server/tools.py
+    function_call: Any = None  # OpenAI's deprecated names for tool_choice and tools
     functions: list[dict[str, Any]] | None = None
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tool_calls(cls, tools: list[dict[str, Any]] | None, info: ValidationInfo) -> list[dict[str, Any]] | None:
-        # Refused rather than ignored: the client would wait for tool calls that never come. A choice of "none"
-        # asks for none, so the tools are then simply not used (as vLLM does).
-        choice = "tool_choice" if info.field_name == "tools" else "function_call"
-        if tools and info.data.get(choice) != "none":
-            raise ValueError(f"{info.field_name} are not supported: this server does not produce tool calls; leave "
-                             f"{info.field_name} out or set {choice} to \"none\"")
-        return tools
+    def _no_legacy_function_calls(cls, functions: list[dict[str, Any]] | None, info: ValidationInfo):
+        # Refused rather than ignored: the client would wait for a function call that never comes. A choice of
+        # "none" asks for none, so the functions are then simply not used (as vLLM does).
+        if functions and info.data.get("function_call") != "none":
+            raise ValueError('functions are not supported (OpenAI deprecated them for tools): send tools and '
+                             'tool_choice instead, or set function_call to "none"')
+        return functions
+
+    def tool_mode(self) -> str | None:
+        """None (answer in text), "required", or the name of the function the answer calls (server/tools.py)."""
+        return tool_choice_mode(self.tool_choice, self.tools)
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        mode, asked = self.tool_mode(), super()._structured_outputs()
+        if mode is None:
+            return asked
+        if asked is not None:
+            raise ValueError("tool_choice cannot be combined with response_format or structured outputs: a forced "
+                             "tool call already fixes the output's format")
+        return tool_constraint(mode, self.tools)
 
     def to_sampling_params(self, model_defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None:
@@ -83,7 +97,8 @@ class ChatCompletionRequest(SamplingFields):
         """encode_chat's options beyond the messages; the request's template variables win over the server's
         `--default-chat-template-kwargs`."""
         return {"continue_final_message": self.continue_final_message,
-                "chat_template_kwargs": template_kwargs(default_kwargs, self.chat_template_kwargs)}
+                "chat_template_kwargs": template_kwargs(default_kwargs, self.chat_template_kwargs),
+                "tools": self.tools if self.tool_mode() is not None else None}
 
 
 def template_kwargs(server_defaults: dict[str, Any] | None, own: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -108,6 +123,7 @@ class ChatLogProbs(OpenAIModel):
 class ChatMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ChatChoice(OpenAIModel):
@@ -130,6 +146,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatStreamChoice(OpenAIModel):

@@ -18,6 +18,7 @@ from jaxserve.server.chat_protocol import (
     ChatMessage,
 )
 from jaxserve.server.logprobs import chat_logprobs, completion_logprobs
+from jaxserve.server.tools import parse_tool_calls
 from jaxserve.server.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -108,13 +109,24 @@ class ChatRendering:
         return chat_logprobs(completion.token_ids[first_token:], (completion.logprobs or [])[first_token:],
                              self.request.top_logprobs or 0, self.decode_token)
 
+    def message(self, completion: CompletionOutput) -> tuple[ChatMessage, str | None]:
+        """A finished choice's message and finish reason: its text, or the tool calls a tool_choice forced (text
+        still, when max_tokens cut the call short)."""
+        mode = self.request.tool_mode()
+        calls = parse_tool_calls(mode, completion.text) if mode and completion.finish_reason == "stop" else None
+        if calls is None:
+            return ChatMessage(content=completion.text), completion.finish_reason
+        # As vLLM and OpenAI: "tool_calls" when the model chose to call, "stop" when one function was named.
+        return ChatMessage(tool_calls=[call.body() for call in calls]), \
+            "tool_calls" if mode == "required" else completion.finish_reason
+
     def full_response(self, output: RequestOutput) -> ChatCompletionResponse:
         """The whole (non-streamed) response from the request's final output."""
         choices = [
-            ChatChoice(index=completion.index, message=ChatMessage(content=completion.text),
-                       logprobs=self.logprobs(completion), finish_reason=completion.finish_reason,
-                       stop_reason=completion.stop_reason)
+            ChatChoice(index=completion.index, message=message, logprobs=self.logprobs(completion),
+                       finish_reason=finish_reason, stop_reason=completion.stop_reason)
             for completion in sorted(output.outputs, key=lambda c: c.index)
+            for message, finish_reason in [self.message(completion)]
         ]
         usage = UsageInfo.of(len(output.prompt_token_ids), completion_token_count([output]))
         return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=usage)

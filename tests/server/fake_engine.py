@@ -157,14 +157,11 @@ class FakeEngine:
             finals.update({output.request_id: output for output in self.step() if output.finished})
         return [finals[f"generate-{index}"] for index in range(len(prompts))]
 
-    def encode_chat(self, messages, add_generation_prompt=True, *, continue_final_message=False,
-                    chat_template_kwargs=None):
+    def encode_chat(self, messages, add_generation_prompt=True, **rendering):
         from jaxserve.loader.tokenizer import apply_chat_template
 
         # As Engine renders, errors too.
-        return apply_chat_template(self.tokenizer, messages, add_generation_prompt,
-                                   continue_final_message=continue_final_message,
-                                   chat_template_kwargs=chat_template_kwargs)
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt, **rendering)
 
     def stats(self):
         used = sum(

@@ -1,0 +1,108 @@
+"""Tool calls forced by `tool_choice`, as vLLM produces them: through structured outputs, for any model.
+
+- a named function (`{"type": "function", "function": {"name": "f"}}`): the output is f's arguments, constrained
+  to its `parameters` JSON schema, and becomes one tool call;
+- `"required"`: the output is a JSON array of `{"name": ..., "parameters": {...}}` objects, each constrained to
+  one of the tools, and becomes one tool call per entry (finish_reason "tool_calls");
+- `"none"`: the tools are not used.
+
+`"auto"` (OpenAI's default when tools are given) needs the model's own tool-call format parsed out of free text
+(vLLM's --tool-call-parser); it is refused with a 400 that says what to ask for instead.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from jaxserve.structured_outputs import StructuredOutputsParams
+
+NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def body(self, index: int | None = None) -> dict[str, Any]:
+        """The response's tool_calls entry (a stream delta's carries its index too)."""
+        entry = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": self.name, "arguments": self.arguments}}
+        return entry if index is None else {"index": index, **entry}
+
+
+def function_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """name -> JSON schema of its parameters; a ValueError naming `tools` for an entry of the wrong shape."""
+    found = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise ValueError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": '
+                             f'...}}}}, got {tool!r}')
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tools[{i}].function.name must be a non-empty string, got {name!r}")
+        parameters = function.get("parameters") or NO_PARAMETERS
+        if not isinstance(parameters, dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object, got {parameters!r}")
+        found[name] = parameters
+    return found
+
+
+def tool_choice_mode(tool_choice: Any, tools: list[dict[str, Any]] | None) -> str | None:
+    """None (no tools in play), "required", or the name of the function that must be called; ValueError for
+    "auto" and for a choice that names no given tool."""
+    if not tools or tool_choice == "none":
+        return None
+    names = function_tools(tools)
+    if tool_choice in (None, "auto"):
+        raise ValueError('tool_choice "auto" is not supported (it needs the model\'s own tool-call format parsed '
+                         'out of free text): set tool_choice to "required", to {"type": "function", "function": '
+                         '{"name": ...}}, or to "none"')
+    if tool_choice == "required":
+        return "required"
+    name = ((tool_choice or {}).get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
+    if name is None:
+        raise ValueError(f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": '
+                         f'{{"name": ...}}}}, got {tool_choice!r}')
+    if name not in names:
+        raise ValueError(f"tool_choice names function {name!r}, which is not among the tools ({', '.join(names)})")
+    return name
+
+
+def tool_constraint(mode: str, tools: list[dict[str, Any]]) -> StructuredOutputsParams:
+    """The output's JSON schema: the named function's parameters, or for "required" a non-empty array of calls."""
+    schemas = function_tools(tools)
+    if mode != "required":
+        return StructuredOutputsParams(json=schemas[mode])
+    calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": parameters},
+              "required": ["name", "parameters"], "additionalProperties": False}
+             for name, parameters in schemas.items()]
+    return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+
+
+def parse_tool_calls(mode: str, text: str) -> list[ToolCall] | None:
+    """The calls in a finished output, or None when the text is not a complete call (cut off by max_tokens)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if mode != "required":
+        return [ToolCall(mode, text)]
+    return [ToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in value]
+
+
+def template_tool_calls(message: dict[str, Any]) -> dict[str, Any]:
+    """An input message as chat templates expect its tool calls: OpenAI sends each call's arguments as JSON text,
+    templates (Qwen's, Llama 3's) write them out with `tojson`, so they get the object (as vLLM does)."""
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except json.JSONDecodeError:
+                pass  # not JSON: the template gets the text as sent
+    return message

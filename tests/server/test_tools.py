@@ -1,0 +1,112 @@
+"""Forced tool calls (tool_choice named or "required") map onto structured outputs; everything else is refused
+with a sentence, never silently answered in text."""
+
+import json
+
+import pytest
+
+from jaxserve.server.chat_protocol import ChatCompletionRequest
+from jaxserve.server.request_bodies import build_sampling_params
+from jaxserve.server.tools import parse_tool_calls, tool_choice_mode, tool_constraint
+from jaxserve.structured_outputs import StructuredOutputsParams as S
+from tests.server.helpers import REAL_MODEL
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters
+TOOLS = [WEATHER, TIME]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **fields})
+
+
+def test_a_named_function_constrains_the_output_to_its_parameters():
+    params = build_sampling_params(request(tools=TOOLS, tool_choice=NAMED))
+    assert params.structured_outputs == S(json=WEATHER["function"]["parameters"])
+    assert request(tools=TOOLS, tool_choice=NAMED).rendering()["tools"] == TOOLS  # the template sees them
+
+
+def test_required_constrains_the_output_to_a_list_of_calls():
+    schema = tool_constraint("required", TOOLS).json
+    assert schema["type"] == "array" and schema["minItems"] == 1
+    names = [option["properties"]["name"]["enum"] for option in schema["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+
+
+def test_no_tools_or_none_leaves_the_output_free():
+    assert build_sampling_params(request(tools=TOOLS, tool_choice="none")).structured_outputs is None
+    assert request(tools=TOOLS, tool_choice="none").rendering()["tools"] is None
+    assert tool_choice_mode("required", []) is None
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(tools=TOOLS), 'tool_choice "auto" is not supported'),  # OpenAI's default with tools
+    (dict(tools=TOOLS, tool_choice="auto"), 'tool_choice "auto" is not supported'),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "not among the tools"),
+    (dict(tools=TOOLS, tool_choice="sometimes"), 'tool_choice must be "none"'),
+    (dict(tools=[{"type": "retrieval"}], tool_choice="required"), r"tools\[0\] must be"),
+    (dict(tools=[{"type": "function", "function": {"description": "no name"}}], tool_choice="required"),
+     r"tools\[0\].function.name"),
+    (dict(tools=TOOLS, tool_choice=NAMED, response_format={"type": "json_object"}), "cannot be combined"),
+])
+def test_refused_with_a_sentence(fields, words):
+    with pytest.raises(Exception, match=words):
+        build_sampling_params(request(**fields))
+
+
+def test_calls_are_parsed_from_the_finished_text():
+    assert parse_tool_calls("get_weather", '{"city": "Paris"}')[0].arguments == '{"city": "Paris"}'
+    calls = parse_tool_calls("required", '[{"name": "get_time", "parameters": {}}, '
+                                         '{"name": "get_weather", "parameters": {"city": "Rome"}}]')
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {}), ("get_weather", {"city": "Rome"})]
+    assert parse_tool_calls("required", '[{"name": "get_ti') is None  # cut off by max_tokens: left as text
+    body = calls[0].body(index=0)
+    assert body["index"] == 0 and body["type"] == "function" and body["id"].startswith("call_")
+
+
+def test_tool_call_arguments_in_the_history_reach_the_template_as_objects():
+    history = request(messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    messages = history.template_messages()
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert messages[1]["content"] == "" and messages[2]["tool_call_id"] == "call_1"
+
+
+# ---- on the real server ------------------------------------------------------------------------------------
+def ask(client, **kwargs):
+    return client.chat.completions.create(model=REAL_MODEL, temperature=0, max_completion_tokens=60, tools=TOOLS,
+                                          messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                                          **kwargs)
+
+
+def test_named_tool_call_whole_and_streamed(openai_client):
+    reply = ask(openai_client, tool_choice=NAMED)
+    choice = reply.choices[0]
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    assert choice.message.content is None and choice.finish_reason == "stop" and call.id.startswith("call_")
+    chunks = list(ask(openai_client, tool_choice=NAMED, stream=True))
+    deltas = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+
+
+def test_required_tool_calls_whole_and_streamed(openai_client):
+    reply = ask(openai_client, tool_choice="required")
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments),
+                                                                                 dict)
+    chunks = list(ask(openai_client, tool_choice="required", stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls for t in c.choices[0].delta.tool_calls]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == \
+        [(t.function.name, t.function.arguments) for t in choice.message.tool_calls]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
