@@ -256,8 +256,8 @@ class AsyncEngine:
         except Exception as exc:  # noqa: BLE001 - any failure leaves the engine in an unknown state
             self._die(exc)
         finally:
+            self._loop_done.set()  # first: nothing below may keep the watchdog running
             self._close_command_queue()
-            self._loop_done.set()
 
     def _step_until_stopped(self) -> None:
         while True:

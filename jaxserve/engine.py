@@ -18,7 +18,7 @@ import jax
 
 from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_dtype
 from jaxserve.core.block_manager import BlockManager
-from jaxserve.core.grammar import GrammarCompiler, grammar_ended
+from jaxserve.grammar import GrammarCompiler, grammar_ended
 from jaxserve.core.output_processor import SequenceText, position_logprobs, record_prompt_logprobs, request_output
 from jaxserve.core.request import Request, Sequence
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
@@ -391,5 +391,5 @@ class Engine:
 def _profile_inputs(T: int, B: int, shape: PlanShape):
     """The largest step with every sampler extra on: what the cache must leave room for."""
     inputs = empty_inputs(T, B, shape, penalties=True, constrained=True)
-    flags = SamplerFlags.for_constrained(shape.max_logprobs)
+    flags = SamplerFlags.for_constrained(penalties=True, num_logprobs=shape.max_logprobs)
     return inputs, StepStatics(sampler=flags, prompt_logprobs=shape.max_logprobs)

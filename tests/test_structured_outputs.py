@@ -44,7 +44,21 @@ def test_sampling_params_take_a_dict_of_fields():
     params = SamplingParams(structured_outputs={"choice": ["x", "y"]})
     assert params.structured_outputs == S(choice=["x", "y"]) and params.constrained
     assert not SamplingParams().constrained
-    with pytest.raises(ValueError, match="unknown fields schema"):
+    with pytest.raises(ValueError, match="unsupported fields schema"):
         SamplingParams(structured_outputs={"schema": {}})
+    with pytest.raises(ValueError, match="unsupported fields structural_tag"):
+        SamplingParams(structured_outputs={"structural_tag": "{}"})
     with pytest.raises(ValueError, match="must be an object"):
         SamplingParams(structured_outputs="json")
+
+
+def test_vllm_options_are_accepted_and_additional_properties_can_be_closed():
+    nested = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                               "c": {"type": "array", "items": {"properties": {"d": {}}}}}}
+    closed = S.of({"json": nested, "disable_additional_properties": True, "disable_any_whitespace": True,
+                   "whitespace_pattern": " ", "disable_fallback": True}).json
+    assert closed["additionalProperties"] is False and closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["c"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in nested  # the request's own schema is left as sent
+    assert S(json={"type": "object", "additionalProperties": True}, disable_additional_properties=True).json == \
+        {"type": "object", "additionalProperties": True}  # what a schema says itself stands

@@ -43,7 +43,7 @@ class Sequence:
     # takes its value on the device from row `pending_row` of the in-flight step's sampled tokens.
     pending_index: int | None = None
     pending_row: int | None = None
-    # Structured outputs: the llguidance matcher that has consumed this sequence's output so far (core/grammar.py).
+    # Structured outputs: the llguidance matcher that has consumed this sequence's output so far (grammar.py).
     matcher: object | None = None
 
     @property

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from jaxserve.core.block_manager import BlockManager
-from jaxserve.core.grammar import bitmask_width, fill_masks
+from jaxserve.grammar import bitmask_width, fill_masks
 from jaxserve.core.request import PLACEHOLDER
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.runner.attention import AttentionMetadata
@@ -39,8 +39,7 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanSha
     T, B = shape.buckets.shape(out.num_tokens, len(chunks))
     decode_only = shape.decode_kernel and T == B and all(c.num_tokens == 1 for c in chunks)
     grammar_rows = [(row, c.seq.matcher) for row, c in enumerate(chunks) if c.samples and c.seq.matcher is not None]
-    # A constrained step runs the sampler with every extra (SamplerFlags.for_constrained), penalties included.
-    inputs = empty_inputs(T, B, shape, penalties=bool(grammar_rows) or any(c.seq.params.needs_penalties for c in chunks),
+    inputs = empty_inputs(T, B, shape, penalties=any(c.seq.params.needs_penalties for c in chunks),
                           decode_only=decode_only, constrained=bool(grammar_rows))
     meta, bs = inputs.meta, blocks.block_size
     fed_rows, fed_from = [], []  # rows whose last token is a placeholder, sampled by the step in flight
@@ -143,10 +142,11 @@ def _fill_sampling(t: SamplingTensors, chunks: list[ScheduledChunk]) -> None:
 def _statics(chunks: list[ScheduledChunk], max_logprobs: int, decode_only: bool, constrained: bool) -> StepStatics:
     sampling = [c.seq.params for c in chunks if c.samples]
     num_logprobs = max_logprobs if any(p.needs_logprobs for p in sampling) else -1
-    flags = SamplerFlags.for_constrained(num_logprobs) if constrained else SamplerFlags(
+    penalties = any(c.seq.params.needs_penalties for c in chunks)
+    flags = SamplerFlags.for_constrained(penalties, num_logprobs) if constrained else SamplerFlags(
         all_greedy=all(p.greedy for p in sampling),
         top_filter=any(p.needs_top_filter and not p.greedy for p in sampling),
-        penalties=any(c.seq.params.needs_penalties for c in chunks),
+        penalties=penalties,
         num_logprobs=num_logprobs,
     )
     wants_prompt_logprobs = any(c.seq.params.prompt_logprobs is not None for c in chunks)

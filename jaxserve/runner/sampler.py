@@ -51,8 +51,9 @@ class SamplerFlags:
     # -1: no row asked for logprobs, so the log-softmax, ranks and top-N are skipped (about a tenth of a
     # 64-sequence CPU step); else the top-N width (rows asking for fewer are cut on the host).
     num_logprobs: int = -1
-    # Some row's next token is restricted by a grammar (the `allowed` bitmask). Such steps take every other extra
-    # too (each is exact for rows that do not use it), so constraining adds two programs per bucket, not twelve.
+    # Some row's next token is restricted by a grammar (the `allowed` bitmask). Such steps take the sampling extras
+    # too (each is exact for rows that do not use it), so constraining adds four programs per bucket, not twelve;
+    # penalties stay a choice, since they bring a [B, max_model_len] history to the device.
     constrained: bool = False
 
     @classmethod
@@ -60,11 +61,11 @@ class SamplerFlags:
         """Every combination warm-up compiles (top_filter only matters when sampling)."""
         modes = [(True, False), (False, False), (False, True)]
         plain = [cls(greedy, top, pen, lp) for greedy, top in modes for pen in (False, True) for lp in (-1, max_logprobs)]
-        return plain + [cls.for_constrained(lp) for lp in (-1, max_logprobs)]
+        return plain + [cls.for_constrained(pen, lp) for pen in (False, True) for lp in (-1, max_logprobs)]
 
     @classmethod
-    def for_constrained(cls, num_logprobs: int) -> "SamplerFlags":
-        return cls(all_greedy=False, top_filter=True, penalties=True, num_logprobs=num_logprobs, constrained=True)
+    def for_constrained(cls, penalties: bool, num_logprobs: int) -> "SamplerFlags":
+        return cls(all_greedy=False, top_filter=True, penalties=penalties, num_logprobs=num_logprobs, constrained=True)
 
 
 @jax.tree_util.register_dataclass

@@ -7,7 +7,7 @@
   bucket and per static sampler choice.
 
 Keeping them apart makes the number of programs the sum, not the product, of the forward buckets and the
-sampler variants (about 30 + 70 instead of 30 x 14), which is what lets warm-up compile all of them.
+sampler variants (about 30 + 80 instead of 30 x 16), which is what lets warm-up compile all of them.
 Each trace is counted, so tests can prove nothing compiles after warm-up.
 """
 

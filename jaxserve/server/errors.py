@@ -83,8 +83,8 @@ def from_exception(exc: Exception) -> APIError:
         return exc
     if isinstance(exc, pydantic.ValidationError):
         return from_validation_error(exc)
-    if isinstance(exc, ValueError):
-        return bad_request(str(exc))
+    if isinstance(exc, ValueError):  # a grammar error knows its request field
+        return bad_request(str(exc), param=getattr(exc, "param", None))
     if isinstance(exc, QueueFull):
         return APIError(503, str(exc), "server_error", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})

@@ -137,8 +137,8 @@ class SamplingFields(OpenAIModel):
             if name == "response_format":
                 return _from_response_format(value)
             if name == "structured_outputs":
-                return StructuredOutputsParams.of(value)
-            return StructuredOutputsParams(**{GUIDED_FIELDS[name]: value})
+                return StructuredOutputsParams.of(value, source=name)
+            return StructuredOutputsParams(**{GUIDED_FIELDS[name]: value}, source=name)
         except ValueError as e:
             raise ValueError(f"{name} is invalid: {e}") from None
 
@@ -156,12 +156,13 @@ def _from_response_format(value: dict[str, Any]) -> StructuredOutputsParams:
     "schema": {...}, "strict": ...}}."""
     kind = _response_format_kind(value)
     if kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
+        return StructuredOutputsParams(json_object=True, source="response_format")
     if kind == "json_schema":
-        schema = (value.get("json_schema") or {}).get("schema")
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
         if schema is None:
             raise ValueError('type "json_schema" needs the schema in json_schema.schema')
-        return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=schema, source="response_format")
     raise ValueError(f"type {kind!r} is not supported; use text, json_object or json_schema")
 
 

@@ -35,7 +35,7 @@ def test_step_round_trip_keeps_every_array_and_the_statics():
     inputs.token_ids[:] = np.arange(16)
     inputs.sampling.temperature[:] = 0.5
     inputs.sampling.allowed[1, :] = 0x5555
-    statics = StepStatics(SamplerFlags.for_constrained(5), 5, True)
+    statics = StepStatics(SamplerFlags.for_constrained(penalties=True, num_logprobs=5), 5, True)
     leaves = jax.tree_util.tree_leaves(inputs)
     kind, payload = wire.STEP, wire.encode_step(leaves, statics)
     got_leaves, got_statics = wire.decode_step(payload, StepStatics)

@@ -84,3 +84,14 @@ def test_an_invalid_grammar_is_refused_before_anything_runs(smol_engine, constra
         smol_engine.generate(["fine", "bad"], [ok, SamplingParams(max_tokens=2, structured_outputs=constraint)],
                              use_tqdm=False)
     assert smol_engine.stats()["num_steps"] == steps and not smol_engine.has_unfinished_requests()
+
+
+def test_a_grammar_is_compiled_once_and_copied_for_each_sequence(smol_engine, monkeypatch):
+    compiled = []
+    compile_ = smol_engine.grammars._compile
+    monkeypatch.setattr(smol_engine.grammars, "_compile", lambda p, g: compiled.append(g) or compile_(p, g))
+    params = SamplingParams(n=2, temperature=1.0, seed=2, max_tokens=8, structured_outputs=S(regex="[xyz]{4}"))
+    for _ in range(2):  # two requests with the same grammar, two sequences each
+        outs = smol_engine.generate("Letters:", params, use_tqdm=False)[0].outputs
+        assert all(re.fullmatch("[xyz]{4}", o.text) for o in outs), [o.text for o in outs]
+    assert len(compiled) == 1

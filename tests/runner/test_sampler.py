@@ -66,7 +66,8 @@ def test_skipping_logprobs_keeps_the_tokens(greedy):
 def test_warmup_variants_cover_both_logprob_modes():
     variants = SamplerFlags.all_variants(max_logprobs=20)
     assert {f.num_logprobs for f in variants} == {-1, 20}
-    assert {f for f in variants if f.constrained} == {SamplerFlags.for_constrained(-1), SamplerFlags.for_constrained(20)}
+    assert {f for f in variants if f.constrained} == {SamplerFlags.for_constrained(pen, lp) for pen in (False, True)
+                                                      for lp in (-1, 20)}
     assert SamplerFlags().num_logprobs == -1
 
 
@@ -90,7 +91,8 @@ def test_a_grammar_mask_allows_exactly_its_tokens(temperature):
     t = _tensors(B, temperature, _packed(allowed))
     for counter in range(5):  # several random draws
         t.counters = jnp.full(B, counter, jnp.int32)
-        tokens = np.asarray(sample(logits, t, SamplerFlags.for_constrained(-1), jnp.zeros(B, jnp.int32)).tokens)
+        flags = SamplerFlags.for_constrained(penalties=False, num_logprobs=-1)
+        tokens = np.asarray(sample(logits, t, flags, jnp.zeros(B, jnp.int32)).tokens)
         assert allowed[np.arange(B), tokens].all(), tokens
     if temperature == 0.0:
         expected = np.argmax(np.where(allowed, np.asarray(logits), -np.inf), axis=-1)
@@ -107,7 +109,8 @@ def test_the_constrained_variant_samples_unconstrained_rows_as_the_plain_one(tem
     for counter in range(8):
         plain.counters = constrained.counters = jnp.full(B, counter, jnp.int32)
         want = sample(logits, plain, SamplerFlags(all_greedy=temperature == 0.0), jnp.zeros(B, jnp.int32)).tokens
-        got = sample(logits, constrained, SamplerFlags.for_constrained(-1), jnp.zeros(B, jnp.int32)).tokens
+        flags = SamplerFlags.for_constrained(penalties=True, num_logprobs=-1)  # every extra: still exact
+        got = sample(logits, constrained, flags, jnp.zeros(B, jnp.int32)).tokens
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

@@ -73,5 +73,6 @@ def test_json_schema_response_format(openai_client):
 def test_streamed_choice_and_an_invalid_regex(openai_client):
     chunks = list(chat(openai_client, temperature=0, stream=True, extra_body={"guided_choice": ["Mars", "Venus"]}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) in ("Mars", "Venus")
-    with pytest.raises(openai.BadRequestError, match="regex is invalid"):
+    with pytest.raises(openai.BadRequestError, match="structured_outputs is invalid") as caught:
         chat(openai_client, extra_body={"structured_outputs": {"regex": "(unclosed"}})
+    assert caught.value.body["param"] == "structured_outputs"

@@ -1,4 +1,5 @@
-"""Grammar matchers for constrained output (llguidance), and the token masks they give each step.
+"""Grammar matchers for constrained output (llguidance), and the token masks they give each step. Host side,
+no jax.
 
 A constrained sequence owns an `LLMatcher`: before each sampling step the matcher says which tokens may come
 next, as a bitmask (bit t of word t // 32 is token t) that the sampler applies on the device; after the step it
@@ -14,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections import OrderedDict
 
 import numpy as np
 
@@ -28,25 +30,51 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+class GrammarError(ValueError):
+    """An invalid schema, regex or grammar; `param` is the request field it came from (HTTP 400 names it)."""
+
+    def __init__(self, params: StructuredOutputsParams, problem: str):
+        super().__init__(f"{params.name} is invalid: {_first_line(problem)}")
+        self.param = params.source.split("[")[0].split(".")[0] if params.source else None
+
+
 class GrammarCompiler:
     """Turns a request's StructuredOutputsParams into matchers. Thread-safe: requests are prepared off the engine
-    thread. The tokenizer's llguidance view is built on first use (about a second for a large vocabulary)."""
+    thread. The tokenizer's llguidance view is built on first use (about a second for a large vocabulary).
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    Compiled matchers are kept (least recently used first out) and copied for each sequence: a client usually
+    sends the same schema with every request, and a large schema takes 100 ms or more to compile."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], cache_size: int = 64):
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._ll_tokenizer = None
+        self._compiled: OrderedDict[str, object] = OrderedDict()
+        self._cache_size = cache_size
         self._lock = threading.Lock()
 
     def matcher(self, params: StructuredOutputsParams):
-        """A fresh matcher at the start of the output; ValueError naming the problem for an invalid grammar."""
+        """A fresh matcher at the start of the output; GrammarError naming the problem for an invalid grammar."""
+        grammar = _grammar_text(params)
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self._compiled.move_to_end(grammar)
+                return compiled.deep_copy()
+        compiled = self._compile(params, grammar)  # outside the lock: it may take a while
+        with self._lock:
+            self._compiled[grammar] = compiled
+            while len(self._compiled) > self._cache_size:
+                self._compiled.popitem(last=False)
+        return compiled.deep_copy()
+
+    def _compile(self, params: StructuredOutputsParams, grammar: str):
         import llguidance
 
-        grammar = _grammar_text(params)
         matcher = llguidance.LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"structured outputs {params.kind} is invalid: {_first_line(matcher.get_error())}")
+            raise GrammarError(params, matcher.get_error())
         return matcher
 
     def _llguidance_tokenizer(self):
@@ -74,7 +102,7 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
     try:
         return grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
     except ValueError as e:
-        raise ValueError(f"structured outputs grammar is invalid: {_first_line(str(e))}") from None
+        raise GrammarError(params, str(e)) from None
 
 
 def _first_line(message: str) -> str:
