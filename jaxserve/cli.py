@@ -35,6 +35,7 @@ from jaxserve.config import ATTENTION_IMPLS
 from jaxserve.loader.convert_command import add_convert_arguments, run_convert
 from jaxserve.parallel.check_command import add_check_arguments, run_check
 from jaxserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
 from jaxserve.server.uvicorn_server import DEFAULT_DRAIN_SECONDS
 
 logger = logging.getLogger("jaxserve")
@@ -191,6 +192,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--default-chat-template-kwargs", type=json_object, metavar="JSON",
                         help="template variables for every chat request, e.g. '{\"enable_thinking\": false}' for "
                              "Qwen3; a request's own chat_template_kwargs win (as in vLLM)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="answer tool_choice \"auto\" (OpenAI's default when tools are given): the model calls "
+                             "tools in its own format, read by --tool-call-parser (as in vLLM)")
+    server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                        help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, "
+                             "Hermes)")
     server.add_argument("--log-prompts", action="store_true",
                         help="log each request's prompt (kept out of the logs unless set: prompts may be private)")
 
@@ -212,6 +219,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from jaxserve.parallel.multinode import is_leader
     from jaxserve.server.launch import serve_engine
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise UserError("--enable-auto-tool-choice needs --tool-call-parser to say how the model writes tool calls "
+                        f"(one of: {', '.join(TOOL_CALL_PARSERS)})")
     sock = listen_socket(args.host, args.port) if is_leader(args) else None  # followers serve no HTTP
     return serve_engine(build_engine(args), args, sock, mesh=mesh_from_args(args))
 

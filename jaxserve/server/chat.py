@@ -29,7 +29,7 @@ from jaxserve.server.streaming import EventStreamResponse, cancel_on_disconnect,
 from jaxserve.server.tools import ToolCall
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ChatJob(ChatRendering):
     state: ServerState
     arrival_time: float
@@ -42,11 +42,13 @@ async def create_chat_completion(request: Request) -> Response:
     model = state.resolve_model(body.model)
     # Rendering a long conversation through the template is CPU work: keep it off the event loop.
     prompts, params = await asyncio.to_thread(chat_inputs, body, state.engine.encode_chat,
-                                              state.engine.generation_defaults, state.default_chat_template_kwargs)
+                                              state.engine.generation_defaults, state.default_chat_template_kwargs,
+                                              state.tool_parser)
     arrival_time = time.monotonic()
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await start_requests(state, prompts, params, request_id, body.priority)
-    job = ChatJob(body, model, request_id, state.engine.tokenizer, state, arrival_time, streams[0])
+    job = ChatJob(body, model, request_id, state.engine.tokenizer, state.tool_parser, state=state,
+                  arrival_time=arrival_time, stream=streams[0])
     if body.stream:
         return EventStreamResponse(sse_events(_stream_chunks(job)), on_close=lambda: close_all(streams))
     completed, finals = await cancel_on_disconnect(request, collect_final_outputs(state, streams, arrival_time))
@@ -56,8 +58,7 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 async def _stream_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionStreamResponse]:
-    # Per choice index: (characters sent, tokens sent, finished).
-    progress: dict[int, tuple[int, int, bool]] = {}
+    progress: dict[int, ChoiceProgress] = {}  # per choice index
     last_output = None
     async with aclosing(observed(job.state, [job.stream], job.arrival_time)) as outputs:
         async for _, output in outputs:
@@ -71,28 +72,68 @@ async def _stream_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionStreamResp
         yield ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[], usage=usage)
 
 
-def _delta_choice(job: ChatJob, completion: CompletionOutput, progress: dict[int, tuple[int, int, bool]]
+@dataclass
+class ChoiceProgress:
+    """What one choice's chunks have sent so far."""
+
+    chars: int = 0  # of the text (with tools under "auto": of the content outside the tool calls)
+    tokens: int = 0
+    calls: int = 0  # tool calls, under "auto"
+    finished: bool = False
+
+
+def _delta_choice(job: ChatJob, completion: CompletionOutput, progress: dict[int, ChoiceProgress]
                   ) -> ChatStreamChoice | None:
     """The new part of one choice since its last chunk (the first one also names the role), or None."""
     first_chunk = completion.index not in progress
-    chars_sent, tokens_sent, finished = progress.get(completion.index, (0, 0, False))
-    mode = job.request.tool_mode()
-    if finished or (mode == "required" and not completion.finished):  # calls are parsed from the whole text
+    sent = progress.setdefault(completion.index, ChoiceProgress())
+    choice = job.tool_choice
+    if sent.finished or (choice is not None and choice.kind == "required" and not completion.finished):
+        return None  # "required": the calls are parsed from the whole text
+    tokens_sent = sent.tokens
+    delta, finish_reason = _delta(job, completion, sent, first_chunk)
+    if delta is None and not first_chunk and len(completion.token_ids) <= tokens_sent and not completion.finished:
         return None
-    text = completion.text[chars_sent:]
-    if not first_chunk and not text and len(completion.token_ids) <= tokens_sent and not completion.finished:
-        return None
-    progress[completion.index] = (len(completion.text), len(completion.token_ids), completion.finished)
+    sent.tokens, sent.finished = len(completion.token_ids), completion.finished
+    return ChatStreamChoice(index=completion.index, delta=delta or DeltaMessage(content=""),
+                            logprobs=job.logprobs(completion, tokens_sent), finish_reason=finish_reason,
+                            stop_reason=completion.stop_reason)
+
+
+def _delta(job: ChatJob, completion: CompletionOutput, sent: ChoiceProgress, first_chunk: bool
+           ) -> tuple[DeltaMessage | None, str | None]:
+    """The message delta (None when there is nothing new to say) and the finish reason, by tool choice."""
     role = "assistant" if first_chunk else None
-    finish_reason = completion.finish_reason
-    if mode is None:
-        delta = DeltaMessage(role=role, content=text)
-    elif mode == "required":
-        message, finish_reason = job.message(completion)
+    choice, reason = job.tool_choice, completion.finish_reason
+    if choice is None:
+        text = completion.text[sent.chars:]
+        sent.chars = len(completion.text)
+        return (DeltaMessage(role=role, content=text) if text or first_chunk else None), reason
+    if choice.kind == "required":
+        message, reason = job.message(completion)
         calls = [{"index": i, **call} for i, call in enumerate(message.tool_calls)]
-        delta = DeltaMessage(role=role, content=message.content, tool_calls=calls or None)
-    else:  # a named function: its arguments stream as they are generated
-        call = ToolCall(mode, text).body(0) if first_chunk else {"index": 0, "function": {"arguments": text}}
-        delta = DeltaMessage(role=role, tool_calls=[call])
-    return ChatStreamChoice(index=completion.index, delta=delta, logprobs=job.logprobs(completion, tokens_sent),
-                            finish_reason=finish_reason, stop_reason=completion.stop_reason)
+        return DeltaMessage(role=role, content=message.content, tool_calls=calls or None), reason
+    if choice.kind == "named":  # the function's arguments stream as they are generated
+        text = completion.text[sent.chars:]
+        sent.chars = len(completion.text)
+        call = ToolCall(choice.name, text).body(0) if first_chunk else {"index": 0, "function": {"arguments": text}}
+        return (DeltaMessage(role=role, tool_calls=[call]) if text or first_chunk else None), reason
+    return _auto_delta(job, completion, sent, role)
+
+
+def _auto_delta(job: ChatJob, completion: CompletionOutput, sent: ChoiceProgress, role: str | None
+                ) -> tuple[DeltaMessage | None, str | None]:
+    """tool_choice "auto": content as it becomes final (text that may open a tool call is held back), each tool
+    call whole once its block closes."""
+    content, calls = job.tool_parser.split(completion.text, final=completion.finished)
+    text, new_calls = content[sent.chars:], calls[sent.calls:]
+    if sent.calls or new_calls:
+        text = text if text.strip() else ""  # the whitespace around tool-call blocks is not content
+    first_index, sent.chars, sent.calls = sent.calls, len(content), len(calls)
+    reason = completion.finish_reason
+    if calls and reason == "stop":
+        reason = "tool_calls"
+    bodies = [call.body(first_index + i) for i, call in enumerate(new_calls)]
+    if not text and not bodies and role is None:
+        return None, reason
+    return DeltaMessage(role=role, content=text or None, tool_calls=bodies or None), reason

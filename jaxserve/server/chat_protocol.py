@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.protocol import OpenAIModel, SamplingFields, UsageInfo
-from jaxserve.server.tools import template_tool_calls, tool_choice_mode, tool_constraint
+from jaxserve.server.tools import ToolChoice, template_tool_calls, tool_choice_of, tool_constraint
 from jaxserve.structured_outputs import StructuredOutputsParams
 
 # OpenAI's cap on top_logprobs for chat.
@@ -67,18 +67,18 @@ class ChatCompletionRequest(SamplingFields):
                              'tool_choice instead, or set function_call to "none"')
         return functions
 
-    def tool_mode(self) -> str | None:
-        """None (answer in text), "required", or the name of the function the answer calls (server/tools.py)."""
-        return tool_choice_mode(self.tool_choice, self.tools)
+    def resolved_tool_choice(self) -> ToolChoice | None:
+        """None (no tools in play), or what the tools ask of the output (server/tools.py)."""
+        return tool_choice_of(self.tool_choice, self.tools)
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
-        mode, asked = self.tool_mode(), super()._structured_outputs()
-        if mode is None:
+        choice, asked = self.resolved_tool_choice(), super()._structured_outputs()
+        if choice is None or not choice.forced:
             return asked
         if asked is not None:
             raise ValueError("tool_choice cannot be combined with response_format or structured outputs: a forced "
                              "tool call already fixes the output's format")
-        return tool_constraint(mode, self.tools)
+        return tool_constraint(choice, self.tools)
 
     def to_sampling_params(self, model_defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None:
@@ -98,7 +98,7 @@ class ChatCompletionRequest(SamplingFields):
         `--default-chat-template-kwargs`."""
         return {"continue_final_message": self.continue_final_message,
                 "chat_template_kwargs": template_kwargs(default_kwargs, self.chat_template_kwargs),
-                "tools": self.tools if self.tool_mode() is not None else None}
+                "tools": self.tools or None}  # also under tool_choice "none", as in vLLM
 
 
 def template_kwargs(server_defaults: dict[str, Any] | None, own: dict[str, Any] | None) -> dict[str, Any] | None:

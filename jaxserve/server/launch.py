@@ -11,6 +11,7 @@ import socket
 
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.server.app import build_app
+from jaxserve.server.tool_parsers import tool_call_parser
 from jaxserve.server.uvicorn_server import DrainingServer
 
 logger = logging.getLogger("jaxserve")
@@ -24,7 +25,8 @@ def serve_engine(engine, args: argparse.Namespace, sock: socket.socket, mesh: st
                                step_timeout=args.step_timeout or None)  # 0: off
     app = build_app(async_engine, served_model_names=names, api_key=args.api_key,
                     max_body_bytes=args.max_request_body_bytes,
-                    default_chat_template_kwargs=args.default_chat_template_kwargs)
+                    default_chat_template_kwargs=args.default_chat_template_kwargs,
+                    tool_parser=tool_call_parser(args.tool_call_parser if args.enable_auto_tool_choice else None))
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
     log_startup(engine, mesh, names, f"http://{host}:{port}")

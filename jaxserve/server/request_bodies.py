@@ -32,7 +32,7 @@ def build_sampling_params(body, model_defaults: dict | None = None) -> SamplingP
     try:
         return body.to_sampling_params(model_defaults)
     except ValueError as exc:
-        field_name = str(exc).split(" ", 1)[0]
+        field_name = str(exc).split(" ", 1)[0].split("[")[0]  # "tools[0].function.name ..." names tools
         raise bad_request(str(exc), param=field_name if field_name in type(body).model_fields else None) from None
 
 
@@ -51,11 +51,18 @@ def completion_inputs(body: CompletionRequest, model_defaults: dict) -> tuple[li
 
 
 def chat_inputs(body: ChatCompletionRequest, encode_chat: ChatEncoder, model_defaults: dict,
-                template_defaults: dict | None = None) -> tuple[list[Prompt], SamplingParams]:
+                template_defaults: dict | None = None, tool_parser=None) -> tuple[list[Prompt], SamplingParams]:
     """POST /v1/chat/completions: the messages rendered through the chat template into one token-id prompt.
+    `tool_parser`: how tool calls are read out of the text under tool_choice "auto" (None: "auto" is refused).
 
     The params come first so that a bad value is reported before the (slower) template rendering.
     """
     params = build_sampling_params(body, model_defaults)
+    choice = body.resolved_tool_choice()
+    if choice is not None and choice.kind == "auto" and tool_parser is None:
+        raise bad_request('tool_choice "auto" (the default when tools are given) needs a tool call parser, which '
+                          'this server was not started with (serve --enable-auto-tool-choice --tool-call-parser '
+                          'hermes); or set tool_choice to "required", to {"type": "function", "function": {"name": '
+                          '...}}, or to "none"', param="tool_choice")
     return [encode_chat(body.template_messages(), body.add_generation_prompt, **body.rendering(template_defaults))], \
         params

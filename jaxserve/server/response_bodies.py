@@ -18,7 +18,7 @@ from jaxserve.server.chat_protocol import (
     ChatMessage,
 )
 from jaxserve.server.logprobs import chat_logprobs, completion_logprobs
-from jaxserve.server.tools import parse_tool_calls
+from jaxserve.server.tools import parse_forced_calls
 from jaxserve.server.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -99,6 +99,10 @@ class ChatRendering:
     model: str
     request_id: str
     tokenizer: Any
+    tool_parser: Any = None  # reads tool calls out of the text under tool_choice "auto" (server/tool_parsers.py)
+
+    def __post_init__(self) -> None:
+        self.tool_choice = self.request.resolved_tool_choice()
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -110,23 +114,28 @@ class ChatRendering:
                              self.request.top_logprobs or 0, self.decode_token)
 
     def message(self, completion: CompletionOutput) -> tuple[ChatMessage, str | None]:
-        """A finished choice's message and finish reason: its text, or the tool calls a tool_choice forced (text
-        still, when max_tokens cut the call short)."""
-        mode = self.request.tool_mode()
-        calls = parse_tool_calls(mode, completion.text) if mode and completion.finish_reason == "stop" else None
-        if calls is None:
-            return ChatMessage(content=completion.text), completion.finish_reason
-        # As vLLM and OpenAI: "tool_calls" when the model chose to call, "stop" when one function was named.
-        return ChatMessage(tool_calls=[call.body() for call in calls]), \
-            "tool_calls" if mode == "required" else completion.finish_reason
+        """A finished choice's message and finish reason: its text, or the tool calls in it. As vLLM and OpenAI,
+        finish_reason is "tool_calls" when the model chose to call, "stop" when tool_choice named the function."""
+        choice, text, reason = self.tool_choice, completion.text, completion.finish_reason
+        if choice is None:
+            return ChatMessage(content=text), reason
+        if choice.kind == "auto":
+            content, calls = self.tool_parser.split(text, final=True)
+            content = content.strip() or None
+        else:  # forced: the whole text is the call(s), unless max_tokens cut it short
+            content, calls = None, (parse_forced_calls(choice, text) if reason == "stop" else None)
+        if not calls:
+            return ChatMessage(content=text), reason
+        reason = "tool_calls" if reason == "stop" and choice.kind != "named" else reason
+        return ChatMessage(content=content, tool_calls=[call.body() for call in calls]), reason
 
     def full_response(self, output: RequestOutput) -> ChatCompletionResponse:
         """The whole (non-streamed) response from the request's final output."""
-        choices = [
-            ChatChoice(index=completion.index, message=message, logprobs=self.logprobs(completion),
-                       finish_reason=finish_reason, stop_reason=completion.stop_reason)
-            for completion in sorted(output.outputs, key=lambda c: c.index)
-            for message, finish_reason in [self.message(completion)]
-        ]
+        choices = [self._full_choice(completion) for completion in sorted(output.outputs, key=lambda c: c.index)]
         usage = UsageInfo.of(len(output.prompt_token_ids), completion_token_count([output]))
         return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=usage)
+
+    def _full_choice(self, completion: CompletionOutput) -> ChatChoice:
+        message, finish_reason = self.message(completion)
+        return ChatChoice(index=completion.index, message=message, logprobs=self.logprobs(completion),
+                          finish_reason=finish_reason, stop_reason=completion.stop_reason)

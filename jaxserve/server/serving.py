@@ -6,6 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.outputs import RequestOutput
@@ -26,6 +27,7 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     default_chat_template_kwargs: dict | None = None  # --default-chat-template-kwargs; a request's own win
+    tool_parser: Any = None  # --tool-call-parser, with --enable-auto-tool-choice: tool_choice "auto" (tool_parsers.py)
     started_at: float = field(default_factory=time.time)
 
     def resolve_model(self, requested: str | None) -> str:

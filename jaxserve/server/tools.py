@@ -1,13 +1,13 @@
-"""Tool calls forced by `tool_choice`, as vLLM produces them: through structured outputs, for any model.
+"""Tool calls, as vLLM produces them. Forced by `tool_choice`, through structured outputs, for any model:
 
 - a named function (`{"type": "function", "function": {"name": "f"}}`): the output is f's arguments, constrained
   to its `parameters` JSON schema, and becomes one tool call;
 - `"required"`: the output is a JSON array of `{"name": ..., "parameters": {...}}` objects, each constrained to
   one of the tools, and becomes one tool call per entry (finish_reason "tool_calls");
-- `"none"`: the tools are not used.
+- `"none"`: no calls (the chat template still sees the tools, as in vLLM).
 
-`"auto"` (OpenAI's default when tools are given) needs the model's own tool-call format parsed out of free text
-(vLLM's --tool-call-parser); it is refused with a 400 that says what to ask for instead.
+`"auto"` (OpenAI's default when tools are given) lets the model answer in text or call tools in its own format,
+which `tool_parsers.py` parses out of the text; without a parser (`serve --tool-call-parser`) it is refused.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ def function_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise ValueError(f"tools[{i}].function.name must be a non-empty string, got {name!r}")
+        if name in found:
+            raise ValueError(f"tools[{i}].function.name {name!r} is given twice: function names must be unique")
         parameters = function.get("parameters") or NO_PARAMETERS
         if not isinstance(parameters, dict):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object, got {parameters!r}")
@@ -52,46 +54,63 @@ def function_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return found
 
 
-def tool_choice_mode(tool_choice: Any, tools: list[dict[str, Any]] | None) -> str | None:
-    """None (no tools in play), "required", or the name of the function that must be called; ValueError for
-    "auto" and for a choice that names no given tool."""
-    if not tools or tool_choice == "none":
+@dataclass(frozen=True)
+class ToolChoice:
+    """What a request's tools ask of the output: `kind` "auto" (the model decides, in its own format), "required"
+    (one call or more, to any of the tools) or "named" (one call, to `name`)."""
+
+    kind: str
+    name: str | None = None
+
+    @property
+    def forced(self) -> bool:
+        return self.kind != "auto"
+
+
+def tool_choice_of(tool_choice: Any, tools: list[dict[str, Any]] | None) -> ToolChoice | None:
+    """None when no tools are in play (none given, or tool_choice "none"); ValueError naming the field for a choice
+    that names no given tool or has the wrong shape."""
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise ValueError(f"tool_choice {tool_choice!r} needs tools: send the tools it may call")
         return None
     names = function_tools(tools)
+    if tool_choice == "none":
+        return None
     if tool_choice in (None, "auto"):
-        raise ValueError('tool_choice "auto" is not supported (it needs the model\'s own tool-call format parsed '
-                         'out of free text): set tool_choice to "required", to {"type": "function", "function": '
-                         '{"name": ...}}, or to "none"')
+        return ToolChoice("auto")
     if tool_choice == "required":
-        return "required"
-    name = ((tool_choice or {}).get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
-    if name is None:
+        return ToolChoice("required")
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
         raise ValueError(f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": '
                          f'{{"name": ...}}}}, got {tool_choice!r}')
     if name not in names:
         raise ValueError(f"tool_choice names function {name!r}, which is not among the tools ({', '.join(names)})")
-    return name
+    return ToolChoice("named", name)
 
 
-def tool_constraint(mode: str, tools: list[dict[str, Any]]) -> StructuredOutputsParams:
+def tool_constraint(choice: ToolChoice, tools: list[dict[str, Any]]) -> StructuredOutputsParams:
     """The output's JSON schema: the named function's parameters, or for "required" a non-empty array of calls."""
     schemas = function_tools(tools)
-    if mode != "required":
-        return StructuredOutputsParams(json=schemas[mode])
+    if choice.kind == "named":
+        return StructuredOutputsParams(json=schemas[choice.name], source="tools[].function.parameters")
     calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": parameters},
               "required": ["name", "parameters"], "additionalProperties": False}
              for name, parameters in schemas.items()]
-    return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+    return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}},
+                                   source="tools[].function.parameters")
 
 
-def parse_tool_calls(mode: str, text: str) -> list[ToolCall] | None:
-    """The calls in a finished output, or None when the text is not a complete call (cut off by max_tokens)."""
+def parse_forced_calls(choice: ToolChoice, text: str) -> list[ToolCall] | None:
+    """The calls in a finished forced output, or None when the text is not a complete call (max_tokens cut it)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
         return None
-    if mode != "required":
-        return [ToolCall(mode, text)]
+    if choice.kind == "named":
+        return [ToolCall(choice.name, text)]
     return [ToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in value]
 
 

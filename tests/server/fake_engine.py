@@ -33,7 +33,7 @@ class FakeRequest:
 
 class FakeEngine:
     def __init__(self, tokenizer, *, max_model_len=256, total_blocks=64, block_size=16, max_logprobs=20,
-                 step_delay=0.002):
+                 step_delay=0.002, script_text=SCRIPT_TEXT):
         self.tokenizer = tokenizer
         self.model_name = "fake-model"
         self.generation_defaults: dict = {}  # a model whose generation_config.json sets no sampling defaults
@@ -45,7 +45,7 @@ class FakeEngine:
         self.step_delay = step_delay
         self.fail_next_step = False  # tests set this to simulate a device failure
         self.step_started = threading.Event()  # set on every step, so tests can wait for progress
-        self._script = tokenizer.encode(SCRIPT_TEXT)
+        self._script = tokenizer.encode(script_text)
         self._running: dict[str, FakeRequest] = {}
         self.aborted: list[str] = []
 

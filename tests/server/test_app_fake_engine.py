@@ -151,7 +151,7 @@ def test_chat_validation_errors_are_400(server):
     ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
      "exactly one"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
-     '"auto" is not supported'),
+     "--enable-auto-tool-choice"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}], "function_call": "auto"}, "functions",
      "function_call"),
 ])

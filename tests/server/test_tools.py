@@ -7,7 +7,9 @@ import pytest
 
 from jaxserve.server.chat_protocol import ChatCompletionRequest
 from jaxserve.server.request_bodies import build_sampling_params
-from jaxserve.server.tools import parse_tool_calls, tool_choice_mode, tool_constraint
+from jaxserve.server.errors import APIError
+from jaxserve.server.request_bodies import chat_inputs
+from jaxserve.server.tools import ToolChoice, parse_forced_calls, tool_choice_of, tool_constraint
 from jaxserve.structured_outputs import StructuredOutputsParams as S
 from tests.server.helpers import REAL_MODEL
 
@@ -29,24 +31,41 @@ def test_a_named_function_constrains_the_output_to_its_parameters():
     assert request(tools=TOOLS, tool_choice=NAMED).rendering()["tools"] == TOOLS  # the template sees them
 
 
+def test_a_function_named_required_is_not_tool_choice_required():
+    tools = [{"type": "function", "function": {"name": "required", "parameters": {"type": "integer"}}}]
+    named = request(tools=tools, tool_choice={"type": "function", "function": {"name": "required"}})
+    assert named.resolved_tool_choice() == ToolChoice("named", "required")
+    assert build_sampling_params(named).structured_outputs == S(json={"type": "integer"})
+
+
 def test_required_constrains_the_output_to_a_list_of_calls():
-    schema = tool_constraint("required", TOOLS).json
+    schema = tool_constraint(ToolChoice("required"), TOOLS).json
     assert schema["type"] == "array" and schema["minItems"] == 1
     names = [option["properties"]["name"]["enum"] for option in schema["items"]["anyOf"]]
     assert names == [["get_weather"], ["get_time"]]
     assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
 
 
-def test_no_tools_or_none_leaves_the_output_free():
-    assert build_sampling_params(request(tools=TOOLS, tool_choice="none")).structured_outputs is None
-    assert request(tools=TOOLS, tool_choice="none").rendering()["tools"] is None
-    assert tool_choice_mode("required", []) is None
+def test_none_and_auto_leave_the_output_free_and_the_template_sees_the_tools():
+    for choice in ("none", "auto"):
+        body = request(tools=TOOLS, tool_choice=choice)
+        assert build_sampling_params(body).structured_outputs is None
+        assert body.rendering()["tools"] == TOOLS  # as vLLM renders them
+    assert tool_choice_of("auto", []) is None and tool_choice_of(None, None) is None
+
+
+def test_auto_needs_a_tool_call_parser():
+    with pytest.raises(APIError, match="--enable-auto-tool-choice") as caught:
+        chat_inputs(request(tools=TOOLS), lambda *a, **k: [1], {})
+    assert caught.value.param == "tool_choice" and caught.value.status == 400
 
 
 @pytest.mark.parametrize("fields, words", [
-    (dict(tools=TOOLS), 'tool_choice "auto" is not supported'),  # OpenAI's default with tools
-    (dict(tools=TOOLS, tool_choice="auto"), 'tool_choice "auto" is not supported'),
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "not among the tools"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": "get_weather"}), 'tool_choice must be "none"'),
+    (dict(tool_choice="required"), "needs tools"),
+    (dict(tools=[WEATHER, WEATHER], tool_choice="required"), "given twice"),
+    (dict(response_format={"type": "json_schema", "json_schema": "a schema"}), "json_schema.schema"),
     (dict(tools=TOOLS, tool_choice="sometimes"), 'tool_choice must be "none"'),
     (dict(tools=[{"type": "retrieval"}], tool_choice="required"), r"tools\[0\] must be"),
     (dict(tools=[{"type": "function", "function": {"description": "no name"}}], tool_choice="required"),
@@ -54,16 +73,18 @@ def test_no_tools_or_none_leaves_the_output_free():
     (dict(tools=TOOLS, tool_choice=NAMED, response_format={"type": "json_object"}), "cannot be combined"),
 ])
 def test_refused_with_a_sentence(fields, words):
-    with pytest.raises(Exception, match=words):
+    with pytest.raises(APIError, match=words) as caught:  # a 400 naming the field, never a 500
         build_sampling_params(request(**fields))
+    assert caught.value.status == 400 and caught.value.param in ("tools", "tool_choice", "response_format")
 
 
 def test_calls_are_parsed_from_the_finished_text():
-    assert parse_tool_calls("get_weather", '{"city": "Paris"}')[0].arguments == '{"city": "Paris"}'
-    calls = parse_tool_calls("required", '[{"name": "get_time", "parameters": {}}, '
+    named = parse_forced_calls(ToolChoice("named", "get_weather"), '{"city": "Paris"}')
+    assert named[0].arguments == '{"city": "Paris"}'
+    calls = parse_forced_calls(ToolChoice("required"), '[{"name": "get_time", "parameters": {}}, '
                                          '{"name": "get_weather", "parameters": {"city": "Rome"}}]')
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {}), ("get_weather", {"city": "Rome"})]
-    assert parse_tool_calls("required", '[{"name": "get_ti') is None  # cut off by max_tokens: left as text
+    assert parse_forced_calls(ToolChoice("required"), '[{"name": "get_ti') is None  # cut off by max_tokens: left as text
     body = calls[0].body(index=0)
     assert body["index"] == 0 and body["type"] == "function" and body["id"].startswith("call_")
 

@@ -1,0 +1,82 @@
+"""tool_choice "auto" with the hermes parser: tool calls read out of the model's text, whole and streamed."""
+
+import json
+
+import openai
+import pytest
+
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.server.app import build_app
+from jaxserve.server.tool_parsers import HermesToolParser, tool_call_parser
+from jaxserve.server.tools import ToolCall
+from tests.server.fake_engine import FakeEngine
+from tests.server.helpers import serve_in_thread
+from tests.server.test_tools import TOOLS
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+REPLY = "Let me check. " + CALL
+
+
+def test_calls_and_the_content_around_them():
+    parser = HermesToolParser()
+    text = f"Sure.\n{CALL}\n<tool_call>{{\"name\": \"get_time\"}}</tool_call>"
+    content, calls = parser.split(text, final=True)
+    assert content == "Sure.\n\n" and calls == [ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("get_time", "{}")]
+    assert parser.split("no calls at all", final=True) == ("no calls at all", [])
+    assert parser.split('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}', final=True)[1] == \
+        [ToolCall("f", '{"a": 1}')]  # unterminated at the end, arguments already JSON text
+
+
+def test_what_is_not_a_call_stays_content():
+    parser = HermesToolParser()
+    for broken in ("<tool_call>not json</tool_call>", '<tool_call>{"arguments": {}}</tool_call>', "<tool_call>{"):
+        assert parser.split("a " + broken, final=True) == ("a " + broken, [])
+
+
+def test_while_streaming_only_what_cannot_change_is_released():
+    parser = HermesToolParser()
+    assert parser.split("Sure <tool_c", final=False) == ("Sure ", [])  # may open a call: held back
+    assert parser.split("Sure <tool_c", final=True) == ("Sure <tool_c", [])
+    assert parser.split("Sure " + CALL[:-5], final=False) == ("Sure ", [])  # the block is not closed yet
+    released = [parser.split(REPLY[:n], final=False) for n in range(len(REPLY) + 1)]
+    assert all(released[i][0] == released[-1][0][: len(released[i][0])] for i in range(len(released)))  # grows only
+    assert released[-1] == ("Let me check. ", [ToolCall("get_weather", '{"city": "Paris"}')])
+
+
+def test_an_unknown_parser_is_named():
+    with pytest.raises(ValueError, match="'pythonic' is not supported; supported: hermes"):
+        tool_call_parser("pythonic")
+
+
+@pytest.fixture(scope="module")
+def auto_client(tokenizer):
+    engine = AsyncEngine(FakeEngine(tokenizer, script_text=REPLY, step_delay=0))
+    with serve_in_thread(build_app(engine, tool_parser=HermesToolParser())) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+def ask(client, max_tokens=100, **kwargs):
+    # The fake engine writes REPLY (from its start: greedy); the stop string ends it after the call, as EOS would.
+    return client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "Weather?"}],
+                                          tools=TOOLS, max_tokens=max_tokens, stop=["</tool_call>"], temperature=0,
+                                          extra_body={"include_stop_str_in_output": True}, **kwargs)
+
+
+def test_auto_tool_calls_whole_and_streamed(auto_client):
+    choice = ask(auto_client).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+    chunks = [c.choices[0] for c in ask(auto_client, stream=True) if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == "Let me check. "  # nothing of the markup leaks
+    calls = [t for c in chunks for t in c.delta.tool_calls or []]
+    assert [(t.index, t.function.name, t.function.arguments) for t in calls] == \
+        [(0, "get_weather", call.function.arguments)]
+    assert chunks[-1].finish_reason == "tool_calls"
+
+
+def test_auto_without_a_call_is_plain_text(auto_client):
+    choice = ask(auto_client, max_tokens=3).choices[0]  # cut before the call starts
+    assert choice.message.content == "Let me check" and not choice.message.tool_calls
+    assert choice.finish_reason == "length"
