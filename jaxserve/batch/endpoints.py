@@ -34,8 +34,10 @@ NOT_DEFAULTS = {"prompt", "messages", "stream", "stream_options"}
 class Endpoint:
     schema: type
     id_prefix: str  # of the response body's `id`, as the HTTP API makes it
-    inputs: Callable[[Any, Any], tuple[list[Prompt], SamplingParams]]  # (request, engine) -> prompts, params
-    rendering: type
+    # (request, engine, tool call parser) -> prompts, params
+    inputs: Callable[[Any, Any, Any], tuple[list[Prompt], SamplingParams]]
+    # (request, model name, response id, tokenizer, tool call parser) -> how outputs become the response body
+    rendering: Callable[[Any, str, str, Any, Any], CompletionRendering | ChatRendering]
     render: Callable[[Any, list[RequestOutput]], Any]  # (rendering, finals in prompt order) -> response model
     example_body: dict  # the smallest valid body, to check sampling defaults against
 
@@ -43,12 +45,15 @@ class Endpoint:
 ENDPOINTS: dict[str, Endpoint] = {
     "/v1/completions": Endpoint(
         schema=CompletionRequest, id_prefix="cmpl",
-        inputs=lambda request, engine: completion_inputs(request, engine.generation_defaults),
-        rendering=CompletionRendering, render=lambda rendering, finals: rendering.full_response(finals),
+        inputs=lambda request, engine, _: completion_inputs(request, engine.generation_defaults),
+        rendering=lambda request, model, response_id, tokenizer, _: CompletionRendering(request, model, response_id,
+                                                                                         tokenizer),
+        render=lambda rendering, finals: rendering.full_response(finals),
         example_body={"prompt": "x"}),
     "/v1/chat/completions": Endpoint(
         schema=ChatCompletionRequest, id_prefix="chatcmpl",
-        inputs=lambda request, engine: chat_inputs(request, engine.encode_chat, engine.generation_defaults),
+        inputs=lambda request, engine, tool_parser: chat_inputs(request, engine.encode_chat,
+                                                                engine.generation_defaults, tool_parser=tool_parser),
         rendering=ChatRendering, render=lambda rendering, finals: rendering.full_response(finals[0]),
         example_body={"messages": [{"role": "user", "content": "x"}]}),
 }
@@ -87,14 +92,15 @@ def new_request_id(url: str) -> str:
     return f"{ENDPOINTS[url].id_prefix}-{uuid.uuid4().hex}"
 
 
-def prepare(url: str, body: dict, defaults: dict, request_id: str, engine, served_model_names: list[str]
-            ) -> PreparedRequest:
-    """Everything HTTP does before queueing: parse, pick the model name, build prompts and params."""
+def prepare(url: str, body: dict, defaults: dict, request_id: str, engine, served_model_names: list[str],
+            tool_parser=None) -> PreparedRequest:
+    """Everything HTTP does before queueing: parse, pick the model name, build prompts and params.
+    `tool_parser`: the job's tool_call_parser, for chat bodies with tool_choice "auto"."""
     endpoint = ENDPOINTS[url]
     request, _ = parse_body(url, body, defaults)
     model = resolve_model_name(request.model, served_model_names)
-    prompts, params = endpoint.inputs(request, engine)
-    rendering = endpoint.rendering(request, model, request_id, engine.tokenizer)
+    prompts, params = endpoint.inputs(request, engine, tool_parser)
+    rendering = endpoint.rendering(request, model, request_id, engine.tokenizer, tool_parser)
     return PreparedRequest(endpoint, rendering, prompts, params, request.priority)
 
 

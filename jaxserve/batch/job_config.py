@@ -18,6 +18,7 @@ from jaxserve.batch.problems import JobError, describe_validation_error
 from jaxserve.cli_args import mesh_shape
 from jaxserve.config import ATTENTION_IMPLS
 from jaxserve.loader.tokenizer import is_template_text
+from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
 
 
 class EngineOptions(BaseModel):
@@ -92,6 +93,8 @@ class BatchJob(BaseModel):
     output: Path
     errors: Path | None = None  # failed requests go here when set, else into `output`
     max_concurrency: PositiveInt | None = None  # requests in the engine at once (default: 4 x max_num_seqs)
+    # How the model writes tool calls, for chat bodies with tool_choice "auto" (serve --tool-call-parser).
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = None
 
     @field_validator("input", "output", "errors", mode="after")
     @classmethod

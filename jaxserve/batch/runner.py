@@ -45,7 +45,7 @@ class RunTotals:
 
 class BatchRunner:
     def __init__(self, engine, results: ResultLog, progress: BatchProgress, *, sampling_defaults: dict,
-                 served_model_names: list[str], max_concurrency: int, stop_check=lambda: None):
+                 served_model_names: list[str], max_concurrency: int, stop_check=lambda: None, tool_parser=None):
         self.engine = engine
         self.results = results
         self.progress = progress
@@ -53,6 +53,7 @@ class BatchRunner:
         self.served_model_names = served_model_names
         self.max_concurrency = max_concurrency
         self.stop_check = stop_check  # raises to end the run between steps
+        self.tool_parser = tool_parser  # the job's tool_call_parser (tool_choice "auto" in chat bodies)
         self.totals = RunTotals()
         self._lines_in_flight = 0
         self._owner: dict[str, InFlight] = {}  # engine request id -> its batch line
@@ -76,15 +77,15 @@ class BatchRunner:
         request_id = new_request_id(entry.url)
         try:
             prepared = prepare(entry.url, entry.body, self.sampling_defaults, request_id, self.engine,
-                               self.served_model_names)
+                               self.served_model_names, self.tool_parser)
             requests = [self.engine.prepare_request(engine_id, prompt, prepared.params.clone(),
                                                     priority=prepared.priority)
                         for engine_id, prompt in zip(_engine_ids(request_id, prepared), prepared.prompts)]
         except APIError as exc:
             self._save(refused(entry.custom_id, request_id, exc))
             return
-        except ValueError as exc:  # the engine's own refusal (too long, ...), a 400 over HTTP too
-            self._save(refused(entry.custom_id, request_id, bad_request(str(exc))))
+        except ValueError as exc:  # the engine's own refusal (too long, a bad grammar, ...), a 400 over HTTP too
+            self._save(refused(entry.custom_id, request_id, bad_request(str(exc), param=getattr(exc, "param", None))))
             return
         flight = InFlight(entry, prepared, [request.request_id for request in requests])
         for request in requests:

@@ -1,6 +1,8 @@
 """The batch runner over the fake engine (no model, milliseconds): every kind of line gets exactly the HTTP API's
 answer, failures become records and the job goes on, and an interrupted job resumes without loss."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from jaxserve.batch.job import run_job
@@ -12,6 +14,9 @@ from tests.batch.helpers import (
     results_by_custom_id,
     write_job,
 )
+from tests.server.fake_engine import FakeEngine
+from tests.server.test_tool_parsers import REPLY
+from tests.server.test_tools import TOOLS
 
 SAMPLING = {"temperature": 0, "max_tokens": 5}
 LINES = [
@@ -135,3 +140,21 @@ def test_a_stop_signal_ends_the_job_between_steps_with_every_finished_result_sav
         assert stop.requested  # the first Ctrl-C only asks
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_tool_choice_auto_needs_the_jobs_tool_call_parser(tmp_path, smol_tokenizer_for_batch):
+    engine = FakeEngine(smol_tokenizer_for_batch, step_delay=0, script_text=REPLY)
+    engine.config.scheduler = SimpleNamespace(max_num_seqs=4)
+    line = chat_line("weather", "Weather in Paris?", tools=TOOLS, stop=["</tool_call>"],
+                     include_stop_str_in_output=True, temperature=0, max_tokens=100)
+    run_job(write_job(tmp_path, [line], name="plain.yaml"), engine=engine, show_progress=False)
+    status, body = results_by_custom_id(tmp_path / "out.jsonl")["weather"]
+    assert status == 400 and body["error"]["param"] == "tool_choice" and "tool_call_parser" in body["error"]["message"]
+
+    (tmp_path / "out.jsonl").unlink()
+    run_job(write_job(tmp_path, [line], name="tools.yaml", tool_call_parser="hermes"), engine=engine,
+            show_progress=False)
+    status, body = results_by_custom_id(tmp_path / "out.jsonl")["weather"]
+    choice = body["choices"][0]
+    assert status == 200 and choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
