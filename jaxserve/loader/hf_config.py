@@ -74,6 +74,11 @@ def model_config_from_hf(d: dict[str, Any], generation: dict[str, Any] | None = 
     arch = archs[0]
     model_class(arch)  # refuse an unsupported architecture before reading anything else
     theta, scaling = _rope(d)
+    partial = float(d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor")
+                    or 1.0)
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} is not supported (rotary embedding on part of each head, "
+                         f"as in Phi-4-mini); only models that rotate whole heads are")
     heads = int(d["num_attention_heads"])
     hidden = int(d["hidden_size"])
     return ModelConfig(

@@ -9,6 +9,7 @@ ARCHITECTURES: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,  # Phi-3 and Phi-4: fused projections split at load (loader/fused.py)
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
 }

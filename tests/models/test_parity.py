@@ -19,6 +19,8 @@ ARCHITECTURES = {
     "qwen2-bias": ("qwen2", dict(tie_word_embeddings=True)),
     # q/k norms, and a head_dim that is not hidden_size / heads (32 vs 16), as in real Qwen3 checkpoints.
     "qwen3-qk-norm": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
+    # fused qkv_proj and gate_up_proj, split at load
+    "phi3-fused-sliding-window": ("phi3", dict(sliding_window=12, tie_word_embeddings=False, pad_token_id=0)),
 }
 
 PROMPTS = [
