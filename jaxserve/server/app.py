@@ -94,7 +94,8 @@ async def tokenize(request: Request) -> JSONResponse:
         tokens = await asyncio.to_thread(state.engine.encode_chat, messages, body.add_generation_prompt,
                                          continue_final_message=body.continue_final_message,
                                          chat_template_kwargs=template_kwargs(state.default_chat_template_kwargs,
-                                                                              body.chat_template_kwargs))
+                                                                              body.chat_template_kwargs),
+                                         tools=body.tools)
     elif body.prompt is not None:
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:

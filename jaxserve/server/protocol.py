@@ -263,6 +263,7 @@ class TokenizeRequest(OpenAIModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered by templates that describe tools, as chat renders them
     return_token_strs: bool = False
 
 

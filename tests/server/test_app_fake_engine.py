@@ -351,3 +351,18 @@ def test_server_default_chat_template_kwargs_under_the_requests_own(tokenizer):
 
         assert rendered({}) == "hi and think"
         assert rendered({"chat_template_kwargs": {"thinking": False}}) == "hi"
+
+
+def test_tools_reach_the_template_in_chat_and_tokenize_alike(tokenizer):
+    import copy
+
+    own = copy.deepcopy(tokenizer)
+    own.chat_template = "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}" \
+                        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tools = [{"type": "function", "function": {"name": "lookup"}}]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    with serve_in_thread(build_app(AsyncEngine(FakeEngine(own)))) as url:
+        tokenized = httpx.post(url + "/tokenize", json=chat).json()
+        assert own.decode(tokenized["tokens"]) == "[lookup]hi"
+        reply = httpx.post(url + "/v1/chat/completions", json={**chat, "tool_choice": "none", "max_tokens": 1})
+        assert reply.json()["usage"]["prompt_tokens"] == tokenized["count"]
