@@ -36,3 +36,5 @@ def test_readme_openai_sdk_example(real_server, capsys):
     exec(compile(code, "README.md", "exec"), {})
     printed = capsys.readouterr().out
     assert len(printed.strip()) > 10
+    place = json.loads(printed.strip().splitlines()[-1])  # the structured output example's JSON line
+    assert set(place) == {"city", "country"}
