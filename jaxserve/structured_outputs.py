@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
-# vLLM options about whitespace and backend fallback: accepted so its clients work, without effect (JSON is always
-# generated on one line; there is one backend).
-NO_EFFECT = ("disable_any_whitespace", "disable_fallback", "whitespace_pattern")
 
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Exactly one of the constraints: `json` (a JSON schema, dict or its JSON text), `regex`, `choice` (the output
     is one of these strings), `grammar` (Lark or GBNF text), or `json_object=True` (any JSON object).
-    `disable_additional_properties`: objects in the schema may hold only the properties it lists (vLLM's)."""
+    `disable_additional_properties`: objects in the schema may hold only the properties they list (a server-wide
+    setting in vLLM, per request here)."""
 
     json: dict | str | None = None
     regex: str | None = None
@@ -29,6 +27,11 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_additional_properties: bool = False
+    # vLLM's whitespace and backend options, accepted so its clients work, without effect: JSON is always generated
+    # on one line, and there is one backend.
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    whitespace_pattern: str | None = None
     # The request field it came from (e.g. "guided_regex"), so an invalid grammar is reported under that name.
     source: str | None = field(default=None, compare=False)
 
@@ -37,6 +40,9 @@ class StructuredOutputsParams:
         if len(chosen) != 1:
             raise ValueError(f"structured outputs take exactly one of {', '.join(KINDS)}; got "
                              f"{', '.join(chosen) if chosen else 'none'}")
+        if not isinstance(self.disable_additional_properties, bool):
+            raise ValueError(f"structured outputs disable_additional_properties must be true or false, got "
+                             f"{self.disable_additional_properties!r}")
         if self.json is not None:
             schema = _schema(self.json)
             if self.disable_additional_properties:
@@ -71,12 +77,12 @@ class StructuredOutputsParams:
             return value
         if not isinstance(value, dict):
             raise ValueError(f"structured_outputs must be an object with one of {', '.join(KINDS)}, got {value!r}")
-        known = (*KINDS, "disable_additional_properties")
-        unknown = sorted(set(value) - set(known) - set(NO_EFFECT))
+        known = {f.name for f in fields(cls)} - {"source"}
+        unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"structured_outputs has unsupported fields {', '.join(unknown)}; it takes one of "
-                             f"{', '.join(KINDS)}")
-        return cls(**{k: v for k, v in value.items() if k in known}, source=source)
+                             f"{', '.join(KINDS)}, and options {', '.join(sorted(known - set(KINDS)))}")
+        return cls(**value, source=source)
 
 
 def _schema(value: Any) -> dict:
@@ -91,7 +97,8 @@ def _schema(value: Any) -> dict:
 
 
 def closed_objects(schema: dict) -> dict:
-    """A copy of the schema in which every object that does not say otherwise has `additionalProperties: false`."""
+    """A copy of the schema in which every object that lists its properties and does not say otherwise has
+    `additionalProperties: false` (as vLLM decides it; a bare {"type": "object"} stays free-form)."""
     schema = copy.deepcopy(schema)
 
     def close(node: Any) -> None:
@@ -99,7 +106,7 @@ def closed_objects(schema: dict) -> dict:
             for item in node:
                 close(item)
         elif isinstance(node, dict):
-            if (node.get("type") == "object" or "properties" in node) and "additionalProperties" not in node:
+            if ("properties" in node or "patternProperties" in node) and "additionalProperties" not in node:
                 node["additionalProperties"] = False
             for value in node.values():
                 close(value)

@@ -62,3 +62,11 @@ def test_vllm_options_are_accepted_and_additional_properties_can_be_closed():
     assert "additionalProperties" not in nested  # the request's own schema is left as sent
     assert S(json={"type": "object", "additionalProperties": True}, disable_additional_properties=True).json == \
         {"type": "object", "additionalProperties": True}  # what a schema says itself stands
+
+
+def test_free_form_objects_stay_open_and_options_are_checked():
+    schema = {"type": "object", "properties": {"meta": {"type": "object"}}}
+    closed = S(json=schema, disable_additional_properties=True, disable_any_whitespace=True).json
+    assert closed["additionalProperties"] is False and closed["properties"]["meta"] == {"type": "object"}
+    with pytest.raises(ValueError, match="disable_additional_properties must be true or false"):
+        S(json=schema, disable_additional_properties="no")

@@ -94,7 +94,7 @@ class BatchJob(BaseModel):
     errors: Path | None = None  # failed requests go here when set, else into `output`
     max_concurrency: PositiveInt | None = None  # requests in the engine at once (default: 4 x max_num_seqs)
     # How the model writes tool calls, for chat bodies with tool_choice "auto" (serve --tool-call-parser).
-    tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = None
+    tool_call_parser: Literal[tuple(TOOL_CALL_PARSERS)] | None = None
 
     @field_validator("input", "output", "errors", mode="after")
     @classmethod

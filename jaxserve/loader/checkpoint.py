@@ -11,7 +11,7 @@ from typing import Any
 
 from jaxserve.config import ModelConfig
 from jaxserve.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
-from jaxserve.loader.fused import FUSED_PROJECTIONS, SplitFusedSource
+from jaxserve.loader.fused import FUSED_ARCHITECTURES, SplitFusedSource
 from jaxserve.loader.gguf import GGUFFile
 from jaxserve.loader.hf_config import model_config_from_hf
 from jaxserve.loader.orbax_checkpoint import is_orbax_checkpoint, open_orbax_checkpoint
@@ -113,7 +113,7 @@ def _open_hf_dir(directory: Path, name: str, weights: bool = True) -> Checkpoint
     generation = _read_json(gen_path) if gen_path.exists() else {}
     config = model_config_from_hf(_read_json(config_path), generation)
     tensors = SafetensorsSource(directory) if weights else None
-    if tensors is not None and config.architecture in FUSED_PROJECTIONS:
+    if tensors is not None and config.architecture in FUSED_ARCHITECTURES:
         tensors = SplitFusedSource(tensors, config)
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
     defaults = sampling_defaults(generation, gen_path)

@@ -14,7 +14,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.loader.weights import TensorSource
 
-FUSED_PROJECTIONS = ("Phi3ForCausalLM",)  # architectures whose checkpoints store fused projections
+FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # those whose checkpoints store fused projections
 
 
 def fused_parts(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
@@ -55,11 +55,17 @@ class SplitFusedSource:
         if name not in self._parts:
             return self._source.get(name)
         fused, start, end = self._parts[name]
+        if hasattr(self._source, "get_rows"):  # reads only the part: a fused tensor is not read three times
+            self._check_rows(fused, self._source.shape(fused)[0])
+            return self._source.get_rows(fused, start, end)
         tensor = self._source.get(fused)
-        if tensor.shape[0] != self._rows[fused]:
-            raise ValueError(f"{fused} has {tensor.shape[0]} rows, but the config's head and MLP sizes make "
+        self._check_rows(fused, tensor.shape[0])
+        return np.ascontiguousarray(tensor[start:end])  # a copy: the loader holds every layer's part, not the whole
+
+    def _check_rows(self, fused: str, rows: int) -> None:
+        if rows != self._rows[fused]:
+            raise ValueError(f"{fused} has {rows} rows, but the config's head and MLP sizes make "
                              f"{self._rows[fused]}: config.json does not describe this checkpoint")
-        return tensor[start:end]
 
 
 def _split_layer_name(name: str) -> tuple[str, str]:

@@ -44,13 +44,28 @@ class SafetensorsSource:
         return set(self._file_of)
 
     def get(self, name: str) -> np.ndarray:
+        return self._read(name, lambda handle: handle.get_tensor(name))
+
+    def get_rows(self, name: str, start: int, end: int) -> np.ndarray:
+        """Rows start:end of a tensor, reading only those (a fused projection's part, loader/fused.py)."""
+        return self._read(name, lambda handle: handle.get_slice(name)[start:end])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._read_handle(name).get_slice(name).get_shape())
+
+    def _read(self, name: str, read) -> np.ndarray:
+        handle = self._read_handle(name)
+        try:
+            with jax.default_device(jax.local_devices(backend="cpu")[0]):
+                return np.asarray(read(handle))
+        except SafetensorError as e:
+            raise ValueError(f"cannot read tensor {name!r} from {self._file_of[name]} ({e}); the file may be "
+                             f"truncated") from None
+
+    def _read_handle(self, name: str):
         if name not in self._file_of:
             raise ValueError(f"tensor {name!r} is missing from the checkpoint in {self.directory}")
         path = self._file_of[name]
         if path not in self._handles:
             self._handles[path] = self._open(path)
-        try:
-            with jax.default_device(jax.local_devices(backend="cpu")[0]):
-                return np.asarray(self._handles[path].get_tensor(name))
-        except SafetensorError as e:
-            raise ValueError(f"cannot read tensor {name!r} from {path} ({e}); the file may be truncated") from None
+        return self._handles[path]

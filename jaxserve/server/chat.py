@@ -85,14 +85,19 @@ class ChoiceProgress:
 def _delta_choice(job: ChatJob, completion: CompletionOutput, progress: dict[int, ChoiceProgress]
                   ) -> ChatStreamChoice | None:
     """The new part of one choice since its last chunk (the first one also names the role), or None."""
+    choice = job.tool_choice
+    if choice is not None and choice.kind == "required" and not completion.finished:
+        return None  # "required": the calls are parsed from the whole text, in the last chunk
     first_chunk = completion.index not in progress
     sent = progress.setdefault(completion.index, ChoiceProgress())
-    choice = job.tool_choice
-    if sent.finished or (choice is not None and choice.kind == "required" and not completion.finished):
-        return None  # "required": the calls are parsed from the whole text
+    if sent.finished:
+        return None
     tokens_sent = sent.tokens
     delta, finish_reason = _delta(job, completion, sent, first_chunk)
-    if delta is None and not first_chunk and len(completion.token_ids) <= tokens_sent and not completion.finished:
+    # Tokens whose text is held back (a possible stop string, a tool call being written) send a chunk only to
+    # carry their logprobs.
+    carries_logprobs = job.request.logprobs and len(completion.token_ids) > tokens_sent
+    if delta is None and not completion.finished and not carries_logprobs:
         return None
     sent.tokens, sent.finished = len(completion.token_ids), completion.finished
     return ChatStreamChoice(index=completion.index, delta=delta or DeltaMessage(content=""),
@@ -127,8 +132,6 @@ def _auto_delta(job: ChatJob, completion: CompletionOutput, sent: ChoiceProgress
     call whole once its block closes."""
     content, calls = job.tool_parser.split(completion.text, final=completion.finished)
     text, new_calls = content[sent.chars:], calls[sent.calls:]
-    if sent.calls or new_calls:
-        text = text if text.strip() else ""  # the whitespace around tool-call blocks is not content
     first_index, sent.chars, sent.calls = sent.calls, len(content), len(calls)
     reason = completion.finish_reason
     if calls and reason == "stop":
@@ -136,4 +139,5 @@ def _auto_delta(job: ChatJob, completion: CompletionOutput, sent: ChoiceProgress
     bodies = [call.body(first_index + i) for i, call in enumerate(new_calls)]
     if not text and not bodies and role is None:
         return None, reason
-    return DeltaMessage(role=role, content=text or None, tool_calls=bodies or None), reason
+    # The first chunk names the role with content "" (as vLLM's does) unless it already carries a call.
+    return DeltaMessage(role=role, content=text or (None if bodies else ""), tool_calls=bodies or None), reason

@@ -59,6 +59,8 @@ def chat_inputs(body: ChatCompletionRequest, encode_chat: ChatEncoder, model_def
     """
     params = build_sampling_params(body, model_defaults)
     choice = body.resolved_tool_choice()
+    if choice is not None and choice.kind == "auto" and tool_parser is not None:
+        params = tool_parser.adjust(params)
     if choice is not None and choice.kind == "auto" and tool_parser is None:
         raise bad_request('tool_choice "auto" (the default when tools are given) needs a tool call parser, which '
                           'was not configured (serve --enable-auto-tool-choice --tool-call-parser hermes, or '

@@ -6,7 +6,7 @@ answer with, the response id, the tokenizer for token texts); the server's strea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
@@ -18,7 +18,8 @@ from jaxserve.server.chat_protocol import (
     ChatMessage,
 )
 from jaxserve.server.logprobs import chat_logprobs, completion_logprobs
-from jaxserve.server.tools import parse_forced_calls
+from jaxserve.server.tool_parsers import HermesToolParser
+from jaxserve.server.tools import ToolChoice, parse_forced_calls
 from jaxserve.server.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -99,7 +100,8 @@ class ChatRendering:
     model: str
     request_id: str
     tokenizer: Any
-    tool_parser: Any = None  # reads tool calls out of the text under tool_choice "auto" (server/tool_parsers.py)
+    tool_parser: HermesToolParser | None = None  # reads tool calls out of the text under tool_choice "auto"
+    tool_choice: ToolChoice | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.tool_choice = self.request.resolved_tool_choice()
@@ -121,7 +123,7 @@ class ChatRendering:
             return ChatMessage(content=text), reason
         if choice.kind == "auto":
             content, calls = self.tool_parser.split(text, final=True)
-            content = content.strip() or None
+            content = content or None
         else:  # forced: the whole text is the call(s), unless max_tokens cut it short
             content, calls = None, (parse_forced_calls(choice, text) if reason == "stop" else None)
         if not calls:

@@ -6,7 +6,6 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
 
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.outputs import RequestOutput
@@ -16,6 +15,7 @@ from jaxserve.server.errors import APIError
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.request_bodies import resolve_model_name
 from jaxserve.server.streaming import merge_streams
+from jaxserve.server.tool_parsers import HermesToolParser
 
 
 @dataclass
@@ -27,7 +27,7 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     default_chat_template_kwargs: dict | None = None  # --default-chat-template-kwargs; a request's own win
-    tool_parser: Any = None  # --tool-call-parser, with --enable-auto-tool-choice: tool_choice "auto" (tool_parsers.py)
+    tool_parser: HermesToolParser | None = None  # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto"
     started_at: float = field(default_factory=time.time)
 
     def resolve_model(self, requested: str | None) -> str:

@@ -4,8 +4,8 @@
 - `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call, as the chat templates
   of Qwen2.5, Qwen3, QwQ and the Hermes models ask for.
 
-Text outside the blocks is the message's content. A block whose JSON does not parse, or that names no function,
-stays in the content as written, so nothing the model said is lost.
+The text before the first block is the message's content. A block whose JSON does not parse, or that names no
+function, is added to the content as written, so a malformed call is not lost.
 """
 
 from __future__ import annotations
@@ -14,33 +14,35 @@ import json
 
 from jaxserve.server.tools import ToolCall
 
-TOOL_CALL_PARSERS = ("hermes",)
 
 
 class HermesToolParser:
     start, end = "<tool_call>", "</tool_call>"
 
+    def adjust(self, params):
+        """Some models' tokenizers mark `<tool_call>` special: keep special tokens in the text, as vLLM does."""
+        return params.replace(skip_special_tokens=False)
+
     def split(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
-        """(content, calls) of `text`. Unless `final`, only what further tokens cannot change: text that could be
-        the start of a `<tool_call>` and an unterminated block are held back."""
-        content, calls, pos = [], [], 0
-        while True:
-            start = text.find(self.start, pos)
-            if start < 0:
-                rest = text[pos:]
-                content.append(rest if final else rest[: len(rest) - _partial_suffix(rest, self.start)])
-                return "".join(content), calls
-            content.append(text[pos:start])
-            end = text.find(self.end, start)
+        """(content, calls) of `text`: the content is the text before the first call, then any block that is not a
+        call, as written; text between and after calls is left out (as vLLM does). Unless `final`, only what more
+        tokens cannot change: text that could begin a `<tool_call>` and an unclosed block are held back."""
+        first = text.find(self.start)
+        if first < 0:
+            return (text if final else text[: len(text) - _partial_suffix(text, self.start)]), []
+        content, calls, pos = [text[:first]], [], first
+        while pos >= 0:
+            end = text.find(self.end, pos)
             if end < 0 and not final:
-                return "".join(content), calls
+                break
             block_end = len(text) if end < 0 else end + len(self.end)
-            call = _parse_call(text[start + len(self.start): end if end >= 0 else len(text)])
+            call = _parse_call(text[pos + len(self.start): end if end >= 0 else len(text)])
             if call is None:
-                content.append(text[start:block_end])
+                content.append(text[pos:block_end])
             else:
                 calls.append(call)
-            pos = block_end
+            pos = text.find(self.start, block_end)
+        return "".join(content), calls
 
 
 def _parse_call(body: str) -> ToolCall | None:
@@ -67,4 +69,7 @@ def tool_call_parser(name: str | None) -> HermesToolParser | None:
         return None
     if name not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool call parser {name!r} is not supported; supported: {', '.join(TOOL_CALL_PARSERS)}")
-    return HermesToolParser()
+    return TOOL_CALL_PARSERS[name]()
+
+
+TOOL_CALL_PARSERS = {"hermes": HermesToolParser}  # --tool-call-parser NAME -> parser class

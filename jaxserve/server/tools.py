@@ -74,9 +74,9 @@ def tool_choice_of(tool_choice: Any, tools: list[dict[str, Any]] | None) -> Tool
         if tool_choice not in (None, "none", "auto"):
             raise ValueError(f"tool_choice {tool_choice!r} needs tools: send the tools it may call")
         return None
-    names = function_tools(tools)
     if tool_choice == "none":
         return None
+    names = function_tools(tools)
     if tool_choice in (None, "auto"):
         return ToolChoice("auto")
     if tool_choice == "required":

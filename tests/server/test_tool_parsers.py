@@ -7,6 +7,8 @@ import pytest
 
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.server.app import build_app
+from jaxserve.server.chat_protocol import ChatCompletionRequest
+from jaxserve.server.request_bodies import chat_inputs
 from jaxserve.server.tool_parsers import HermesToolParser, tool_call_parser
 from jaxserve.server.tools import ToolCall
 from tests.server.fake_engine import FakeEngine
@@ -17,11 +19,12 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 REPLY = "Let me check. " + CALL
 
 
-def test_calls_and_the_content_around_them():
+def test_calls_and_the_content_before_them():
     parser = HermesToolParser()
-    text = f"Sure.\n{CALL}\n<tool_call>{{\"name\": \"get_time\"}}</tool_call>"
+    text = f"Sure.\n{CALL}\n<tool_call>{{\"name\": \"get_time\"}}</tool_call>\nDone.\n\nNext"
     content, calls = parser.split(text, final=True)
-    assert content == "Sure.\n\n" and calls == [ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("get_time", "{}")]
+    # As vLLM: the content is what comes before the first call; text between and after calls is not content.
+    assert content == "Sure.\n" and calls == [ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("get_time", "{}")]
     assert parser.split("no calls at all", final=True) == ("no calls at all", [])
     assert parser.split('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}', final=True)[1] == \
         [ToolCall("f", '{"a": 1}')]  # unterminated at the end, arguments already JSON text
@@ -31,6 +34,8 @@ def test_what_is_not_a_call_stays_content():
     parser = HermesToolParser()
     for broken in ("<tool_call>not json</tool_call>", '<tool_call>{"arguments": {}}</tool_call>', "<tool_call>{"):
         assert parser.split("a " + broken, final=True) == ("a " + broken, [])
+    assert parser.split(f"{CALL}<tool_call>oops</tool_call>", final=True) == \
+        ("<tool_call>oops</tool_call>", [ToolCall("get_weather", '{"city": "Paris"}')])
 
 
 def test_while_streaming_only_what_cannot_change_is_released():
@@ -64,12 +69,15 @@ def ask(client, max_tokens=100, **kwargs):
 
 def test_auto_tool_calls_whole_and_streamed(auto_client):
     choice = ask(auto_client).choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check. "
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
 
     chunks = [c.choices[0] for c in ask(auto_client, stream=True) if c.choices]
-    assert "".join(c.delta.content or "" for c in chunks) == "Let me check. "  # nothing of the markup leaks
+    assert chunks[0].delta.role == "assistant"
+    assert "".join(c.delta.content or "" for c in chunks) == choice.message.content  # nothing of the markup leaks
+    assert all(c.delta.content or c.delta.tool_calls or c.finish_reason or c.delta.role for c in chunks), \
+        "a chunk with nothing in it"
     calls = [t for c in chunks for t in c.delta.tool_calls or []]
     assert [(t.index, t.function.name, t.function.arguments) for t in calls] == \
         [(0, "get_weather", call.function.arguments)]
@@ -80,3 +88,11 @@ def test_auto_without_a_call_is_plain_text(auto_client):
     choice = ask(auto_client, max_tokens=3).choices[0]  # cut before the call starts
     assert choice.message.content == "Let me check" and not choice.message.tool_calls
     assert choice.finish_reason == "length"
+
+
+def test_auto_keeps_special_tokens_in_the_text():
+    """Some tokenizers mark <tool_call> special: under "auto" the text keeps special tokens (vLLM's hermes does
+    the same), or the parser would never see the markers."""
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS})
+    _, params = chat_inputs(body, lambda *a, **k: [1], {}, tool_parser=HermesToolParser())
+    assert params.skip_special_tokens is False

@@ -46,6 +46,10 @@ def test_required_constrains_the_output_to_a_list_of_calls():
     assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
 
 
+def test_none_ignores_even_tools_it_would_refuse():
+    assert build_sampling_params(request(tools=[WEATHER, WEATHER], tool_choice="none")).structured_outputs is None
+
+
 def test_none_and_auto_leave_the_output_free_and_the_template_sees_the_tools():
     for choice in ("none", "auto"):
         body = request(tools=TOOLS, tool_choice=choice)
@@ -127,6 +131,7 @@ def test_required_tool_calls_whole_and_streamed(openai_client):
         assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments),
                                                                                  dict)
     chunks = list(ask(openai_client, tool_choice="required", stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
     streamed = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls for t in c.choices[0].delta.tool_calls]
     assert [(t.function.name, t.function.arguments) for t in streamed] == \
         [(t.function.name, t.function.arguments) for t in choice.message.tool_calls]
