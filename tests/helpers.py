@@ -42,24 +42,27 @@ def hf_logits(model, token_ids: list[int]):
         return model(torch.tensor([token_ids])).logits[0].float().numpy()
 
 
-def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str) -> Path:
+def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, **metadata: int) -> Path:
     """The float32 weights of a tiny HF checkpoint as a GGUF file of llama.cpp's `arch` (no rotary permutation:
-    only llama's converter permutes), with the tokenizer metadata of `tokenizer_gguf` (the same vocabulary)."""
+    only llama's converter permutes), with the tokenizer metadata of `tokenizer_gguf` (the same vocabulary).
+    `metadata`: integer `{arch}.` keys to write instead of the config's (e.g. {"rope.dimension_count": 8})."""
     import json
 
     import gguf
     from safetensors.numpy import load_file
 
-    from jaxserve.loader.gguf import _GLOBAL_NAMES, _LAYER_NAMES
+    from jaxserve.loader.gguf import _GLOBAL_NAMES, layer_names
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     writer = gguf.GGUFWriter(str(out), arch)
-    for key, value in {"context_length": cfg["max_position_embeddings"], "embedding_length": cfg["hidden_size"],
+    for key, value in ({"context_length": cfg["max_position_embeddings"], "embedding_length": cfg["hidden_size"],
                        "block_count": cfg["num_hidden_layers"], "feed_forward_length": cfg["intermediate_size"],
                        "attention.head_count": cfg["num_attention_heads"],
                        "attention.head_count_kv": cfg["num_key_value_heads"],
-                       "attention.key_length": head_dim, "attention.value_length": head_dim}.items():
+                       "attention.key_length": head_dim, "attention.value_length": head_dim,
+                       "rope.dimension_count": head_dim, "attention.sliding_window": cfg.get("sliding_window") or 0,
+                       } | metadata).items():
         writer.add_uint32(f"{arch}.{key}", int(value))
     writer.add_float32(f"{arch}.rope.freq_base", float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(cfg["rms_norm_eps"]))
@@ -81,7 +84,7 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str) -> Path:
             writer.add_tensor(hf_to_gguf[name], w.astype(np.float32))
             continue
         layer, rest = name.removeprefix("model.layers.").split(".", 1)
-        gguf_name = next(g for g, hf in _LAYER_NAMES.items() if hf == rest)
+        gguf_name = next(g for g, hf in layer_names(arch).items() if hf == rest)
         writer.add_tensor(f"blk.{layer}.{gguf_name}", w.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -67,7 +67,12 @@ def _open(model: str | None, weights: bool) -> Checkpoint:
 
 def _open_gguf(path: Path, name: str) -> Checkpoint:
     f = GGUFFile(path)
-    return Checkpoint(name=name, config=f.model_config(), tensors=f, tokenizer=f.tokenizer())
+    config = f.model_config()
+    return Checkpoint(name=name, config=config, tensors=_split_fused(f, config), tokenizer=f.tokenizer())
+
+
+def _split_fused(tensors: TensorSource, config: ModelConfig) -> TensorSource:
+    return SplitFusedSource(tensors, config) if config.architecture in FUSED_ARCHITECTURES else tensors
 
 
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -112,9 +117,7 @@ def _open_hf_dir(directory: Path, name: str, weights: bool = True) -> Checkpoint
     gen_path = directory / "generation_config.json"
     generation = _read_json(gen_path) if gen_path.exists() else {}
     config = model_config_from_hf(_read_json(config_path), generation)
-    tensors = SafetensorsSource(directory) if weights else None
-    if tensors is not None and config.architecture in FUSED_ARCHITECTURES:
-        tensors = SplitFusedSource(tensors, config)
+    tensors = _split_fused(SafetensorsSource(directory), config) if weights else None
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
     defaults = sampling_defaults(generation, gen_path)
     return Checkpoint(name=name, config=config, tensors=tensors, tokenizer=tokenizer, generation_defaults=defaults)

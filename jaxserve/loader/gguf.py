@@ -12,7 +12,8 @@ import numpy as np
 from jaxserve.config import ModelConfig
 
 # GGUF `general.architecture` -> HF architecture name.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "phi3": "Phi3ForCausalLM"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -25,6 +26,7 @@ _LAYER_NAMES = {
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3's fused q/k/v (split by loader/fused.py)
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
@@ -37,12 +39,22 @@ _LAYER_NAMES = {
 }
 
 
-def _hf_name(gguf_name: str) -> str | None:
+# Names whose meaning depends on the architecture: Phi-3's ffn_up holds gate and up together.
+ARCH_LAYER_NAMES = {"phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"}}
+
+
+def layer_names(arch: str) -> dict[str, str]:
+    """GGUF layer tensor suffix -> HF suffix, for this architecture."""
+    return _LAYER_NAMES | ARCH_LAYER_NAMES.get(arch, {})
+
+
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    names = layer_names(arch)
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
 
 
@@ -73,7 +85,9 @@ class GGUFFile:
             )
         self._tensors = {}
         for t in self.reader.tensors:
-            name = _hf_name(t.name)
+            if t.name.startswith("rope_factors_"):
+                raise ValueError(f"{path.name} uses longrope scaling ({t.name}), which is not supported yet")
+            name = _hf_name(t.name, self.arch)
             if name is not None:
                 self._tensors[name] = t
 
@@ -107,6 +121,13 @@ class GGUFFile:
         a = self.arch
         heads = int(self.field(f"{a}.attention.head_count"))
         hidden = int(self.field(f"{a}.embedding_length"))
+        # Qwen3 says its head size (128, not hidden / heads) as the key length; Llama as the rotary width.
+        head_dim = int(self.field(f"{a}.attention.key_length") or self.field(f"{a}.rope.dimension_count")
+                       or hidden // heads)
+        rotary = self.field(f"{a}.rope.dimension_count")
+        if rotary is not None and int(rotary) != head_dim:
+            raise ValueError(f"{self.path.name} rotates {rotary} of each head's {head_dim} dimensions (partial rotary "
+                             f"embedding), which is not supported yet")
         eos = self.field("tokenizer.ggml.eos_token_id")
         embed = self._tensors["model.embed_tokens.weight"]
         return ModelConfig(
@@ -117,15 +138,14 @@ class GGUFFile:
             num_layers=int(self.field(f"{a}.block_count")),
             num_heads=heads,
             num_kv_heads=int(self.field(f"{a}.attention.head_count_kv", heads)),
-            # Qwen3 says its head size (128, not hidden / heads) as the key length; Llama as the rotary width.
-            head_dim=int(self.field(f"{a}.attention.key_length") or self.field(f"{a}.rope.dimension_count")
-                         or hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
             max_position_embeddings=int(self.field(f"{a}.context_length", 2048)),
             tie_word_embeddings="lm_head.weight" not in self._tensors,
             qkv_bias=a == "qwen2",
             qk_norm=a == "qwen3",
+            sliding_window=int(self.field(f"{a}.attention.sliding_window", 0)) or None,
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
         )

@@ -1,4 +1,4 @@
-"""Phi-3's fused projections are split at load into the names every other path reads."""
+"""Phi-3's fused projections are split at load into the names every other path reads (safetensors and GGUF)."""
 
 import json
 
@@ -9,6 +9,7 @@ from jaxserve import Engine
 from jaxserve.loader.checkpoint import open_checkpoint
 from jaxserve.loader.fused import SplitFusedSource
 from jaxserve.loader.safetensors import SafetensorsSource
+from tests.helpers import write_gguf
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +45,9 @@ def test_partial_rotary_is_refused_by_name(phi3, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "partial_rotary_factor": 0.75}))
     with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
         Engine(str(tmp_path), load_format="dummy", warmup=False)
+
+
+def test_a_phi3_gguf_with_partial_rotary_is_refused_by_name(phi3, smollm2_gguf_path, tmp_path):
+    gguf_file = write_gguf(phi3, tmp_path / "partial.gguf", "phi3", smollm2_gguf_path, **{"rope.dimension_count": 8})
+    with pytest.raises(ValueError, match="rotates 8 of each head's 16 dimensions"):
+        open_checkpoint(str(gguf_file))

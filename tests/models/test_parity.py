@@ -73,10 +73,12 @@ def test_smollm2_gguf_logits_match_transformers(smol_engine, hf_smollm2):
     check_parity(smol_engine, hf_smollm2, prompts, max_tokens=8, tol=2e-4)
 
 
-@pytest.mark.parametrize("name, head_dim", [("qwen2-bias", 16), ("qwen3-qk-norm", 32)])
-def test_qwen_gguf_logits_match_transformers(name, head_dim, tiny_checkpoint, smollm2_gguf_path, tmp_path):
-    """Qwen2 and Qwen3 GGUFs (llama.cpp's tensor names and metadata: q/k/v biases, attn_q_norm, the head size
-    as attention.key_length) read as the same model as their safetensors."""
+@pytest.mark.parametrize("name, head_dim", [("qwen2-bias", 16), ("qwen3-qk-norm", 32),
+                                            ("phi3-fused-sliding-window", 16)])
+def test_gguf_logits_match_transformers(name, head_dim, tiny_checkpoint, smollm2_gguf_path, tmp_path):
+    """Qwen2, Qwen3 and Phi-3 GGUFs (llama.cpp's tensor names and metadata: q/k/v biases, attn_q_norm, the head
+    size as attention.key_length, Phi-3's fused attn_qkv and ffn_up, its sliding window) read as the same model as
+    their safetensors."""
     from tests.helpers import write_gguf
 
     arch, overrides = ARCHITECTURES[name]
