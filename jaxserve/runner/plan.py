@@ -143,12 +143,11 @@ def _statics(chunks: list[ScheduledChunk], max_logprobs: int, decode_only: bool,
     sampling = [c.seq.params for c in chunks if c.samples]
     num_logprobs = max_logprobs if any(p.needs_logprobs for p in sampling) else -1
     penalties = any(c.seq.params.needs_penalties for c in chunks)
-    flags = SamplerFlags.for_constrained(penalties, num_logprobs) if constrained else SamplerFlags(
-        all_greedy=all(p.greedy for p in sampling),
-        top_filter=any(p.needs_top_filter and not p.greedy for p in sampling),
-        penalties=penalties,
-        num_logprobs=num_logprobs,
-    )
+    top_filter = any(p.needs_top_filter and not p.greedy for p in sampling)
+    if constrained:
+        flags = SamplerFlags.for_constrained(penalties, num_logprobs)
+    else:
+        flags = SamplerFlags(all(p.greedy for p in sampling), top_filter, penalties, num_logprobs)
     wants_prompt_logprobs = any(c.seq.params.prompt_logprobs is not None for c in chunks)
     return StepStatics(sampler=flags, prompt_logprobs=max_logprobs if wants_prompt_logprobs else -1,
                        decode_only=decode_only)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxserve.runner.top_filter import filter_top
+
 GREEDY_EPS = 1e-5
 BIAS_SLOTS = 320  # logit_bias entries (OpenAI allows 300) plus EOS/stop-token bans, per row; fixed to bound compiles
 
@@ -51,9 +53,9 @@ class SamplerFlags:
     # -1: no row asked for logprobs, so the log-softmax, ranks and top-N are skipped (about a tenth of a
     # 64-sequence CPU step); else the top-N width (rows asking for fewer are cut on the host).
     num_logprobs: int = -1
-    # Some row's next token is restricted by a grammar (the `allowed` bitmask). Such steps take the sampling extras
-    # too (each is exact for rows that do not use it), so constraining adds four programs per bucket, not twelve;
-    # penalties stay a choice, since they bring a [B, max_model_len] history to the device.
+    # Some row's next token is restricted by a grammar (the `allowed` bitmask). Such steps take the sampling path and
+    # the top-k/p filter (each exact for rows that do not use it), so constraining adds four programs per bucket,
+    # not twelve; penalties stay a choice, since they bring a [B, max_model_len] history to the device.
     constrained: bool = False
 
     @classmethod
@@ -109,24 +111,6 @@ def _apply_penalties(logits, t: SamplingTensors, fed_tokens: jax.Array):
     return logits - t.frequency[:, None] * out_counts - t.presence[:, None] * (out_counts > 0)
 
 
-def _filter_top(logits, t: SamplingTensors):
-    """Mask everything outside top-k, outside the top-p nucleus, or below min_p x the top probability."""
-    V = logits.shape[-1]
-    desc = -jnp.sort(-logits, axis=-1)
-    k = jnp.where(t.top_k > 0, jnp.minimum(t.top_k, V), V)
-    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
-    desc = jnp.where(desc >= kth, desc, -jnp.inf)
-    probs = jax.nn.softmax(desc, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each candidate
-    # The most likely token always stays: a top_p too small for float32 (1e-300 rounds to 0) means greedy. top_p = 1
-    # keeps everything, also the tail that float32 cumulative sums round to 1.
-    keep = (before < t.top_p[:, None]) | (t.top_p >= 1.0)[:, None] | (jnp.arange(V) == 0)[None, :]
-    cut = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits >= jnp.maximum(kth, cut), logits, -jnp.inf)
-    p = jax.nn.softmax(logits, axis=-1)
-    return jnp.where(p >= t.min_p[:, None] * jnp.max(p, axis=-1, keepdims=True), logits, -jnp.inf)
-
-
 def _apply_allowed(logits, t: SamplingTensors):
     """Rule out every token the row's grammar does not allow next."""
     B, V = logits.shape
@@ -154,7 +138,7 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, fed_token
     if not flags.all_greedy:
         scaled = x / jnp.maximum(t.temperature, GREEDY_EPS)[:, None]
         if flags.top_filter:
-            scaled = _filter_top(scaled, t)
+            scaled = filter_top(scaled, t.top_k, t.top_p, t.min_p)
         sampled = first_argmax(scaled + _gumbel(t, logits.shape[-1]))
         tokens = jnp.where(t.temperature < GREEDY_EPS, tokens, sampled)
     if flags.num_logprobs < 0:

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.runner.sampler import BIAS_SLOTS, SamplerFlags, SamplingTensors, _filter_top, first_argmax, sample
+from jaxserve.runner.sampler import BIAS_SLOTS, SamplerFlags, SamplingTensors, first_argmax, sample
+from jaxserve.runner.top_filter import filter_top
 
 V = 1000
 
@@ -119,5 +120,6 @@ def test_top_p_one_keeps_the_tail_that_float32_sums_round_away():
     must still keep every token (the constrained variant filters rows that asked for no filter)."""
     logits = np.zeros((1, V), np.float32)
     logits[0, 0] = 30.0
-    kept = np.asarray(_filter_top(jnp.asarray(logits), _tensors(1, 1.0)))
+    t = _tensors(1, 1.0)
+    kept = np.asarray(filter_top(jnp.asarray(logits), t.top_k, t.top_p, t.min_p))
     np.testing.assert_array_equal(kept, logits)

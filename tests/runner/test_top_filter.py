@@ -1,0 +1,31 @@
+"""The sort-free top-k/top-p/min-p filter keeps exactly what the sorted reference keeps."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.runner.top_filter import filter_top, filter_top_reference, order_keys
+
+
+def test_order_keys_sort_like_the_floats():
+    x = np.array([-np.inf, -3e38, -1.5, -1e-30, 0.0, 1e-30, 2.0, 3e38, np.inf], np.float32)
+    keys = np.asarray(order_keys(jnp.asarray(x)))
+    assert list(np.argsort(keys, kind="stable")) == list(range(len(x)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_kept_tokens_are_the_sorted_references(seed):
+    rng = np.random.default_rng(seed)
+    B, V = 16, 3000
+    x = (rng.standard_normal((B, V)) * rng.choice([0.5, 2.0, 8.0])).astype(np.float32)
+    x[0, :50] = x[0, 0]  # a tie across the thresholds
+    x[1, rng.integers(0, V, 40)] = x[1].max()  # many tokens share the top value
+    x[2, 10:] = -np.inf  # a grammar left ten tokens
+    top_k = rng.choice([0, 1, 2, 7, 300], B).astype(np.int32)
+    top_p = rng.choice([1.0, 0.95, 0.5, 0.1, 1e-30], B).astype(np.float32)  # 1e-30: greedy
+    min_p = rng.choice([0.0, 0.01, 0.3], B).astype(np.float32)
+    args = [jnp.asarray(a) for a in (x, top_k, top_p, min_p)]
+    got, want = (np.asarray(jax.jit(f)(*args)) for f in (filter_top, filter_top_reference))
+    np.testing.assert_array_equal(got, want)
+    assert np.isfinite(got).sum(-1).min() >= 1  # never an empty row
