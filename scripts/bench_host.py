@@ -16,14 +16,13 @@ The last line is the host figure.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmark_table import append_row, command_line
 
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=32, intermediate_size=64,
             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
@@ -119,12 +118,8 @@ def main() -> None:
         walls = wall_ms_per_step({"synchronous": sync, "async": overlapped}, prompts, args.max_tokens, args.repeats)
     print("wall ms per step: " + ", ".join(f"{name} {wall:.2f}" for name, wall in walls.items()))
     if args.append:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
-        command = " ".join(["scripts/bench_host.py", *sys.argv[1:]]).replace(f" --append {args.append}", "")
-        with open(args.append, "a") as f:
-            f.write(f"| {datetime.date.today()} | CPU ({os.cpu_count()} cores) | {commit} | `{command}` | "
-                    f"{args.num_seqs} | {ms:.1f} |\n")
+        append_row(args.append, f"CPU ({os.cpu_count()} cores)", command_line("bench_host.py", args.append),
+                   str(args.num_seqs), f"{ms:.1f}")
     print(f"host ms per step at {args.num_seqs} sequences: {ms:.2f}")
 
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import subprocess
 import time
 from dataclasses import dataclass
+
+from benchmark_table import current_commit
 
 FULL = dict(batches=(1, 8, 64, 256), contexts=(512, 2048, 8192), H=32, K=8, d=128, bs=16, dtype="bfloat16")
 TINY = dict(batches=(1, 2), contexts=(32, 64), H=4, K=2, d=64, bs=16, dtype="float32")
@@ -107,7 +108,7 @@ def table(rows: list[Row]) -> str:
 
 
 def append_results(path: str, rows: list[Row], device: str, bandwidth: float, command: str) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = current_commit()
     header = "## Paged decode kernel: jaxserve Pallas vs jax.experimental.pallas.ops.gpu.paged_attention"
     with open(path) as f:
         has_header = header in f.read()

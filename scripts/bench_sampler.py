@@ -12,11 +12,11 @@ script checks that first. The last line is the speed-up.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import subprocess
 import sys
 import time
+
+from benchmark_table import append_row, command_line
 
 
 def best_ms(fn, args, repeats: int) -> float:
@@ -61,11 +61,8 @@ def main() -> None:
     sort_ms, search_ms = min(times["sort"]), min(times["search"])
     print(f"{args.rows} x {args.vocab} on {jax.devices()[0].platform}: sort {sort_ms:.1f} ms, search {search_ms:.1f} ms")
     if args.append:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        command = " ".join(["scripts/bench_sampler.py", *sys.argv[1:]]).replace(f" --append {args.append}", "")
-        with open(args.append, "a") as f:
-            f.write(f"| {datetime.date.today()} | CPU ({os.cpu_count()} cores) | {commit} | `{command}` | "
-                    f"{sort_ms:.1f} | {search_ms:.1f} | **{sort_ms / search_ms:.1f}x** |\n")
+        append_row(args.append, f"CPU ({os.cpu_count()} cores)", command_line("bench_sampler.py", args.append),
+                   f"{sort_ms:.1f}", f"{search_ms:.1f}", f"**{sort_ms / search_ms:.1f}x**")
     print(f"filter speed-up: {sort_ms / search_ms:.1f}x")
 
 

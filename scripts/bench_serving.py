@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import platform
 import random
-import subprocess
 import time
 from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
+
+from benchmark_table import append_row
 
 WORDS = "the a of model engine token batch serve fast river mountain code data cache page block light".split()
 
@@ -148,13 +148,11 @@ def plot(summaries: list[dict], path: str) -> None:
 
 
 def append_rows(path: str, summaries: list[dict], args) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    with open(path, "a") as f:
-        for s in summaries:
-            f.write(f"| {datetime.date.today()} | {platform.node() or 'host'} ({os.cpu_count()} cores) | {commit} | "
-                    f"`bench_serving.py --num-prompts {args.num_prompts}` | {s['concurrency']} | "
-                    f"{s['output_throughput']:.1f} | {s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} | "
-                    f"{s['tpot_p50_ms']:.1f} / {s['tpot_p99_ms']:.1f} |\n")
+    for s in summaries:
+        append_row(path, f"{platform.node() or 'host'} ({os.cpu_count()} cores)",
+                   f"bench_serving.py --num-prompts {args.num_prompts}", str(s["concurrency"]),
+                   f"{s['output_throughput']:.1f}", f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f}",
+                   f"{s['tpot_p50_ms']:.1f} / {s['tpot_p99_ms']:.1f}")
 
 
 def main() -> None:

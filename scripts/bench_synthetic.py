@@ -25,14 +25,13 @@ The last line is jaxserve's offline throughput over transformers'.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmark_table import append_row, command_line
 
 SHAPES = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -222,15 +221,11 @@ def main() -> None:
 
 
 def append_rows(args, device, dtype, bandwidth, per_token, roofline, ours, theirs, best_batch) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    command = " ".join(["scripts/bench_synthetic.py", *sys.argv[1:]]).replace(f" --append {args.append}", "")
     hf = f"{theirs:.0f} (batch {best_batch})" if theirs else "not run"
     ratio = f"{ours / theirs:.2f}x" if theirs else ""
-    row = (f"| {datetime.date.today()} | {device.device_kind} ({os.cpu_count()} host cores) | {commit} | `{command}` | "
-           f"{dtype} | {bandwidth / 1e9:.0f} | {per_token * 1e3:.2f} ({per_token / roofline:.2f}x roofline) | "
-           f"{ours:.0f} | {hf} | {ratio} |\n")
-    with open(args.append, "a") as f:
-        f.write(row)
+    append_row(args.append, f"{device.device_kind} ({os.cpu_count()} host cores)",
+               command_line("bench_synthetic.py", args.append), dtype, f"{bandwidth / 1e9:.0f}",
+               f"{per_token * 1e3:.2f} ({per_token / roofline:.2f}x roofline)", f"{ours:.0f}", hf, ratio)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,11 @@ one after another, as single streams.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import platform
-import subprocess
-import sys
 import time
+
+from benchmark_table import append_row, command_line
 
 
 def make_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
@@ -153,13 +152,10 @@ def main() -> None:
         line += f"   llama.cpp (Q4_1): {llama_cpp:.1f} tok/s (jaxserve/llama.cpp {ours / llama_cpp:.2f}x)"
     print(line)
     if args.append:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        command = " ".join(["scripts/bench_throughput.py", *sys.argv[1:]]).replace(f" --append {args.append}", "")
         cpp = "" if llama_cpp is None else f"{llama_cpp:.1f}"
-        row = (f"| {datetime.date.today()} | {platform.node() or 'cpu'} ({os.cpu_count()} cores, CPU) | {commit} | "
-               f"`{command}` | {weights} | {ours:.1f} | {theirs:.1f} (batch {best_batch}) | {ratio:.2f}x | {cpp} |\n")
-        with open(args.append, "a") as f:
-            f.write(row)
+        append_row(args.append, f"{platform.node() or 'cpu'} ({os.cpu_count()} cores, CPU)",
+                   command_line("bench_throughput.py", args.append), weights, f"{ours:.1f}",
+                   f"{theirs:.1f} (batch {best_batch})", f"{ratio:.2f}x", cpp)
     print(f"ratio jaxserve/transformers: {ratio:.2f}x")
 
 

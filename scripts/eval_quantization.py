@@ -13,10 +13,10 @@ The last line is the perplexity ratio int8 / float.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import platform
-import subprocess
+
+from benchmark_table import append_row
 
 TEXT = (
     "The river starts high in the mountains, where snow melts in the spring and runs down through narrow "
@@ -97,12 +97,9 @@ def main() -> None:
           f"next-token agreement {100 * r['top1_agreement']:.1f}%   "
           f"greedy tokens equal before the first difference: {prefixes} of {r['max_tokens']}")
     if args.append:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        row = (f"| {datetime.date.today()} | {platform.node() or 'cpu'} ({os.cpu_count()} cores) | {commit} | "
-               f"`scripts/eval_quantization.py --max-tokens {args.max_tokens}` | {r['ppl_float']:.3f} | "
-               f"{r['ppl_int8']:.3f} | {100 * r['top1_agreement']:.1f}% | {prefixes} of {r['max_tokens']} |\n")
-        with open(args.append, "a") as f:
-            f.write(row)
+        append_row(args.append, f"{platform.node() or 'cpu'} ({os.cpu_count()} cores)",
+                   f"scripts/eval_quantization.py --max-tokens {args.max_tokens}", f"{r['ppl_float']:.3f}",
+                   f"{r['ppl_int8']:.3f}", f"{100 * r['top1_agreement']:.1f}%", f"{prefixes} of {r['max_tokens']}")
     print(f"perplexity ratio int8/float: {ratio:.4f}")
 
 

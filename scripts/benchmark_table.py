@@ -1,0 +1,24 @@
+"""What every benchmark script's `--append BENCHMARKS.md` writes first: the date, the machine, the commit and the
+command as it was run, then the script's own figures, as one markdown table row."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import sys
+
+
+def current_commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+def command_line(script: str, append_path: str | None) -> str:
+    """How this script was run, without the --append option that writes the row."""
+    command = " ".join([f"scripts/{script}", *sys.argv[1:]])
+    return command.replace(f" --append {append_path}", "") if append_path else command
+
+
+def append_row(path: str, machine: str, command: str, *figures: str) -> None:
+    cells = [str(datetime.date.today()), machine, current_commit(), f"`{command}`", *figures]
+    with open(path, "a") as f:
+        f.write("| " + " | ".join(cells) + " |\n")
