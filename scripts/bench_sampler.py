@@ -59,9 +59,11 @@ def main() -> None:
         times["sort"].append(best_ms(sort, inputs, 1))
         times["search"].append(best_ms(search, inputs, 1))
     sort_ms, search_ms = min(times["sort"]), min(times["search"])
-    print(f"{args.rows} x {args.vocab} on {jax.devices()[0].platform}: sort {sort_ms:.1f} ms, search {search_ms:.1f} ms")
+    device = jax.devices()[0]
+    machine = f"CPU ({os.cpu_count()} cores)" if device.platform == "cpu" else device.device_kind
+    print(f"{args.rows} x {args.vocab} on {machine}: sort {sort_ms:.1f} ms, search {search_ms:.1f} ms")
     if args.append:
-        append_row(args.append, f"CPU ({os.cpu_count()} cores)", command_line("bench_sampler.py", args.append),
+        append_row(args.append, machine, command_line("bench_sampler.py", args.append),
                    f"{sort_ms:.1f}", f"{search_ms:.1f}", f"**{sort_ms / search_ms:.1f}x**")
     print(f"filter speed-up: {sort_ms / search_ms:.1f}x")
 
