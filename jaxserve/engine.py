@@ -18,12 +18,12 @@ import jax
 
 from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_dtype
 from jaxserve.core.block_manager import BlockManager
-from jaxserve.grammar import GrammarCompiler, grammar_ended
 from jaxserve.core.output_processor import SequenceText, position_logprobs, record_prompt_logprobs, request_output
 from jaxserve.core.request import Request, Sequence
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine_inputs import (check_engine_options, check_max_model_len, normalise_conversations,
                                    normalise_prompts, prompt_token_ids, validate_lengths)
+from jaxserve.grammar import GrammarCompiler, grammar_ended
 from jaxserve.loader.checkpoint import open_checkpoint
 from jaxserve.loader.tokenizer import read_chat_template
 from jaxserve.outputs import RequestOutput

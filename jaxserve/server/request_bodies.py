@@ -59,12 +59,12 @@ def chat_inputs(body: ChatCompletionRequest, encode_chat: ChatEncoder, model_def
     """
     params = build_sampling_params(body, model_defaults)
     choice = body.resolved_tool_choice()
-    if choice is not None and choice.kind == "auto" and tool_parser is not None:
+    if choice is not None and choice.kind == "auto":
+        if tool_parser is None:
+            raise bad_request('tool_choice "auto" (the default when tools are given) needs a tool call parser, which '
+                              'was not configured (serve --enable-auto-tool-choice --tool-call-parser hermes, or '
+                              'tool_call_parser: hermes in a batch job); or set tool_choice to "required", to '
+                              '{"type": "function", "function": {"name": ...}}, or to "none"', param="tool_choice")
         params = tool_parser.adjust(params)
-    if choice is not None and choice.kind == "auto" and tool_parser is None:
-        raise bad_request('tool_choice "auto" (the default when tools are given) needs a tool call parser, which '
-                          'was not configured (serve --enable-auto-tool-choice --tool-call-parser hermes, or '
-                          'tool_call_parser: hermes in a batch job); or set tool_choice to "required", to '
-                          '{"type": "function", "function": {"name": ...}}, or to "none"', param="tool_choice")
     return [encode_chat(body.template_messages(), body.add_generation_prompt, **body.rendering(template_defaults))], \
         params
