@@ -16,12 +16,14 @@ ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas-interpret")
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling (`rope_scaling.rope_type == "llama3"`)."""
+    """RoPE frequency scaling: `rope_type` "llama3" (Llama 3.1's per-wavelength blend) or "linear" (every
+    frequency divided by `factor`, as Gemma 3's global layers do). The other fields are llama3's."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,19 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3: an RMSNorm over each q and k head (its own gains, shared by heads) before RoPE
-    sliding_window: int | None = None  # Mistral, when configured
+    sliding_window: int | None = None  # Mistral, when configured; with layer_types, the sliding layers' window
+    # Per layer, "sliding_attention" or "full_attention", only when layers differ (Gemma 2/3, some Qwen2); () when
+    # every layer attends alike. It describes the checkpoint's real layers: the runner carries each layer slot's
+    # kind in the weights (`attn_kind`), padded like them for pipeline stages.
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (no scaling); None: rope_theta
+    attention_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the logits
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    # Gemma stores RMSNorm gains as w - 1 (it multiplies by 1 + w); the loader adds this to every norm gain.
+    norm_weight_offset: float = 0.0
+    post_norms: bool = False  # Gemma 2/3: an RMSNorm on the attention's and the MLP's outputs before each residual add
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Mixture of experts (Mixtral); 0 experts means a dense MLP.
@@ -63,6 +77,16 @@ class ModelConfig:
     @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def attention_windows(self) -> tuple[int | None, ...]:
+        """The window of each attention kind: (sliding_window,) when every layer attends alike, else
+        (None, sliding_window): kind 0 full, kind 1 sliding (`layer_kinds` numbers the layers so)."""
+        return (None, self.sliding_window) if self.layer_types else (self.sliding_window,)
+
+    def layer_kinds(self) -> list[int]:
+        """Each real layer's index into `attention_windows` (all 0 when the layers attend alike)."""
+        return [int(t == "sliding_attention") for t in self.layer_types] or [0] * self.num_layers
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,11 @@ def visible(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array
     return ok
 
 
+def cap_scores(s: jax.Array, softcap: float | None) -> jax.Array:
+    """Gemma 2's soft cap on attention scores, softcap * tanh(s / softcap); identity when softcap is None."""
+    return s if softcap is None else softcap * jnp.tanh(s / softcap)
+
+
 def online_softmax_step(carry, s: jax.Array, v: jax.Array, precision):
     """Fold one block of masked scores s [R, N] and values v [N, d] into (m [R,1], l [R,1], acc [R,d])."""
     m, l, acc = carry

@@ -6,11 +6,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import MASK_VALUE, cdiv, dot_nt, next_pow2, online_softmax_step, softmax_init, visible
+from pallas_kernels.common import (MASK_VALUE, cap_scores, cdiv, dot_nt, next_pow2, online_softmax_step, softmax_init,
+                                   visible)
 
 
 def attend_pages(q, q_pos, k_ref, v_ref, tables_ref, row, layer, h, lo, num_blocks, *, pages_per_block: int,
-                 scale: float, window: int | None, precision):
+                 scale: float, window: int | None, precision, softcap: float | None = None):
     """Attend queries q [R, d] at positions q_pos [R, 1] (or a scalar) to the keys of pages
     [lo, lo + num_blocks * P) of block-table row `row`; returns the online-softmax state (m, l, acc).
 
@@ -24,7 +25,7 @@ def attend_pages(q, q_pos, k_ref, v_ref, tables_ref, row, layer, h, lo, num_bloc
         pages = tables_ref[row, pl.ds(first, P)]
         k = k_ref[layer, h, pages].reshape(P * bs, d)
         v = v_ref[layer, h, pages].reshape(P * bs, d)
-        s = dot_nt(q, k, precision) * scale
+        s = cap_scores(dot_nt(q, k, precision) * scale, softcap)
         k_pos = first * bs + jnp.arange(P * bs)[None, :]
         s = jnp.where(visible(q_pos, k_pos, window), s, MASK_VALUE)
         return online_softmax_step(carry, s, v, precision)

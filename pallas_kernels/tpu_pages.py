@@ -8,11 +8,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import MASK_VALUE, dot_nt, online_softmax_step, softmax_init, visible
+from pallas_kernels.common import MASK_VALUE, cap_scores, dot_nt, online_softmax_step, softmax_init, visible
 
 
 def attend_pages(q, q_pos, kv_refs, tables_ref, table_base, layer, h, c_lo, c_hi, *, scale: float,
-                 window: int | None, precision):
+                 window: int | None, precision, softcap: float | None = None):
     """Attend q [R, d] at positions q_pos [R, 1] to chunks [c_lo, c_hi) of P pages each, the pages of chunk c
     being tables_ref[table_base + c*P + j] (tables flattened in SMEM); returns (m, l, acc).
 
@@ -48,7 +48,7 @@ def attend_pages(q, q_pos, kv_refs, tables_ref, table_base, layer, h, c_lo, c_hi
             cp.wait()
         k = k_buf[slot].reshape(P * bs, d)
         v = v_buf[slot].reshape(P * bs, d)
-        s = dot_nt(q, k, precision) * scale
+        s = cap_scores(dot_nt(q, k, precision) * scale, softcap)
         k_pos = c * (P * bs) + jax.lax.broadcasted_iota(jnp.int32, (1, P * bs), 1)
         s = jnp.where(visible(q_pos, k_pos, window), s, MASK_VALUE)
         return online_softmax_step(carry, s, v, precision)

@@ -22,7 +22,8 @@ def make_tiny_checkpoint(arch: str, out: Path, gguf_path: str, **overrides) -> P
     config = AutoConfig.for_model(arch, **settings)
     config.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                             "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM"}[arch]]
+                             "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
+                             "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[arch]]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # RMSNorm gains start at 1: made distinct, so a norm loaded into the wrong place shows

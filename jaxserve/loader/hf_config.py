@@ -8,17 +8,15 @@ from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.models.registry import model_class
 
 
-def _rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    # transformers 5 writes `rope_parameters`; older checkpoints `rope_theta` + `rope_scaling`.
-    params = d.get("rope_parameters") or {}
-    theta = float(d.get("rope_theta") or params.get("rope_theta") or 10000.0)
-    scaling = d.get("rope_scaling") or params
+def _scaling(arch: str, scaling: dict[str, Any] | None) -> RopeScaling | None:
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
     if kind in (None, "default"):
-        return theta, None
+        return None
+    if kind == "linear":
+        return RopeScaling(factor=float(scaling["factor"]), rope_type="linear")
     if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: default, llama3")
-    return theta, RopeScaling(
+        raise ValueError(f"{arch}: rope_scaling type {kind!r} is not supported; supported: default, linear, llama3")
+    return RopeScaling(
         factor=float(scaling["factor"]),
         low_freq_factor=float(scaling["low_freq_factor"]),
         high_freq_factor=float(scaling["high_freq_factor"]),
@@ -26,8 +24,26 @@ def _rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
+def _rope(arch: str, d: dict[str, Any]) -> tuple[float, RopeScaling | None, float | None]:
+    """(theta, scaling) of the (full-attention) layers, and the sliding layers' own theta where they differ."""
+    # transformers 5 writes `rope_parameters`, per layer kind for Gemma 3; older checkpoints `rope_theta` +
+    # `rope_scaling` (+ Gemma 3's `rope_local_base_freq`).
+    params = d.get("rope_parameters") or {}
+    local = None
+    if "full_attention" in params:
+        sliding = params.get("sliding_attention") or {}
+        if _scaling(arch, sliding) is not None:
+            raise ValueError(f"{arch}: scaled RoPE on sliding-window layers is not supported")
+        local, params = sliding.get("rope_theta"), params["full_attention"]
+    theta = float(d.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    local = local or d.get("rope_local_base_freq")
+    return theta, _scaling(arch, d.get("rope_scaling") or params), None if local is None else float(local)
+
+
 # transformers' default for Qwen2/Qwen3 configs that leave max_window_layers out.
 QWEN_MAX_WINDOW_LAYERS = 28
+# transformers' default for Gemma 3 configs that list neither layer_types nor sliding_window_pattern.
+GEMMA3_SLIDING_PATTERN = 6
 
 
 def _eos_ids(*sources: dict[str, Any]) -> tuple[int, ...]:
@@ -40,20 +56,24 @@ def _eos_ids(*sources: dict[str, Any]) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
-    """The window every layer uses, or None when every layer attends to the whole context."""
+def _attention_layout(arch: str, d: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
+    """(window, layer_types): the window of the sliding layers (None when no layer slides), and each layer's
+    kind when the layers differ (() when they attend alike)."""
     window = d.get("sliding_window")
     if arch.startswith(("Qwen2", "Qwen3")) and not d.get("use_sliding_window", False):
-        return None
+        return None, ()
     if not window:
-        return None
-    kinds = set(_layer_kinds(arch, d))
-    if kinds == {"full_attention"}:
-        return None
-    if len(kinds) > 1:
-        raise ValueError(f"this {arch} mixes sliding-window and full-attention layers, which jaxserve does not run "
-                         f"yet; only models whose layers all attend alike are supported")
-    return int(window)
+        return None, ()
+    kinds = _layer_kinds(arch, d)
+    if set(kinds) == {"full_attention"}:
+        return None, ()
+    if set(kinds) == {"sliding_attention"}:
+        return int(window), ()
+    unknown = set(kinds) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ValueError(f"{arch}: layer_types {sorted(unknown)} are not supported; supported: full_attention, "
+                         f"sliding_attention")
+    return int(window), tuple(kinds)
 
 
 def _layer_kinds(arch: str, d: dict[str, Any]) -> list[str]:
@@ -64,7 +84,42 @@ def _layer_kinds(arch: str, d: dict[str, Any]) -> list[str]:
     if arch.startswith(("Qwen2", "Qwen3")):  # the first max_window_layers layers attend to everything
         first_sliding = int(d.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS))
         return ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
+    if arch.startswith("Gemma2"):  # every other layer slides, the first one included
+        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    if arch.startswith("Gemma3"):  # five sliding layers, then one full one
+        pattern = int(d.get("sliding_window_pattern", GEMMA3_SLIDING_PATTERN))
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     return ["sliding_attention"] * num_layers
+
+
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def _activation(arch: str, d: dict[str, Any]) -> str:
+    # Gemma's configs name the MLP's activation `hidden_activation`; Gemma 1 also carries a stale `hidden_act`.
+    name = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+    if name == "gelu" and arch.startswith("Gemma"):
+        name = "gelu_pytorch_tanh"  # what transformers runs for Gemma's "gelu" (the tanh approximation)
+    if name not in ACTIVATIONS:
+        raise ValueError(f"{arch}: hidden activation {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+def _gemma(arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's departures from Llama: (1 + w) norm gains, a query scale of its own, tied embeddings by default,
+    Gemma 2's soft-capping, Gemma 2/3's norms after attention and MLP, Gemma 3's q/k norms."""
+    if not arch.startswith("Gemma"):
+        return {}
+    scalar = d.get("query_pre_attn_scalar")
+    return dict(
+        norm_weight_offset=1.0,
+        attention_scale=None if scalar is None else float(scalar) ** -0.5,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+        attn_logit_softcap=d.get("attn_logit_softcapping"),
+        final_logit_softcap=d.get("final_logit_softcapping"),
+        post_norms=arch.startswith(("Gemma2", "Gemma3")),
+        qk_norm=arch.startswith("Gemma3"),
+    )
 
 
 def model_config_from_hf(d: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
@@ -73,7 +128,8 @@ def model_config_from_hf(d: dict[str, Any], generation: dict[str, Any] | None = 
         raise ValueError("config.json has no 'architectures' entry; cannot tell which model it describes")
     arch = archs[0]
     model_class(arch)  # refuse an unsupported architecture before reading anything else
-    theta, scaling = _rope(d)
+    theta, scaling, local_theta = _rope(arch, d)
+    window, layer_types = _attention_layout(arch, d)
     partial = float(d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor")
                     or 1.0)
     if partial != 1.0:
@@ -81,7 +137,7 @@ def model_config_from_hf(d: dict[str, Any], generation: dict[str, Any] | None = 
                          f"as in Phi-4-mini); only models that rotate whole heads are")
     heads = int(d["num_attention_heads"])
     hidden = int(d["hidden_size"])
-    return ModelConfig(
+    fields = dict(
         architecture=arch,
         vocab_size=int(d["vocab_size"]),
         hidden_size=hidden,
@@ -97,9 +153,13 @@ def model_config_from_hf(d: dict[str, Any], generation: dict[str, Any] | None = 
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         qkv_bias=arch.startswith("Qwen2") or bool(d.get("attention_bias", False)),
         qk_norm=arch.startswith("Qwen3"),
-        sliding_window=_sliding_window(arch, d),
+        sliding_window=window,
+        layer_types=layer_types,
+        rope_local_theta=local_theta,
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_eos_ids(generation or {}, d),
         num_experts=int(d.get("num_local_experts", 0)),
         num_experts_per_tok=int(d.get("num_experts_per_tok", 0)),
+        hidden_act=_activation(arch, d),
     )
+    return ModelConfig(**(fields | _gemma(arch, d)))

@@ -27,6 +27,7 @@ def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {
         "embed_tokens.weight": (V, D), "lm_head.weight": (V, D), "norm.weight": (D,),
         "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
+        "pre_feedforward_layernorm.weight": (D,), "post_feedforward_layernorm.weight": (D,),
         "q_proj.weight": (H * d, D), "k_proj.weight": (K * d, D), "v_proj.weight": (K * d, D),
         "o_proj.weight": (D, H * d), "q_proj.bias": (H * d,), "k_proj.bias": (K * d,), "v_proj.bias": (K * d,),
         "q_norm.weight": (d,), "k_norm.weight": (d,),
@@ -44,6 +45,7 @@ class RandomWeights:
     def __init__(self, cfg: ModelConfig, seed: int = 0):
         self.seed = seed
         self._shapes = _hf_shapes(cfg)
+        self._unit_gain = 1.0 - cfg.norm_weight_offset  # the stored value of a gain of 1 (Gemma stores w for 1 + w)
 
     def names(self) -> set[str]:
         return set()  # names are asked for by the loader, never listed
@@ -54,7 +56,7 @@ class RandomWeights:
         if shape is None:
             raise KeyError(f"no random tensor for {name!r}: the dummy loader does not know this weight")
         if suffix.endswith("norm.weight"):
-            return np.ones(shape, np.float32)  # RMSNorm gains start at 1: random ones would only rescale
+            return np.full(shape, self._unit_gain, np.float32)  # gains of 1: random ones would only rescale
         rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
         x = rng.random(shape, dtype=np.float32)
         x -= 0.5

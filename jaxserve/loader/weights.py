@@ -22,17 +22,30 @@ class TensorSource(Protocol):
 ParamPath = tuple[str, ...]
 
 
+def _norm_gain(cfg: ModelConfig) -> Callable[[np.ndarray], np.ndarray]:
+    """RMSNorm gains as our norm multiplies by them: Gemma's checkpoints hold w for a gain of 1 + w."""
+    offset = cfg.norm_weight_offset
+    return (lambda w: w) if not offset else (lambda w: w.astype(np.float32) + offset)
+
+
 def _layer_weights(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]]:
     """Our stacked name -> (HF name inside layer i, transform from HF layout to ours)."""
     D, H, K, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    norm = _norm_gain(cfg)
     table = {
-        "attn_norm": ("input_layernorm.weight", lambda w: w),
+        "attn_norm": ("input_layernorm.weight", norm),
         "wq": ("self_attn.q_proj.weight", lambda w: w.T.reshape(D, H, d)),
         "wk": ("self_attn.k_proj.weight", lambda w: w.T.reshape(D, K, d)),
         "wv": ("self_attn.v_proj.weight", lambda w: w.T.reshape(D, K, d)),
         "wo": ("self_attn.o_proj.weight", lambda w: w.T.reshape(H, d, D)),
-        "mlp_norm": ("post_attention_layernorm.weight", lambda w: w),
+        "mlp_norm": ("post_attention_layernorm.weight", norm),
     }
+    if cfg.post_norms:  # Gemma 2/3: post_attention_layernorm follows attention; the MLP has a norm each side
+        table |= {
+            "post_attn_norm": ("post_attention_layernorm.weight", norm),
+            "mlp_norm": ("pre_feedforward_layernorm.weight", norm),
+            "post_mlp_norm": ("post_feedforward_layernorm.weight", norm),
+        }
     if cfg.qkv_bias:
         table |= {
             "bq": ("self_attn.q_proj.bias", lambda b: b.reshape(H, d)),
@@ -41,8 +54,8 @@ def _layer_weights(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
         }
     if cfg.qk_norm:
         table |= {
-            "q_norm": ("self_attn.q_norm.weight", lambda w: w),
-            "k_norm": ("self_attn.k_norm.weight", lambda w: w),
+            "q_norm": ("self_attn.q_norm.weight", norm),
+            "k_norm": ("self_attn.k_norm.weight", norm),
         }
     if cfg.num_experts:
         table |= {
@@ -78,7 +91,7 @@ def load_params(cfg: ModelConfig, src: TensorSource, dtype) -> Iterator[tuple[Pa
     """Yield (parameter path, array in our layout) one parameter at a time, so at most one stacked tensor
     is materialised beyond the checkpoint itself."""
     yield ("embed",), src.get("model.embed_tokens.weight").astype(dtype)
-    yield ("final_norm",), src.get("model.norm.weight").astype(dtype)
+    yield ("final_norm",), _norm_gain(cfg)(src.get("model.norm.weight")).astype(dtype)
     if not cfg.tie_word_embeddings:
         yield ("lm_head",), src.get("lm_head.weight").T.astype(dtype)
     for ours, (hf, transform) in _layer_weights(cfg).items():
@@ -87,3 +100,5 @@ def load_params(cfg: ModelConfig, src: TensorSource, dtype) -> Iterator[tuple[Pa
     if cfg.num_experts:
         for ours, hf in EXPERT_WEIGHTS.items():
             yield ("layers", ours), _expert_weight(cfg, src, hf, dtype)
+    if cfg.layer_types:  # not a checkpoint tensor: each layer's attention kind, stacked and split like the weights
+        yield ("layers", "attn_kind"), np.asarray(cfg.layer_kinds(), np.int32)

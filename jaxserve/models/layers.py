@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, RopeScaling
 
 
 def param(shape: tuple[int, ...], logical: tuple[str | None, ...], dtype, init: float | None = None) -> nnx.Param:
@@ -71,13 +71,14 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies of rotary embeddings, with Llama-3 frequency scaling when configured."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    s = cfg.rope_scaling
+def inv_freq_of(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """Inverse frequencies of rotary embeddings [d/2], with linear or Llama-3 frequency scaling when configured."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    s = scaling
     if s is None:
         return inv_freq.astype(np.float32)
+    if s.rope_type == "linear":
+        return (inv_freq / s.factor).astype(np.float32)
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -86,6 +87,16 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     scaled = np.where(medium, (1 - smooth) * inv_freq / s.factor + smooth * inv_freq, scaled)
     return scaled.astype(np.float32)
+
+
+def rope_inv_freqs(cfg: ModelConfig) -> np.ndarray:
+    """[kinds, d/2]: the inverse frequencies of each attention kind (`cfg.attention_windows`' order). Gemma 3's
+    sliding layers rotate with a base of their own and no scaling."""
+    full = inv_freq_of(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    if len(cfg.attention_windows) == 1:
+        return full[None]
+    local = full if cfg.rope_local_theta is None else inv_freq_of(cfg.head_dim, cfg.rope_local_theta)
+    return np.stack([full, local])
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
@@ -99,7 +110,16 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return rotated.astype(x.dtype)
 
 
-def swiglu_mlp(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+def gated_mlp(x: jax.Array, w: dict[str, jax.Array], activation: str) -> jax.Array:
+    """down(act(gate(x)) * up(x)): SwiGLU with "silu" (Llama), GeGLU with "gelu_tanh" (Gemma)."""
     gate = dense("TD,DF->TF", x, w, "w_gate")
     up = dense("TD,DF->TF", x, w, "w_up")
-    return dense("TF,FD->TD", jax.nn.silu(gate) * up, w, "w_down")
+    return dense("TF,FD->TD", ACTIVATIONS[activation](gate) * up, w, "w_down")
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """Gemma 2's soft cap: cap * tanh(x / cap), smooth and bounded by +-cap; identity when cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)

@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral with its sliding window, Qwen2 with q/k/v bias, Qwen3
-with its q/k norms).
+with its q/k norms; Gemma's norms after attention and MLP, GeGLU, soft-capping and per-layer windows too).
 
 Architecture only: weights are stacked on a leading `layers` axis and the layers run under one `lax.scan`,
 so compile time does not grow with depth. Attention over the paged cache is passed in (`attention_fn`).
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.layers import apply_rope, dense, param, rms_norm, rope_inv_freq, swiglu_mlp, weight
+from jaxserve.models.layers import apply_rope, dense, gated_mlp, param, rms_norm, rope_inv_freqs, soft_cap, weight
 
 
 class DecoderLayers(nnx.Module):
@@ -37,6 +37,11 @@ class DecoderLayers(nnx.Module):
             self.q_norm = param((L, d), ("layers", "head_dim"), dtype)
             self.k_norm = param((L, d), ("layers", "head_dim"), dtype)
         self.mlp_norm = param((L, D), ("layers", "embed"), dtype)
+        if cfg.post_norms:
+            self.post_attn_norm = param((L, D), ("layers", "embed"), dtype)
+            self.post_mlp_norm = param((L, D), ("layers", "embed"), dtype)
+        if cfg.layer_types:  # each layer's attention kind, an index into cfg.attention_windows
+            self.attn_kind = param((L,), ("layers",), jnp.int32)
         self.init_mlp(cfg, dtype, q)
 
     def init_mlp(self, cfg: ModelConfig, dtype, q: str | None):
@@ -50,12 +55,13 @@ class DecoderLayers(nnx.Module):
 
 
 def mlp(cfg: ModelConfig, w: dict[str, jax.Array], h: jax.Array) -> jax.Array:
-    return swiglu_mlp(h, w)
+    return gated_mlp(h, w, cfg.hidden_act)
 
 
-def decoder_layer(cfg: ModelConfig, attention_fn, mlp_fn, carry, w: dict[str, jax.Array], layer: jax.Array, meta):
-    x, kv = carry
-    h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+def self_attention(cfg: ModelConfig, attention_fn, w: dict[str, jax.Array], h: jax.Array, kv, layer, meta):
+    """q/k/v projections, RoPE, paged attention, output projection. A model whose layers differ in attention
+    kind passes the layer's kind on (its window, and its RoPE frequencies)."""
+    kind = w.get("attn_kind")
     q = dense("TD,DHd->THd", h, w, "wq")
     k = dense("TD,DKd->TKd", h, w, "wk")
     v = dense("TD,DKd->TKd", h, w, "wv")
@@ -63,13 +69,21 @@ def decoder_layer(cfg: ModelConfig, attention_fn, mlp_fn, carry, w: dict[str, ja
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     if cfg.qk_norm:  # over head_dim, each head alike (zero heads padded for tp stay zero)
         q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-    inv_freq = rope_inv_freq(cfg)
+    inv_freqs = rope_inv_freqs(cfg)
+    inv_freq = inv_freqs[0] if kind is None else jnp.asarray(inv_freqs)[kind]
     q = apply_rope(q, meta.positions, inv_freq)
     k = apply_rope(k, meta.positions, inv_freq)
-    attn, kv = attention_fn(q, k, v, kv, layer, meta)
-    x = x + dense("THd,HdD->TD", attn, w, "wo")
-    h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-    x = x + mlp_fn(cfg, w, h)
+    attn, kv = attention_fn(q, k, v, kv, layer, meta, kind)
+    return dense("THd,HdD->TD", attn, w, "wo"), kv
+
+
+def decoder_layer(cfg: ModelConfig, attention_fn, mlp_fn, carry, w: dict[str, jax.Array], layer: jax.Array, meta):
+    x, kv = carry
+    eps = cfg.rms_norm_eps
+    out, kv = self_attention(cfg, attention_fn, w, rms_norm(x, w["attn_norm"], eps), kv, layer, meta)
+    x = x + (rms_norm(out, w["post_attn_norm"], eps) if cfg.post_norms else out)
+    out = mlp_fn(cfg, w, rms_norm(x, w["mlp_norm"], eps))
+    x = x + (rms_norm(out, w["post_mlp_norm"], eps) if cfg.post_norms else out)
     return x, kv
 
 
@@ -105,10 +119,13 @@ class LlamaForCausalLM(nnx.Module):
     def __call__(self, token_ids: jax.Array, kv, meta, attention_fn, run_layers=scan_layers):
         """Hidden states [T, D] after the final norm, and the updated cache. `run_layers` runs the stacked
         layers: a plain scan, or the pipeline over stages."""
-        x = self.embed[...][token_ids]
+        x = self.embed_tokens(token_ids)
         layer_fn = partial(decoder_layer, self.cfg, attention_fn, self.mlp_fn)
         x, kv = run_layers(layer_fn, self.layers.arrays(), x, kv, meta)
         return rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps), kv
+
+    def embed_tokens(self, token_ids: jax.Array) -> jax.Array:
+        return self.embed[...][token_ids]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Float32 logits [N, V] for the N hidden states asked for (only the sampled positions)."""
@@ -116,4 +133,4 @@ class LlamaForCausalLM(nnx.Module):
             out = jnp.einsum("ND,VD->NV", hidden, self.embed[...], preferred_element_type=jnp.float32)
         else:
             out = jnp.einsum("ND,DV->NV", hidden, self.lm_head[...], preferred_element_type=jnp.float32)
-        return out[:, : self.cfg.vocab_size]  # rows padded for tensor parallelism are not tokens
+        return soft_cap(out[:, : self.cfg.vocab_size], self.cfg.final_logit_softcap)  # padded rows are not tokens

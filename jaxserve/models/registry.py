@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.mixtral import MixtralForCausalLM
 
 ARCHITECTURES: dict[str, type] = {
+    "GemmaForCausalLM": GemmaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,  # text-only Gemma 3 (1B)
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
+from jaxserve.models.layers import soft_cap
 from jaxserve.runner.kv_cache import KVCache
 
 
@@ -25,6 +26,18 @@ class AttentionMetadata:
     # Static (part of the compiled shape): every sequence has exactly one token here, token i being row i's, so
     # a decode kernel can run instead of the ragged one. Set only where the attention has one (see plan.py).
     decode_only: bool = field(default=False, metadata=dict(static=True))
+
+
+# A window no context reaches: a full-attention layer's when the window is chosen per layer (traced).
+NO_WINDOW = 2**30
+
+
+def layer_window(windows: tuple[int | None, ...], kind: jax.Array | None):
+    """The window of a layer of attention kind `kind` (an index into `windows`): static when every layer
+    attends alike (kind None), else a traced int32 (NO_WINDOW for full attention)."""
+    if kind is None:
+        return windows[0]
+    return jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)[kind]
 
 
 def write_kv(kv: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVCache:
@@ -45,7 +58,8 @@ def paged_attention_reference(
     meta: AttentionMetadata,
     *,
     scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     T, H, d = q.shape
     K, _, bs, _ = k_pages.shape
@@ -54,7 +68,7 @@ def paged_attention_reference(
     k = k_pages[:, rows].reshape(K, T, S, d)
     v = v_pages[:, rows].reshape(K, T, S, d)
     qg = q.reshape(T, K, H // K, d)
-    scores = jnp.einsum("TKGd,KTSd->TKGS", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = soft_cap(jnp.einsum("TKGd,KTSd->TKGS", qg, k, preferred_element_type=jnp.float32) * scale, softcap)
     kv_pos = jnp.arange(S)[None, :]
     visible = kv_pos <= meta.positions[:, None]
     if sliding_window is not None:
@@ -65,8 +79,11 @@ def paged_attention_reference(
     return out.reshape(T, H, d).astype(q.dtype)
 
 
-def reference_attention_fn(q, k, v, kv: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window):
-    """Write this step's K/V, then attend over the pages: the signature every attention implementation shares."""
+def reference_attention_fn(q, k, v, kv: KVCache, layer, meta: AttentionMetadata, kind=None, *, scale,
+                           windows=(None,), softcap=None):
+    """Write this step's K/V, then attend over the pages: the signature every attention implementation shares.
+    `windows`: the sliding window of each attention kind; `kind`: this layer's (None when there is one kind)."""
     kv = write_kv(kv, layer, k, v, meta.slot_mapping)
-    out = paged_attention_reference(q, kv.k[layer], kv.v[layer], meta, scale=scale, sliding_window=sliding_window)
+    out = paged_attention_reference(q, kv.k[layer], kv.v[layer], meta, scale=scale,
+                                    sliding_window=layer_window(windows, kind), softcap=softcap)
     return out, kv

@@ -69,7 +69,8 @@ class ModelRunner:
         self.graphdef, self.params = load_weights(cfg, tensors, self.dtype, self.mesh, self.layout,
                                                   quantization)
         self.kv = None
-        attention = partial(attention_fn, scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window)
+        attention = partial(attention_fn, scale=cfg.attention_scale or cfg.head_dim**-0.5,
+                            windows=cfg.attention_windows, softcap=cfg.attn_logit_softcap)
         run_layers = pipeline_layers(self.mesh, scan_layers) if self.layout.pp > 1 else None
         self.fns = StepFunctions(self.graphdef, attention, run_layers)
 

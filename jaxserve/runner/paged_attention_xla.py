@@ -10,12 +10,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.runner.attention import AttentionMetadata, write_kv
+from jaxserve.models.layers import soft_cap
+from jaxserve.runner.attention import AttentionMetadata, layer_window, write_kv
 from jaxserve.runner.kv_cache import KVCache
 
 
 def blockwise_paged_attention(q, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale: float,
-                              sliding_window: int | None = None) -> jax.Array:
+                              sliding_window: int | jax.Array | None = None, softcap: float | None = None) -> jax.Array:
     """Attention over `layer` of the whole cache [L, K, NB, bs, d]. The pages are gathered straight from the
     whole cache: slicing the layer out first would copy that layer's every page, i.e. the whole cache per step."""
     T, H, d = q.shape
@@ -29,7 +30,7 @@ def blockwise_paged_attention(q, k_cache, v_cache, layer, meta: AttentionMetadat
         m, l, acc = carry  # running max [T,K,G], normaliser [T,K,G], output [T,K,G,d]
         k = k_cache[layer, :, rows[:, j]].astype(jnp.float32)  # [T, K, bs, d]
         v = v_cache[layer, :, rows[:, j]].astype(jnp.float32)
-        s = jnp.einsum("TKGd,TKSd->TKGS", qg, k)
+        s = soft_cap(jnp.einsum("TKGd,TKSd->TKGS", qg, k), softcap)
         kv_pos = j * bs + jnp.arange(bs)
         visible = kv_pos[None, :] <= meta.positions[:, None]
         if sliding_window is not None:
@@ -48,7 +49,9 @@ def blockwise_paged_attention(q, k_cache, v_cache, layer, meta: AttentionMetadat
     return (acc / l[..., None]).reshape(T, H, d).astype(q.dtype)
 
 
-def blockwise_attention_fn(q, k, v, kv: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window):
+def blockwise_attention_fn(q, k, v, kv: KVCache, layer, meta: AttentionMetadata, kind=None, *, scale,
+                           windows=(None,), softcap=None):
     kv = write_kv(kv, layer, k, v, meta.slot_mapping)
-    out = blockwise_paged_attention(q, kv.k, kv.v, layer, meta, scale=scale, sliding_window=sliding_window)
+    out = blockwise_paged_attention(q, kv.k, kv.v, layer, meta, scale=scale,
+                                    sliding_window=layer_window(windows, kind), softcap=softcap)
     return out, kv

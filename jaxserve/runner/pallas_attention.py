@@ -41,18 +41,27 @@ def ragged_metadata(meta: AttentionMetadata, block_size: int):
     return jnp.where(has, q_start, 0), q_lens, jnp.where(has, kv_lens, 0).astype(jnp.int32)
 
 
-def _attend(q, k, v, kv: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window, backend, interpret):
-    kv = write_kv(kv, layer, k, v, meta.slot_mapping)
+def _kernel_call(q, kv: KVCache, meta: AttentionMetadata, layer, *, window, scale, softcap, backend, interpret):
+    """The kernel's output for a step whose K/V are in the cache already (read-only on the cache)."""
+    kw = dict(layer=layer, scale=scale, sliding_window=window, softcap=softcap, interpret=interpret)
     if meta.decode_only:  # token i is row i's only token: the decode kernel (one query per sequence)
         assert q.shape[0] == meta.block_tables.shape[0], (q.shape, meta.block_tables.shape)
         context_lens = jnp.where(meta.slot_mapping >= kv.block_size, meta.positions + 1, 0)  # padding rows: 0
-        out = DECODE_KERNELS[backend](q, kv.k, kv.v, meta.block_tables, context_lens, layer=layer, scale=scale,
-                                      sliding_window=sliding_window, interpret=interpret)
-        return out, kv
+        return DECODE_KERNELS[backend](q, kv.k, kv.v, meta.block_tables, context_lens, **kw)
     q_start, q_lens, kv_lens = ragged_metadata(meta, kv.block_size)
-    out = RAGGED_KERNELS[backend](q, kv.k, kv.v, meta.block_tables, q_start, q_lens, kv_lens, layer=layer,
-                                  scale=scale, sliding_window=sliding_window, interpret=interpret)
-    return out, kv
+    return RAGGED_KERNELS[backend](q, kv.k, kv.v, meta.block_tables, q_start, q_lens, kv_lens, **kw)
+
+
+def _attend(q, k, v, kv: KVCache, layer, meta: AttentionMetadata, kind=None, *, scale, windows=(None,),
+            softcap=None, backend, interpret):
+    kv = write_kv(kv, layer, k, v, meta.slot_mapping)
+    call = partial(_kernel_call, q, kv, meta, layer, scale=scale, softcap=softcap, backend=backend,
+                   interpret=interpret)
+    if kind is None:
+        return call(window=windows[0]), kv
+    # Layers of several kinds (Gemma): the window is a compile-time constant of the kernel, so each kind has its
+    # own, and the layer's kind picks one at run time. The cache write stays outside, so the branches only read.
+    return jax.lax.switch(kind, [partial(call, window=w) for w in windows]), kv
 
 
 def pallas_attention_fn(backend: str, interpret: bool, mesh: Mesh | None):
@@ -64,15 +73,17 @@ def pallas_attention_fn(backend: str, interpret: bool, mesh: Mesh | None):
     # Compiled kernels need only the head axis manual; the interpreters' callbacks need every mesh axis manual.
     axes = frozenset(mesh.axis_names) if interpret else mesh_axes(CACHE_HEAD_AXES)
 
-    def sharded(q, k, v, kv, layer, meta, *, scale, sliding_window):
+    def sharded(q, k, v, kv, layer, meta, kind=None, *, scale, windows=(None,), softcap=None):
         heads, kv_heads = partition_spec((None, "q_heads", None)), partition_spec((None, "kv_heads", None))
         cache = KVCache(partition_spec(CACHE_HEAD_AXES), partition_spec(CACHE_HEAD_AXES))
         everywhere = partition_spec(())
-        body = partial(attend, scale=scale, sliding_window=sliding_window)
+        body = partial(attend, scale=scale, windows=windows, softcap=softcap)
+        args, specs = (q, k, v, kv, layer, meta), (heads, kv_heads, kv_heads, cache, everywhere, everywhere)
+        if kind is not None:
+            args, specs = args + (kind,), specs + (everywhere,)
         outer, manual = nested_map_mesh(mesh)  # inside a pipeline stage, pp is manual already
         # check_vma=False: pallas_call has no replication rule; the kernel is purely per-device anyway.
-        return jax.shard_map(body, mesh=outer, in_specs=(heads, kv_heads, kv_heads, cache, everywhere, everywhere),
-                             out_specs=(heads, cache), axis_names=axes - manual, check_vma=False)(q, k, v, kv, layer,
-                                                                                                  meta)
+        return jax.shard_map(body, mesh=outer, in_specs=specs, out_specs=(heads, cache), axis_names=axes - manual,
+                             check_vma=False)(*args)
 
     return sharded

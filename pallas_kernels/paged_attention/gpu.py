@@ -27,7 +27,7 @@ TARGET_PROGRAMS = 512  # enough (sequence, head, split) programs to fill a GPU's
 
 
 def _decode_kernel(layer_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, pages_per_block,
-                   pages_per_split, scale, window, precision):
+                   pages_per_split, scale, window, softcap, precision):
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     P, bs = pages_per_block, k_ref.shape[-2]
     q_pos = lens_ref[b] - 1
@@ -37,7 +37,7 @@ def _decode_kernel(layer_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, 
     hi = jnp.minimum(hi, split_lo + pages_per_split)
     m, l, acc = attend_pages(q_ref[...], q_pos, k_ref, v_ref, tables_ref, b, layer_ref[0], h, lo,
                              block_count(lo, hi, P), pages_per_block=P, scale=scale, window=window,
-                             precision=precision)
+                             softcap=softcap, precision=precision)
     o_ref[...] = normalise(l, acc)
     lse_ref[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), MASK_VALUE).reshape(l.shape[0])
 
@@ -53,10 +53,11 @@ def default_splits(B: int, K: int, num_page_blocks: int) -> int:
     return max(1, min(cdiv(TARGET_PROGRAMS, B * K), num_page_blocks))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "pages_per_block", "num_splits",
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "softcap", "pages_per_block", "num_splits",
                                              "num_warps", "num_stages", "interpret"))
 def paged_decode_gpu(q, k_cache, v_cache, block_tables, context_lens, *, layer=0, scale: float,
-                     sliding_window: int | None = None, pages_per_block: int = 8, num_splits: int | None = None,
+                     sliding_window: int | None = None, softcap: float | None = None,
+                     pages_per_block: int = 8, num_splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> jax.Array:
     """q [B, H, d]; caches [L, K, NB, bs, d] (or one layer's [K, NB, bs, d]); block_tables [B, MB];
     context_lens [B] (including this step's token, whose K/V is already in the cache) -> [B, H, d]."""
@@ -73,7 +74,8 @@ def paged_decode_gpu(q, k_cache, v_cache, block_tables, context_lens, *, layer=0
     R = max(16, next_pow2(G))
     qg = pad_axis(q.reshape(B, K, G, d), 2, R)
     kernel = functools.partial(_decode_kernel, pages_per_block=P, pages_per_split=pages_per_split, scale=scale,
-                               window=sliding_window, precision=dot_precision(q.dtype))
+                               window=sliding_window, softcap=softcap,
+                               precision=dot_precision(q.dtype))
     whole = pl.BlockSpec()
     o, lse = pl.pallas_call(
         kernel,

@@ -9,11 +9,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import as_layered
+from pallas_kernels.common import as_layered, cap_scores
 
 
 def attend_tokens(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, rows: jax.Array, positions: jax.Array,
-                  *, layer=0, scale: float, sliding_window: int | None = None) -> jax.Array:
+                  *, layer=0, scale: float, sliding_window: int | None = None,
+                  softcap: float | None = None) -> jax.Array:
     """q [T, H, d]; rows [T, MB] the block-table row of each token; positions [T] (-1: no context, output 0)."""
     T, H, d = q.shape
     k_pages, v_pages = as_layered(k_cache)[layer], as_layered(v_cache)[layer]  # [K, NB, bs, d]
@@ -22,8 +23,8 @@ def attend_tokens(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, rows: ja
     k = k_pages[:, rows].reshape(K, T, S, d)
     v = v_pages[:, rows].reshape(K, T, S, d)
     qg = q.reshape(T, K, H // K, d)
-    scores = jnp.einsum("TKGd,KTSd->TKGS", qg, k, preferred_element_type=jnp.float32,
-                        precision=jax.lax.Precision.HIGHEST) * scale
+    scores = cap_scores(jnp.einsum("TKGd,KTSd->TKGS", qg, k, preferred_element_type=jnp.float32,
+                                   precision=jax.lax.Precision.HIGHEST) * scale, softcap)
     kv_pos = jnp.arange(S)[None, :]
     seen = kv_pos <= positions[:, None]
     if sliding_window is not None:
@@ -38,7 +39,7 @@ def attend_tokens(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, rows: ja
 
 def paged_decode_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
                            context_lens: jax.Array, *, layer=0, scale: float,
-                           sliding_window: int | None = None) -> jax.Array:
+                           sliding_window: int | None = None, softcap: float | None = None) -> jax.Array:
     """q [B, H, d]: sequence b's one new token, at position context_lens[b] - 1 (its K/V already cached)."""
     return attend_tokens(q, k_cache, v_cache, block_tables, context_lens - 1, layer=layer, scale=scale,
-                         sliding_window=sliding_window)
+                         sliding_window=sliding_window, softcap=softcap)

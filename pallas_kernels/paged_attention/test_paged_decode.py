@@ -14,12 +14,12 @@ from pallas_kernels.testing import BACKENDS, GPU_ONLY, INTERPRET, max_abs_diff, 
 
 # One token; exactly one block; a partial last block; a block boundary; several blocks.
 KV_LENS = [1, 16, 37, 64, 100]
-CASES = [  # (G, d, dtype, sliding_window)
-    (1, 64, jnp.float32, None),
-    (3, 128, jnp.bfloat16, None),
-    (8, 64, jnp.bfloat16, 20),
-    (8, 128, jnp.float32, None),
-    (3, 64, jnp.float32, 20),
+CASES = [  # (G, d, dtype, sliding_window, softcap (Gemma 2's; scores here are ~N(0, 1), so a cap of 2 bends them))
+    (1, 64, jnp.float32, None, None),
+    (3, 128, jnp.bfloat16, None, None),
+    (8, 64, jnp.bfloat16, 20, 2.0),
+    (8, 128, jnp.float32, None, None),
+    (3, 64, jnp.float32, 20, 2.0),
 ]
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-3}
 
@@ -36,14 +36,14 @@ def exact(case, **kwargs):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("G,d,dtype,window", CASES)
-def test_decode_matches_reference(backend, G, d, dtype, window):
+@pytest.mark.parametrize("G,d,dtype,window,softcap", CASES)
+def test_decode_matches_reference(backend, G, d, dtype, window, softcap):
     K = 2
     case = random_paged_case(G * d, kv_lens=KV_LENS, num_tokens=len(KV_LENS), H=K * G, K=K, d=d, dtype=dtype,
                              v_scale=0.125)
     tables = np.asarray(case.block_tables)
     assert any(np.any(np.diff(t[: -(-n // 16)]) != 1) for t, n in zip(tables, KV_LENS) if n > 16)
-    kw = dict(scale=d**-0.5, sliding_window=window)
+    kw = dict(scale=d**-0.5, sliding_window=window, softcap=softcap)
     out = decode(backend, case, pages_per_block=2, **kw)
     assert out.dtype == dtype and out.shape == case.q.shape
     assert max_abs_diff(out, exact(case, **kw)) <= TOLERANCE[dtype]

@@ -21,20 +21,20 @@ from pallas_kernels.tpu_pages import attend_pages, interpret_params, kv_scratch
 
 
 def _decode_kernel(layer_ref, lens_ref, tables_ref, q_ref, k_hbm, v_hbm, o_ref, *kv_scratch_refs, table_width,
-                   scale, window, precision):
+                   scale, window, softcap, precision):
     b, h = pl.program_id(0), pl.program_id(1)
     _, P, bs, _ = kv_scratch_refs[0].shape
     q_pos = lens_ref[b] - 1
     lo, hi = page_range(q_pos, q_pos, bs, window)
     m, l, acc = attend_pages(q_ref[...], q_pos, (k_hbm, v_hbm, *kv_scratch_refs), tables_ref, b * table_width,
                              layer_ref[0], h, jax.lax.div(lo, P), jax.lax.div(hi + P - 1, P), scale=scale,
-                             window=window, precision=precision)
+                             window=window, softcap=softcap, precision=precision)
     o_ref[...] = normalise(l, acc).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "pages_per_block", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "softcap", "pages_per_block", "interpret"))
 def paged_decode_tpu(q, k_cache, v_cache, block_tables, context_lens, *, layer=0, scale: float,
-                     sliding_window: int | None = None, pages_per_block: int = 8,
+                     sliding_window: int | None = None, softcap: float | None = None, pages_per_block: int = 8,
                      interpret: bool = False) -> jax.Array:
     """Same contract as paged_decode_gpu: q [B, H, d], caches [L, K, NB, bs, d] -> [B, H, d]."""
     k_cache, v_cache = as_layered(k_cache), as_layered(v_cache)
@@ -46,7 +46,7 @@ def paged_decode_tpu(q, k_cache, v_cache, block_tables, context_lens, *, layer=0
     width = cdiv(MB, P) * P  # whole chunks, so a chunk's DMAs never read past its row
     tables = pad_axis(block_tables.astype(jnp.int32), 1, width).reshape(-1)  # 1-D: SMEM pads 2-D arrays
     kernel = functools.partial(_decode_kernel, table_width=width, scale=scale, window=sliding_window,
-                               precision=dot_precision(q.dtype))
+                               softcap=softcap, precision=dot_precision(q.dtype))
     q_spec = pl.BlockSpec((None, None, G, d), lambda b, h, *_: (b, h, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,

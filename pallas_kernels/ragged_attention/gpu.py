@@ -23,7 +23,7 @@ from pallas_kernels.ragged_attention.tiles import gather_tiles, plan_tiles, scat
 
 
 def _ragged_kernel(layer_ref, seq_ref, len_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, group,
-                   pages_per_block, scale, window, precision):
+                   pages_per_block, scale, window, softcap, precision):
     i, h = pl.program_id(0), pl.program_id(1)
     P, bs = pages_per_block, k_ref.shape[-2]
     n, first = len_ref[i], pos_ref[i]
@@ -34,14 +34,15 @@ def _ragged_kernel(layer_ref, seq_ref, len_ref, pos_ref, tables_ref, q_ref, k_re
     q_pos = first + jnp.minimum(jax.lax.div(rows, group), jnp.maximum(n - 1, 0))
     m, l, acc = attend_pages(q_ref[...], q_pos, k_ref, v_ref, tables_ref, seq_ref[i], layer_ref[0], h, lo,
                              block_count(lo, hi, P), pages_per_block=P, scale=scale, window=window,
-                             precision=precision)
+                             softcap=softcap, precision=precision)
     o_ref[...] = normalise(l, acc).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "rows_per_tile", "pages_per_block",
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "softcap", "rows_per_tile", "pages_per_block",
                                              "num_warps", "num_stages", "interpret"))
 def ragged_attention_gpu(q, k_cache, v_cache, block_tables, q_start, q_lens, kv_lens, *, layer=0, scale: float,
-                         sliding_window: int | None = None, rows_per_tile: int = 64, pages_per_block: int = 4,
+                         sliding_window: int | None = None, softcap: float | None = None,
+                         rows_per_tile: int = 64, pages_per_block: int = 4,
                          num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> jax.Array:
     """q [T, H, d]; caches [L, K, NB, bs, d]; block_tables [B, MB]; q_start, q_lens, kv_lens [B] -> [T, H, d]."""
     k_cache, v_cache = as_layered(k_cache), as_layered(v_cache)
@@ -55,7 +56,7 @@ def ragged_attention_gpu(q, k_cache, v_cache, block_tables, q_start, q_lens, kv_
     MB = block_tables.shape[1]
     P = choose_block_pages(pages_per_block, MB, bs)
     tables = pad_axis(block_tables.astype(jnp.int32), 1, cdiv(MB, P) * P)
-    kernel = functools.partial(_ragged_kernel, group=G, pages_per_block=P, scale=scale, window=sliding_window,
+    kernel = functools.partial(_ragged_kernel, group=G, pages_per_block=P, scale=scale, window=sliding_window, softcap=softcap,
                                precision=dot_precision(q.dtype))
     whole = pl.BlockSpec()
     tile_spec = pl.BlockSpec((None, None, R, d), lambda i, h: (i, h, 0, 0))

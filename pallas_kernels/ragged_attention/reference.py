@@ -24,7 +24,7 @@ def token_owners(q_start, q_lens, kv_lens, num_tokens: int):
 
 def ragged_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
                      q_start: jax.Array, q_lens: jax.Array, kv_lens: jax.Array, *, layer=0, scale: float,
-                     sliding_window: int | None = None) -> jax.Array:
+                     sliding_window: int | None = None, softcap: float | None = None) -> jax.Array:
     seq, pos = token_owners(q_start, q_lens, kv_lens, q.shape[0])
     return attend_tokens(q, k_cache, v_cache, block_tables[seq], pos, layer=layer, scale=scale,
-                         sliding_window=sliding_window)
+                         sliding_window=sliding_window, softcap=softcap)

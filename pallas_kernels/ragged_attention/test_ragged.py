@@ -17,11 +17,11 @@ from pallas_kernels.testing import BACKENDS, INTERPRET, max_abs_diff, random_pag
 # ending mid-block of a longer context; a decode at a block boundary; a prefill spanning several tiles and
 # blocks; a batch-padding row with nothing.
 SEQS = [(1, 1), (16, 16), (5, 37), (1, 64), (30, 45), (0, 0)]
-CASES = [  # (G, d, dtype, sliding_window)
-    (1, 64, jnp.float32, None),
-    (3, 128, jnp.bfloat16, None),
-    (8, 64, jnp.float32, 20),
-    (8, 128, jnp.bfloat16, 7),
+CASES = [  # (G, d, dtype, sliding_window, softcap (Gemma 2's; scores here are ~N(0, 1), so a cap of 2 bends them))
+    (1, 64, jnp.float32, None, None),
+    (3, 128, jnp.bfloat16, None, 2.0),
+    (8, 64, jnp.float32, 20, 2.0),
+    (8, 128, jnp.bfloat16, 7, None),
 ]
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-3}
 PAD_TOKENS = 5  # step padding after the last sequence's tokens: owned by no sequence
@@ -47,11 +47,11 @@ def ragged(backend, case, seq_args, **kwargs):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("G,d,dtype,window", CASES)
-def test_ragged_matches_reference(backend, G, d, dtype, window):
+@pytest.mark.parametrize("G,d,dtype,window,softcap", CASES)
+def test_ragged_matches_reference(backend, G, d, dtype, window, softcap):
     K = 2
     case, seq_args = ragged_case(G + d, SEQS, H=K * G, K=K, d=d, dtype=dtype, v_scale=0.125)
-    kw = dict(scale=d**-0.5, sliding_window=window)
+    kw = dict(scale=d**-0.5, sliding_window=window, softcap=softcap)
     # 16 rows a tile: the 30-token prefill spans several tiles at every G.
     out = ragged(backend, case, seq_args, rows_per_tile=16, pages_per_block=2, **kw)
     assert out.dtype == dtype and out.shape == case.q.shape

@@ -22,7 +22,7 @@ from pallas_kernels.tpu_pages import attend_pages, interpret_params, kv_scratch
 
 
 def _ragged_kernel(layer_ref, seq_ref, len_ref, pos_ref, tables_ref, q_ref, k_hbm, v_hbm, o_ref,
-                   *kv_scratch_refs, group, table_width, scale, window, precision):
+                   *kv_scratch_refs, group, table_width, scale, window, softcap, precision):
     i, h = pl.program_id(0), pl.program_id(1)
     _, P, bs, _ = kv_scratch_refs[0].shape
     n, first = len_ref[i], pos_ref[i]
@@ -32,14 +32,16 @@ def _ragged_kernel(layer_ref, seq_ref, len_ref, pos_ref, tables_ref, q_ref, k_hb
     q_pos = first + jnp.minimum(jax.lax.div(rows, group), jnp.maximum(n - 1, 0))
     m, l, acc = attend_pages(q_ref[...], q_pos, (k_hbm, v_hbm, *kv_scratch_refs), tables_ref,
                              seq_ref[i] * table_width, layer_ref[0], h, jax.lax.div(lo, P),
-                             jax.lax.div(hi + P - 1, P), scale=scale, window=window, precision=precision)
+                             jax.lax.div(hi + P - 1, P), scale=scale, window=window, softcap=softcap,
+                             precision=precision)
     o_ref[...] = normalise(l, acc).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "rows_per_tile", "pages_per_block",
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "softcap", "rows_per_tile", "pages_per_block",
                                              "interpret"))
 def ragged_attention_tpu(q, k_cache, v_cache, block_tables, q_start, q_lens, kv_lens, *, layer=0, scale: float,
-                         sliding_window: int | None = None, rows_per_tile: int = 128, pages_per_block: int = 8,
+                         sliding_window: int | None = None, softcap: float | None = None,
+                         rows_per_tile: int = 128, pages_per_block: int = 8,
                          interpret: bool = False) -> jax.Array:
     """Same contract as ragged_attention_gpu: q [T, H, d], caches [L, K, NB, bs, d] -> [T, H, d]."""
     k_cache, v_cache = as_layered(k_cache), as_layered(v_cache)
@@ -54,7 +56,7 @@ def ragged_attention_tpu(q, k_cache, v_cache, block_tables, q_start, q_lens, kv_
     P = min(pages_per_block, MB)
     width = cdiv(MB, P) * P  # whole chunks, so a chunk's DMAs never read past its row
     tables = pad_axis(block_tables.astype(jnp.int32), 1, width).reshape(-1)
-    kernel = functools.partial(_ragged_kernel, group=G, table_width=width, scale=scale, window=sliding_window,
+    kernel = functools.partial(_ragged_kernel, group=G, table_width=width, scale=scale, window=sliding_window, softcap=softcap,
                                precision=dot_precision(q.dtype))
     tile_spec = pl.BlockSpec((None, None, R, d), lambda i, h, *_: (i, h, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(

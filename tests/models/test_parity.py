@@ -12,6 +12,9 @@ from tests.helpers import hf_logits
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
+GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+
 ARCHITECTURES = {
     "llama-untied-llama3-rope": ("llama", dict(rope_scaling=LLAMA3_ROPE, tie_word_embeddings=False)),
     "llama-tied": ("llama", dict(tie_word_embeddings=True)),
@@ -21,6 +24,15 @@ ARCHITECTURES = {
     "qwen3-qk-norm": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
     # fused qkv_proj and gate_up_proj, split at load
     "phi3-fused-sliding-window": ("phi3", dict(sliding_window=12, tie_word_embeddings=False, pad_token_id=0)),
+    # (1 + w) norm gains, GeGLU, the sqrt(hidden) embedding scale
+    "gemma-geglu": ("gemma", dict(head_dim=16)),
+    # + norms after attention and MLP, sliding and full layers alternating, soft caps small enough to bend
+    # these scores and logits, a query scale that is not head_dim's
+    "gemma2-softcap-mixed-windows": ("gemma2", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
+                                                    attn_logit_softcapping=1.0, final_logit_softcapping=2.0)),
+    # + q/k norms, and the sliding layers' own RoPE base (the full layers' scaled linearly)
+    "gemma3-local-rope": ("gemma3_text", dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=12,
+                                              sliding_window_pattern=2, rope_parameters=GEMMA3_ROPE)),
 }
 
 PROMPTS = [

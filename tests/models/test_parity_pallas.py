@@ -12,7 +12,7 @@ from jaxserve import Engine
 from pallas_kernels.paged_attention import DECODE_KERNELS
 from pallas_kernels.ragged_attention import RAGGED_KERNELS
 from pallas_kernels.testing import COMPILED
-from tests.models.test_parity import PROMPTS, check_parity
+from tests.models.test_parity import ARCHITECTURES, PROMPTS, check_parity
 
 IMPL = "pallas" if COMPILED else "pallas-interpret"
 
@@ -37,6 +37,20 @@ def test_pallas_interpret_attention_keeps_parity(tiny_checkpoint, monkeypatch):
     assert ragged, "no step ran the ragged kernel"
     assert decode, "no decode-only step ran the decode kernel"
     assert all(q_shape[0] == 4 for q_shape in decode)  # 3 prompts decode together in the 4-sequence bucket
+
+
+def test_pallas_attention_keeps_parity_on_gemma2(tiny_checkpoint, monkeypatch):
+    """Sliding and full layers alternating (the kernel's window picked per layer at run time) and the scores'
+    soft cap, through both kernels."""
+    ragged, decode = spy(monkeypatch, RAGGED_KERNELS), spy(monkeypatch, DECODE_KERNELS)
+    arch, overrides = ARCHITECTURES["gemma2-softcap-mixed-windows"]
+    path = tiny_checkpoint(arch, **overrides)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    engine = Engine(str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4,
+                    attention_impl=IMPL, warmup=False)
+    with jax.default_matmul_precision("highest") if COMPILED else contextlib.nullcontext():
+        check_parity(engine, reference, PROMPTS)
+    assert ragged and decode
 
 
 def test_only_the_kernels_compile_decode_variants(smol_engine):

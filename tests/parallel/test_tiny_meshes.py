@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from jaxserve import Engine
 from jaxserve.runner.plan import empty_inputs
-from tests.models.test_parity import PROMPTS, check_parity
+from tests.models.test_parity import GEMMA3_ROPE, PROMPTS, check_parity
 
 MODELS = {
     "llama-odd-sizes": ("llama", dict(num_attention_heads=6, num_key_value_heads=3, intermediate_size=100,
@@ -20,6 +20,10 @@ MODELS = {
     "qwen2-bias": ("qwen2", dict(tie_word_embeddings=True)),
     "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2)),
     "qwen3-qk-norm": ("qwen3", dict(head_dim=32)),  # 4 q / 2 kv heads: replicated kv heads on tp=4
+    # sliding and full layers alternating over 5 layers: each stage's slots carry their own layers' kinds
+    "gemma3-mixed-windows": ("gemma3_text", dict(head_dim=32, num_hidden_layers=5, sliding_window=12,
+                                                 sliding_window_pattern=2, query_pre_attn_scalar=24,
+                                                 rope_parameters=GEMMA3_ROPE)),
 }
 MESHES = ["2x2", "4x2"]
 
@@ -66,6 +70,16 @@ def test_column_parallel_weight_holds_a_tp_share_of_its_stage(engines):
         assert shard.index[0] == slice(stage * slots, (stage + 1) * slots)
     # Stage 1 holds layers 3 and 4 and then its zero layer.
     assert not np.any(np.asarray(wq[5])) and np.any(np.asarray(wq[4]))
+
+
+def test_layer_kinds_travel_with_their_layers_onto_stages(engines):
+    """Layers S F S F S on stages of 3 and 2: stage 1's slots hold layers 3 and 4 (F, S), then its zero layer."""
+    engine, _ = engines("gemma3-mixed-windows", "4x2")
+    kinds = engine.runner.params["layers"]["attn_kind"][...]
+    assert np.asarray(kinds).tolist() == [1, 0, 1, 0, 1, 0]
+    for shard in kinds.addressable_shards:
+        stage = _stage_of(engine.runner.mesh, shard.device)
+        assert np.asarray(shard.data).tolist() == [[1, 0, 1], [0, 1, 0]][stage]
 
 
 def test_kv_cache_split_by_kv_heads_and_by_stage(engines):
