@@ -92,7 +92,8 @@ def model_config(meta: dict) -> ModelConfig:
     values = dict(meta["config"])
     rope = values.get("rope_scaling")
     values["rope_scaling"] = RopeScaling(**rope) if rope else None
-    values["eos_token_ids"] = tuple(values.get("eos_token_ids") or ())
+    for name in ("eos_token_ids", "layer_types"):  # JSON gave lists; the config holds tuples
+        values[name] = tuple(values.get(name) or ())
     return ModelConfig(**values)
 
 
@@ -115,7 +116,9 @@ class OrbaxParams:
         self._check_layout(layout)
         graphdef, abstract = abstract_model(layout.effective_config(cfg), dtype)
         flat = dict(nnx.to_flat_state(abstract))
-        target = {path: jax.ShapeDtypeStruct(var.shape, dtype, sharding=named_sharding(mesh, var.get_metadata()["logical"]))
+        # Each weight in the dtype the model declares it (the serving dtype, int32 for layer kinds).
+        target = {path: jax.ShapeDtypeStruct(var.shape, var.dtype,
+                                             sharding=named_sharding(mesh, var.get_metadata()["logical"]))
                   for path, var in flat.items()}
         before = _bytes_read()
         with ocp.StandardCheckpointer() as loader:

@@ -31,3 +31,16 @@ def test_convert_then_serve_gives_the_original_tokens(tiny_checkpoint, tmp_path,
     with pytest.raises(SystemExit):
         cli.main(["convert", model, out])
     assert "already exists" in capsys.readouterr().err
+
+
+def test_a_converted_gemma3_keeps_its_layer_kinds_and_rope(tiny_checkpoint, tmp_path):
+    """The config travels as JSON (layer kinds, linear RoPE scaling, the local RoPE base) and each layer's kind
+    as a stored array: the converted model gives the original's tokens."""
+    from tests.models.test_parity import ARCHITECTURES
+
+    arch, overrides = ARCHITECTURES["gemma3-local-rope"]
+    model, out = str(tiny_checkpoint(arch, **overrides)), str(tmp_path / "ckpt")
+    assert cli.main(["convert", model, out, "--mesh", "2x1", "--dtype", "float32"]) == 0
+    converted = Engine(out, mesh="2x1", **SMALL)
+    assert converted.runner.cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert tokens(converted) == tokens(Engine(model, mesh="2x1", **SMALL))
