@@ -80,9 +80,10 @@ class GGUFFile:
         self.path = path
         self.arch = self.field("general.architecture")
         if self.arch not in GGUF_ARCHITECTURES:
-            raise ValueError(
-                f"GGUF architecture {self.arch!r} in {path.name} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
-            )
+            hint = ("; jaxserve runs Gemma from its Hugging Face checkpoint (safetensors): serve that instead"
+                    if self.arch.startswith("gemma") else "")
+            raise ValueError(f"GGUF architecture {self.arch!r} in {path.name} is not supported; supported: "
+                             f"{', '.join(GGUF_ARCHITECTURES)}{hint}")
         self._tensors = {}
         for t in self.reader.tensors:
             if t.name.startswith("rope_factors_"):

@@ -55,6 +55,21 @@ def test_unknown_architecture_lists_the_supported_ones(tiny_checkpoint, tmp_path
         Engine(str(tmp_path / "m"))
 
 
+@pytest.mark.parametrize("arch, hint", [("gemma2", "serve that instead"), ("falcon", "")])
+def test_unsupported_gguf_architecture_is_named(arch, hint, tmp_path):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=f"GGUF architecture '{arch}' in m.gguf is not supported; supported: "
+                                         f"llama, qwen2, qwen3, phi3{hint and '.*' + hint}"):
+        Engine(str(tmp_path / "m.gguf"))
+
+
 def test_missing_files_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         Engine(str(tmp_path / "nothing.gguf"))
