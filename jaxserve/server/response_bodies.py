@@ -128,7 +128,8 @@ class ChatRendering:
             content, calls = None, (parse_forced_calls(choice, text) if reason == "stop" else None)
         if not calls:
             return ChatMessage(content=text), reason
-        reason = "tool_calls" if reason == "stop" and choice.kind != "named" else reason
+        # "length" too, as vLLM: the calls found are whole, and a client should run them.
+        reason = "tool_calls" if reason in ("stop", "length") and choice.kind != "named" else reason
         return ChatMessage(content=content, tool_calls=[call.body() for call in calls]), reason
 
     def full_response(self, output: RequestOutput) -> ChatCompletionResponse:

@@ -90,6 +90,16 @@ def test_auto_without_a_call_is_plain_text(auto_client):
     assert choice.finish_reason == "length"
 
 
+def test_calls_before_a_length_cut_still_finish_as_tool_calls(auto_client, tokenizer):
+    """As vLLM: a choice with calls in it finishes "tool_calls", also when max_tokens ended the text after them."""
+    kwargs = dict(model="fake-model", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
+                  max_tokens=len(tokenizer.encode(REPLY)) + 3, temperature=0)  # the script goes on after the call
+    choice = auto_client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "get_weather"
+    chunks = [c.choices[0] for c in auto_client.chat.completions.create(stream=True, **kwargs) if c.choices]
+    assert chunks[-1].finish_reason == "tool_calls"
+
+
 def test_auto_keeps_special_tokens_in_the_text():
     """Some tokenizers mark <tool_call> special: under "auto" the text keeps special tokens (vLLM's hermes does
     the same), or the parser would never see the markers."""
