@@ -5,7 +5,8 @@
   of Qwen2.5, Qwen3, QwQ and the Hermes models ask for.
 
 The text before the first block is the message's content. A block whose JSON does not parse, or that names no
-function, is added to the content as written, so a malformed call is not lost.
+function, is added to the content as written, so a malformed call is not lost. A `</tool_call>` inside an
+argument string does not end its block: a block ends where its JSON parses.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import json
 
 from jaxserve.server.tools import ToolCall
-
 
 
 class HermesToolParser:
@@ -32,17 +32,35 @@ class HermesToolParser:
             return (text if final else text[: len(text) - _partial_suffix(text, self.start)]), []
         content, calls, pos = [text[:first]], [], first
         while pos >= 0:
-            end = text.find(self.end, pos)
-            if end < 0 and not final:
+            block = self._block(text, pos, final)
+            if block is None:  # not settled yet: more tokens may close it
                 break
-            block_end = len(text) if end < 0 else end + len(self.end)
-            call = _parse_call(text[pos + len(self.start): end if end >= 0 else len(text)])
+            block_end, call = block
             if call is None:
                 content.append(text[pos:block_end])
             else:
                 calls.append(call)
             pos = text.find(self.start, block_end)
         return "".join(content), calls
+
+    def _block(self, text: str, pos: int, final: bool) -> tuple[int, ToolCall | None] | None:
+        """(where the block opening at `pos` ends, its call or None when malformed), or None while it may still
+        change. The block ends at the first `</tool_call>` after which its JSON parses, so the marker inside an
+        argument string does not cut the call short; a block that never parses is malformed once `final`."""
+        body = pos + len(self.start)
+        end = text.find(self.end, body)
+        while end >= 0:
+            call = _parse_call(text[body:end])
+            if call is not None:
+                return end + len(self.end), call
+            end = text.find(self.end, end + 1)
+        if not final:
+            return None
+        call = _parse_call(text[body:])  # unterminated at the very end
+        if call is not None:
+            return len(text), call
+        first_end = text.find(self.end, body)
+        return (len(text) if first_end < 0 else first_end + len(self.end)), None
 
 
 def _parse_call(body: str) -> ToolCall | None:

@@ -38,6 +38,14 @@ def test_what_is_not_a_call_stays_content():
         ("<tool_call>oops</tool_call>", [ToolCall("get_weather", '{"city": "Paris"}')])
 
 
+def test_the_end_marker_inside_an_argument_does_not_end_the_call():
+    parser = HermesToolParser()
+    text = 'Here: <tool_call>{"name": "echo", "arguments": {"s": "a</tool_call>b"}}</tool_call> after'
+    assert parser.split(text, final=True) == ("Here: ", [ToolCall("echo", '{"s": "a</tool_call>b"}')])
+    cut = text[: text.index('b"}}')]  # ends with the marker inside the string: not settled, so held back
+    assert cut.endswith("a</tool_call>") and parser.split(cut, final=False) == ("Here: ", [])
+
+
 def test_while_streaming_only_what_cannot_change_is_released():
     parser = HermesToolParser()
     assert parser.split("Sure <tool_c", final=False) == ("Sure ", [])  # may open a call: held back
