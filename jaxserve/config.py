@@ -85,8 +85,8 @@ class ModelConfig:
         return (None, self.sliding_window) if self.layer_types else (self.sliding_window,)
 
     def layer_kinds(self) -> list[int]:
-        """Each real layer's index into `attention_windows` (all 0 when the layers attend alike)."""
-        return [int(t == "sliding_attention") for t in self.layer_types] or [0] * self.num_layers
+        """Each real layer's index into `attention_windows`, for models whose layers differ (`layer_types`)."""
+        return [int(t == "sliding_attention") for t in self.layer_types]
 
 
 @dataclass(frozen=True)

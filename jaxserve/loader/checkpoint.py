@@ -17,7 +17,7 @@ from jaxserve.loader.hf_config import model_config_from_hf
 from jaxserve.loader.orbax_checkpoint import is_orbax_checkpoint, open_orbax_checkpoint
 from jaxserve.loader.random_weights import RandomWeights
 from jaxserve.loader.safetensors import SafetensorsSource
-from jaxserve.loader.text_model import TEXT_MODELS, TextModelSource, text_model_config
+from jaxserve.loader.text_model import text_model_config, text_model_tensors
 from jaxserve.loader.weights import TensorSource
 
 log = logging.getLogger(__name__)
@@ -119,12 +119,7 @@ def _open_hf_dir(directory: Path, name: str, weights: bool = True) -> Checkpoint
     generation = _read_json(gen_path) if gen_path.exists() else {}
     raw = _read_json(config_path)
     config = model_config_from_hf(text_model_config(raw), generation)
-    tensors = None
-    if weights:
-        tensors = SafetensorsSource(directory)
-        if (raw.get("architectures") or [None])[0] in TEXT_MODELS:
-            tensors = TextModelSource(tensors)
-        tensors = _split_fused(tensors, config)
+    tensors = _split_fused(text_model_tensors(raw, SafetensorsSource(directory)), config) if weights else None
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
     defaults = sampling_defaults(generation, gen_path)
     return Checkpoint(name=name, config=config, tensors=tensors, tokenizer=tokenizer, generation_defaults=defaults)

@@ -21,11 +21,16 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
 
 
+def _multimodal_architecture(d: dict[str, Any]) -> str | None:
+    arch = (d.get("architectures") or [None])[0]
+    return arch if arch in TEXT_MODELS else None
+
+
 def text_model_config(d: dict[str, Any]) -> dict[str, Any]:
     """config.json of a multimodal checkpoint -> its language model's config, with transformers' defaults for
     every field the (often sparse) `text_config` leaves out. Any other config passes through."""
-    arch = (d.get("architectures") or [None])[0]
-    if arch not in TEXT_MODELS:
+    arch = _multimodal_architecture(d)
+    if arch is None:
         return d
     from transformers import AutoConfig
 
@@ -37,6 +42,12 @@ def text_model_config(d: dict[str, Any]) -> dict[str, Any]:
             full[key] = d[key]
     log.warning("%s: serving its language model only (%s); image inputs are not supported", arch, TEXT_MODELS[arch])
     return full | {"architectures": [TEXT_MODELS[arch]]}
+
+
+def text_model_tensors(d: dict[str, Any], source: TensorSource) -> TensorSource:
+    """The language model's tensors of the multimodal checkpoint whose config.json is `d`; any other checkpoint's
+    tensors pass through."""
+    return TextModelSource(source) if _multimodal_architecture(d) else source
 
 
 class TextModelSource:
