@@ -16,14 +16,38 @@ ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas-interpret")
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: `rope_type` "llama3" (Llama 3.1's per-wavelength blend) or "linear" (every
-    frequency divided by `factor`, as Gemma 3's global layers do). The other fields are llama3's."""
+    """RoPE frequency scaling, by `rope_type`:
+    - "llama3": Llama 3.1's per-wavelength blend of `factor`, `low_freq_factor` and `high_freq_factor` around
+      `original_max_position_embeddings`;
+    - "linear": every frequency divided by `factor` (Gemma 3's global layers);
+    - "frequency_factors": frequency i divided by `frequency_factors[i]` (llama.cpp stores Llama 3.1's scaling
+      so, as a `rope_freqs` tensor);
+    - "longrope" (Phi-3.5, Phi-4-mini): frequency factors `short_factor` for contexts within
+      `original_max_position_embeddings`, `long_factor` beyond. An engine uses one set for every token, chosen by
+      its max_model_len (`for_context`), as vLLM does: switching per sequence length, as transformers does, would
+      leave keys cached under one set beside queries rotated by the other.
+    Any type may scale cos and sin by `attention_factor` (longrope's length-dependent logit scale)."""
 
-    factor: float
+    factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     rope_type: str = "llama3"
+    frequency_factors: tuple[float, ...] = ()
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
+
+    def uses_long_factors(self, max_model_len: int) -> bool:
+        return self.rope_type == "longrope" and max_model_len > self.original_max_position_embeddings
+
+    def for_context(self, max_model_len: int) -> RopeScaling:
+        """The scaling an engine of this max_model_len runs: longrope resolved to one set of frequency factors."""
+        if self.rope_type != "longrope":
+            return self
+        chosen = self.long_factor if self.uses_long_factors(max_model_len) else self.short_factor
+        return RopeScaling(rope_type="frequency_factors", frequency_factors=chosen,
+                           attention_factor=self.attention_factor)
 
 
 @dataclass(frozen=True)
@@ -49,6 +73,7 @@ class ModelConfig:
     # kind in the weights (`attn_kind`), padded like them for pipeline stages.
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (no scaling); None: rope_theta
+    rotary_dim: int | None = None  # Phi-4-mini: RoPE turns the first rotary_dim of each head's dims; None: all
     attention_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     final_logit_softcap: float | None = None  # Gemma 2: the same on the logits
@@ -83,6 +108,16 @@ class ModelConfig:
         """The window of each attention kind: (sliding_window,) when every layer attends alike, else
         (None, sliding_window): kind 0 full, kind 1 sliding (`layer_kinds` numbers the layers so)."""
         return (None, self.sliding_window) if self.layer_types else (self.sliding_window,)
+
+    @property
+    def rope_width(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    def for_context(self, max_model_len: int) -> ModelConfig:
+        """This model as an engine of this max_model_len runs it (longrope's factors chosen)."""
+        if self.rope_scaling is None:
+            return self
+        return dataclasses.replace(self, rope_scaling=self.rope_scaling.for_context(max_model_len))
 
     def layer_kinds(self) -> list[int]:
         """Each real layer's index into `attention_windows`, for models whose layers differ (`layer_types`)."""

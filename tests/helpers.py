@@ -44,8 +44,10 @@ def hf_logits(model, token_ids: list[int]):
 
 
 def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, **metadata: int) -> Path:
-    """The float32 weights of a tiny HF checkpoint as a GGUF file of llama.cpp's `arch` (no rotary permutation:
-    only llama's converter permutes), with the tokenizer metadata of `tokenizer_gguf` (the same vocabulary).
+    """The float32 weights of a tiny HF checkpoint as a GGUF file of llama.cpp's `arch`, written as llama.cpp's
+    converter writes them: llama's q/k rows interleaved, RoPE scaling as per-frequency factor tensors (Llama 3.1's
+    `rope_freqs`, LongRoPE's `rope_factors_long/short`), Phi-3's rotary width in place of a head size; with the
+    tokenizer metadata of `tokenizer_gguf` (the same vocabulary).
     `metadata`: integer `{arch}.` keys to write instead of the config's (e.g. {"rope.dimension_count": 8})."""
     import json
 
@@ -55,18 +57,29 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, **metada
     from jaxserve.loader.gguf import _GLOBAL_NAMES, layer_names
 
     cfg = json.loads((hf_dir / "config.json").read_text())
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    rotary = int(head_dim * float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0))
     writer = gguf.GGUFWriter(str(out), arch)
-    for key, value in ({"context_length": cfg["max_position_embeddings"], "embedding_length": cfg["hidden_size"],
-                       "block_count": cfg["num_hidden_layers"], "feed_forward_length": cfg["intermediate_size"],
-                       "attention.head_count": cfg["num_attention_heads"],
-                       "attention.head_count_kv": cfg["num_key_value_heads"],
-                       "attention.key_length": head_dim, "attention.value_length": head_dim,
-                       "rope.dimension_count": head_dim, "attention.sliding_window": cfg.get("sliding_window") or 0,
-                       } | metadata).items():
+    keys = {"context_length": cfg["max_position_embeddings"], "embedding_length": cfg["hidden_size"],
+            "block_count": cfg["num_hidden_layers"], "feed_forward_length": cfg["intermediate_size"],
+            "attention.head_count": cfg["num_attention_heads"],
+            "attention.head_count_kv": cfg["num_key_value_heads"], "rope.dimension_count": rotary,
+            "attention.sliding_window": cfg.get("sliding_window") or 0}
+    if arch != "phi3":  # llama.cpp's Phi-3 converter writes no head size
+        keys |= {"attention.key_length": head_dim, "attention.value_length": head_dim}
+    for key, value in (keys | metadata).items():
         writer.add_uint32(f"{arch}.{key}", int(value))
-    writer.add_float32(f"{arch}.rope.freq_base", float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
+    writer.add_float32(f"{arch}.rope.freq_base", theta)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(cfg["rms_norm_eps"]))
+    for name, factors in _gguf_rope_factors(cfg, rope, theta, rotary).items():
+        writer.add_tensor(name, np.asarray(factors, np.float32))
+    if rope.get("rope_type") == "longrope":
+        original = cfg["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / original
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length", original)
+        writer.add_float32(f"{arch}.rope.scaling.attn_factor", (1 + np.log(scale) / np.log(original)) ** 0.5)
     source = gguf.GGUFReader(tokenizer_gguf)
     for key, field in source.fields.items():
         if key.startswith("tokenizer."):
@@ -86,9 +99,41 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, **metada
             continue
         layer, rest = name.removeprefix("model.layers.").split(".", 1)
         gguf_name = next(g for g, hf in layer_names(arch).items() if hf == rest)
+        if arch == "llama" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+            w = _interleave_rotary_halves(w, cfg["num_attention_heads" if "q_proj" in rest else "num_key_value_heads"])
         writer.add_tensor(f"blk.{layer}.{gguf_name}", w.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _interleave_rotary_halves(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's Llama converter: each head's rows [first half; second half] -> pairs (h0[0], h1[0], ...)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_rope_factors(cfg: dict, rope: dict, theta: float, rotary: int) -> dict[str, list[float]]:
+    """RoPE scaling as llama.cpp's converter stores it: per-frequency divisors of the unscaled frequencies."""
+    import math
+
+    kind = rope.get("rope_type") or rope.get("type")
+    if kind == "longrope":
+        return {"rope_factors_long.weight": rope["long_factor"], "rope_factors_short.weight": rope["short_factor"]}
+    if kind != "llama3":
+        return {}
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    divisors = []
+    for i in range(0, rotary, 2):
+        wavelen = 2 * math.pi * theta ** (i / rotary)
+        if wavelen < old_context / high:
+            divisors.append(1.0)
+        elif wavelen > old_context / low:
+            divisors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return {"rope_freqs.weight": divisors}

@@ -3,13 +3,14 @@ presented under Hugging Face names and layouts."""
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, RopeScaling
 
 # GGUF `general.architecture` -> HF architecture name.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -85,9 +86,10 @@ class GGUFFile:
             raise ValueError(f"GGUF architecture {self.arch!r} in {path.name} is not supported; supported: "
                              f"{', '.join(GGUF_ARCHITECTURES)}{hint}")
         self._tensors = {}
+        self._rope_factors = {}  # llama.cpp's per-frequency RoPE factors: rope_freqs, rope_factors_{long,short}
         for t in self.reader.tensors:
-            if t.name.startswith("rope_factors_"):
-                raise ValueError(f"{path.name} uses longrope scaling ({t.name}), which is not supported yet")
+            if t.name.startswith(("rope_freqs.", "rope_factors_")):
+                self._rope_factors[t.name.split(".")[0]] = tuple(float(x) for x in np.asarray(t.data).reshape(-1))
             name = _hf_name(t.name, self.arch)
             if name is not None:
                 self._tensors[name] = t
@@ -122,13 +124,13 @@ class GGUFFile:
         a = self.arch
         heads = int(self.field(f"{a}.attention.head_count"))
         hidden = int(self.field(f"{a}.embedding_length"))
-        # Qwen3 says its head size (128, not hidden / heads) as the key length; Llama as the rotary width.
-        head_dim = int(self.field(f"{a}.attention.key_length") or self.field(f"{a}.rope.dimension_count")
-                       or hidden // heads)
         rotary = self.field(f"{a}.rope.dimension_count")
-        if rotary is not None and int(rotary) != head_dim:
+        # Qwen3 says its head size (128, not hidden / heads) as the key length; Llama as the rotary width, which
+        # for Phi-3 may be part of the head (Phi-4-mini turns 96 of 128).
+        head_dim = int(self.field(f"{a}.attention.key_length") or (None if a == "phi3" else rotary) or hidden // heads)
+        if rotary is not None and int(rotary) != head_dim and a != "phi3":
             raise ValueError(f"{self.path.name} rotates {rotary} of each head's {head_dim} dimensions (partial rotary "
-                             f"embedding), which is not supported yet")
+                             f"embedding), which jaxserve supports for phi3 only")
         eos = self.field("tokenizer.ggml.eos_token_id")
         embed = self._tensors["model.embed_tokens.weight"]
         return ModelConfig(
@@ -142,6 +144,8 @@ class GGUFFile:
             head_dim=head_dim,
             rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
+            rope_scaling=self._rope_scaling(),
+            rotary_dim=None if rotary is None or int(rotary) == head_dim else int(rotary),
             max_position_embeddings=int(self.field(f"{a}.context_length", 2048)),
             tie_word_embeddings="lm_head.weight" not in self._tensors,
             qkv_bias=a == "qwen2",
@@ -150,6 +154,29 @@ class GGUFFile:
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
         )
+
+    def _rope_scaling(self) -> RopeScaling | None:
+        """llama.cpp stores Llama 3.1's scaling as per-frequency factors (rope_freqs), Phi-3.5's LongRoPE as two
+        sets (rope_factors_long/short) beside its original length and logit scale, and linear scaling as metadata."""
+        a, factors = self.arch, self._rope_factors
+        if "rope_factors_long" in factors:
+            original = int(self.field(f"{a}.rope.scaling.original_context_length"))
+            longest = int(self.field(f"{a}.context_length"))
+            factor = longest / original
+            default_scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+            return RopeScaling(factor=factor, original_max_position_embeddings=original, rope_type="longrope",
+                               long_factor=factors["rope_factors_long"],
+                               short_factor=factors.get("rope_factors_short", factors["rope_factors_long"]),
+                               attention_factor=float(self.field(f"{a}.rope.scaling.attn_factor", default_scale)))
+        if "rope_freqs" in factors:
+            return RopeScaling(rope_type="frequency_factors", frequency_factors=factors["rope_freqs"])
+        kind = self.field(f"{a}.rope.scaling.type", "none")
+        if kind == "linear":
+            return RopeScaling(factor=float(self.field(f"{a}.rope.scaling.factor")), rope_type="linear")
+        if kind != "none":
+            raise ValueError(f"{self.path.name} uses RoPE scaling {kind!r}, which is not supported; supported: none, "
+                             f"linear, per-frequency factors (Llama 3.1's rope_freqs, Phi-3's rope_factors)")
+        return None
 
     # TensorSource
     def names(self) -> set[str]:

@@ -2,26 +2,47 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.models.registry import model_class
 
 
-def _scaling(arch: str, scaling: dict[str, Any] | None) -> RopeScaling | None:
+def _scaling(arch: str, scaling: dict[str, Any] | None, d: dict[str, Any]) -> RopeScaling | None:
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
     if kind in (None, "default"):
         return None
     if kind == "linear":
         return RopeScaling(factor=float(scaling["factor"]), rope_type="linear")
+    if kind == "su" or (kind == "yarn" and arch.startswith("Phi3")):  # transformers reads both as longrope there
+        kind = "longrope"
+    if kind == "longrope":
+        return _longrope(scaling, d)
     if kind != "llama3":
-        raise ValueError(f"{arch}: rope_scaling type {kind!r} is not supported; supported: default, linear, llama3")
+        raise ValueError(f"{arch}: rope_scaling type {kind!r} is not supported; supported: default, linear, llama3, "
+                         f"longrope")
     return RopeScaling(
         factor=float(scaling["factor"]),
         low_freq_factor=float(scaling["low_freq_factor"]),
         high_freq_factor=float(scaling["high_freq_factor"]),
         original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
     )
+
+
+def _longrope(scaling: dict[str, Any], d: dict[str, Any]) -> RopeScaling:
+    """Phi-3.5 / Phi-4-mini's LongRoPE, with transformers' defaults: the original length from the config's top
+    level, the extension factor from the two lengths, and the logit scale from the extension factor."""
+    longest = int(d.get("max_position_embeddings", 2048))
+    original = int(scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+                   or longest)
+    factor = float(scaling.get("factor") or longest / original)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(factor=factor, original_max_position_embeddings=original, rope_type="longrope",
+                       short_factor=tuple(map(float, scaling["short_factor"])),
+                       long_factor=tuple(map(float, scaling["long_factor"])), attention_factor=float(attention))
 
 
 def _rope(arch: str, d: dict[str, Any]) -> tuple[float, RopeScaling | None, float | None]:
@@ -32,12 +53,12 @@ def _rope(arch: str, d: dict[str, Any]) -> tuple[float, RopeScaling | None, floa
     local = None
     if "full_attention" in params:
         sliding = params.get("sliding_attention") or {}
-        if _scaling(arch, sliding) is not None:
+        if _scaling(arch, sliding, d) is not None:
             raise ValueError(f"{arch}: scaled RoPE on sliding-window layers is not supported")
         local, params = sliding.get("rope_theta"), params["full_attention"]
     theta = float(d.get("rope_theta") or params.get("rope_theta") or 10000.0)
     local = local or d.get("rope_local_base_freq")
-    return theta, _scaling(arch, d.get("rope_scaling") or params), None if local is None else float(local)
+    return theta, _scaling(arch, d.get("rope_scaling") or params, d), None if local is None else float(local)
 
 
 # transformers' default for Qwen2/Qwen3 configs that leave max_window_layers out.
@@ -92,6 +113,23 @@ def _layer_kinds(arch: str, d: dict[str, Any]) -> list[str]:
     return ["sliding_attention"] * num_layers
 
 
+def _rotary_dim(arch: str, d: dict[str, Any], head_dim: int, scaling: RopeScaling | None) -> int | None:
+    """How many of each head's dims RoPE turns (Phi-4-mini: 96 of 128), None for all; checked against the
+    per-frequency factors of longrope, which must cover exactly the turned dims."""
+    partial = float(d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor")
+                    or 1.0)
+    width = int(head_dim * partial)
+    if width % 2 or not 0 < width <= head_dim:
+        raise ValueError(f"{arch}: partial_rotary_factor {partial} turns {width} of each head's {head_dim} dims; "
+                         f"RoPE needs an even number of them, at least 2")
+    if scaling is not None and scaling.rope_type == "longrope":
+        for name in ("short_factor", "long_factor"):
+            if len(getattr(scaling, name)) != width // 2:
+                raise ValueError(f"{arch}: rope_scaling {name} has {len(getattr(scaling, name))} entries; RoPE turns "
+                                 f"{width} dims per head, so it needs {width // 2}")
+    return None if width == head_dim else width
+
+
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
@@ -130,13 +168,9 @@ def model_config_from_hf(d: dict[str, Any], generation: dict[str, Any] | None = 
     model_class(arch)  # refuse an unsupported architecture before reading anything else
     theta, scaling, local_theta = _rope(arch, d)
     window, layer_types = _attention_layout(arch, d)
-    partial = float(d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor")
-                    or 1.0)
-    if partial != 1.0:
-        raise ValueError(f"partial_rotary_factor {partial} is not supported (rotary embedding on part of each head, "
-                         f"as in Phi-4-mini); only models that rotate whole heads are")
     heads = int(d["num_attention_heads"])
     hidden = int(d["hidden_size"])
+    head_dim = int(d.get("head_dim") or hidden // heads)
     fields = dict(
         architecture=arch,
         vocab_size=int(d["vocab_size"]),
@@ -145,7 +179,7 @@ def model_config_from_hf(d: dict[str, Any], generation: dict[str, Any] | None = 
         num_layers=int(d["num_hidden_layers"]),
         num_heads=heads,
         num_kv_heads=int(d.get("num_key_value_heads") or heads),
-        head_dim=int(d.get("head_dim") or hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -156,6 +190,7 @@ def model_config_from_hf(d: dict[str, Any], generation: dict[str, Any] | None = 
         sliding_window=window,
         layer_types=layer_types,
         rope_local_theta=local_theta,
+        rotary_dim=_rotary_dim(arch, d, head_dim, scaling),
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_eos_ids(generation or {}, d),
         num_experts=int(d.get("num_local_experts", 0)),

@@ -91,6 +91,8 @@ def convert(model: str, out: str, mesh_shape: tuple[int, int], dtype: str, parti
 def model_config(meta: dict) -> ModelConfig:
     values = dict(meta["config"])
     rope = values.get("rope_scaling")
+    if rope:  # JSON gave lists for the per-frequency factors
+        rope = {k: tuple(v) if isinstance(v, list) else v for k, v in rope.items()}
     values["rope_scaling"] = RopeScaling(**rope) if rope else None
     for name in ("eos_token_ids", "layer_types"):  # JSON gave lists; the config holds tuples
         values[name] = tuple(values.get(name) or ())

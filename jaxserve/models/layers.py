@@ -71,14 +71,18 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def inv_freq_of(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
-    """Inverse frequencies of rotary embeddings [d/2], with linear or Llama-3 frequency scaling when configured."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+def inv_freq_of(rope_width: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """Inverse frequencies of rotary embeddings [rope_width/2], scaled as configured."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, rope_width, 2, dtype=np.float64) / rope_width))
     s = scaling
     if s is None:
         return inv_freq.astype(np.float32)
     if s.rope_type == "linear":
         return (inv_freq / s.factor).astype(np.float32)
+    if s.rope_type == "frequency_factors":
+        return (inv_freq / np.asarray(s.frequency_factors, np.float64)).astype(np.float32)
+    if s.rope_type != "llama3":  # longrope's set depends on the context length: ModelConfig.for_context picks it
+        raise ValueError(f"rope_type {s.rope_type!r} must be resolved for a context length first (for_context)")
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -89,25 +93,37 @@ def inv_freq_of(head_dim: int, theta: float, scaling: RopeScaling | None = None)
     return scaled.astype(np.float32)
 
 
-def rope_inv_freqs(cfg: ModelConfig) -> np.ndarray:
-    """[kinds, d/2]: the inverse frequencies of each attention kind (`cfg.attention_windows`' order). Gemma 3's
-    sliding layers rotate with a base of their own and no scaling."""
-    full = inv_freq_of(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Per attention kind (`cfg.attention_windows`' order): the inverse frequencies [kinds, rope_width/2], and the
+    factor cos and sin are scaled by [kinds]. Gemma 3's sliding layers rotate with a base of their own and no
+    scaling."""
+    full = inv_freq_of(cfg.rope_width, cfg.rope_theta, cfg.rope_scaling)
+    full_factor = cfg.rope_scaling.attention_factor if cfg.rope_scaling else 1.0
     if len(cfg.attention_windows) == 1:
-        return full[None]
-    local = full if cfg.rope_local_theta is None else inv_freq_of(cfg.head_dim, cfg.rope_local_theta)
-    return np.stack([full, local])
+        return full[None], np.array([full_factor], np.float32)
+    if cfg.rope_local_theta is None:
+        local, local_factor = full, full_factor
+    else:
+        local, local_factor = inv_freq_of(cfg.rope_width, cfg.rope_local_theta), 1.0
+    return np.stack([full, local]), np.array([full_factor, local_factor], np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate `x` [T, heads, d] by its token positions (the "rotate half" layout of HF checkpoints)."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, d/2]
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq, factor=1.0) -> jax.Array:
+    """Rotate `x` [T, heads, d] by its token positions (the "rotate half" layout of HF checkpoints). Only the
+    first 2 * len(inv_freq) dims of each head turn (all of them but for partial rotary); cos and sin are scaled by
+    `factor`."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, r/2]
     cos = jnp.cos(angles)[:, None, :]
     sin = jnp.sin(angles)[:, None, :]
+    if not (isinstance(factor, float) and factor == 1.0):
+        cos, sin = cos * factor, sin * factor
     x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x.dtype)
+    width = 2 * angles.shape[-1]
+    x1, x2 = jnp.split(x32[..., :width], 2, axis=-1)
+    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if width < x.shape[-1]:
+        parts.append(x32[..., width:])
+    return jnp.concatenate(parts, axis=-1).astype(x.dtype)
 
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}

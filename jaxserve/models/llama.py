@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.layers import apply_rope, dense, gated_mlp, param, rms_norm, rope_inv_freqs, soft_cap, weight
+from jaxserve.models.layers import apply_rope, dense, gated_mlp, param, rms_norm, rope_tables, soft_cap, weight
 
 
 class DecoderLayers(nnx.Module):
@@ -69,10 +69,13 @@ def self_attention(cfg: ModelConfig, attention_fn, w: dict[str, jax.Array], h: j
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     if cfg.qk_norm:  # over head_dim, each head alike (zero heads padded for tp stay zero)
         q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-    inv_freqs = rope_inv_freqs(cfg)
-    inv_freq = inv_freqs[0] if kind is None else jnp.asarray(inv_freqs)[kind]
-    q = apply_rope(q, meta.positions, inv_freq)
-    k = apply_rope(k, meta.positions, inv_freq)
+    inv_freqs, factors = rope_tables(cfg)
+    if kind is None:
+        inv_freq, factor = inv_freqs[0], float(factors[0])
+    else:
+        inv_freq, factor = jnp.asarray(inv_freqs)[kind], jnp.asarray(factors)[kind]
+    q = apply_rope(q, meta.positions, inv_freq, factor)
+    k = apply_rope(k, meta.positions, inv_freq, factor)
     attn, kv = attention_fn(q, k, v, kv, layer, meta, kind)
     return dense("THd,HdD->TD", attn, w, "wo"), kv
 

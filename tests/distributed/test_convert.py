@@ -1,6 +1,9 @@
 """`jaxserve convert` in this process (8 fake devices): the orbax checkpoint serves the same tokens as the original,
 refuses a mesh whose layout differs with a sentence naming both, and never overwrites."""
 
+import dataclasses
+import json
+
 import pytest
 
 from jaxserve import Engine, SamplingParams, cli
@@ -44,3 +47,15 @@ def test_a_converted_gemma3_keeps_its_layer_kinds_and_rope(tiny_checkpoint, tmp_
     converted = Engine(out, mesh="2x1", **SMALL)
     assert converted.runner.cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
     assert tokens(converted) == tokens(Engine(model, mesh="2x1", **SMALL))
+
+
+def test_a_longrope_config_survives_its_json_round_trip():
+    """LongRoPE's per-frequency factors come back from JSON as the tuples the config holds."""
+    from jaxserve.loader.hf_config import model_config_from_hf
+    from jaxserve.loader.orbax_checkpoint import model_config
+    from tests.loader.test_hf_config import BASE, PHI35_ROPE
+
+    cfg = model_config_from_hf({"architectures": ["Phi3ForCausalLM"], **BASE, "max_position_embeddings": 4096,
+                                "original_max_position_embeddings": 256, "partial_rotary_factor": 0.5,
+                                "rope_scaling": PHI35_ROPE})
+    assert model_config(json.loads(json.dumps({"config": dataclasses.asdict(cfg)}))) == cfg

@@ -1,5 +1,7 @@
 """Reading config.json: which layers use a sliding window, decided as transformers decides it."""
 
+import math
+
 import pytest
 
 from jaxserve.loader.hf_config import model_config_from_hf
@@ -78,3 +80,39 @@ def test_gemma_defaults_differ_from_llamas():
     assert llama.hidden_act == "silu" and not llama.tie_word_embeddings and llama.norm_weight_offset == 0.0
     with pytest.raises(ValueError, match="hidden activation 'relu' is not supported"):
         config("LlamaForCausalLM", hidden_act="relu")
+
+
+PHI35_ROPE = {"type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [2.0, 3.0, 4.0, 5.0]}
+
+
+def test_longrope_takes_transformers_defaults_from_the_config():
+    """Phi-3.5's config.json: the original length at the top level, no factor or attention_factor (both follow from
+    the two lengths)."""
+    cfg = config("Phi3ForCausalLM", max_position_embeddings=4096, original_max_position_embeddings=256,
+                 partial_rotary_factor=0.5, rope_scaling=PHI35_ROPE)
+    rope = cfg.rope_scaling
+    assert (rope.rope_type, rope.original_max_position_embeddings, rope.factor) == ("longrope", 256, 16.0)
+    assert rope.attention_factor == pytest.approx((1 + math.log(16) / math.log(256)) ** 0.5)
+    assert cfg.rotary_dim == 8 and cfg.rope_width == 8  # half of each 16-dim head
+    # "su", its name in early Phi-3 configs, is the same scaling; an explicit attention_factor is kept.
+    su = config("Phi3ForCausalLM", max_position_embeddings=4096, original_max_position_embeddings=256,
+                partial_rotary_factor=0.5, rope_scaling={**PHI35_ROPE, "type": "su", "attention_factor": 1.5})
+    assert su.rope_scaling.rope_type == "longrope" and su.rope_scaling.attention_factor == 1.5
+
+
+def test_longrope_factor_set_is_chosen_once_by_max_model_len():
+    rope = config("Phi3ForCausalLM", max_position_embeddings=4096, original_max_position_embeddings=256,
+                  partial_rotary_factor=0.5, rope_scaling=PHI35_ROPE).rope_scaling
+    short, long = rope.for_context(256), rope.for_context(257)
+    assert short.rope_type == long.rope_type == "frequency_factors"
+    assert short.frequency_factors == (1.0, 1.1, 1.2, 1.3) and long.frequency_factors == (2.0, 3.0, 4.0, 5.0)
+    assert short.attention_factor == long.attention_factor == rope.attention_factor  # at every length, as in HF
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(partial_rotary_factor=0.2), "partial_rotary_factor 0.2 turns 3 of each head's 16 dims; RoPE needs an even"),
+    (dict(partial_rotary_factor=0.75, rope_scaling=PHI35_ROPE), "short_factor has 4 entries; RoPE turns 12 dims"),
+])
+def test_rotary_widths_that_cannot_work_are_refused_by_name(fields, message):
+    with pytest.raises(ValueError, match=message):
+        config("Phi3ForCausalLM", original_max_position_embeddings=256, **fields)

@@ -7,13 +7,19 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from jaxserve import Engine, SamplingParams
-from tests.helpers import hf_logits
+from tests.helpers import hf_logits, write_gguf
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+
+# Phi-3.5 / Phi-4-mini's LongRoPE, for a model trained on 32 positions and extended to 512 (so cos and sin are
+# scaled by sqrt(1 + ln 16 / ln 32) = 1.34); factors for the 4 frequencies of rotary width 8.
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.3, 2.0, 3.5], "long_factor": [1.5, 2.5, 6.0, 11.0]}
+# RoPE on half of each head's 16 dims (Phi-4-mini turns 96 of 128), tied embeddings.
+PHI4_MINI = dict(partial_rotary_factor=0.5, tie_word_embeddings=True, pad_token_id=0)
 
 ARCHITECTURES = {
     "llama-untied-llama3-rope": ("llama", dict(rope_scaling=LLAMA3_ROPE, tie_word_embeddings=False)),
@@ -24,6 +30,7 @@ ARCHITECTURES = {
     "qwen3-qk-norm": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
     # fused qkv_proj and gate_up_proj, split at load
     "phi3-fused-sliding-window": ("phi3", dict(sliding_window=12, tie_word_embeddings=False, pad_token_id=0)),
+    "phi4-mini-partial-rotary": ("phi3", PHI4_MINI),
     # (1 + w) norm gains, GeGLU, the sqrt(hidden) embedding scale
     "gemma-geglu": ("gemma", dict(head_dim=16)),
     # + norms after attention and MLP, sliding and full layers alternating, soft caps small enough to bend
@@ -70,6 +77,18 @@ def test_tiny_model_logits_match_transformers(name, tiny_checkpoint):
     check_parity(engine, reference, PROMPTS)
 
 
+@pytest.mark.parametrize("max_model_len, prompts", [
+    (32, PROMPTS[:2]),  # within the original 32 positions: the short factors, as transformers uses there
+    (None, [PROMPTS[2], list(range(400, 433))]),  # 512: the long factors, as transformers uses past 32 tokens
+])
+def test_longrope_runs_the_factor_set_max_model_len_chooses(max_model_len, prompts, tiny_checkpoint):
+    path = tiny_checkpoint("phi3", **PHI4_MINI, rope_scaling=LONGROPE, original_max_position_embeddings=32)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    engine = Engine(str(path), max_model_len=max_model_len, num_kv_blocks=64, max_num_batched_tokens=64,
+                    max_num_seqs=4, warmup=False)
+    check_parity(engine, reference, prompts)
+
+
 def test_chunked_prefill_keeps_parity(tiny_checkpoint):
     """A prompt longer than the token budget is prefilled over several steps, mixed with decodes."""
     path = tiny_checkpoint("llama", tie_word_embeddings=False)
@@ -86,13 +105,13 @@ def test_smollm2_gguf_logits_match_transformers(smol_engine, hf_smollm2):
 
 
 @pytest.mark.parametrize("name, head_dim", [("qwen2-bias", 16), ("qwen3-qk-norm", 32),
-                                            ("phi3-fused-sliding-window", 16)])
+                                            ("phi3-fused-sliding-window", 16), ("phi4-mini-partial-rotary", 16),
+                                            ("llama-untied-llama3-rope", 16)])
 def test_gguf_logits_match_transformers(name, head_dim, tiny_checkpoint, smollm2_gguf_path, tmp_path):
-    """Qwen2, Qwen3 and Phi-3 GGUFs (llama.cpp's tensor names and metadata: q/k/v biases, attn_q_norm, the head
-    size as attention.key_length, Phi-3's fused attn_qkv and ffn_up, its sliding window) read as the same model as
-    their safetensors."""
-    from tests.helpers import write_gguf
-
+    """GGUFs (llama.cpp's tensor names and metadata: q/k/v biases, attn_q_norm, the head size as
+    attention.key_length, Phi-3's fused attn_qkv and ffn_up, its sliding window and rotary width, Llama's
+    interleaved q/k rows and its RoPE scaling as per-frequency factors) read as the same model as their
+    safetensors."""
     arch, overrides = ARCHITECTURES[name]
     path = tiny_checkpoint(arch, **overrides)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
@@ -101,3 +120,12 @@ def test_gguf_logits_match_transformers(name, head_dim, tiny_checkpoint, smollm2
     assert engine.config.model.architecture == reference.config.architectures[0]
     assert engine.config.model.head_dim == head_dim
     check_parity(engine, reference, PROMPTS)
+
+
+def test_longrope_gguf_matches_transformers(tiny_checkpoint, smollm2_gguf_path, tmp_path):
+    """Phi-3.5's LongRoPE as llama.cpp stores it (rope_factors_long/short, the original length, the logit scale)."""
+    path = tiny_checkpoint("phi3", **PHI4_MINI, rope_scaling=LONGROPE, original_max_position_embeddings=32)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    gguf_file = write_gguf(path, tmp_path / "tiny-longrope.gguf", "phi3", smollm2_gguf_path)
+    engine = Engine(str(gguf_file), num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
+    check_parity(engine, reference, [PROMPTS[2]])
