@@ -48,7 +48,8 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, **metada
     converter writes them: llama's q/k rows interleaved, RoPE scaling as per-frequency factor tensors (Llama 3.1's
     `rope_freqs`, LongRoPE's `rope_factors_long/short`), Phi-3's rotary width in place of a head size; with the
     tokenizer metadata of `tokenizer_gguf` (the same vocabulary).
-    `metadata`: integer `{arch}.` keys to write instead of the config's (e.g. {"rope.dimension_count": 8})."""
+    `metadata`: `{arch}.` keys to write instead of the config's (e.g. {"rope.dimension_count": 8}), integers or
+    strings."""
     import json
 
     import gguf
@@ -69,17 +70,17 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, **metada
             "attention.sliding_window": cfg.get("sliding_window") or 0}
     if arch != "phi3":  # llama.cpp's Phi-3 converter writes no head size
         keys |= {"attention.key_length": head_dim, "attention.value_length": head_dim}
-    for key, value in (keys | metadata).items():
-        writer.add_uint32(f"{arch}.{key}", int(value))
+    for key, value in (keys | _gguf_rope_metadata(cfg, rope) | metadata).items():
+        if isinstance(value, str):
+            writer.add_string(f"{arch}.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"{arch}.{key}", value)
+        else:
+            writer.add_uint32(f"{arch}.{key}", int(value))
     writer.add_float32(f"{arch}.rope.freq_base", theta)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(cfg["rms_norm_eps"]))
     for name, factors in _gguf_rope_factors(cfg, rope, theta, rotary).items():
         writer.add_tensor(name, np.asarray(factors, np.float32))
-    if rope.get("rope_type") == "longrope":
-        original = cfg["original_max_position_embeddings"]
-        scale = cfg["max_position_embeddings"] / original
-        writer.add_uint32(f"{arch}.rope.scaling.original_context_length", original)
-        writer.add_float32(f"{arch}.rope.scaling.attn_factor", (1 + np.log(scale) / np.log(original)) ** 0.5)
     source = gguf.GGUFReader(tokenizer_gguf)
     for key, field in source.fields.items():
         if key.startswith("tokenizer."):
@@ -113,6 +114,21 @@ def _interleave_rotary_halves(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's Llama converter: each head's rows [first half; second half] -> pairs (h0[0], h1[0], ...)."""
     rows = w.shape[0]
     return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_rope_metadata(cfg: dict, rope: dict) -> dict:
+    """RoPE scaling keys as llama.cpp's converter writes them: YaRN's parameters; LongRoPE's original length and
+    logit scale (its factors go in tensors)."""
+    kind = rope.get("rope_type") or rope.get("type")
+    if kind == "yarn":
+        return {"rope.scaling.type": "yarn", "rope.scaling.factor": float(rope["factor"]),
+                "rope.scaling.original_context_length": rope["original_max_position_embeddings"]}
+    if kind == "longrope":
+        original = cfg["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / original
+        return {"rope.scaling.original_context_length": original,
+                "rope.scaling.attn_factor": float((1 + np.log(scale) / np.log(original)) ** 0.5)}
+    return {}
 
 
 def _gguf_rope_factors(cfg: dict, rope: dict, theta: float, rotary: int) -> dict[str, list[float]]:

@@ -3,7 +3,6 @@ presented under Hugging Face names and layouts."""
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import gguf
 import numpy as np
 
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.loader.rope_scaling import longrope_attention_factor, yarn_scaling
 
 # GGUF `general.architecture` -> HF architecture name.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -131,6 +131,7 @@ class GGUFFile:
         if rotary is not None and int(rotary) != head_dim and a != "phi3":
             raise ValueError(f"{self.path.name} rotates {rotary} of each head's {head_dim} dimensions (partial rotary "
                              f"embedding), which jaxserve supports for phi3 only")
+        theta = float(self.field(f"{a}.rope.freq_base", 10000.0))
         eos = self.field("tokenizer.ggml.eos_token_id")
         embed = self._tensors["model.embed_tokens.weight"]
         return ModelConfig(
@@ -143,8 +144,8 @@ class GGUFFile:
             num_kv_heads=int(self.field(f"{a}.attention.head_count_kv", heads)),
             head_dim=head_dim,
             rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
-            rope_scaling=self._rope_scaling(),
+            rope_theta=theta,
+            rope_scaling=self._rope_scaling(int(rotary or head_dim), theta),
             rotary_dim=None if rotary is None or int(rotary) == head_dim else int(rotary),
             max_position_embeddings=int(self.field(f"{a}.context_length", 2048)),
             tie_word_embeddings="lm_head.weight" not in self._tensors,
@@ -155,15 +156,16 @@ class GGUFFile:
             eos_token_ids=() if eos is None else (int(eos),),
         )
 
-    def _rope_scaling(self) -> RopeScaling | None:
+    def _rope_scaling(self, width: int, theta: float) -> RopeScaling | None:
         """llama.cpp stores Llama 3.1's scaling as per-frequency factors (rope_freqs), Phi-3.5's LongRoPE as two
-        sets (rope_factors_long/short) beside its original length and logit scale, and linear scaling as metadata."""
+        sets (rope_factors_long/short) beside its original length and logit scale, linear scaling and YaRN as
+        metadata."""
         a, factors = self.arch, self._rope_factors
         if "rope_factors_long" in factors:
             original = int(self.field(f"{a}.rope.scaling.original_context_length"))
             longest = int(self.field(f"{a}.context_length"))
             factor = longest / original
-            default_scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+            default_scale = longrope_attention_factor(factor, original)
             return RopeScaling(factor=factor, original_max_position_embeddings=original, rope_type="longrope",
                                long_factor=factors["rope_factors_long"],
                                short_factor=factors.get("rope_factors_short", factors["rope_factors_long"]),
@@ -173,10 +175,25 @@ class GGUFFile:
         kind = self.field(f"{a}.rope.scaling.type", "none")
         if kind == "linear":
             return RopeScaling(factor=float(self.field(f"{a}.rope.scaling.factor")), rope_type="linear")
+        if kind == "yarn":
+            return self._yarn(width, theta)
         if kind != "none":
             raise ValueError(f"{self.path.name} uses RoPE scaling {kind!r}, which is not supported; supported: none, "
-                             f"linear, per-frequency factors (Llama 3.1's rope_freqs, Phi-3's rope_factors)")
+                             f"linear, yarn, per-frequency factors (Llama 3.1's rope_freqs, Phi-3's rope_factors)")
         return None
+
+    def _yarn(self, width: int, theta: float) -> RopeScaling:
+        """YaRN as llama.cpp's converter writes it for Qwen and Llama checkpoints: factor and original length."""
+        a = self.arch
+        extra = [k for k in ("attn_factor", "yarn_log_multiplier", "yarn_ext_factor", "yarn_attn_factor")
+                 if f"{a}.rope.scaling.{k}" in self.reader.fields]
+        if extra:
+            raise ValueError(f"{self.path.name}: YaRN with rope.scaling.{extra[0]} is not supported (only the factor, "
+                             f"original length and beta_fast/beta_slow that converted Qwen and Llama checkpoints carry)")
+        return yarn_scaling(width, theta, float(self.field(f"{a}.rope.scaling.factor")),
+                            int(self.field(f"{a}.rope.scaling.original_context_length")),
+                            beta_fast=float(self.field(f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
+                            beta_slow=float(self.field(f"{a}.rope.scaling.yarn_beta_slow", 1.0)))
 
     # TensorSource
     def names(self) -> set[str]:

@@ -6,10 +6,12 @@ import math
 from typing import Any
 
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.loader.rope_scaling import longrope_attention_factor, yarn_scaling
 from jaxserve.models.registry import model_class
 
 
-def _scaling(arch: str, scaling: dict[str, Any] | None, d: dict[str, Any]) -> RopeScaling | None:
+def _scaling(arch: str, scaling: dict[str, Any] | None, d: dict[str, Any], width: int, theta: float
+             ) -> RopeScaling | None:
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
     if kind in (None, "default"):
         return None
@@ -18,10 +20,12 @@ def _scaling(arch: str, scaling: dict[str, Any] | None, d: dict[str, Any]) -> Ro
     if kind == "su" or (kind == "yarn" and arch.startswith("Phi3")):  # transformers reads both as longrope there
         kind = "longrope"
     if kind == "longrope":
-        return _longrope(scaling, d)
+        return _longrope(arch, scaling, d, width)
+    if kind == "yarn":
+        return _yarn(scaling, d, width, theta)
     if kind != "llama3":
         raise ValueError(f"{arch}: rope_scaling type {kind!r} is not supported; supported: default, linear, llama3, "
-                         f"longrope")
+                         f"longrope, yarn")
     return RopeScaling(
         factor=float(scaling["factor"]),
         low_freq_factor=float(scaling["low_freq_factor"]),
@@ -30,22 +34,42 @@ def _scaling(arch: str, scaling: dict[str, Any] | None, d: dict[str, Any]) -> Ro
     )
 
 
-def _longrope(scaling: dict[str, Any], d: dict[str, Any]) -> RopeScaling:
-    """Phi-3.5 / Phi-4-mini's LongRoPE, with transformers' defaults: the original length from the config's top
-    level, the extension factor from the two lengths, and the logit scale from the extension factor."""
-    longest = int(d.get("max_position_embeddings", 2048))
-    original = int(scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
-                   or longest)
-    factor = float(scaling.get("factor") or longest / original)
+def _original_length(scaling: dict[str, Any], d: dict[str, Any]) -> int:
+    # transformers prefers a top-level original_max_position_embeddings (Phi-3 keeps it there) to the scaling's own
+    return int(d.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+               or d.get("max_position_embeddings", 2048))
+
+
+def _longrope(arch: str, scaling: dict[str, Any], d: dict[str, Any], width: int) -> RopeScaling:
+    """Phi-3.5 / Phi-4-mini's LongRoPE, with transformers' defaults: the extension factor from the two lengths,
+    and the logit scale from the extension factor."""
+    original = _original_length(scaling, d)
+    factor = float(scaling.get("factor") or int(d.get("max_position_embeddings", 2048)) / original)
     attention = scaling.get("attention_factor")
     if attention is None:
-        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        attention = longrope_attention_factor(factor, original)
+    for name in ("short_factor", "long_factor"):
+        if len(scaling[name]) != width // 2:
+            raise ValueError(f"{arch}: rope_scaling {name} has {len(scaling[name])} entries; RoPE turns {width} dims "
+                             f"per head, so it needs {width // 2}")
     return RopeScaling(factor=factor, original_max_position_embeddings=original, rope_type="longrope",
                        short_factor=tuple(map(float, scaling["short_factor"])),
                        long_factor=tuple(map(float, scaling["long_factor"])), attention_factor=float(attention))
 
 
-def _rope(arch: str, d: dict[str, Any]) -> tuple[float, RopeScaling | None, float | None]:
+def _yarn(scaling: dict[str, Any], d: dict[str, Any], width: int, theta: float) -> RopeScaling:
+    original = _original_length(scaling, d)
+    factor = float(scaling.get("factor") or int(d.get("max_position_embeddings", 2048)) / original)
+    attention = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention is None and mscale and mscale_all_dim:  # DeepSeek's spelling of the logit scale
+        attention = (0.1 * mscale * math.log(factor) + 1) / (0.1 * mscale_all_dim * math.log(factor) + 1)
+    ramp = {k: v for k, v in (("beta_fast", scaling.get("beta_fast")), ("beta_slow", scaling.get("beta_slow")),
+                              ("truncate", scaling.get("truncate"))) if v is not None}
+    return yarn_scaling(width, theta, factor, original, attention, **ramp)
+
+
+def _rope(arch: str, d: dict[str, Any], width: int) -> tuple[float, RopeScaling | None, float | None]:
     """(theta, scaling) of the (full-attention) layers, and the sliding layers' own theta where they differ."""
     # transformers 5 writes `rope_parameters`, per layer kind for Gemma 3; older checkpoints `rope_theta` +
     # `rope_scaling` (+ Gemma 3's `rope_local_base_freq`).
@@ -53,12 +77,13 @@ def _rope(arch: str, d: dict[str, Any]) -> tuple[float, RopeScaling | None, floa
     local = None
     if "full_attention" in params:
         sliding = params.get("sliding_attention") or {}
-        if _scaling(arch, sliding, d) is not None:
+        if (sliding.get("rope_type") or sliding.get("type") or "default") != "default":
             raise ValueError(f"{arch}: scaled RoPE on sliding-window layers is not supported")
         local, params = sliding.get("rope_theta"), params["full_attention"]
     theta = float(d.get("rope_theta") or params.get("rope_theta") or 10000.0)
     local = local or d.get("rope_local_base_freq")
-    return theta, _scaling(arch, d.get("rope_scaling") or params, d), None if local is None else float(local)
+    scaling = _scaling(arch, d.get("rope_scaling") or params, d, width, theta)
+    return theta, scaling, None if local is None else float(local)
 
 
 # transformers' default for Qwen2/Qwen3 configs that leave max_window_layers out.
@@ -113,21 +138,15 @@ def _layer_kinds(arch: str, d: dict[str, Any]) -> list[str]:
     return ["sliding_attention"] * num_layers
 
 
-def _rotary_dim(arch: str, d: dict[str, Any], head_dim: int, scaling: RopeScaling | None) -> int | None:
-    """How many of each head's dims RoPE turns (Phi-4-mini: 96 of 128), None for all; checked against the
-    per-frequency factors of longrope, which must cover exactly the turned dims."""
+def _rope_width(arch: str, d: dict[str, Any], head_dim: int) -> int:
+    """How many of each head's dims RoPE turns: all but for partial rotary (Phi-4-mini: 96 of 128)."""
     partial = float(d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor")
                     or 1.0)
     width = int(head_dim * partial)
     if width % 2 or not 0 < width <= head_dim:
         raise ValueError(f"{arch}: partial_rotary_factor {partial} turns {width} of each head's {head_dim} dims; "
                          f"RoPE needs an even number of them, at least 2")
-    if scaling is not None and scaling.rope_type == "longrope":
-        for name in ("short_factor", "long_factor"):
-            if len(getattr(scaling, name)) != width // 2:
-                raise ValueError(f"{arch}: rope_scaling {name} has {len(getattr(scaling, name))} entries; RoPE turns "
-                                 f"{width} dims per head, so it needs {width // 2}")
-    return None if width == head_dim else width
+    return width
 
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -166,11 +185,12 @@ def model_config_from_hf(d: dict[str, Any], generation: dict[str, Any] | None = 
         raise ValueError("config.json has no 'architectures' entry; cannot tell which model it describes")
     arch = archs[0]
     model_class(arch)  # refuse an unsupported architecture before reading anything else
-    theta, scaling, local_theta = _rope(arch, d)
     window, layer_types = _attention_layout(arch, d)
     heads = int(d["num_attention_heads"])
     hidden = int(d["hidden_size"])
     head_dim = int(d.get("head_dim") or hidden // heads)
+    width = _rope_width(arch, d, head_dim)
+    theta, scaling, local_theta = _rope(arch, d, width)
     fields = dict(
         architecture=arch,
         vocab_size=int(d["vocab_size"]),
@@ -190,7 +210,7 @@ def model_config_from_hf(d: dict[str, Any], generation: dict[str, Any] | None = 
         sliding_window=window,
         layer_types=layer_types,
         rope_local_theta=local_theta,
-        rotary_dim=_rotary_dim(arch, d, head_dim, scaling),
+        rotary_dim=None if width == head_dim else width,
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_eos_ids(generation or {}, d),
         num_experts=int(d.get("num_local_experts", 0)),

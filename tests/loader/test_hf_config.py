@@ -116,3 +116,16 @@ def test_longrope_factor_set_is_chosen_once_by_max_model_len():
 def test_rotary_widths_that_cannot_work_are_refused_by_name(fields, message):
     with pytest.raises(ValueError, match=message):
         config("Phi3ForCausalLM", original_max_position_embeddings=256, **fields)
+
+
+def test_yarn_reads_its_optional_fields():
+    """The logit scale from mscale / mscale_all_dim where given (DeepSeek's spelling), else 0.1 ln(factor) + 1;
+    beta_fast / beta_slow move the band of blended frequencies."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    plain = config("Qwen2ForCausalLM", rope_scaling=yarn).rope_scaling
+    assert plain.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1)
+    assert plain.frequency_factors == pytest.approx((1.0, 4 / 3, 2.0, 4.0, 4.0, 4.0, 4.0, 4.0))
+    scaled = config("Qwen2ForCausalLM", rope_scaling={**yarn, "mscale": 1.0, "mscale_all_dim": 0.5}).rope_scaling
+    assert scaled.attention_factor == pytest.approx((0.1 * math.log(4) + 1) / (0.05 * math.log(4) + 1))
+    narrow = config("Qwen2ForCausalLM", rope_scaling={**yarn, "beta_fast": 8, "beta_slow": 2}).rope_scaling
+    assert narrow.frequency_factors != plain.frequency_factors

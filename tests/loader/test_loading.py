@@ -70,6 +70,22 @@ def test_unsupported_gguf_architecture_is_named(arch, hint, tmp_path):
         Engine(str(tmp_path / "m.gguf"))
 
 
+@pytest.mark.parametrize("metadata, message", [
+    ({"rope.scaling.type": "dynamic"}, "uses RoPE scaling 'dynamic', which is not supported; supported: none, linear, "
+                                       "yarn"),
+    ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64,
+      "rope.scaling.yarn_log_multiplier": 0.1}, "YaRN with rope.scaling.yarn_log_multiplier is not supported"),
+])
+def test_gguf_rope_scalings_it_cannot_run_are_refused_by_name(metadata, message, tiny_checkpoint, smollm2_gguf_path,
+                                                              tmp_path):
+    """Rather than run a model with the wrong positions, as llama.cpp metadata left unread once did."""
+    from tests.helpers import write_gguf
+
+    qwen2 = tiny_checkpoint("qwen2", tie_word_embeddings=True)
+    with pytest.raises(ValueError, match=message):
+        open_checkpoint(str(write_gguf(qwen2, tmp_path / "m.gguf", "qwen2", smollm2_gguf_path, **metadata)))
+
+
 def test_missing_files_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         Engine(str(tmp_path / "nothing.gguf"))

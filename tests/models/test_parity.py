@@ -15,6 +15,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
 
+# Qwen2.5 / Qwen3's long-context YaRN, for a model trained on 64 positions: with head_dim 16, frequency 0 keeps its
+# speed, 1 and 2 are blends, 3..7 are divided by 4; cos and sin are scaled by 0.1 ln 4 + 1.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
 # Phi-3.5 / Phi-4-mini's LongRoPE, for a model trained on 32 positions and extended to 512 (so cos and sin are
 # scaled by sqrt(1 + ln 16 / ln 32) = 1.34); factors for the 4 frequencies of rotary width 8.
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.3, 2.0, 3.5], "long_factor": [1.5, 2.5, 6.0, 11.0]}
@@ -26,6 +30,7 @@ ARCHITECTURES = {
     "llama-tied": ("llama", dict(tie_word_embeddings=True)),
     "mistral-sliding-window": ("mistral", dict(sliding_window=12)),
     "qwen2-bias": ("qwen2", dict(tie_word_embeddings=True)),
+    "qwen2-yarn": ("qwen2", dict(tie_word_embeddings=True, rope_scaling=YARN, max_position_embeddings=256)),
     # q/k norms, and a head_dim that is not hidden_size / heads (32 vs 16), as in real Qwen3 checkpoints.
     "qwen3-qk-norm": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
     # fused qkv_proj and gate_up_proj, split at load
@@ -106,11 +111,11 @@ def test_smollm2_gguf_logits_match_transformers(smol_engine, hf_smollm2):
 
 @pytest.mark.parametrize("name, head_dim", [("qwen2-bias", 16), ("qwen3-qk-norm", 32),
                                             ("phi3-fused-sliding-window", 16), ("phi4-mini-partial-rotary", 16),
-                                            ("llama-untied-llama3-rope", 16)])
+                                            ("llama-untied-llama3-rope", 16), ("qwen2-yarn", 16)])
 def test_gguf_logits_match_transformers(name, head_dim, tiny_checkpoint, smollm2_gguf_path, tmp_path):
     """GGUFs (llama.cpp's tensor names and metadata: q/k/v biases, attn_q_norm, the head size as
     attention.key_length, Phi-3's fused attn_qkv and ffn_up, its sliding window and rotary width, Llama's
-    interleaved q/k rows and its RoPE scaling as per-frequency factors) read as the same model as their
+    interleaved q/k rows and its RoPE scaling as per-frequency factors, YaRN's metadata) read as the same model as their
     safetensors."""
     arch, overrides = ARCHITECTURES[name]
     path = tiny_checkpoint(arch, **overrides)
