@@ -86,6 +86,7 @@ class ModelConfig:
     # Mixture of experts (Mixtral); 0 experts means a dense MLP.
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    moe_renormalize: bool = True  # the top-k router weights rescaled to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
     # Zero rows appended so the vocabulary / the experts split evenly over tensor-parallel devices. Set only on
     # the runner's effective config (parallel/layout.py); the model slices padded logits off and never routes to
     # padded experts.

@@ -162,6 +162,20 @@ def _activation(arch: str, d: dict[str, Any]) -> str:
     return ACTIVATIONS[name]
 
 
+def _experts(arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """Mixture-of-experts fields (Mixtral, Qwen3-MoE); intermediate_size becomes each expert's MLP width."""
+    experts = int(d.get("num_local_experts") or d.get("num_experts") or 0)
+    if not experts:
+        return {}
+    if d.get("mlp_only_layers") or int(d.get("decoder_sparse_step") or 1) != 1:
+        raise ValueError(f"{arch}: dense MLP layers between the mixture-of-experts ones (mlp_only_layers "
+                         f"{d.get('mlp_only_layers')}, decoder_sparse_step {d.get('decoder_sparse_step')}) are not "
+                         f"supported; every layer must be a mixture of experts")
+    return dict(num_experts=experts, num_experts_per_tok=int(d["num_experts_per_tok"]),
+                moe_renormalize=bool(d.get("norm_topk_prob", True)),
+                intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]))
+
+
 def _gemma(arch: str, d: dict[str, Any]) -> dict[str, Any]:
     """Gemma's departures from Llama: (1 + w) norm gains, a query scale of its own, tied embeddings by default,
     Gemma 2's soft-capping, Gemma 2/3's norms after attention and MLP, Gemma 3's q/k norms."""
@@ -213,8 +227,6 @@ def model_config_from_hf(d: dict[str, Any], generation: dict[str, Any] | None = 
         rotary_dim=None if width == head_dim else width,
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_eos_ids(generation or {}, d),
-        num_experts=int(d.get("num_local_experts", 0)),
-        num_experts_per_tok=int(d.get("num_experts_per_tok", 0)),
         hidden_act=_activation(arch, d),
     )
-    return ModelConfig(**(fields | _gemma(arch, d)))
+    return ModelConfig(**(fields | _experts(arch, d) | _gemma(arch, d)))

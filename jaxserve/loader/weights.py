@@ -59,7 +59,7 @@ def _layer_weights(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
         }
     if cfg.num_experts:
         table |= {
-            "router": ("block_sparse_moe.gate.weight", lambda w: w.T),
+            "router": (f"{moe_names(cfg)[0]}.gate.weight", lambda w: w.T),
         }
     else:
         table |= {
@@ -70,14 +70,24 @@ def _layer_weights(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
     return table
 
 
-# Mixtral names its expert matrices w1 (gate), w3 (up), w2 (down); ours are stacked [L, E, ...].
-EXPERT_WEIGHTS = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
+# Where each architecture keeps its router (`{block}.gate`) and experts (`{block}.experts.{e}.{name}`): Mixtral
+# names the expert matrices w1 (gate), w3 (up), w2 (down). Ours are stacked [L, E, ...].
+MOE_NAMES = {
+    "MixtralForCausalLM": ("block_sparse_moe", {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}),
+    "Qwen3MoeForCausalLM": ("mlp", {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}),
+}
+
+
+def moe_names(cfg: ModelConfig) -> tuple[str, dict[str, str]]:
+    return MOE_NAMES[cfg.architecture]
 
 
 def _expert_weight(cfg: ModelConfig, src: TensorSource, hf: str, dtype) -> np.ndarray:
     """One expert matrix of every layer, [L, E, in, out]; filled in place so only the result is held."""
+    block = moe_names(cfg)[0]
+
     def get(i: int, e: int) -> np.ndarray:
-        return src.get(f"model.layers.{i}.block_sparse_moe.experts.{e}.{hf}.weight").T
+        return src.get(f"model.layers.{i}.{block}.experts.{e}.{hf}.weight").T
 
     first = get(0, 0)
     out = np.empty((cfg.num_layers, cfg.num_experts) + first.shape, dtype)
@@ -98,7 +108,7 @@ def load_params(cfg: ModelConfig, src: TensorSource, dtype) -> Iterator[tuple[Pa
         stacked = np.stack([transform(src.get(f"model.layers.{i}.{hf}")) for i in range(cfg.num_layers)])
         yield ("layers", ours), stacked.astype(dtype)
     if cfg.num_experts:
-        for ours, hf in EXPERT_WEIGHTS.items():
+        for ours, hf in moe_names(cfg)[1].items():
             yield ("layers", ours), _expert_weight(cfg, src, hf, dtype)
     if cfg.layer_types:  # not a checkpoint tensor: each layer's attention kind, stacked and split like the weights
         yield ("layers", "attn_kind"), np.asarray(cfg.layer_kinds(), np.int32)

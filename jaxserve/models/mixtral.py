@@ -1,4 +1,5 @@
-"""Mixtral: the Llama decoder with a mixture-of-experts MLP (softmax router, top-k experts, renormalised weights).
+"""Mixtral and Qwen3-MoE: the Llama decoder with a mixture-of-experts MLP (softmax router, top-k experts, their
+weights renormalised or not).
 
 Architecture only; attention and the layer loop are llama.py's. The experts are split over tensor-parallel
 devices (logical axis "experts"); each expert's own MLP width stays whole on its device.
@@ -27,10 +28,12 @@ class MoeDecoderLayers(DecoderLayers):
 
 
 def route(cfg: ModelConfig, h: jax.Array, router: jax.Array) -> jax.Array:
-    """Combine weights [T, E + pad] (float32): the top-k router probabilities renormalised, zero elsewhere."""
+    """Combine weights [T, E + pad] (float32): the top-k router probabilities (renormalised where the model says so),
+    zero elsewhere."""
     logits = jnp.einsum("TD,DE->TE", h, router, preferred_element_type=jnp.float32)
     top_p, top_i = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.num_experts_per_tok)
-    top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    if cfg.moe_renormalize:
+        top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
     chosen = jax.nn.one_hot(top_i, cfg.num_experts + cfg.expert_pad, dtype=jnp.float32)  # [T, k, E]
     return jnp.einsum("Tk,TkE->TE", top_p, chosen)
 

@@ -129,3 +129,14 @@ def test_yarn_reads_its_optional_fields():
     assert scaled.attention_factor == pytest.approx((0.1 * math.log(4) + 1) / (0.05 * math.log(4) + 1))
     narrow = config("Qwen2ForCausalLM", rope_scaling={**yarn, "beta_fast": 8, "beta_slow": 2}).rope_scaling
     assert narrow.frequency_factors != plain.frequency_factors
+
+
+def test_qwen3_moe_reads_its_expert_fields():
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128)
+    cfg = config("Qwen3MoeForCausalLM", **moe, norm_topk_prob=False)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.intermediate_size) == (8, 2, 32)  # each expert's width
+    assert not cfg.moe_renormalize and cfg.qk_norm
+    assert config("MixtralForCausalLM", num_local_experts=8, num_experts_per_tok=2).moe_renormalize
+    with pytest.raises(ValueError, match=r"dense MLP layers between the mixture-of-experts ones \(mlp_only_layers "
+                                         r"\[0\]"):
+        config("Qwen3MoeForCausalLM", **moe, mlp_only_layers=[0])

@@ -33,6 +33,9 @@ ARCHITECTURES = {
     "qwen2-yarn": ("qwen2", dict(tie_word_embeddings=True, rope_scaling=YARN, max_position_embeddings=256)),
     # q/k norms, and a head_dim that is not hidden_size / heads (32 vs 16), as in real Qwen3 checkpoints.
     "qwen3-qk-norm": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
+    # experts under Qwen's names, 32 wide, router weights not renormalised (norm_topk_prob false)
+    "qwen3-moe": ("qwen3_moe", dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    norm_topk_prob=False, tie_word_embeddings=False)),
     # fused qkv_proj and gate_up_proj, split at load
     "phi3-fused-sliding-window": ("phi3", dict(sliding_window=12, tie_word_embeddings=False, pad_token_id=0)),
     "phi4-mini-partial-rotary": ("phi3", PHI4_MINI),

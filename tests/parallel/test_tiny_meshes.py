@@ -1,4 +1,4 @@
-"""Tiny random Llama, Qwen2 and Mixtral on 2x2 and 4x2 meshes: logits within 1e-4 of transformers, and proof
+"""Tiny random Llama, Qwen2/Qwen3, Mixtral, Qwen3-MoE and Gemma 3 on 2x2 and 4x2 meshes: logits within 1e-4 of transformers, and proof
 from the arrays and the compiled program that the work is really split.
 
 The Llama is deliberately awkward: 6 q / 3 kv heads, MLP width 100, vocabulary 49157 and 5 layers (stages of
@@ -19,6 +19,8 @@ MODELS = {
                                       tie_word_embeddings=False)),
     "qwen2-bias": ("qwen2", dict(tie_word_embeddings=True)),
     "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "qwen3-moe": ("qwen3_moe", dict(head_dim=32, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    norm_topk_prob=True)),  # 6 experts: padded to 8 on tp=4
     "qwen3-qk-norm": ("qwen3", dict(head_dim=32)),  # 4 q / 2 kv heads: replicated kv heads on tp=4
     # sliding and full layers alternating over 5 layers: each stage's slots carry their own layers' kinds
     "gemma3-mixed-windows": ("gemma3_text", dict(head_dim=32, num_hidden_layers=5, sliding_window=12,
