@@ -21,8 +21,8 @@ from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.output_processor import SequenceText, position_logprobs, record_prompt_logprobs, request_output
 from jaxserve.core.request import Request, Sequence
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
-from jaxserve.engine_inputs import (check_engine_options, check_max_model_len, normalise_conversations,
-                                   normalise_prompts, prompt_token_ids, validate_lengths)
+from jaxserve.engine_inputs import (check_engine_options, check_max_model_len, fit_context_to_cache,
+                                   normalise_conversations, normalise_prompts, prompt_token_ids, validate_lengths)
 from jaxserve.grammar import GrammarCompiler, grammar_ended
 from jaxserve.loader.checkpoint import open_checkpoint
 from jaxserve.loader.tokenizer import read_chat_template
@@ -89,7 +89,7 @@ class Engine:
         if template is not None:  # replaces the tokenizer's own
             self.tokenizer.chat_template = template
         self.generation_defaults = ckpt.generation_defaults
-        max_model_len = check_max_model_len(max_model_len, cfg.max_position_embeddings)
+        requested_len, max_model_len = max_model_len, check_max_model_len(max_model_len, cfg.max_position_embeddings)
         cfg = _for_context(cfg, max_model_len)
         dtype = resolve_dtype(dtype, jax.devices()[0].platform)
         self.mesh_shape = resolve_mesh(mesh, tensor_parallel_size, pipeline_parallel_size)
@@ -104,6 +104,10 @@ class Engine:
         self.async_scheduling = async_scheduling and jax.process_count() == 1
         self._launched: deque[InFlightStep] = deque()  # dispatched, not read back yet (oldest first)
         num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_memory_fraction)
+        max_model_len = fit_context_to_cache(max_model_len, requested_len, (num_kv_blocks - 1) * block_size)
+        self.plan_shape = dataclasses.replace(self.plan_shape, max_blocks_per_seq=-(-max_model_len // block_size),
+                                              max_model_len=max_model_len)
+        log.info(capacity_line(num_kv_blocks, block_size, max_model_len))
         self.config = EngineConfig(
             model=cfg,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks),
@@ -143,7 +147,6 @@ class Engine:
         if num_blocks < 2:
             raise ValueError(f"num_kv_blocks={num_blocks} is too small: block 0 is reserved, so at least 2 are needed")
         self.runner.allocate_cache(num_blocks)
-        log.info(capacity_line(num_blocks, self.runner.block_size, self.plan_shape.max_model_len))
         return num_blocks
 
     def warmup(self) -> None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 from jaxserve.config import EngineConfig
 from jaxserve.models.layers import QUANTIZATIONS
 from jaxserve.runner.sampler import BIAS_SLOTS
 from jaxserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 def normalise_prompts(prompts) -> list:
@@ -95,6 +99,22 @@ def check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, memor
         raise ValueError(f"recompile_guard must be 'warn', 'error' or 'off', got {recompile_guard!r}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r} is not supported; use None (weights in dtype) or 'int8'")
+
+
+def fit_context_to_cache(max_model_len: int, requested: int | None, cache_tokens: int) -> int:
+    """The context length served: one sequence of it must fit the KV cache, or every request that leaves
+    max_tokens out (asking for the whole context) would be refused. An explicit max_model_len that does not fit
+    is an error, as in vLLM; the model's own length is lowered to what fits, with a warning."""
+    if max_model_len <= cache_tokens:
+        return max_model_len
+    if requested is not None:
+        raise ValueError(f"max_model_len={max_model_len} does not fit the KV cache, which holds {cache_tokens} tokens; "
+                         f"pass max_model_len <= {cache_tokens}, or give the cache more room (kv_cache_memory_fraction, "
+                         f"num_kv_blocks)")
+    log.warning("the model's context length %d does not fit the KV cache (%d tokens): serving max_model_len %d; give "
+                "the cache more room (kv_cache_memory_fraction, num_kv_blocks) for longer contexts", max_model_len,
+                cache_tokens, cache_tokens)
+    return cache_tokens
 
 
 def check_max_model_len(requested: int | None, model_max: int) -> int:

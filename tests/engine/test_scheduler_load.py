@@ -56,6 +56,22 @@ def random_params(rng: random.Random) -> SamplingParams:
     return SamplingParams(**p)
 
 
+def test_a_context_longer_than_the_cache_is_lowered_or_refused(tiny, caplog):
+    """The model's own 2048 positions do not fit 8 blocks of 16: served as 128 with a warning, so a request that
+    leaves max_tokens out (the whole context) still runs. Asked for explicitly, 2048 is refused at start, as vLLM
+    refuses it."""
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        engine = Engine(tiny, num_kv_blocks=9, max_num_seqs=4, max_num_batched_tokens=64, warmup=False)
+    assert engine.max_model_len == 128 and engine.plan_shape.max_blocks_per_seq == 8
+    assert any("context length 2048 does not fit the KV cache (128 tokens)" in r.getMessage() for r in caplog.records)
+    out = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                          use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 125 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="max_model_len=2048 does not fit the KV cache, which holds 128 tokens; "
+                                         "pass max_model_len <= 128"):
+        Engine(tiny, max_model_len=2048, num_kv_blocks=9, warmup=False)
+
+
 def test_no_compiles_after_warmup_for_200_random_requests(tiny, caplog):
     with caplog.at_level(logging.INFO, logger="jaxserve"):
         engine = Engine(tiny, max_model_len=512, num_kv_blocks=128, max_num_seqs=16, max_num_batched_tokens=128,
