@@ -72,6 +72,8 @@ class ModelConfig:
     # every layer attends alike. It describes the checkpoint's real layers: the runner carries each layer slot's
     # kind in the weights (`attn_kind`), padded like them for pipeline stages.
     layer_types: tuple[str, ...] = ()
+    # SmolLM3: per layer, 1 where it applies RoPE and 0 where it does not (NoPE); () when every layer does.
+    rope_layers: tuple[int, ...] = ()
     rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (no scaling); None: rope_theta
     rotary_dim: int | None = None  # Phi-4-mini: RoPE turns the first rotary_dim of each head's dims; None: all
     attention_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
@@ -105,10 +107,21 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @property
-    def attention_windows(self) -> tuple[int | None, ...]:
-        """The window of each attention kind: (sliding_window,) when every layer attends alike, else
-        (None, sliding_window): kind 0 full, kind 1 sliding (`layer_kinds` numbers the layers so)."""
+    def layers_differ(self) -> bool:
+        """Whether layers differ in attention kind: then each carries its kind (`attn_kind`, from `layer_kinds`)."""
+        return bool(self.layer_types or self.rope_layers)
+
+    @property
+    def window_kinds(self) -> tuple[int | None, ...]:
+        """The window of each attention kind that applies RoPE: (sliding_window,) when every layer attends alike,
+        else (None, sliding_window): kind 0 full, kind 1 sliding."""
         return (None, self.sliding_window) if self.layer_types else (self.sliding_window,)
+
+    @property
+    def attention_windows(self) -> tuple[int | None, ...]:
+        """The window of each attention kind: `window_kinds`, then, for models with NoPE layers, the same kinds
+        again without RoPE (`layer_kinds` numbers the layers so)."""
+        return self.window_kinds * 2 if self.rope_layers else self.window_kinds
 
     @property
     def rope_width(self) -> int:
@@ -121,8 +134,11 @@ class ModelConfig:
         return dataclasses.replace(self, rope_scaling=self.rope_scaling.for_context(max_model_len))
 
     def layer_kinds(self) -> list[int]:
-        """Each real layer's index into `attention_windows`, for models whose layers differ (`layer_types`)."""
-        return [int(t == "sliding_attention") for t in self.layer_types]
+        """Each real layer's index into `attention_windows`, for models whose layers differ (`layers_differ`)."""
+        kinds = [int(t == "sliding_attention") for t in self.layer_types] or [0] * self.num_layers
+        if self.rope_layers:
+            kinds = [k if rope else k + len(self.window_kinds) for k, rope in zip(kinds, self.rope_layers)]
+        return kinds
 
 
 @dataclass(frozen=True)

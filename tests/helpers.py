@@ -21,7 +21,7 @@ def make_tiny_checkpoint(arch: str, out: Path, gguf_path: str, **overrides) -> P
     settings = dict(TINY, vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2) | overrides
     config = AutoConfig.for_model(arch, **settings)
     config.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                              "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
                              "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[arch]]
     torch.manual_seed(0)

@@ -106,7 +106,7 @@ def _attention_layout(arch: str, d: dict[str, Any]) -> tuple[int | None, tuple[s
     """(window, layer_types): the window of the sliding layers (None when no layer slides), and each layer's
     kind when the layers differ (() when they attend alike)."""
     window = d.get("sliding_window")
-    if arch.startswith(("Qwen2", "Qwen3")) and not d.get("use_sliding_window", False):
+    if arch.startswith(("Qwen2", "Qwen3", "SmolLM3")) and not d.get("use_sliding_window", False):
         return None, ()
     if not window:
         return None, ()
@@ -147,6 +147,16 @@ def _rope_width(arch: str, d: dict[str, Any], head_dim: int) -> int:
         raise ValueError(f"{arch}: partial_rotary_factor {partial} turns {width} of each head's {head_dim} dims; "
                          f"RoPE needs an even number of them, at least 2")
     return width
+
+
+def _rope_layers(arch: str, d: dict[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's NoPE layers: transformers' `no_rope_layers` holds 1 where a layer DOES apply RoPE (by default
+    every layer but each `no_rope_layer_interval`-th). () when every layer applies it."""
+    if not arch.startswith("SmolLM3"):
+        return ()
+    interval = int(d.get("no_rope_layer_interval") or 4)
+    flags = d.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(int(d["num_hidden_layers"]))]
+    return () if all(flags) else tuple(int(f) for f in flags)
 
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -225,6 +235,7 @@ def model_config_from_hf(d: dict[str, Any], generation: dict[str, Any] | None = 
         layer_types=layer_types,
         rope_local_theta=local_theta,
         rotary_dim=None if width == head_dim else width,
+        rope_layers=_rope_layers(arch, d),
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_eos_ids(generation or {}, d),
         hidden_act=_activation(arch, d),

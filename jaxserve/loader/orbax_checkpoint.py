@@ -94,7 +94,7 @@ def model_config(meta: dict) -> ModelConfig:
     if rope:  # JSON gave lists for the per-frequency factors
         rope = {k: tuple(v) if isinstance(v, list) else v for k, v in rope.items()}
     values["rope_scaling"] = RopeScaling(**rope) if rope else None
-    for name in ("eos_token_ids", "layer_types"):  # JSON gave lists; the config holds tuples
+    for name in ("eos_token_ids", "layer_types", "rope_layers"):  # JSON gave lists; the config holds tuples
         values[name] = tuple(values.get(name) or ())
     return ModelConfig(**values)
 

@@ -110,5 +110,5 @@ def load_params(cfg: ModelConfig, src: TensorSource, dtype) -> Iterator[tuple[Pa
     if cfg.num_experts:
         for ours, hf in moe_names(cfg)[1].items():
             yield ("layers", ours), _expert_weight(cfg, src, hf, dtype)
-    if cfg.layer_types:  # not a checkpoint tensor: each layer's attention kind, stacked and split like the weights
+    if cfg.layers_differ:  # not a checkpoint tensor: each layer's attention kind, stacked and split like the weights
         yield ("layers", "attn_kind"), np.asarray(cfg.layer_kinds(), np.int32)

@@ -96,16 +96,18 @@ def inv_freq_of(rope_width: int, theta: float, scaling: RopeScaling | None = Non
 def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     """Per attention kind (`cfg.attention_windows`' order): the inverse frequencies [kinds, rope_width/2], and the
     factor cos and sin are scaled by [kinds]. Gemma 3's sliding layers rotate with a base of their own and no
-    scaling."""
+    scaling; NoPE kinds (SmolLM3) have zero frequencies, which rotate nothing."""
     full = inv_freq_of(cfg.rope_width, cfg.rope_theta, cfg.rope_scaling)
     full_factor = cfg.rope_scaling.attention_factor if cfg.rope_scaling else 1.0
-    if len(cfg.attention_windows) == 1:
-        return full[None], np.array([full_factor], np.float32)
-    if cfg.rope_local_theta is None:
-        local, local_factor = full, full_factor
-    else:
-        local, local_factor = inv_freq_of(cfg.rope_width, cfg.rope_local_theta), 1.0
-    return np.stack([full, local]), np.array([full_factor, local_factor], np.float32)
+    freqs, factors = [full], [full_factor]
+    if len(cfg.window_kinds) == 2:  # the sliding kind
+        if cfg.rope_local_theta is None:
+            freqs.append(full), factors.append(full_factor)
+        else:
+            freqs.append(inv_freq_of(cfg.rope_width, cfg.rope_local_theta)), factors.append(1.0)
+    if cfg.rope_layers:
+        freqs, factors = freqs + [np.zeros_like(full)] * len(freqs), factors + [1.0] * len(factors)
+    return np.stack(freqs), np.array(factors, np.float32)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq, factor=1.0) -> jax.Array:

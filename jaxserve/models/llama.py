@@ -40,7 +40,7 @@ class DecoderLayers(nnx.Module):
         if cfg.post_norms:
             self.post_attn_norm = param((L, D), ("layers", "embed"), dtype)
             self.post_mlp_norm = param((L, D), ("layers", "embed"), dtype)
-        if cfg.layer_types:  # each layer's attention kind, an index into cfg.attention_windows
+        if cfg.layers_differ:  # each layer's attention kind, an index into cfg.attention_windows
             self.attn_kind = param((L,), ("layers",), jnp.int32)
         self.init_mlp(cfg, dtype, q)
 

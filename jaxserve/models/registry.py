@@ -16,6 +16,7 @@ ARCHITECTURES: dict[str, type] = {
     "Phi3ForCausalLM": LlamaForCausalLM,  # Phi-3 and Phi-4: fused projections split at load (loader/fused.py)
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "SmolLM3ForCausalLM": LlamaForCausalLM,  # Llama with NoPE layers (no RoPE on every 4th)
     "Qwen3MoeForCausalLM": MixtralForCausalLM,  # Qwen3's attention (q/k norms) with Mixtral's kind of MLP
 }
 

@@ -140,3 +140,15 @@ def test_qwen3_moe_reads_its_expert_fields():
     with pytest.raises(ValueError, match=r"dense MLP layers between the mixture-of-experts ones \(mlp_only_layers "
                                          r"\[0\]"):
         config("Qwen3MoeForCausalLM", **moe, mlp_only_layers=[0])
+
+
+def test_smollm3_nope_layers_become_kinds_without_rope():
+    """transformers' no_rope_layers marks the layers that DO rotate; by default every 4th layer does not."""
+    cfg = config("SmolLM3ForCausalLM", num_hidden_layers=8)
+    assert cfg.rope_layers == (1, 1, 1, 0, 1, 1, 1, 0) and cfg.layers_differ
+    assert cfg.attention_windows == (None, None) and cfg.layer_kinds() == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert config("SmolLM3ForCausalLM", no_rope_layers=[1, 1, 1]).rope_layers == ()  # all rotate: one kind
+    # With sliding layers too: kinds 0 full, 1 sliding, then the same two without RoPE.
+    mixed = config("SmolLM3ForCausalLM", sliding_window=12, use_sliding_window=True, no_rope_layers=[1, 0, 1],
+                   layer_types=[F, S, S])
+    assert mixed.attention_windows == (None, 12, None, 12) and mixed.layer_kinds() == [0, 3, 1]

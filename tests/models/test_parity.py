@@ -33,6 +33,8 @@ ARCHITECTURES = {
     "qwen2-yarn": ("qwen2", dict(tie_word_embeddings=True, rope_scaling=YARN, max_position_embeddings=256)),
     # q/k norms, and a head_dim that is not hidden_size / heads (32 vs 16), as in real Qwen3 checkpoints.
     "qwen3-qk-norm": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
+    # no RoPE on every second layer (SmolLM3: every fourth)
+    "smollm3-nope-layers": ("smollm3", dict(no_rope_layer_interval=2, tie_word_embeddings=True, pad_token_id=0)),
     # experts under Qwen's names, 32 wide, router weights not renormalised (norm_topk_prob false)
     "qwen3-moe": ("qwen3_moe", dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                     norm_topk_prob=False, tie_word_embeddings=False)),

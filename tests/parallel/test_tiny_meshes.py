@@ -22,6 +22,8 @@ MODELS = {
     "qwen3-moe": ("qwen3_moe", dict(head_dim=32, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
                                     norm_topk_prob=True)),  # 6 experts: padded to 8 on tp=4
     "qwen3-qk-norm": ("qwen3", dict(head_dim=32)),  # 4 q / 2 kv heads: replicated kv heads on tp=4
+    # NoPE layers 1 and 3 of 5: kinds past the window kinds, carried onto stages like any layer's
+    "smollm3-nope-layers": ("smollm3", dict(num_hidden_layers=5, no_rope_layer_interval=2, pad_token_id=0)),
     # sliding and full layers alternating over 5 layers: each stage's slots carry their own layers' kinds
     "gemma3-mixed-windows": ("gemma3_text", dict(head_dim=32, num_hidden_layers=5, sliding_window=12,
                                                  sliding_window_pattern=2, query_pre_attn_scalar=24,
