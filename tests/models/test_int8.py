@@ -17,8 +17,9 @@ from jaxserve import Engine
 from tests.models.test_parity import PROMPTS, check_parity
 from tests.parallel.test_tiny_meshes import MODELS
 
-# Only the decoder layers' matmuls are quantized: norms, embedding, LM head, Mixtral's router and biases stay float.
-NOT_QUANTIZED = ("norm", "embed_tokens", "lm_head", "block_sparse_moe.gate.", "bias")
+# Only the decoder layers' matmuls are quantized: norms, embedding, LM head, the routers (Mixtral's, Qwen3-MoE's) and
+# biases stay float.
+NOT_QUANTIZED = ("norm", "embed_tokens", "lm_head", "block_sparse_moe.gate.", "mlp.gate.", "bias")
 
 
 def dequantized_copy(src, dst):
