@@ -82,6 +82,11 @@ class ModelConfig:
     hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
     # Gemma stores RMSNorm gains as w - 1 (it multiplies by 1 + w); the loader adds this to every norm gain.
     norm_weight_offset: float = 0.0
+    # Granite: embeddings times embedding_multiplier, attention/MLP outputs times residual_multiplier before each
+    # residual add, logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     post_norms: bool = False  # Gemma 2/3: an RMSNorm on the attention's and the MLP's outputs before each residual add
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()

@@ -22,6 +22,7 @@ def make_tiny_checkpoint(arch: str, out: Path, gguf_path: str, **overrides) -> P
     config = AutoConfig.for_model(arch, **settings)
     config.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                             "granite": "GraniteForCausalLM",
                              "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
                              "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[arch]]
     torch.manual_seed(0)

@@ -186,6 +186,16 @@ def _experts(arch: str, d: dict[str, Any]) -> dict[str, Any]:
                 intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]))
 
 
+def _granite(arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """Granite's multipliers (muP-style); its attention_multiplier replaces head_dim ** -0.5."""
+    if not arch.startswith("Granite"):
+        return {}
+    return dict(embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
+                residual_multiplier=float(d.get("residual_multiplier", 1.0)),
+                logits_scaling=float(d.get("logits_scaling", 1.0)),
+                attention_scale=float(d.get("attention_multiplier", 1.0)))
+
+
 def _gemma(arch: str, d: dict[str, Any]) -> dict[str, Any]:
     """Gemma's departures from Llama: (1 + w) norm gains, a query scale of its own, tied embeddings by default,
     Gemma 2's soft-capping, Gemma 2/3's norms after attention and MLP, Gemma 3's q/k norms."""
@@ -240,4 +250,4 @@ def model_config_from_hf(d: dict[str, Any], generation: dict[str, Any] | None = 
         eos_token_ids=_eos_ids(generation or {}, d),
         hidden_act=_activation(arch, d),
     )
-    return ModelConfig(**(fields | _experts(arch, d) | _gemma(arch, d)))
+    return ModelConfig(**(fields | _experts(arch, d) | _gemma(arch, d) | _granite(arch, d)))

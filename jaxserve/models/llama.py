@@ -84,10 +84,17 @@ def decoder_layer(cfg: ModelConfig, attention_fn, mlp_fn, carry, w: dict[str, ja
     x, kv = carry
     eps = cfg.rms_norm_eps
     out, kv = self_attention(cfg, attention_fn, w, rms_norm(x, w["attn_norm"], eps), kv, layer, meta)
-    x = x + (rms_norm(out, w["post_attn_norm"], eps) if cfg.post_norms else out)
+    x = x + _residual(cfg, out, w.get("post_attn_norm"))
     out = mlp_fn(cfg, w, rms_norm(x, w["mlp_norm"], eps))
-    x = x + (rms_norm(out, w["post_mlp_norm"], eps) if cfg.post_norms else out)
+    x = x + _residual(cfg, out, w.get("post_mlp_norm"))
     return x, kv
+
+
+def _residual(cfg: ModelConfig, out: jax.Array, post_norm: jax.Array | None) -> jax.Array:
+    """What a block adds to the residual stream: its output, normed after (Gemma 2/3) or scaled (Granite)."""
+    if cfg.post_norms:
+        out = rms_norm(out, post_norm, cfg.rms_norm_eps)
+    return out if cfg.residual_multiplier == 1.0 else out * cfg.residual_multiplier
 
 
 def scan_layers(layer_fn, weights: dict[str, jax.Array], x: jax.Array, kv, meta):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jaxserve.models.gemma import GemmaForCausalLM
+from jaxserve.models.granite import GraniteForCausalLM
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.mixtral import MixtralForCausalLM
 
@@ -10,6 +11,7 @@ ARCHITECTURES: dict[str, type] = {
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,  # text-only Gemma 3 (1B)
+    "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,

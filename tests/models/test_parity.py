@@ -33,6 +33,10 @@ ARCHITECTURES = {
     "qwen2-yarn": ("qwen2", dict(tie_word_embeddings=True, rope_scaling=YARN, max_position_embeddings=256)),
     # q/k norms, and a head_dim that is not hidden_size / heads (32 vs 16), as in real Qwen3 checkpoints.
     "qwen3-qk-norm": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
+    # embeddings x 3, residual branches x 0.5, attention scores x 0.2 (not 16 ** -0.5), logits / 2.5
+    "granite-multipliers": ("granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5,
+                                            attention_multiplier=0.2, logits_scaling=2.5, tie_word_embeddings=True,
+                                            pad_token_id=0)),
     # no RoPE on every second layer (SmolLM3: every fourth)
     "smollm3-nope-layers": ("smollm3", dict(no_rope_layer_interval=2, tie_word_embeddings=True, pad_token_id=0)),
     # experts under Qwen's names, 32 wide, router weights not renormalised (norm_topk_prob false)
