@@ -1,5 +1,6 @@
-"""The language model inside a multimodal checkpoint (Gemma 3 4B/12B/27B: `Gemma3ForConditionalGeneration`),
-served text-only: its config is the nested `text_config` and its tensors sit under a prefix of their own.
+"""The language model inside a multimodal checkpoint (Gemma 3 4B/12B/27B: `Gemma3ForConditionalGeneration`;
+Mistral Small 3.1/3.2: `Mistral3ForConditionalGeneration`), served text-only: its config is the nested
+`text_config` and its tensors sit under a prefix of their own.
 
 Images are not supported; the vision tower and projector are never read.
 """
@@ -15,10 +16,14 @@ from jaxserve.loader.weights import TensorSource
 
 log = logging.getLogger(__name__)
 
-# Multimodal architecture -> the text-only architecture its language model is.
-TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# Multimodal architecture -> the text-only architecture its language model is, and the `model_type` its
+# text_config has when it does not say.
+TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text"),
+               "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "mistral")}
 # Where checkpoints keep the language model's "model." tensors: the hub's original files, then transformers 5's.
 TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
+# ... and its LM head, when the embeddings are not tied.
+LM_HEAD_NAMES = ("language_model.lm_head.weight", "lm_head.weight")
 
 
 def _multimodal_architecture(d: dict[str, Any]) -> str | None:
@@ -34,14 +39,16 @@ def text_model_config(d: dict[str, Any]) -> dict[str, Any]:
         return d
     from transformers import AutoConfig
 
+    text_arch, default_type = TEXT_MODELS[arch]
     text = dict(d.get("text_config") or {})
-    model_type = text.pop("model_type", "gemma3_text")
+    model_type = text.pop("model_type", default_type)
     full = AutoConfig.for_model(model_type, **text).to_dict()
-    for key in ("eos_token_id", "bos_token_id"):  # the top level carries the chat's end-of-turn ids
+    # The top level carries the chat's end-of-turn ids, and says whether transformers ties the LM head.
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
         if d.get(key) is not None:
             full[key] = d[key]
-    log.warning("%s: serving its language model only (%s); image inputs are not supported", arch, TEXT_MODELS[arch])
-    return full | {"architectures": [TEXT_MODELS[arch]]}
+    log.warning("%s: serving its language model only (%s); image inputs are not supported", arch, text_arch)
+    return full | {"architectures": [text_arch]}
 
 
 def text_model_tensors(d: dict[str, Any], source: TensorSource) -> TensorSource:
@@ -60,11 +67,16 @@ class TextModelSource:
         if self._prefix is None:
             raise ValueError(f"this multimodal checkpoint has no language model under {' or '.join(TEXT_PREFIXES)}")
         self._names = {"model." + n[len(self._prefix):] for n in names if n.startswith(self._prefix)}
+        self._lm_head = next((n for n in LM_HEAD_NAMES if n in names), None)
+        if self._lm_head is not None:
+            self._names.add("lm_head.weight")
 
     def names(self) -> set[str]:
         return self._names
 
     def get(self, name: str) -> np.ndarray:
+        if name == "lm_head.weight" and self._lm_head is not None:
+            return self._source.get(self._lm_head)
         if not name.startswith("model."):
             raise ValueError(f"tensor {name!r} is not part of the language model")
         return self._source.get(self._prefix + name[len("model."):])

@@ -75,3 +75,31 @@ def test_the_language_model_of_a_multimodal_checkpoint_matches_transformers(gemm
     for path in (out, hub):
         engine = Engine(str(path), num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
         check_parity(engine, reference, PROMPTS)
+
+
+def test_mistral3_serves_its_language_model_with_its_own_lm_head(smollm2_gguf_path, tmp_path):
+    """Mistral Small 3.1/3.2 (`Mistral3ForConditionalGeneration`, a Pixtral vision tower): a Mistral language
+    model with untied embeddings, whose LM head sits beside the language model's tensors."""
+    import os
+
+    from transformers import AutoTokenizer, Mistral3Config, Mistral3ForConditionalGeneration
+
+    d, f = os.path.split(smollm2_gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    text = dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=len(tokenizer),
+                initializer_range=0.08, max_position_embeddings=512, tie_word_embeddings=False)
+    vision = dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, head_dim=8, image_size=28, patch_size=14)
+    config = Mistral3Config(text_config=text, vision_config=vision, vision_feature_layer=-1,
+                            tie_word_embeddings=False)  # transformers ties by the top level's word
+    config.architectures = ["Mistral3ForConditionalGeneration"]
+    torch.manual_seed(0)
+    model = Mistral3ForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    names = load_file(tmp_path / "model.safetensors")
+    assert "lm_head.weight" in names or "language_model.lm_head.weight" in names
+    engine = Engine(str(tmp_path), num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
+    assert engine.config.model.architecture == "MistralForCausalLM" and not engine.config.model.tie_word_embeddings
+    check_parity(engine, model, PROMPTS)
