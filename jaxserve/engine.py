@@ -16,13 +16,14 @@ from dataclasses import dataclass
 
 import jax
 
-from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_dtype
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.output_processor import SequenceText, position_logprobs, record_prompt_logprobs, request_output
 from jaxserve.core.request import Request, Sequence
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine_inputs import (check_engine_options, check_max_model_len, fit_context_to_cache,
-                                   normalise_conversations, normalise_prompts, prompt_token_ids, validate_lengths)
+                                   model_for_context, normalise_conversations, normalise_prompts, prompt_token_ids,
+                                   validate_lengths)
 from jaxserve.grammar import GrammarCompiler, grammar_ended
 from jaxserve.loader.checkpoint import open_checkpoint
 from jaxserve.loader.tokenizer import read_chat_template
@@ -58,16 +59,6 @@ class StepRecord:
     chunks: tuple[tuple[str, int, int], ...]
 
 
-def _for_context(cfg: ModelConfig, max_model_len: int) -> ModelConfig:
-    """The model as this engine runs it; says so when LongRoPE's long factors are chosen (vLLM warns alike)."""
-    if cfg.rope_scaling is not None and cfg.rope_scaling.uses_long_factors(max_model_len):
-        original = cfg.rope_scaling.original_max_position_embeddings
-        log.warning("max_model_len %d is beyond the model's original %d positions: LongRoPE's long factors are used "
-                    "for every sequence, which costs some quality on short ones; pass max_model_len <= %d for the "
-                    "short factors", max_model_len, original, original)
-    return cfg.for_context(max_model_len)
-
-
 class Engine:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory_fraction: float = 0.9,
@@ -90,7 +81,7 @@ class Engine:
             self.tokenizer.chat_template = template
         self.generation_defaults = ckpt.generation_defaults
         requested_len, max_model_len = max_model_len, check_max_model_len(max_model_len, cfg.max_position_embeddings)
-        cfg = _for_context(cfg, max_model_len)
+        cfg = model_for_context(cfg, max_model_len)
         dtype = resolve_dtype(dtype, jax.devices()[0].platform)
         self.mesh_shape = resolve_mesh(mesh, tensor_parallel_size, pipeline_parallel_size)
         self.runner = ModelRunner(cfg, ckpt.tensors, dtype, block_size, self.mesh_shape, attention_impl,

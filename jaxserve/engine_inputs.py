@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models.layers import QUANTIZATIONS
 from jaxserve.runner.sampler import BIAS_SLOTS
 from jaxserve.sampling_params import SamplingParams
@@ -99,6 +99,16 @@ def check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, memor
         raise ValueError(f"recompile_guard must be 'warn', 'error' or 'off', got {recompile_guard!r}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r} is not supported; use None (weights in dtype) or 'int8'")
+
+
+def model_for_context(cfg: ModelConfig, max_model_len: int) -> ModelConfig:
+    """The model as this engine runs it; says so when LongRoPE's long factors are chosen (vLLM warns alike)."""
+    if cfg.rope_scaling is not None and cfg.rope_scaling.uses_long_factors(max_model_len):
+        original = cfg.rope_scaling.original_max_position_embeddings
+        log.warning("max_model_len %d is beyond the model's original %d positions: LongRoPE's long factors are used "
+                    "for every sequence, which costs some quality on short ones; pass max_model_len <= %d for the "
+                    "short factors", max_model_len, original, original)
+    return cfg.for_context(max_model_len)
 
 
 def fit_context_to_cache(max_model_len: int, requested: int | None, cache_tokens: int) -> int:
