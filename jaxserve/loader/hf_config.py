@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from jaxserve.config import ModelConfig, RopeScaling
-from jaxserve.loader.rope_scaling import longrope_attention_factor, yarn_scaling
+from jaxserve.loader.rope_scaling import longrope_attention_factor, yarn_mscale, yarn_scaling
 from jaxserve.models.registry import model_class
 
 
@@ -34,17 +33,19 @@ def _scaling(arch: str, scaling: dict[str, Any] | None, d: dict[str, Any], width
     )
 
 
-def _original_length(scaling: dict[str, Any], d: dict[str, Any]) -> int:
-    # transformers prefers a top-level original_max_position_embeddings (Phi-3 keeps it there) to the scaling's own
-    return int(d.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
-               or d.get("max_position_embeddings", 2048))
+def _extension(scaling: dict[str, Any], d: dict[str, Any]) -> tuple[int, float]:
+    """(original context length, extension factor) of LongRoPE or YaRN, with transformers' defaults: a top-level
+    original_max_position_embeddings first (Phi-3 keeps it there), the factor from the two lengths."""
+    longest = int(d.get("max_position_embeddings", 2048))
+    original = int(d.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+                   or longest)
+    return original, float(scaling.get("factor") or longest / original)
 
 
 def _longrope(arch: str, scaling: dict[str, Any], d: dict[str, Any], width: int) -> RopeScaling:
     """Phi-3.5 / Phi-4-mini's LongRoPE, with transformers' defaults: the extension factor from the two lengths,
     and the logit scale from the extension factor."""
-    original = _original_length(scaling, d)
-    factor = float(scaling.get("factor") or int(d.get("max_position_embeddings", 2048)) / original)
+    original, factor = _extension(scaling, d)
     attention = scaling.get("attention_factor")
     if attention is None:
         attention = longrope_attention_factor(factor, original)
@@ -58,12 +59,11 @@ def _longrope(arch: str, scaling: dict[str, Any], d: dict[str, Any], width: int)
 
 
 def _yarn(scaling: dict[str, Any], d: dict[str, Any], width: int, theta: float) -> RopeScaling:
-    original = _original_length(scaling, d)
-    factor = float(scaling.get("factor") or int(d.get("max_position_embeddings", 2048)) / original)
+    original, factor = _extension(scaling, d)
     attention = scaling.get("attention_factor")
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
     if attention is None and mscale and mscale_all_dim:  # DeepSeek's spelling of the logit scale
-        attention = (0.1 * mscale * math.log(factor) + 1) / (0.1 * mscale_all_dim * math.log(factor) + 1)
+        attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
     ramp = {k: v for k, v in (("beta_fast", scaling.get("beta_fast")), ("beta_slow", scaling.get("beta_slow")),
                               ("truncate", scaling.get("truncate"))) if v is not None}
     return yarn_scaling(width, theta, factor, original, attention, **ramp)

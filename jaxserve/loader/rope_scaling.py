@@ -16,12 +16,17 @@ def longrope_attention_factor(factor: float, original_len: int) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_len))
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's cos/sin scale for a context extended `factor` times: 0.1 mscale ln(factor) + 1."""
+    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def yarn_scaling(width: int, theta: float, factor: float, original: int, attention_factor: float | None = None,
                  **ramp: Any) -> RopeScaling:
     """YaRN as per-frequency factors, with its default logit scale 0.1 ln(factor) + 1 (static, as in transformers
     and vLLM: applied at every length)."""
     if attention_factor is None:
-        attention_factor = 1.0 if factor <= 1.0 else 0.1 * math.log(factor) + 1.0
+        attention_factor = yarn_mscale(factor)
     return RopeScaling(factor=factor, original_max_position_embeddings=original, rope_type="frequency_factors",
                        frequency_factors=yarn_frequency_factors(width, theta, factor, original, **ramp),
                        attention_factor=float(attention_factor))
@@ -40,4 +45,4 @@ def yarn_frequency_factors(rope_width: int, theta: float, factor: float, origina
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, rope_width - 1)
     ramp = np.clip((np.arange(rope_width // 2) - low) / max(high - low, 0.001), 0.0, 1.0)  # 0: keep, 1: divide
-    return tuple(float(1.0 / ((1 - ramp[i]) + ramp[i] / factor)) for i in range(rope_width // 2))
+    return tuple((1.0 / ((1 - ramp) + ramp / factor)).tolist())
