@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -44,13 +45,16 @@ def hf_logits(model, token_ids: list[int]):
         return model(torch.tensor([token_ids])).logits[0].float().numpy()
 
 
-def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, **metadata: int) -> Path:
+def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, split_experts: bool = False,
+               **metadata: int) -> Path:
     """The float32 weights of a tiny HF checkpoint as a GGUF file of llama.cpp's `arch`, written as llama.cpp's
-    converter writes them: llama's q/k rows interleaved, RoPE scaling as per-frequency factor tensors (Llama 3.1's
-    `rope_freqs`, LongRoPE's `rope_factors_long/short`), Phi-3's rotary width in place of a head size; with the
-    tokenizer metadata of `tokenizer_gguf` (the same vocabulary).
-    `metadata`: `{arch}.` keys to write instead of the config's (e.g. {"rope.dimension_count": 8}), integers or
-    strings."""
+    converter writes them: the Llama lineage's q/k rows interleaved, RoPE scaling as per-frequency factor tensors
+    (Llama 3.1's `rope_freqs`, LongRoPE's `rope_factors_long/short`), Phi-3's rotary width in place of a head size,
+    each layer's experts stacked in one tensor per matrix (or, `split_experts`, one tensor per expert as early
+    Mixtral files have), Granite's multipliers as *_scale keys; with the tokenizer metadata of `tokenizer_gguf`
+    (the same vocabulary).
+    `metadata`: `{arch}.` keys to write instead of the config's (e.g. {"rope.dimension_count": 8}): integers,
+    floats, booleans or strings."""
     import json
 
     import gguf
@@ -71,8 +75,10 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, **metada
             "attention.sliding_window": cfg.get("sliding_window") or 0}
     if arch != "phi3":  # llama.cpp's Phi-3 converter writes no head size
         keys |= {"attention.key_length": head_dim, "attention.value_length": head_dim}
-    for key, value in (keys | _gguf_rope_metadata(cfg, rope) | metadata).items():
-        if isinstance(value, str):
+    for key, value in (keys | _gguf_model_metadata(cfg) | _gguf_rope_metadata(cfg, rope) | metadata).items():
+        if isinstance(value, bool):
+            writer.add_bool(f"{arch}.{key}", value)
+        elif isinstance(value, str):
             writer.add_string(f"{arch}.{key}", value)
         elif isinstance(value, float):
             writer.add_float32(f"{arch}.{key}", value)
@@ -95,15 +101,29 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, **metada
             else:
                 writer.add_uint32(key, field.contents())
     hf_to_gguf = {hf: name for name, hf in _GLOBAL_NAMES.items()}
+    experts: dict[str, dict[int, np.ndarray]] = {}  # stacked GGUF name -> {expert: HF [out, in] matrix}
     for name, w in load_file(hf_dir / "model.safetensors").items():
+        w = w.astype(np.float32)
         if name in hf_to_gguf:
-            writer.add_tensor(hf_to_gguf[name], w.astype(np.float32))
+            writer.add_tensor(hf_to_gguf[name], w)
             continue
         layer, rest = name.removeprefix("model.layers.").split(".", 1)
+        if expert := _gguf_expert_name(rest):
+            kind, index = expert
+            if split_experts:
+                writer.add_tensor(f"blk.{layer}.ffn_{kind}.{index}.weight", w)
+            else:
+                experts.setdefault(f"blk.{layer}.ffn_{kind}_exps.weight", {})[index] = w
+            continue
+        if rest.endswith(".gate.weight"):  # the router
+            writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", w)
+            continue
         gguf_name = next(g for g, hf in layer_names(arch).items() if hf == rest)
-        if arch == "llama" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+        if arch in LLAMA_LINEAGE and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
             w = _interleave_rotary_halves(w, cfg["num_attention_heads" if "q_proj" in rest else "num_key_value_heads"])
-        writer.add_tensor(f"blk.{layer}.{gguf_name}", w.astype(np.float32))
+        writer.add_tensor(f"blk.{layer}.{gguf_name}", w)
+    for name, by_expert in experts.items():
+        writer.add_tensor(name, np.stack([by_expert[e] for e in sorted(by_expert)]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -115,6 +135,34 @@ def _interleave_rotary_halves(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's Llama converter: each head's rows [first half; second half] -> pairs (h0[0], h1[0], ...)."""
     rows = w.shape[0]
     return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# llama.cpp's converters that subclass its LlamaModel, which interleaves q/k rows (stated here, not imported from
+# the reader, so a reader that forgets one fails).
+LLAMA_LINEAGE = ("llama", "granite", "smollm3")
+
+# HF expert matrix names (Mixtral's w1/w3/w2, Qwen's) -> llama.cpp's ffn_{gate,up,down}.
+_EXPERT_MATRICES = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+
+def _gguf_expert_name(hf_rest: str) -> tuple[str, int] | None:
+    """(llama.cpp's matrix kind, expert index) of a layer tensor like `mlp.experts.3.gate_proj.weight`."""
+    m = re.fullmatch(r"\w+\.experts\.(\d+)\.(\w+)\.weight", hf_rest)
+    return (_EXPERT_MATRICES[m.group(2)], int(m.group(1))) if m else None
+
+
+def _gguf_model_metadata(cfg: dict) -> dict:
+    """Experts' counts and width; Granite's multipliers under llama.cpp's *_scale names."""
+    keys = {}
+    if experts := cfg.get("num_local_experts") or cfg.get("num_experts"):
+        keys |= {"expert_count": experts, "expert_used_count": cfg["num_experts_per_tok"]}
+        if "moe_intermediate_size" in cfg:
+            keys["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
+    granite = {"attention_multiplier": "attention.scale", "embedding_multiplier": "embedding_scale",
+               "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
+    if cfg["model_type"] == "granite":
+        keys |= {key: float(cfg[name]) for name, key in granite.items()}
+    return keys
 
 
 def _gguf_rope_metadata(cfg: dict, rope: dict) -> dict:

@@ -10,11 +10,18 @@ import gguf
 import numpy as np
 
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.loader.hf_config import rope_layer_flags
 from jaxserve.loader.rope_scaling import longrope_attention_factor, yarn_scaling
+from jaxserve.loader.weights import MOE_NAMES
 
-# GGUF `general.architecture` -> HF architecture name.
+# GGUF `general.architecture` -> HF architecture name. llama.cpp converts Mixtral to "llama" (with experts).
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "phi3": "Phi3ForCausalLM"}
+                      "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
+                      "smollm3": "SmolLM3ForCausalLM"}
+# llama.cpp's converter interleaves the rotary halves of each q/k head for the Llama lineage.
+INTERLEAVED_QK_ARCHS = ("llama", "granite", "smollm3")
+# llama.cpp hard-codes SmolLM3's NoPE layers as every 4th (its converter writes no key for them).
+SMOLLM3_NOPE_INTERVAL = 4
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -49,14 +56,32 @@ def layer_names(arch: str) -> dict[str, str]:
     return _LAYER_NAMES | ARCH_LAYER_NAMES.get(arch, {})
 
 
-def _hf_name(gguf_name: str, arch: str) -> str | None:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+# A layer's experts: stacked in one [experts, out, in] tensor (`ffn_gate_exps`), or, in Mixtral files converted
+# before llama.cpp stacked them, one tensor per expert (`ffn_gate.3`).
+_EXPERT_TENSOR = re.compile(r"ffn_(gate|up|down)(_exps|\.\d+)\.weight")
+_EXPERT_KINDS = {"gate": "w_gate", "up": "w_up", "down": "w_down"}
+
+
+def hf_tensor_names(t: gguf.ReaderTensor, arch: str, architecture: str) -> list[tuple[str, int | None]]:
+    """The HF names GGUF tensor `t` holds, each with its index on t's expert axis (None: all of `t`)."""
+    if t.name in _GLOBAL_NAMES:
+        return [(_GLOBAL_NAMES[t.name], None)]
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
+    if m is None:
+        return []
+    layer, rest = m.groups()
+    if architecture in MOE_NAMES:
+        block, expert_names = MOE_NAMES[architecture]
+        prefix = f"model.layers.{layer}.{block}"
+        if rest == "ffn_gate_inp.weight":
+            return [(f"{prefix}.gate.weight", None)]
+        if e := _EXPERT_TENSOR.fullmatch(rest):
+            name = expert_names[_EXPERT_KINDS[e.group(1)]]
+            if e.group(2) == "_exps":
+                return [(f"{prefix}.experts.{i}.{name}.weight", i) for i in range(int(t.shape[-1]))]
+            return [(f"{prefix}.experts.{e.group(2)[1:]}.{name}.weight", None)]
     names = layer_names(arch)
-    if m and m.group(2) in names:
-        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
-    return None
+    return [(f"model.layers.{layer}.{names[rest]}", None)] if rest in names else []
 
 
 def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -85,14 +110,16 @@ class GGUFFile:
                     if self.arch.startswith("gemma") else "")
             raise ValueError(f"GGUF architecture {self.arch!r} in {path.name} is not supported; supported: "
                              f"{', '.join(GGUF_ARCHITECTURES)}{hint}")
-        self._tensors = {}
+        self.architecture = GGUF_ARCHITECTURES[self.arch]
+        if self.arch == "llama" and self.field("llama.expert_count"):
+            self.architecture = "MixtralForCausalLM"
+        self._tensors: dict[str, tuple[gguf.ReaderTensor, int | None]] = {}
         self._rope_factors = {}  # llama.cpp's per-frequency RoPE factors: rope_freqs, rope_factors_{long,short}
         for t in self.reader.tensors:
             if t.name.startswith(("rope_freqs.", "rope_factors_")):
                 self._rope_factors[t.name.split(".")[0]] = tuple(float(x) for x in np.asarray(t.data).reshape(-1))
-            name = _hf_name(t.name, self.arch)
-            if name is not None:
-                self._tensors[name] = t
+            for name, expert in hf_tensor_names(t, self.arch, self.architecture):
+                self._tensors[name] = (t, expert)
 
     def field(self, key: str, default=None):
         f = self.reader.fields.get(key)
@@ -133,13 +160,14 @@ class GGUFFile:
                              f"embedding), which jaxserve supports for phi3 only")
         theta = float(self.field(f"{a}.rope.freq_base", 10000.0))
         eos = self.field("tokenizer.ggml.eos_token_id")
-        embed = self._tensors["model.embed_tokens.weight"]
-        return ModelConfig(
-            architecture=GGUF_ARCHITECTURES[a],
+        embed, _ = self._tensors["model.embed_tokens.weight"]
+        layers = int(self.field(f"{a}.block_count"))
+        fields = dict(
+            architecture=self.architecture,
             vocab_size=int(self.field(f"{a}.vocab_size", embed.shape[-1])),
             hidden_size=hidden,
             intermediate_size=int(self.field(f"{a}.feed_forward_length")),
-            num_layers=int(self.field(f"{a}.block_count")),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(self.field(f"{a}.attention.head_count_kv", heads)),
             head_dim=head_dim,
@@ -150,11 +178,34 @@ class GGUFFile:
             max_position_embeddings=int(self.field(f"{a}.context_length", 2048)),
             tie_word_embeddings="lm_head.weight" not in self._tensors,
             qkv_bias=a == "qwen2",
-            qk_norm=a == "qwen3",
+            qk_norm=a in ("qwen3", "qwen3moe"),
             sliding_window=int(self.field(f"{a}.attention.sliding_window", 0)) or None,
+            rope_layers=rope_layer_flags(layers, SMOLLM3_NOPE_INTERVAL) if a == "smollm3" else (),
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
         )
+        return ModelConfig(**(fields | self._experts() | self._granite()))
+
+    def _experts(self) -> dict:
+        """Mixtral's and Qwen3-MoE's experts; intermediate_size becomes each expert's MLP width."""
+        a = self.arch
+        experts = int(self.field(f"{a}.expert_count", 0))
+        if not experts:
+            return {}
+        width = self.field(f"{a}.expert_feed_forward_length") or self.field(f"{a}.feed_forward_length")
+        # llama.cpp renormalises the top-k router weights of both unless the file says otherwise.
+        return dict(num_experts=experts, num_experts_per_tok=int(self.field(f"{a}.expert_used_count")),
+                    intermediate_size=int(width), moe_renormalize=bool(self.field(f"{a}.expert_weights_norm", True)))
+
+    def _granite(self) -> dict:
+        """Granite's multipliers, which llama.cpp's converter writes as *_scale keys (each only when set)."""
+        if self.arch != "granite":
+            return {}
+        attention = self.field("granite.attention.scale")  # absent: head_dim ** -0.5, as llama.cpp does
+        return dict(embedding_multiplier=float(self.field("granite.embedding_scale", 1.0)),
+                    residual_multiplier=float(self.field("granite.residual_scale", 1.0)),
+                    logits_scaling=float(self.field("granite.logit_scale", 1.0)),
+                    attention_scale=None if attention is None else float(attention))
 
     def _rope_scaling(self, width: int, theta: float) -> RopeScaling | None:
         """llama.cpp stores Llama 3.1's scaling as per-frequency factors (rope_freqs), Phi-3.5's LongRoPE as two
@@ -202,9 +253,10 @@ class GGUFFile:
     def get(self, name: str) -> np.ndarray:
         if name not in self._tensors:
             raise ValueError(f"tensor {name!r} is missing from {self.path.name}")
-        t = self._tensors[name]
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        t, expert = self._tensors[name]
+        data = t.data if expert is None else t.data[expert]  # quantized blocks run along rows: one expert slices
+        w = np.asarray(gguf.quants.dequantize(data, t.tensor_type), dtype=np.float32)
+        if self.arch in INTERLEAVED_QK_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
             key = "head_count" if "q_proj" in name else "head_count_kv"
             w = _unpermute_rotary(w, int(self.field(f"{self.arch}.attention.{key}")))
         return w

@@ -154,9 +154,16 @@ def _rope_layers(arch: str, d: dict[str, Any]) -> tuple[int, ...]:
     every layer but each `no_rope_layer_interval`-th). () when every layer applies it."""
     if not arch.startswith("SmolLM3"):
         return ()
-    interval = int(d.get("no_rope_layer_interval") or 4)
-    flags = d.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(int(d["num_hidden_layers"]))]
+    flags = d.get("no_rope_layers")
+    if not flags:
+        return rope_layer_flags(int(d["num_hidden_layers"]), int(d.get("no_rope_layer_interval") or 4))
     return () if all(flags) else tuple(int(f) for f in flags)
+
+
+def rope_layer_flags(num_layers: int, nope_interval: int) -> tuple[int, ...]:
+    """1 for each layer that applies RoPE, 0 for every `nope_interval`-th (SmolLM3's NoPE layers); () if none is."""
+    flags = tuple(int((i + 1) % nope_interval != 0) for i in range(num_layers))
+    return () if all(flags) else flags
 
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}

@@ -66,8 +66,35 @@ def test_unsupported_gguf_architecture_is_named(arch, hint, tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ValueError, match=f"GGUF architecture '{arch}' in m.gguf is not supported; supported: "
-                                         f"llama, qwen2, qwen3, phi3{hint and '.*' + hint}"):
+                                         f"llama, qwen2, qwen3, qwen3moe, phi3, granite, smollm3"
+                                         f"{hint and '.*' + hint}"):
         Engine(str(tmp_path / "m.gguf"))
+
+
+def test_one_expert_of_a_quantized_stacked_expert_tensor_reads_as_its_slice(tmp_path):
+    """Quantized blocks run along rows, so an expert's rows are dequantized alone: Mixtral 8x7B's stacked
+    experts are 1.4 GB per layer as float32, read one expert at a time."""
+    import gguf
+
+    from jaxserve.loader.gguf import GGUFFile
+
+    experts = np.random.default_rng(0).normal(size=(4, 32, 64)).astype(np.float32)  # [experts, out, in]
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    writer.add_uint32("llama.expert_count", 4)
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", gguf.quants.quantize(experts, q8), raw_dtype=q8)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    f = GGUFFile(tmp_path / "m.gguf")
+    assert f.architecture == "MixtralForCausalLM"
+    assert f.names() == {f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight" for e in range(4)}
+    whole = gguf.quants.dequantize(gguf.quants.quantize(experts, q8), q8)
+    for e in range(4):
+        one = f.get(f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight")
+        np.testing.assert_array_equal(one, whole[e])
+        np.testing.assert_allclose(one, experts[e], atol=0.05)
 
 
 @pytest.mark.parametrize("metadata, message", [

@@ -118,18 +118,38 @@ def test_smollm2_gguf_logits_match_transformers(smol_engine, hf_smollm2):
     check_parity(smol_engine, hf_smollm2, prompts, max_tokens=8, tol=2e-4)
 
 
-@pytest.mark.parametrize("name, head_dim", [("qwen2-bias", 16), ("qwen3-qk-norm", 32),
-                                            ("phi3-fused-sliding-window", 16), ("phi4-mini-partial-rotary", 16),
-                                            ("llama-untied-llama3-rope", 16), ("qwen2-yarn", 16)])
-def test_gguf_logits_match_transformers(name, head_dim, tiny_checkpoint, smollm2_gguf_path, tmp_path):
+MIXTRAL = ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False))
+# llama.cpp's SmolLM3 has no key for its NoPE layers: every 4th, as in SmolLM3-3B.
+SMOLLM3_GGUF = ("smollm3", dict(num_hidden_layers=4, tie_word_embeddings=True, pad_token_id=0))
+
+# name -> (llama.cpp architecture, HF checkpoint (model_type, overrides), write_gguf options, head_dim)
+GGUF_CASES = {
+    "qwen2-bias": ("qwen2", ARCHITECTURES["qwen2-bias"], {}, 16),
+    "qwen3-qk-norm": ("qwen3", ARCHITECTURES["qwen3-qk-norm"], {}, 32),
+    "phi3-fused-sliding-window": ("phi3", ARCHITECTURES["phi3-fused-sliding-window"], {}, 16),
+    "phi4-mini-partial-rotary": ("phi3", ARCHITECTURES["phi4-mini-partial-rotary"], {}, 16),
+    "llama-untied-llama3-rope": ("llama", ARCHITECTURES["llama-untied-llama3-rope"], {}, 16),
+    "qwen2-yarn": ("qwen2", ARCHITECTURES["qwen2-yarn"], {}, 16),
+    "mixtral-stacked-experts": ("llama", MIXTRAL, {}, 16),
+    "mixtral-one-tensor-per-expert": ("llama", MIXTRAL, {"split_experts": True}, 16),
+    # norm_topk_prob false, which llama.cpp's expert_weights_norm says (absent, it renormalises, as for Mixtral)
+    "qwen3-moe": ("qwen3moe", ARCHITECTURES["qwen3-moe"], {"expert_weights_norm": False}, 32),
+    "granite-multipliers": ("granite", ARCHITECTURES["granite-multipliers"], {}, 16),
+    "smollm3-every-4th-layer-nope": ("smollm3", SMOLLM3_GGUF, {}, 16),
+}
+
+
+@pytest.mark.parametrize("name", list(GGUF_CASES))
+def test_gguf_logits_match_transformers(name, tiny_checkpoint, smollm2_gguf_path, tmp_path):
     """GGUFs (llama.cpp's tensor names and metadata: q/k/v biases, attn_q_norm, the head size as
-    attention.key_length, Phi-3's fused attn_qkv and ffn_up, its sliding window and rotary width, Llama's
-    interleaved q/k rows and its RoPE scaling as per-frequency factors, YaRN's metadata) read as the same model as their
-    safetensors."""
-    arch, overrides = ARCHITECTURES[name]
+    attention.key_length, Phi-3's fused attn_qkv and ffn_up, its sliding window and rotary width, the Llama
+    lineage's interleaved q/k rows, Llama's RoPE scaling as per-frequency factors, YaRN's metadata, experts stacked
+    or one tensor each, Qwen3-MoE's expert width, Granite's *_scale keys, SmolLM3's implied NoPE layers) read as
+    the same model as their safetensors."""
+    gguf_arch, (arch, overrides), options, head_dim = GGUF_CASES[name]
     path = tiny_checkpoint(arch, **overrides)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    gguf_file = write_gguf(path, tmp_path / f"tiny-{arch}.gguf", arch, smollm2_gguf_path)
+    gguf_file = write_gguf(path, tmp_path / f"tiny-{arch}.gguf", gguf_arch, smollm2_gguf_path, **options)
     engine = Engine(str(gguf_file), num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
     assert engine.config.model.architecture == reference.config.architectures[0]
     assert engine.config.model.head_dim == head_dim
