@@ -64,6 +64,7 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, split_ex
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: its global layers' (llama.cpp hard-codes the local ones')
     theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     rotary = int(head_dim * float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0))
@@ -104,10 +105,15 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, split_ex
     experts: dict[str, dict[int, np.ndarray]] = {}  # stacked GGUF name -> {expert: HF [out, in] matrix}
     for name, w in load_file(hf_dir / "model.safetensors").items():
         w = w.astype(np.float32)
+        if arch.startswith("gemma") and name.endswith("norm.weight"):  # llama.cpp stores Gemma's gains as 1 + w
+            w = w + 1.0
         if name in hf_to_gguf:
             writer.add_tensor(hf_to_gguf[name], w)
             continue
         layer, rest = name.removeprefix("model.layers.").split(".", 1)
+        if arch in ("gemma2", "gemma3") and rest in GEMMA2_NORMS:
+            writer.add_tensor(f"blk.{layer}.{GEMMA2_NORMS[rest]}", w)
+            continue
         if expert := _gguf_expert_name(rest):
             kind, index = expert
             if split_experts:
@@ -141,6 +147,11 @@ def _interleave_rotary_halves(w: np.ndarray, n_heads: int) -> np.ndarray:
 # the reader, so a reader that forgets one fails).
 LLAMA_LINEAGE = ("llama", "granite", "smollm3")
 
+# Gemma 2/3's norms as llama.cpp's tensor map names them (written out here, not taken from the reader).
+GEMMA2_NORMS = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+
 # HF expert matrix names (Mixtral's w1/w3/w2, Qwen's) -> llama.cpp's ffn_{gate,up,down}.
 _EXPERT_MATRICES = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
@@ -162,6 +173,9 @@ def _gguf_model_metadata(cfg: dict) -> dict:
                "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
     if cfg["model_type"] == "granite":
         keys |= {key: float(cfg[name]) for name, key in granite.items()}
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2
+        if cfg.get(cap):
+            keys[cap] = float(cfg[cap])
     return keys
 
 
@@ -169,6 +183,8 @@ def _gguf_rope_metadata(cfg: dict, rope: dict) -> dict:
     """RoPE scaling keys as llama.cpp's converter writes them: YaRN's parameters; LongRoPE's original length and
     logit scale (its factors go in tensors)."""
     kind = rope.get("rope_type") or rope.get("type")
+    if kind == "linear":
+        return {"rope.scaling.type": "linear", "rope.scaling.factor": float(rope["factor"])}
     if kind == "yarn":
         return {"rope.scaling.type": "yarn", "rope.scaling.factor": float(rope["factor"]),
                 "rope.scaling.original_context_length": rope["original_max_position_embeddings"]}

@@ -10,18 +10,24 @@ import gguf
 import numpy as np
 
 from jaxserve.config import ModelConfig, RopeScaling
-from jaxserve.loader.hf_config import rope_layer_flags
+from jaxserve.loader.hf_config import attention_layout, rope_layer_flags
 from jaxserve.loader.rope_scaling import longrope_attention_factor, yarn_scaling
 from jaxserve.loader.weights import MOE_NAMES
 
 # GGUF `general.architecture` -> HF architecture name. llama.cpp converts Mixtral to "llama" (with experts).
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
-                      "smollm3": "SmolLM3ForCausalLM"}
+                      "smollm3": "SmolLM3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                      "gemma3": "Gemma3ForCausalLM"}
 # llama.cpp's converter interleaves the rotary halves of each q/k head for the Llama lineage.
 INTERLEAVED_QK_ARCHS = ("llama", "granite", "smollm3")
 # llama.cpp hard-codes SmolLM3's NoPE layers as every 4th (its converter writes no key for them).
 SMOLLM3_NOPE_INTERVAL = 4
+GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
+# llama.cpp hard-codes Gemma 3's sliding layers' RoPE base, and gives Gemma 2/3 27B (known by its layer count) a
+# query scale of (hidden / heads) ** -0.5 instead of head_dim's, as their query_pre_attn_scalar says.
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -47,8 +53,13 @@ _LAYER_NAMES = {
 }
 
 
-# Names whose meaning depends on the architecture: Phi-3's ffn_up holds gate and up together.
-ARCH_LAYER_NAMES = {"phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"}}
+# Names whose meaning depends on the architecture: Phi-3's ffn_up holds gate and up together; Gemma 2/3 norm the
+# attention's output (post_attention_norm) and the MLP's input and output (ffn_norm, post_ffw_norm).
+_GEMMA2_NORMS = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                 "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                 "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+ARCH_LAYER_NAMES = {"phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"}, "gemma2": _GEMMA2_NORMS,
+                    "gemma3": _GEMMA2_NORMS}
 
 
 def layer_names(arch: str) -> dict[str, str]:
@@ -106,10 +117,8 @@ class GGUFFile:
         self.path = path
         self.arch = self.field("general.architecture")
         if self.arch not in GGUF_ARCHITECTURES:
-            hint = ("; jaxserve runs Gemma from its Hugging Face checkpoint (safetensors): serve that instead"
-                    if self.arch.startswith("gemma") else "")
             raise ValueError(f"GGUF architecture {self.arch!r} in {path.name} is not supported; supported: "
-                             f"{', '.join(GGUF_ARCHITECTURES)}{hint}")
+                             f"{', '.join(GGUF_ARCHITECTURES)}")
         self.architecture = GGUF_ARCHITECTURES[self.arch]
         if self.arch == "llama" and self.field("llama.expert_count"):
             self.architecture = "MixtralForCausalLM"
@@ -184,7 +193,7 @@ class GGUFFile:
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
         )
-        return ModelConfig(**(fields | self._experts() | self._granite()))
+        return ModelConfig(**(fields | self._experts() | self._granite() | self._gemma(fields)))
 
     def _experts(self) -> dict:
         """Mixtral's and Qwen3-MoE's experts; intermediate_size becomes each expert's MLP width."""
@@ -206,6 +215,21 @@ class GGUFFile:
                     residual_multiplier=float(self.field("granite.residual_scale", 1.0)),
                     logits_scaling=float(self.field("granite.logit_scale", 1.0)),
                     attention_scale=None if attention is None else float(attention))
+
+    def _gemma(self, fields: dict) -> dict:
+        """Gemma's departures from Llama as llama.cpp's Gemma architectures state or imply them."""
+        a = self.arch
+        if a not in GEMMA_ARCHS:
+            return {}
+        layers, hidden, heads = fields["num_layers"], fields["hidden_size"], fields["num_heads"]
+        hf_window = {"sliding_window": fields["sliding_window"], "num_hidden_layers": layers}
+        window, layer_types = attention_layout(self.architecture, hf_window)  # transformers' layer pattern
+        softcaps = [float(self.field(f"{a}.{k}_logit_softcapping", 0.0)) or None for k in ("attn", "final")]
+        return dict(hidden_act="gelu_tanh", norm_weight_offset=1.0, post_norms=a != "gemma", qk_norm=a == "gemma3",
+                    sliding_window=window, layer_types=layer_types, attn_logit_softcap=softcaps[0],
+                    final_logit_softcap=softcaps[1],
+                    rope_local_theta=GEMMA3_LOCAL_ROPE_THETA if a == "gemma3" else None,
+                    attention_scale=(hidden // heads) ** -0.5 if GEMMA_27B_LAYERS.get(a) == layers else None)
 
     def _rope_scaling(self, width: int, theta: float) -> RopeScaling | None:
         """llama.cpp stores Llama 3.1's scaling as per-frequency factors (rope_freqs), Phi-3.5's LongRoPE as two
@@ -256,6 +280,8 @@ class GGUFFile:
         t, expert = self._tensors[name]
         data = t.data if expert is None else t.data[expert]  # quantized blocks run along rows: one expert slices
         w = np.asarray(gguf.quants.dequantize(data, t.tensor_type), dtype=np.float32)
+        if self.arch in GEMMA_ARCHS and name.endswith("norm.weight"):  # llama.cpp stores Gemma's 1 + w
+            w = w - 1.0
         if self.arch in INTERLEAVED_QK_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
             key = "head_count" if "q_proj" in name else "head_count_kv"
             w = _unpermute_rotary(w, int(self.field(f"{self.arch}.attention.{key}")))

@@ -102,7 +102,7 @@ def _eos_ids(*sources: dict[str, Any]) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _attention_layout(arch: str, d: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
+def attention_layout(arch: str, d: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
     """(window, layer_types): the window of the sliding layers (None when no layer slides), and each layer's
     kind when the layers differ (() when they attend alike)."""
     window = d.get("sliding_window")
@@ -226,7 +226,7 @@ def model_config_from_hf(d: dict[str, Any], generation: dict[str, Any] | None = 
         raise ValueError("config.json has no 'architectures' entry; cannot tell which model it describes")
     arch = archs[0]
     model_class(arch)  # refuse an unsupported architecture before reading anything else
-    window, layer_types = _attention_layout(arch, d)
+    window, layer_types = attention_layout(arch, d)
     heads = int(d["num_attention_heads"])
     hidden = int(d["hidden_size"])
     head_dim = int(d.get("head_dim") or hidden // heads)

@@ -55,20 +55,44 @@ def test_unknown_architecture_lists_the_supported_ones(tiny_checkpoint, tmp_path
         Engine(str(tmp_path / "m"))
 
 
-@pytest.mark.parametrize("arch, hint", [("gemma2", "serve that instead"), ("falcon", "")])
-def test_unsupported_gguf_architecture_is_named(arch, hint, tmp_path):
+def _write_metadata_gguf(path, arch: str, metadata: dict[str, int], tensors: dict | None = None):
+    """A GGUF of `arch` holding these `{arch}.` integer keys and (default) a token embedding only."""
     import gguf
 
-    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    for name, array in (tensors or {"token_embd.weight": np.zeros((4, 8), np.float32)}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+@pytest.mark.parametrize("arch", ["falcon", "qwen2moe"])
+def test_unsupported_gguf_architecture_is_named(arch, tmp_path):
     with pytest.raises(ValueError, match=f"GGUF architecture '{arch}' in m.gguf is not supported; supported: "
-                                         f"llama, qwen2, qwen3, qwen3moe, phi3, granite, smollm3"
-                                         f"{hint and '.*' + hint}"):
-        Engine(str(tmp_path / "m.gguf"))
+                                         f"llama, qwen2, qwen3, qwen3moe, phi3, granite, smollm3, gemma, gemma2, gemma3"):
+        Engine(str(_write_metadata_gguf(tmp_path / "m.gguf", arch, {})))
+
+
+@pytest.mark.parametrize("arch, layers, query_scale", [
+    ("gemma2", 46, 144 ** -0.5), ("gemma2", 42, None),  # Gemma 2 27B: hidden 4608 / 32 heads; 9B: head_dim's
+    ("gemma3", 62, 168 ** -0.5), ("gemma3", 48, None),  # Gemma 3 27B: 5376 / 32; 12B: head_dim's
+])
+def test_gemma_27b_ggufs_get_the_query_scale_llama_cpp_gives_them(arch, layers, query_scale, tmp_path):
+    """GGUF has no query_pre_attn_scalar: llama.cpp knows the 27B models by their layer count."""
+    from jaxserve.loader.gguf import GGUFFile
+
+    hidden = {"gemma2": 4608, "gemma3": 5376}[arch]
+    metadata = {"block_count": layers, "embedding_length": hidden, "attention.head_count": 32,
+                "attention.head_count_kv": 16, "attention.key_length": 128, "feed_forward_length": 4 * hidden,
+                "attention.sliding_window": 4096}
+    cfg = GGUFFile(_write_metadata_gguf(tmp_path / "m.gguf", arch, metadata)).model_config()
+    assert cfg.attention_scale == query_scale
+    assert cfg.head_dim == 128 and cfg.sliding_window == 4096
 
 
 def test_one_expert_of_a_quantized_stacked_expert_tensor_reads_as_its_slice(tmp_path):

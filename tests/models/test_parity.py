@@ -122,6 +122,13 @@ MIXTRAL = ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, tie_word_
 # llama.cpp's SmolLM3 has no key for its NoPE layers: every 4th, as in SmolLM3-3B.
 SMOLLM3_GGUF = ("smollm3", dict(num_hidden_layers=4, tie_word_embeddings=True, pad_token_id=0))
 
+# Gemma 2/3 as llama.cpp runs them: the query scale head_dim's (llama.cpp knows another only for the 27B models),
+# Gemma 3's layers five sliding then one full, its local RoPE base 10000.
+GEMMA2_GGUF = ("gemma2", dict(head_dim=16, sliding_window=12, attn_logit_softcapping=1.0,
+                              final_logit_softcapping=2.0, query_pre_attn_scalar=16))
+GEMMA3_GGUF = ("gemma3_text", dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=12, num_hidden_layers=6,
+                                   rope_parameters=GEMMA3_ROPE))
+
 # name -> (llama.cpp architecture, HF checkpoint (model_type, overrides), write_gguf options, head_dim)
 GGUF_CASES = {
     "qwen2-bias": ("qwen2", ARCHITECTURES["qwen2-bias"], {}, 16),
@@ -136,6 +143,9 @@ GGUF_CASES = {
     "qwen3-moe": ("qwen3moe", ARCHITECTURES["qwen3-moe"], {"expert_weights_norm": False}, 32),
     "granite-multipliers": ("granite", ARCHITECTURES["granite-multipliers"], {}, 16),
     "smollm3-every-4th-layer-nope": ("smollm3", SMOLLM3_GGUF, {}, 16),
+    "gemma-geglu": ("gemma", ARCHITECTURES["gemma-geglu"], {}, 16),
+    "gemma2-softcap-mixed-windows": ("gemma2", GEMMA2_GGUF, {}, 16),
+    "gemma3-local-rope": ("gemma3", GEMMA3_GGUF, {}, 32),
 }
 
 
