@@ -86,9 +86,8 @@ class Engine:
         self.mesh_shape = resolve_mesh(mesh, tensor_parallel_size, pipeline_parallel_size)
         self.runner = ModelRunner(cfg, ckpt.tensors, dtype, block_size, self.mesh_shape, attention_impl,
                                   pp_layer_partition, quantization)
-        self.plan_shape = PlanShape(Buckets.for_limits(max_num_batched_tokens, max_num_seqs),
-                                    -(-max_model_len // block_size), cfg.vocab_size, max_model_len, max_logprobs,
-                                    self.runner.decode_kernel)
+        self.plan_shape = PlanShape(Buckets.for_limits(max_num_batched_tokens, max_num_seqs), block_size,
+                                    cfg.vocab_size, max_model_len, max_logprobs, self.runner.decode_kernel)
         self.runner.set_token_feed(self.plan_shape.buckets.seqs[-1])
         # Overlap needs the step's read-back to stay this process's own: with several processes, followers run
         # each step whole and the host copy can be a collective (parallel/multihost.py).
@@ -96,8 +95,7 @@ class Engine:
         self._launched: deque[InFlightStep] = deque()  # dispatched, not read back yet (oldest first)
         num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_memory_fraction)
         max_model_len = fit_context_to_cache(max_model_len, requested_len, (num_kv_blocks - 1) * block_size)
-        self.plan_shape = dataclasses.replace(self.plan_shape, max_blocks_per_seq=-(-max_model_len // block_size),
-                                              max_model_len=max_model_len)
+        self.plan_shape = dataclasses.replace(self.plan_shape, max_model_len=max_model_len)
         log.info(capacity_line(num_kv_blocks, block_size, max_model_len))
         self.config = EngineConfig(
             model=cfg,

@@ -25,11 +25,16 @@ class PlanShape:
     """The fixed parts of every step's shapes."""
 
     buckets: Buckets
-    max_blocks_per_seq: int  # block-table width: max_model_len / block_size
+    block_size: int
     vocab_size: int
     max_model_len: int  # penalty history width
     max_logprobs: int
     decode_kernel: bool = False  # the attention runs a decode kernel on steps of one token per sequence
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """The block-table width: blocks of the longest sequence."""
+        return -(-self.max_model_len // self.block_size)
 
 
 def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanShape) -> tuple[StepInputs, StepStatics]:
