@@ -35,6 +35,7 @@ from jaxserve.config import ATTENTION_IMPLS
 from jaxserve.loader.convert_command import add_convert_arguments, run_convert
 from jaxserve.parallel.check_command import add_check_arguments, run_check
 from jaxserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from jaxserve.server.reasoning_parsers import REASONING_PARSERS
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
 from jaxserve.server.uvicorn_server import DEFAULT_DRAIN_SECONDS
 
@@ -198,6 +199,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
                         help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, "
                              "Hermes)")
+    server.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                        help="split the model's <think>...</think> reasoning into the chat message's `reasoning`, "
+                             "apart from its `content` (as in vLLM): qwen3 (Qwen3, QwQ, SmolLM3; reasoning only "
+                             "where a block is opened) or deepseek_r1 (reasoning until </think> even unopened)")
     server.add_argument("--log-prompts", action="store_true",
                         help="log each request's prompt (kept out of the logs unless set: prompts may be private)")
 

@@ -24,7 +24,7 @@ from jaxserve.server.request_bodies import (
     parse_request,
     resolve_model_name,
 )
-from jaxserve.server.response_bodies import ChatRendering, CompletionRendering
+from jaxserve.server.response_bodies import ChatRendering, CompletionRendering, OutputParsers
 
 # Body fields that make no sense as job-wide defaults (each request has its own prompt) or in a batch at all.
 NOT_DEFAULTS = {"prompt", "messages", "stream", "stream_options"}
@@ -34,10 +34,12 @@ NOT_DEFAULTS = {"prompt", "messages", "stream", "stream_options"}
 class Endpoint:
     schema: type
     id_prefix: str  # of the response body's `id`, as the HTTP API makes it
-    # (request, engine, tool call parser) -> prompts, params
-    inputs: Callable[[Any, Any, Any], tuple[list[Prompt], SamplingParams]]
-    # (request, model name, response id, tokenizer, tool call parser) -> how outputs become the response body
-    rendering: Callable[[Any, str, str, Any, Any], CompletionRendering | ChatRendering]
+    # (request, engine, output parsers) -> prompts, params
+    inputs: Callable[[Any, Any, OutputParsers], tuple[list[Prompt], SamplingParams]]
+    # (request, model name, response id, tokenizer, output parsers, prompts, params) -> how outputs become the
+    # response body
+    rendering: Callable[[Any, str, str, Any, OutputParsers, list[Prompt], SamplingParams],
+                        CompletionRendering | ChatRendering]
     render: Callable[[Any, list[RequestOutput]], Any]  # (rendering, finals in prompt order) -> response model
     example_body: dict  # the smallest valid body, to check sampling defaults against
 
@@ -46,15 +48,17 @@ ENDPOINTS: dict[str, Endpoint] = {
     "/v1/completions": Endpoint(
         schema=CompletionRequest, id_prefix="cmpl",
         inputs=lambda request, engine, _: completion_inputs(request, engine.generation_defaults),
-        rendering=lambda request, model, response_id, tokenizer, _: CompletionRendering(request, model, response_id,
-                                                                                         tokenizer),
+        rendering=lambda request, model, response_id, tokenizer, *_: CompletionRendering(request, model, response_id,
+                                                                                          tokenizer),
         render=lambda rendering, finals: rendering.full_response(finals),
         example_body={"prompt": "x"}),
     "/v1/chat/completions": Endpoint(
         schema=ChatCompletionRequest, id_prefix="chatcmpl",
-        inputs=lambda request, engine, tool_parser: chat_inputs(request, engine.encode_chat,
-                                                                engine.generation_defaults, tool_parser=tool_parser),
-        rendering=ChatRendering, render=lambda rendering, finals: rendering.full_response(finals[0]),
+        inputs=lambda request, engine, parsers: chat_inputs(request, engine.encode_chat, engine.generation_defaults,
+                                                            tool_parser=parsers.tool, reasoning_parser=parsers.reasoning),
+        rendering=lambda request, model, response_id, tokenizer, parsers, prompts, params: ChatRendering(
+            request, model, response_id, tokenizer, parsers.tool, parsers.bind_reasoning(tokenizer, prompts[0], params)),
+        render=lambda rendering, finals: rendering.full_response(finals[0]),
         example_body={"messages": [{"role": "user", "content": "x"}]}),
 }
 
@@ -93,14 +97,14 @@ def new_request_id(url: str) -> str:
 
 
 def prepare(url: str, body: dict, defaults: dict, request_id: str, engine, served_model_names: list[str],
-            tool_parser=None) -> PreparedRequest:
+            parsers: OutputParsers = OutputParsers()) -> PreparedRequest:
     """Everything HTTP does before queueing: parse, pick the model name, build prompts and params.
-    `tool_parser`: the job's tool_call_parser, for chat bodies with tool_choice "auto"."""
+    `parsers`: the job's tool_call_parser (chat bodies with tool_choice "auto") and reasoning_parser."""
     endpoint = ENDPOINTS[url]
     request, _ = parse_body(url, body, defaults)
     model = resolve_model_name(request.model, served_model_names)
-    prompts, params = endpoint.inputs(request, engine, tool_parser)
-    rendering = endpoint.rendering(request, model, request_id, engine.tokenizer, tool_parser)
+    prompts, params = endpoint.inputs(request, engine, parsers)
+    rendering = endpoint.rendering(request, model, request_id, engine.tokenizer, parsers, prompts, params)
     return PreparedRequest(endpoint, rendering, prompts, params, request.priority)
 
 

@@ -18,6 +18,8 @@ from jaxserve.batch.result_log import ResultLog
 from jaxserve.batch.runner import BatchRunner, RunTotals
 from jaxserve.batch.stop import StopSignals
 from jaxserve.cli_args import UserError
+from jaxserve.server.reasoning_parsers import reasoning_parser
+from jaxserve.server.response_bodies import OutputParsers
 from jaxserve.server.tool_parsers import tool_call_parser
 
 log = logging.getLogger("jaxserve.batch")
@@ -55,7 +57,9 @@ def run_job(path: str | Path, *, engine=None, engine_factory=None, show_progress
         runner = BatchRunner(engine, results, progress, sampling_defaults=job.sampling,
                              served_model_names=job.served_model_name or [engine.model_name],
                              max_concurrency=job.max_concurrency or default_concurrency(engine),
-                             stop_check=stop_check, tool_parser=tool_call_parser(job.tool_call_parser))
+                             stop_check=stop_check, parsers=OutputParsers(
+                                 tool_call_parser(job.tool_call_parser),
+                                 reasoning_parser(job.reasoning_parser, engine.tokenizer)))
         try:
             totals = runner.run(todo)
         finally:

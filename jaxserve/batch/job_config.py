@@ -18,6 +18,7 @@ from jaxserve.batch.problems import JobError, describe_validation_error
 from jaxserve.cli_args import mesh_shape
 from jaxserve.config import ATTENTION_IMPLS
 from jaxserve.loader.tokenizer import is_template_text
+from jaxserve.server.reasoning_parsers import REASONING_PARSERS
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
 
 
@@ -95,6 +96,8 @@ class BatchJob(BaseModel):
     max_concurrency: PositiveInt | None = None  # requests in the engine at once (default: 4 x max_num_seqs)
     # How the model writes tool calls, for chat bodies with tool_choice "auto" (serve --tool-call-parser).
     tool_call_parser: Literal[tuple(TOOL_CALL_PARSERS)] | None = None
+    # How the model writes its reasoning, split into chat messages' `reasoning` (serve --reasoning-parser).
+    reasoning_parser: Literal[tuple(REASONING_PARSERS)] | None = None
 
     @field_validator("input", "output", "errors", mode="after")
     @classmethod

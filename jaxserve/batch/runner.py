@@ -17,6 +17,7 @@ from jaxserve.batch.records import BatchOutputLine, bad_line, refused, succeeded
 from jaxserve.batch.result_log import ResultLog
 from jaxserve.outputs import RequestOutput
 from jaxserve.server.errors import APIError, bad_request
+from jaxserve.server.response_bodies import OutputParsers
 
 
 @dataclass
@@ -45,7 +46,8 @@ class RunTotals:
 
 class BatchRunner:
     def __init__(self, engine, results: ResultLog, progress: BatchProgress, *, sampling_defaults: dict,
-                 served_model_names: list[str], max_concurrency: int, stop_check=lambda: None, tool_parser=None):
+                 served_model_names: list[str], max_concurrency: int, stop_check=lambda: None,
+                 parsers: OutputParsers = OutputParsers()):
         self.engine = engine
         self.results = results
         self.progress = progress
@@ -53,7 +55,7 @@ class BatchRunner:
         self.served_model_names = served_model_names
         self.max_concurrency = max_concurrency
         self.stop_check = stop_check  # raises to end the run between steps
-        self.tool_parser = tool_parser  # the job's tool_call_parser (tool_choice "auto" in chat bodies)
+        self.parsers = parsers  # the job's tool_call_parser (tool_choice "auto" in chat bodies), reasoning_parser
         self.totals = RunTotals()
         self._lines_in_flight = 0
         self._owner: dict[str, InFlight] = {}  # engine request id -> its batch line
@@ -77,7 +79,7 @@ class BatchRunner:
         request_id = new_request_id(entry.url)
         try:
             prepared = prepare(entry.url, entry.body, self.sampling_defaults, request_id, self.engine,
-                               self.served_model_names, self.tool_parser)
+                               self.served_model_names, self.parsers)
             requests = [self.engine.prepare_request(engine_id, prompt, prepared.params.clone(),
                                                     priority=prepared.priority)
                         for engine_id, prompt in zip(_engine_ids(request_id, prepared), prepared.prompts)]

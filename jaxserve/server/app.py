@@ -154,13 +154,14 @@ ROUTES = [
 def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = None,
               api_key: str | None = None, shutdown_engine: bool = True,
               max_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              default_chat_template_kwargs: dict | None = None, tool_parser=None) -> Starlette:
+              default_chat_template_kwargs: dict | None = None, tool_parser=None,
+              reasoning_parser=None) -> Starlette:
     """The HTTP app over `async_engine`; it serves the model under `served_model_names` (default: its name).
 
     Bodies over `max_body_bytes` are refused with 413 (None: no limit)."""
     names = list(served_model_names or [async_engine.model_name])
     state = ServerState(async_engine, names, ServerMetrics(async_engine, names[0]), api_key,
-                        default_chat_template_kwargs, tool_parser=tool_parser)
+                        default_chat_template_kwargs, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

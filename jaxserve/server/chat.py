@@ -43,11 +43,13 @@ async def create_chat_completion(request: Request) -> Response:
     # Rendering a long conversation through the template is CPU work: keep it off the event loop.
     prompts, params = await asyncio.to_thread(chat_inputs, body, state.engine.encode_chat,
                                               state.engine.generation_defaults, state.default_chat_template_kwargs,
-                                              state.tool_parser)
+                                              state.tool_parser, state.reasoning_parser)
+    tokenizer = state.engine.tokenizer
+    reasoning = state.reasoning_parser and state.reasoning_parser.bind(tokenizer, prompts[0], params)
     arrival_time = time.monotonic()
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await start_requests(state, prompts, params, request_id, body.priority)
-    job = ChatJob(body, model, request_id, state.engine.tokenizer, state.tool_parser, state=state,
+    job = ChatJob(body, model, request_id, tokenizer, state.tool_parser, reasoning, state=state,
                   arrival_time=arrival_time, stream=streams[0])
     if body.stream:
         return EventStreamResponse(sse_events(_stream_chunks(job)), on_close=lambda: close_all(streams))
@@ -76,7 +78,8 @@ async def _stream_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionStreamResp
 class ChoiceProgress:
     """What one choice's chunks have sent so far."""
 
-    chars: int = 0  # of the text (with tools under "auto": of the content outside the tool calls)
+    chars: int = 0  # of the answer (with tools under "auto": of the content outside the tool calls)
+    reasoning_chars: int = 0  # of the reasoning, with a reasoning parser
     tokens: int = 0
     calls: int = 0  # tool calls, under "auto"
     finished: bool = False
@@ -111,9 +114,12 @@ def _delta(job: ChatJob, completion: CompletionOutput, sent: ChoiceProgress, fir
     role = "assistant" if first_chunk else None
     choice, reason = job.tool_choice, completion.finish_reason
     if choice is None:
-        text = completion.text[sent.chars:]
-        sent.chars = len(completion.text)
-        return (DeltaMessage(role=role, content=text) if text or first_chunk else None), reason
+        reasoning, answer = _new_reasoning(job, completion, sent)
+        text = answer[sent.chars:]
+        sent.chars = len(answer)
+        if not (text or reasoning or first_chunk):
+            return None, reason
+        return DeltaMessage(role=role, content=text if text or not reasoning else None, reasoning=reasoning), reason
     if choice.kind == "required":
         message, reason = job.message(completion)
         calls = [{"index": i, **call} for i, call in enumerate(message.tool_calls)]
@@ -129,15 +135,26 @@ def _delta(job: ChatJob, completion: CompletionOutput, sent: ChoiceProgress, fir
 def _auto_delta(job: ChatJob, completion: CompletionOutput, sent: ChoiceProgress, role: str | None
                 ) -> tuple[DeltaMessage | None, str | None]:
     """tool_choice "auto": content as it becomes final (text that may open a tool call is held back), each tool
-    call whole once its block closes."""
-    content, calls = job.tool_parser.split(completion.text, final=completion.finished)
+    call whole once its block closes; reasoning before them as it comes."""
+    reasoning, answer = _new_reasoning(job, completion, sent)
+    content, calls = job.tool_parser.split(answer, final=completion.finished)
     text, new_calls = content[sent.chars:], calls[sent.calls:]
     first_index, sent.chars, sent.calls = sent.calls, len(content), len(calls)
     reason = completion.finish_reason
     if calls and reason in ("stop", "length"):  # as in message(): whole calls are to be run
         reason = "tool_calls"
     bodies = [call.body(first_index + i) for i, call in enumerate(new_calls)]
-    if not text and not bodies and role is None:
+    if not text and not bodies and not reasoning and role is None:
         return None, reason
-    # The first chunk names the role with content "" (as vLLM's does) unless it already carries a call.
-    return DeltaMessage(role=role, content=text or (None if bodies else ""), tool_calls=bodies or None), reason
+    # The first chunk names the role with content "" (as vLLM's does) unless it already carries a call or reasoning.
+    return DeltaMessage(role=role, content=text or (None if bodies or reasoning else ""), reasoning=reasoning,
+                        tool_calls=bodies or None), reason
+
+
+def _new_reasoning(job: ChatJob, completion: CompletionOutput, sent: ChoiceProgress) -> tuple[str | None, str]:
+    """The reasoning not sent yet (None when there is none new), and the answer's text so far."""
+    reasoning, answer = job.answer(completion, final=completion.finished)
+    if reasoning is None:
+        return None, answer
+    new, sent.reasoning_chars = reasoning[sent.reasoning_chars:], len(reasoning)
+    return new or None, answer

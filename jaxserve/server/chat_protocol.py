@@ -123,6 +123,7 @@ class ChatLogProbs(OpenAIModel):
 class ChatMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None  # vLLM's (formerly reasoning_content): with --reasoning-parser
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
@@ -146,6 +147,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
 

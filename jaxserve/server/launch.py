@@ -11,6 +11,7 @@ import socket
 
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.server.app import build_app
+from jaxserve.server.reasoning_parsers import reasoning_parser
 from jaxserve.server.tool_parsers import tool_call_parser
 from jaxserve.server.uvicorn_server import DrainingServer
 
@@ -26,7 +27,8 @@ def serve_engine(engine, args: argparse.Namespace, sock: socket.socket, mesh: st
     app = build_app(async_engine, served_model_names=names, api_key=args.api_key,
                     max_body_bytes=args.max_request_body_bytes,
                     default_chat_template_kwargs=args.default_chat_template_kwargs,
-                    tool_parser=tool_call_parser(args.tool_call_parser if args.enable_auto_tool_choice else None))
+                    tool_parser=tool_call_parser(args.tool_call_parser if args.enable_auto_tool_choice else None),
+                    reasoning_parser=reasoning_parser(args.reasoning_parser, engine.tokenizer))
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
     log_startup(engine, mesh, names, f"http://{host}:{port}")

@@ -18,6 +18,7 @@ from jaxserve.server.chat_protocol import (
     ChatMessage,
 )
 from jaxserve.server.logprobs import chat_logprobs, completion_logprobs
+from jaxserve.server.reasoning_parsers import PromptReasoning, ThinkReasoningParser
 from jaxserve.server.tool_parsers import HermesToolParser
 from jaxserve.server.tools import ToolChoice, parse_forced_calls
 from jaxserve.server.protocol import (
@@ -92,6 +93,17 @@ def concat_logprobs(first: CompletionLogProbs, second: CompletionLogProbs) -> Co
                               top_logprobs=first.top_logprobs + second.top_logprobs)
 
 
+@dataclass(frozen=True)
+class OutputParsers:
+    """How chat output is read beyond its text: tool calls (tool_choice "auto") and reasoning, as configured."""
+
+    tool: HermesToolParser | None = None
+    reasoning: ThinkReasoningParser | None = None
+
+    def bind_reasoning(self, tokenizer, prompt_token_ids: list[int], params) -> PromptReasoning | None:
+        return self.reasoning and self.reasoning.bind(tokenizer, prompt_token_ids, params)
+
+
 @dataclass
 class ChatRendering:
     """How one /v1/chat/completions request's output turns into choices (whole, or as stream deltas)."""
@@ -101,6 +113,7 @@ class ChatRendering:
     request_id: str
     tokenizer: Any
     tool_parser: HermesToolParser | None = None  # reads tool calls out of the text under tool_choice "auto"
+    reasoning: PromptReasoning | None = None  # splits the reasoning off the answer (--reasoning-parser)
     tool_choice: ToolChoice | None = field(init=False)
 
     def __post_init__(self) -> None:
@@ -115,22 +128,32 @@ class ChatRendering:
         return chat_logprobs(completion.token_ids[first_token:], (completion.logprobs or [])[first_token:],
                              self.request.top_logprobs or 0, self.decode_token)
 
+    def answer(self, completion: CompletionOutput, final: bool) -> tuple[str | None, str]:
+        """(reasoning, the answer's text) of the output so far (`split` of the reasoning parser, if any)."""
+        if self.reasoning is None:
+            return None, completion.text
+        return self.reasoning.split(completion.text, final)
+
     def message(self, completion: CompletionOutput) -> tuple[ChatMessage, str | None]:
-        """A finished choice's message and finish reason: its text, or the tool calls in it. As vLLM and OpenAI,
-        finish_reason is "tool_calls" when the model chose to call, "stop" when tool_choice named the function."""
-        choice, text, reason = self.tool_choice, completion.text, completion.finish_reason
+        """A finished choice's message and finish reason: its text, or the tool calls in it, after any reasoning.
+        As vLLM and OpenAI, finish_reason is "tool_calls" when the model chose to call, "stop" when tool_choice
+        named the function."""
+        choice, reason = self.tool_choice, completion.finish_reason
+        reasoning, text = self.answer(completion, final=True)
+        # With reasoning split off, an answer not yet begun is None, as in vLLM.
+        plain = ChatMessage(content=text or (None if reasoning is not None else text), reasoning=reasoning)
         if choice is None:
-            return ChatMessage(content=text), reason
+            return plain, reason
         if choice.kind == "auto":
             content, calls = self.tool_parser.split(text, final=True)
             content = content or None
         else:  # forced: the whole text is the call(s), unless max_tokens cut it short
             content, calls = None, (parse_forced_calls(choice, text) if reason == "stop" else None)
         if not calls:
-            return ChatMessage(content=text), reason
+            return plain, reason
         # "length" too, as vLLM: the calls found are whole, and a client should run them.
         reason = "tool_calls" if reason in ("stop", "length") and choice.kind != "named" else reason
-        return ChatMessage(content=content, tool_calls=[call.body() for call in calls]), reason
+        return ChatMessage(content=content, reasoning=reasoning, tool_calls=[call.body() for call in calls]), reason
 
     def full_response(self, output: RequestOutput) -> ChatCompletionResponse:
         """The whole (non-streamed) response from the request's final output."""

@@ -13,6 +13,7 @@ from jaxserve.request_stream import RequestStream
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.errors import APIError
 from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.reasoning_parsers import ThinkReasoningParser
 from jaxserve.server.request_bodies import resolve_model_name
 from jaxserve.server.streaming import merge_streams
 from jaxserve.server.tool_parsers import HermesToolParser
@@ -28,6 +29,7 @@ class ServerState:
     api_key: str | None = None
     default_chat_template_kwargs: dict | None = None  # --default-chat-template-kwargs; a request's own win
     tool_parser: HermesToolParser | None = None  # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto"
+    reasoning_parser: ThinkReasoningParser | None = None  # --reasoning-parser: `reasoning` apart from `content`
     started_at: float = field(default_factory=time.time)
 
     def resolve_model(self, requested: str | None) -> str:

@@ -29,7 +29,7 @@ class HermesToolParser:
         tokens cannot change: text that could begin a `<tool_call>` and an unclosed block are held back."""
         first = text.find(self.start)
         if first < 0:
-            return (text if final else text[: len(text) - _partial_suffix(text, self.start)]), []
+            return (text if final else text[: len(text) - partial_suffix(text, self.start)]), []
         content, calls, pos = [text[:first]], [], first
         while pos >= 0:
             block = self._block(text, pos, final)
@@ -74,7 +74,7 @@ def _parse_call(body: str) -> ToolCall | None:
     return ToolCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper beginning of `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:n]):

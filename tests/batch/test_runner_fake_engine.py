@@ -158,3 +158,16 @@ def test_tool_choice_auto_needs_the_jobs_tool_call_parser(tmp_path, smol_tokeniz
     choice = body["choices"][0]
     assert status == 200 and choice["finish_reason"] == "tool_calls"
     assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_the_jobs_reasoning_parser_splits_reasoning_from_the_answer(tmp_path, smol_tokenizer_for_batch):
+    from tests.server.test_reasoning_parsers import THINKING, THOUGHT
+
+    engine = FakeEngine(smol_tokenizer_for_batch, step_delay=0, script_text=THINKING)
+    engine.config.scheduler = SimpleNamespace(max_num_seqs=4)
+    line = chat_line("think", "Weather?", temperature=0, max_tokens=len(smol_tokenizer_for_batch.encode(THINKING)))
+    run_job(write_job(tmp_path, [line], reasoning_parser="qwen3"), engine=engine, show_progress=False)
+    status, body = results_by_custom_id(tmp_path / "out.jsonl")["think"]
+    assert status == 200
+    assert (body["choices"][0]["message"]["reasoning"], body["choices"][0]["message"]["content"]) == \
+        (THOUGHT, "\n\nIt is sunny.")

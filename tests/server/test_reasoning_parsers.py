@@ -1,0 +1,171 @@
+"""--reasoning-parser: <think> blocks split into the chat message's `reasoning`, whole and streamed."""
+
+import copy
+import json
+from types import SimpleNamespace
+
+import openai
+import pytest
+
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.app import build_app
+from jaxserve.server.reasoning_parsers import PromptReasoning, reasoning_parser
+from jaxserve.server.tool_parsers import HermesToolParser
+from jaxserve.structured_outputs import StructuredOutputsParams
+from tests.server.fake_engine import FakeEngine
+from tests.server.helpers import serve_in_thread
+from tests.server.test_tool_parsers import REPLY
+from tests.server.test_tools import TOOLS
+
+THOUGHT = "\nThe user asks about weather. I should look it up.\n"
+THINKING = f"<think>{THOUGHT}</think>\n\nIt is sunny."
+
+
+@pytest.mark.parametrize("text, starts_in_block, expected", [
+    (THINKING, False, (THOUGHT, "\n\nIt is sunny.")),  # the model opens the block (Qwen3)
+    (f"{THOUGHT}</think>Sunny.", True, (THOUGHT, "Sunny.")),  # the template opened it (Qwen3-2507 Thinking, R1)
+    (f"\n<think>{THOUGHT}</think>Sunny.", True, (THOUGHT, "Sunny.")),  # ... and the model opens it again
+    ("It is sunny.", False, (None, "It is sunny.")),  # thinking disabled: no block, all content
+    (f"<think>{THOUGHT}", False, (THOUGHT, "")),  # max_tokens ended it mid-thought
+    ("", True, ("", "")),
+])
+def test_a_finished_output_splits_into_reasoning_and_content(text, starts_in_block, expected):
+    assert PromptReasoning(starts_in_block).split(text, final=True) == expected
+
+
+@pytest.mark.parametrize("text, starts_in_block", [(THINKING, False), (THINKING[7:], True), ("Plain <th", False),
+                                                   ("<th", False), ("<think>a</thinking>b</think>c", False)])
+def test_while_streaming_each_part_only_grows(text, starts_in_block):
+    """A streamed part is never taken back: a partial marker is held back until it is settled."""
+    bound = PromptReasoning(starts_in_block)
+    final_reasoning, final_content = bound.split(text, final=True)
+    for n in range(len(text) + 1):
+        reasoning, content = bound.split(text[:n], final=False)
+        assert final_content.startswith(content), (n, content)
+        assert reasoning is None or (final_reasoning or "").startswith(reasoning), (n, reasoning)
+    assert bound.split("<think>ab</thi", final=False) == ("ab", "")
+    assert bound.split(" <thi", final=False) == (None, "")  # may yet open a block
+
+
+def test_the_prompt_says_where_the_output_starts(tokenizer):
+    """Read from the prompt's last tokens: a template that opened <think> (and did not close it) starts the output
+    inside the block; Qwen3's enable_thinking=False closes it in the prompt; deepseek_r1 starts inside regardless."""
+    qwen3, r1 = reasoning_parser("qwen3", tokenizer), reasoning_parser("deepseek_r1", tokenizer)
+    opened = tokenizer.encode("<|im_start|>assistant\n<think>\n")
+    closed = tokenizer.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    plain = tokenizer.encode("<|im_start|>assistant\n")
+    params = SamplingParams()
+    assert [qwen3.bind(tokenizer, ids, params).starts_in_block for ids in (opened, closed, plain)] == \
+        [True, False, False]
+    assert [r1.bind(tokenizer, ids, params).starts_in_block for ids in (opened, closed, plain)] == [True, True, True]
+    # A grammar writes constrained output from its first token: no reasoning is read out of it.
+    constrained = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+    assert qwen3.bind(tokenizer, opened, constrained) is None
+
+
+def test_special_markers_are_kept_in_the_text(tokenizer):
+    """Where a tokenizer marks <think> special, skipping special tokens would erase the markers the parser reads."""
+    special = SimpleNamespace(all_special_tokens=["<|im_end|>", "<think>", "</think>"])
+    assert reasoning_parser("qwen3", special).adjust(SamplingParams()).skip_special_tokens is False
+    assert reasoning_parser("qwen3", tokenizer).adjust(SamplingParams()).skip_special_tokens is True  # not special
+    with pytest.raises(ValueError, match="'granite' is not supported; supported: deepseek_r1, qwen3"):
+        reasoning_parser("granite", tokenizer)
+
+
+def _client(tokenizer, script_text, **app_options):
+    engine = AsyncEngine(FakeEngine(tokenizer, script_text=script_text, step_delay=0))
+    return serve_in_thread(build_app(engine, **app_options))
+
+
+def _chat(client, stream=False, **kwargs):
+    return client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "Weather?"}],
+                                          temperature=0, stream=stream, **{"max_tokens": 100, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def qwen3_client(tokenizer):
+    with _client(tokenizer, THINKING, reasoning_parser=reasoning_parser("qwen3", tokenizer)) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+def test_reasoning_and_content_whole_and_streamed(qwen3_client, tokenizer):
+    n = len(tokenizer.encode(THINKING))
+    message = _chat(qwen3_client, max_tokens=n).choices[0].message
+    assert (message.reasoning, message.content) == (THOUGHT, "\n\nIt is sunny.")
+
+    chunks = [c.choices[0] for c in _chat(qwen3_client, stream=True, max_tokens=n) if c.choices]
+    assert chunks[0].delta.role == "assistant"
+    assert "".join(getattr(c.delta, "reasoning", None) or "" for c in chunks) == THOUGHT
+    assert "".join(c.delta.content or "" for c in chunks) == message.content  # no markup leaks into either
+    assert all(c.delta.content or getattr(c.delta, "reasoning", None) or c.finish_reason or c.delta.role
+               for c in chunks), "a chunk with nothing in it"
+
+
+def test_an_answer_cut_short_while_thinking_is_all_reasoning(qwen3_client):
+    choice = _chat(qwen3_client, max_tokens=6).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    assert THOUGHT.startswith(choice.message.reasoning) and choice.message.reasoning
+
+
+def test_constrained_output_is_left_whole(qwen3_client):
+    """response_format's grammar writes the whole output: it is content, not split (the fake engine ignores the
+    grammar and writes the script, markers included, which shows nothing was split off)."""
+    choice = _chat(qwen3_client, max_tokens=4, response_format={"type": "json_object"}).choices[0]
+    assert choice.message.content.startswith("<think>") and getattr(choice.message, "reasoning", None) is None
+
+
+def test_without_a_parser_the_markup_is_content(tokenizer):
+    with _client(tokenizer, THINKING) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        message = _chat(client, max_tokens=len(tokenizer.encode(THINKING))).choices[0].message
+    assert message.content == THINKING and getattr(message, "reasoning", None) is None
+
+
+def test_tool_calls_after_the_reasoning(tokenizer):
+    """Qwen3 thinks, then calls: the hermes parser reads the calls out of the answer, not the reasoning."""
+    with _client(tokenizer, f"<think>{THOUGHT}</think>{REPLY}", tool_parser=HermesToolParser(),
+                 reasoning_parser=reasoning_parser("qwen3", tokenizer)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        kwargs = dict(tools=TOOLS, stop=["</tool_call>"], extra_body={"include_stop_str_in_output": True})
+        choice = _chat(client, **kwargs).choices[0]
+        chunks = [c.choices[0] for c in _chat(client, stream=True, **kwargs) if c.choices]
+    assert choice.finish_reason == "tool_calls" and choice.message.reasoning == THOUGHT
+    assert choice.message.content == "Let me check. "
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    assert "".join(getattr(c.delta, "reasoning", None) or "" for c in chunks) == THOUGHT
+    assert "".join(c.delta.content or "" for c in chunks) == "Let me check. "
+    assert [t.function.name for c in chunks for t in c.delta.tool_calls or []] == ["get_weather"]
+
+
+def test_a_template_that_opens_the_block_makes_the_output_reasoning(tokenizer):
+    """DeepSeek-R1 distills and Qwen3-2507 Thinking: the template ends the prompt with <think>, and the model
+    writes only </think>."""
+    opening = copy.deepcopy(tokenizer)
+    opening.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                             "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+    script = f"{THOUGHT}</think>Sunny."
+    with _client(opening, script, reasoning_parser=reasoning_parser("qwen3", opening)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        message = _chat(client, max_tokens=len(opening.encode(script))).choices[0].message
+    assert (message.reasoning, message.content) == (THOUGHT, "Sunny.")
+
+
+def test_serve_reasoning_parser_reaches_the_app(tokenizer, monkeypatch):
+    """`jaxserve serve --reasoning-parser qwen3` hands the app the parser; an unknown name is an argparse error."""
+    import socket
+
+    from jaxserve.cli import build_parser
+    from jaxserve.server import launch
+
+    built = {}
+    monkeypatch.setattr(launch, "build_app", lambda engine, **options: built.update(options, engine=engine))
+    monkeypatch.setattr(launch, "DrainingServer", lambda *a, **k: SimpleNamespace(run=lambda sockets: None))
+    args = build_parser()[0].parse_args(["serve", "--reasoning-parser", "qwen3"])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        assert launch.serve_engine(FakeEngine(tokenizer), args, sock) == 0
+    built["engine"].shutdown()
+    assert built["reasoning_parser"] == reasoning_parser("qwen3", tokenizer)
+    with pytest.raises(SystemExit):
+        build_parser()[0].parse_args(["serve", "--reasoning-parser", "granite"])
