@@ -171,6 +171,7 @@ class Engine:
             matcher = self.grammars.matcher(params.structured_outputs)
             for i, seq in enumerate(seqs):
                 seq.matcher = matcher.deep_copy() if i else matcher
+                seq.grammar_waits_for = params.structured_outputs.starts_after_token
         return Request(request_id, prompt if isinstance(prompt, str) else None, seqs, params)
 
     def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
@@ -250,6 +251,8 @@ class Engine:
         return step
 
     def _grammar_in_flight(self) -> bool:
+        """Whether a constrained sequence samples in a step in flight: then the next step waits for its token, which
+        the next mask depends on. A grammar still waiting for its start token counts: the token may be it."""
         return any(c.seq.matcher is not None and c.samples for step in self._launched for c in step.sched.chunks)
 
     def _read_back_all_but(self, keep: int, touched: dict[str, Request]) -> None:
@@ -296,6 +299,9 @@ class Engine:
         stop = text.add_token(seq, token)
         if stop is not None:
             self.scheduler.finish(seq, "stop", stop)
+        elif seq.grammar_waits_for is not None:
+            if token == seq.grammar_waits_for:  # the grammar starts with the next token
+                seq.grammar_waits_for = None
         elif seq.matcher is not None and not seq.finished and grammar_ended(seq.matcher, token, seq.request_id):
             self.scheduler.finish(seq, "stop")
         if seq.finished:

@@ -34,6 +34,9 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None
     # The request field it came from (e.g. "guided_regex"), so an invalid grammar is reported under that name.
     source: str | None = field(default=None, compare=False)
+    # The grammar starts after the output's first occurrence of this token (a reasoning model's </think>, set by
+    # the server's reasoning parser): the reasoning before it is free. None: from the first token.
+    starts_after_token: int | None = None
 
     def __post_init__(self) -> None:
         chosen = [name for name in KINDS if getattr(self, name) not in (None, False)]
@@ -77,7 +80,7 @@ class StructuredOutputsParams:
             return value
         if not isinstance(value, dict):
             raise ValueError(f"structured_outputs must be an object with one of {', '.join(KINDS)}, got {value!r}")
-        known = {f.name for f in fields(cls)} - {"source"}
+        known = {f.name for f in fields(cls)} - {"source", "starts_after_token"}  # set by the server, not clients
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"structured_outputs has unsupported fields {', '.join(unknown)}; it takes one of "

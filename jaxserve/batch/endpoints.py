@@ -57,7 +57,7 @@ ENDPOINTS: dict[str, Endpoint] = {
         inputs=lambda request, engine, parsers: chat_inputs(request, engine.encode_chat, engine.generation_defaults,
                                                             tool_parser=parsers.tool, reasoning_parser=parsers.reasoning),
         rendering=lambda request, model, response_id, tokenizer, parsers, prompts, params: ChatRendering(
-            request, model, response_id, tokenizer, parsers.tool, parsers.bind_reasoning(tokenizer, prompts[0], params)),
+            request, model, response_id, tokenizer, parsers.tool, parsers.bind_reasoning(prompts[0], params)),
         render=lambda rendering, finals: rendering.full_response(finals[0]),
         example_body={"messages": [{"role": "user", "content": "x"}]}),
 }

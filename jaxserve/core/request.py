@@ -43,8 +43,15 @@ class Sequence:
     # takes its value on the device from row `pending_row` of the in-flight step's sampled tokens.
     pending_index: int | None = None
     pending_row: int | None = None
-    # Structured outputs: the llguidance matcher that has consumed this sequence's output so far (grammar.py).
+    # Structured outputs: the llguidance matcher that has consumed this sequence's output so far (grammar.py),
+    # and, for a grammar that starts after a token (reasoning), that token until it is sampled.
     matcher: object | None = None
+    grammar_waits_for: int | None = None
+
+    @property
+    def grammar_active(self) -> bool:
+        """Whether the next token must fit the grammar."""
+        return self.matcher is not None and self.grammar_waits_for is None
 
     @property
     def num_tokens(self) -> int:

@@ -43,7 +43,7 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanSha
     chunks = out.chunks
     T, B = shape.buckets.shape(out.num_tokens, len(chunks))
     decode_only = shape.decode_kernel and T == B and all(c.num_tokens == 1 for c in chunks)
-    grammar_rows = [(row, c.seq.matcher) for row, c in enumerate(chunks) if c.samples and c.seq.matcher is not None]
+    grammar_rows = [(row, c.seq.matcher) for row, c in enumerate(chunks) if c.samples and c.seq.grammar_active]
     inputs = empty_inputs(T, B, shape, penalties=any(c.seq.params.needs_penalties for c in chunks),
                           decode_only=decode_only, constrained=bool(grammar_rows))
     meta, bs = inputs.meta, blocks.block_size

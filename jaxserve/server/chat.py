@@ -45,7 +45,7 @@ async def create_chat_completion(request: Request) -> Response:
                                               state.engine.generation_defaults, state.default_chat_template_kwargs,
                                               state.tool_parser, state.reasoning_parser)
     tokenizer = state.engine.tokenizer
-    reasoning = state.reasoning_parser and state.reasoning_parser.bind(tokenizer, prompts[0], params)
+    reasoning = state.reasoning_parser and state.reasoning_parser.bind(prompts[0], params)
     arrival_time = time.monotonic()
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await start_requests(state, prompts, params, request_id, body.priority)
@@ -123,12 +123,16 @@ def _delta(job: ChatJob, completion: CompletionOutput, sent: ChoiceProgress, fir
     if choice.kind == "required":
         message, reason = job.message(completion)
         calls = [{"index": i, **call} for i, call in enumerate(message.tool_calls)]
-        return DeltaMessage(role=role, content=message.content, tool_calls=calls or None), reason
-    if choice.kind == "named":  # the function's arguments stream as they are generated
-        text = completion.text[sent.chars:]
-        sent.chars = len(completion.text)
+        return DeltaMessage(role=role, content=message.content, reasoning=message.reasoning,
+                            tool_calls=calls or None), reason
+    if choice.kind == "named":  # the function's arguments stream as they are generated (after any reasoning)
+        reasoning, answer = _new_reasoning(job, completion, sent)
+        text = answer[sent.chars:]
+        sent.chars = len(answer)
+        if not (text or reasoning or first_chunk):
+            return None, reason
         call = ToolCall(choice.name, text).body(0) if first_chunk else {"index": 0, "function": {"arguments": text}}
-        return (DeltaMessage(role=role, tool_calls=[call]) if text or first_chunk else None), reason
+        return DeltaMessage(role=role, reasoning=reasoning, tool_calls=[call] if text or first_chunk else None), reason
     return _auto_delta(job, completion, sent, role)
 
 

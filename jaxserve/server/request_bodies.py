@@ -55,7 +55,8 @@ def chat_inputs(body: ChatCompletionRequest, encode_chat: ChatEncoder, model_def
                 ) -> tuple[list[Prompt], SamplingParams]:
     """POST /v1/chat/completions: the messages rendered through the chat template into one token-id prompt.
     `tool_parser`: how tool calls are read out of the text under tool_choice "auto" (None: "auto" is refused);
-    `reasoning_parser`: how reasoning is read out of it (it may need the text's special tokens).
+    `reasoning_parser`: how reasoning is read out of it (it may need the text's special tokens, and a grammar then
+    starts after the reasoning).
 
     The params come first so that a bad value is reported before the (slower) template rendering.
     """
@@ -68,7 +69,7 @@ def chat_inputs(body: ChatCompletionRequest, encode_chat: ChatEncoder, model_def
                               'tool_call_parser: hermes in a batch job); or set tool_choice to "required", to '
                               '{"type": "function", "function": {"name": ...}}, or to "none"', param="tool_choice")
         params = tool_parser.adjust(params)
+    prompt = encode_chat(body.template_messages(), body.add_generation_prompt, **body.rendering(template_defaults))
     if reasoning_parser is not None:
-        params = reasoning_parser.adjust(params)
-    return [encode_chat(body.template_messages(), body.add_generation_prompt, **body.rendering(template_defaults))], \
-        params
+        params = reasoning_parser.adjust(params, prompt)
+    return [prompt], params

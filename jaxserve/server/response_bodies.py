@@ -100,8 +100,8 @@ class OutputParsers:
     tool: HermesToolParser | None = None
     reasoning: ThinkReasoningParser | None = None
 
-    def bind_reasoning(self, tokenizer, prompt_token_ids: list[int], params) -> PromptReasoning | None:
-        return self.reasoning and self.reasoning.bind(tokenizer, prompt_token_ids, params)
+    def bind_reasoning(self, prompt_token_ids: list[int], params) -> PromptReasoning | None:
+        return self.reasoning and self.reasoning.bind(prompt_token_ids, params)
 
 
 @dataclass

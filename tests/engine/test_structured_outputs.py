@@ -52,6 +52,20 @@ def test_the_output_ends_with_its_grammar_even_when_eos_is_ignored(smol_engine):
     assert smol_engine.tokenizer.decode(out.token_ids) == out.text  # no EOS tokens after it
 
 
+def test_a_grammar_that_starts_after_a_token_leaves_the_text_before_it_free(smol_engine):
+    """A reasoning model's grammar starts after its </think> (server/reasoning_parsers.py): here the token is one the
+    model writes greedily a few tokens in, so the text up to it matches the free run, and the grammar holds after."""
+    prompt = "The three primary colours are"
+    free = smol_engine.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0].token_ids
+    k = next(i for i in range(2, len(free)) if free[i] not in free[:i])  # its first occurrence
+    constraint = S(choice=["yes", "no"], starts_after_token=free[k])
+    out = smol_engine.generate(prompt, SamplingParams(temperature=0, max_tokens=40, structured_outputs=constraint),
+                               use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[: k + 1] == free[: k + 1]
+    assert smol_engine.tokenizer.decode(out.token_ids[k + 1:]) in ("yes", "no") and out.finish_reason == "stop"
+
+
 def test_every_sample_of_a_request_has_its_own_matcher(smol_engine):
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=20, structured_outputs=S(regex=r"[a-z]{2,6}"))
     outs = smol_engine.generate("A random word:", params, use_tqdm=False)[0].outputs

@@ -56,19 +56,36 @@ def test_the_prompt_says_where_the_output_starts(tokenizer):
     closed = tokenizer.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     plain = tokenizer.encode("<|im_start|>assistant\n")
     params = SamplingParams()
-    assert [qwen3.bind(tokenizer, ids, params).starts_in_block for ids in (opened, closed, plain)] == \
-        [True, False, False]
-    assert [r1.bind(tokenizer, ids, params).starts_in_block for ids in (opened, closed, plain)] == [True, True, True]
-    # A grammar writes constrained output from its first token: no reasoning is read out of it.
+    assert [qwen3.bind(ids, params).starts_in_block for ids in (opened, closed, plain)] == [True, False, False]
+    assert [r1.bind(ids, params).starts_in_block for ids in (opened, closed, plain)] == [True, True, True]
+    # SmolLM2 has no </think> token for a grammar to wait for: the grammar writes the whole output, no reasoning.
     constrained = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}))
-    assert qwen3.bind(tokenizer, opened, constrained) is None
+    assert qwen3.adjust(constrained, opened) == constrained and qwen3.bind(opened, constrained) is None
+
+
+def test_a_grammar_starts_after_the_reasoning(tokenizer):
+    """As vLLM: with a reasoning parser, response_format or a forced tool call constrains the answer after
+    </think>, not the reasoning; unless the prompt closed the block (thinking disabled)."""
+    thinking = copy.deepcopy(tokenizer)
+    thinking.add_tokens(["<think>", "</think>"])
+    end = thinking.convert_tokens_to_ids("</think>")
+    qwen3 = reasoning_parser("qwen3", thinking)
+    constrained = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+    opened, closed = thinking.encode("assistant\n<think>\n"), thinking.encode("assistant\n<think>\n\n</think>\n\n")
+    waiting = qwen3.adjust(constrained, opened)
+    assert waiting.structured_outputs.starts_after_token == end
+    assert waiting.structured_outputs.json == constrained.structured_outputs.json
+    assert qwen3.bind(opened, waiting) == PromptReasoning(True)
+    assert qwen3.adjust(constrained, closed) == constrained and qwen3.bind(closed, constrained) is None
+    assert qwen3.adjust(SamplingParams(), opened) == SamplingParams()  # nothing to wait for
 
 
 def test_special_markers_are_kept_in_the_text(tokenizer):
     """Where a tokenizer marks <think> special, skipping special tokens would erase the markers the parser reads."""
     special = SimpleNamespace(all_special_tokens=["<|im_end|>", "<think>", "</think>"])
-    assert reasoning_parser("qwen3", special).adjust(SamplingParams()).skip_special_tokens is False
-    assert reasoning_parser("qwen3", tokenizer).adjust(SamplingParams()).skip_special_tokens is True  # not special
+    special.encode, special.decode = (lambda text, add_special_tokens: [7]), (lambda ids: "</think>")
+    assert reasoning_parser("qwen3", special).adjust(SamplingParams(), [1]).skip_special_tokens is False
+    assert reasoning_parser("qwen3", tokenizer).adjust(SamplingParams(), [1]).skip_special_tokens is True
     with pytest.raises(ValueError, match="'granite' is not supported; supported: deepseek_r1, qwen3"):
         reasoning_parser("granite", tokenizer)
 
@@ -108,9 +125,10 @@ def test_an_answer_cut_short_while_thinking_is_all_reasoning(qwen3_client):
     assert THOUGHT.startswith(choice.message.reasoning) and choice.message.reasoning
 
 
-def test_constrained_output_is_left_whole(qwen3_client):
-    """response_format's grammar writes the whole output: it is content, not split (the fake engine ignores the
-    grammar and writes the script, markers included, which shows nothing was split off)."""
+def test_output_a_grammar_writes_whole_is_left_whole(qwen3_client):
+    """Where </think> is no single token (SmolLM2's vocabulary), response_format's grammar writes the whole output:
+    it is content, not split (the fake engine ignores the grammar and writes the script, markers included, which
+    shows nothing was split off)."""
     choice = _chat(qwen3_client, max_tokens=4, response_format={"type": "json_object"}).choices[0]
     assert choice.message.content.startswith("<think>") and getattr(choice.message, "reasoning", None) is None
 
@@ -169,3 +187,23 @@ def test_serve_reasoning_parser_reaches_the_app(tokenizer, monkeypatch):
     assert built["reasoning_parser"] == reasoning_parser("qwen3", tokenizer)
     with pytest.raises(SystemExit):
         build_parser()[0].parse_args(["serve", "--reasoning-parser", "granite"])
+
+
+def test_a_forced_tool_call_after_the_reasoning_whole_and_streamed(tokenizer):
+    """tool_choice naming a function: the model reasons first (the grammar waits for </think>), then writes the
+    arguments, which become the call; the reasoning streams before them."""
+    thinking = copy.deepcopy(tokenizer)
+    thinking.add_tokens(["<think>", "</think>"])
+    with _client(thinking, f'<think>{THOUGHT}</think>{{"city": "Paris"}} and more',
+                 reasoning_parser=reasoning_parser("qwen3", thinking)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        kwargs = dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}, stop=["}"],
+                      extra_body={"include_stop_str_in_output": True})
+        message = _chat(client, **kwargs).choices[0].message
+        chunks = [c.choices[0] for c in _chat(client, stream=True, **kwargs) if c.choices]
+    assert message.reasoning == THOUGHT and message.content is None
+    assert json.loads(message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    assert "".join(getattr(c.delta, "reasoning", None) or "" for c in chunks) == THOUGHT
+    calls = [t for c in chunks for t in c.delta.tool_calls or []]
+    assert calls[0].function.name == "get_weather"
+    assert json.loads("".join(t.function.arguments for t in calls)) == {"city": "Paris"}
