@@ -73,7 +73,7 @@ _EXPERT_TENSOR = re.compile(r"ffn_(gate|up|down)(_exps|\.\d+)\.weight")
 _EXPERT_KINDS = {"gate": "w_gate", "up": "w_up", "down": "w_down"}
 
 
-def hf_tensor_names(t: gguf.ReaderTensor, arch: str, architecture: str) -> list[tuple[str, int | None]]:
+def _hf_tensor_names(t: gguf.ReaderTensor, arch: str, architecture: str) -> list[tuple[str, int | None]]:
     """The HF names GGUF tensor `t` holds, each with its index on t's expert axis (None: all of `t`)."""
     if t.name in _GLOBAL_NAMES:
         return [(_GLOBAL_NAMES[t.name], None)]
@@ -127,7 +127,7 @@ class GGUFFile:
         for t in self.reader.tensors:
             if t.name.startswith(("rope_freqs.", "rope_factors_")):
                 self._rope_factors[t.name.split(".")[0]] = tuple(float(x) for x in np.asarray(t.data).reshape(-1))
-            for name, expert in hf_tensor_names(t, self.arch, self.architecture):
+            for name, expert in _hf_tensor_names(t, self.arch, self.architecture):
                 self._tensors[name] = (t, expert)
 
     def field(self, key: str, default=None):
