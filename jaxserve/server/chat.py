@@ -114,9 +114,7 @@ def _delta(job: ChatJob, completion: CompletionOutput, sent: ChoiceProgress, fir
     role = "assistant" if first_chunk else None
     choice, reason = job.tool_choice, completion.finish_reason
     if choice is None:
-        reasoning, answer = _new_reasoning(job, completion, sent)
-        text = answer[sent.chars:]
-        sent.chars = len(answer)
+        reasoning, text = _new_answer(job, completion, sent)
         if not (text or reasoning or first_chunk):
             return None, reason
         return DeltaMessage(role=role, content=text if text or not reasoning else None, reasoning=reasoning), reason
@@ -126,9 +124,7 @@ def _delta(job: ChatJob, completion: CompletionOutput, sent: ChoiceProgress, fir
         return DeltaMessage(role=role, content=message.content, reasoning=message.reasoning,
                             tool_calls=calls or None), reason
     if choice.kind == "named":  # the function's arguments stream as they are generated (after any reasoning)
-        reasoning, answer = _new_reasoning(job, completion, sent)
-        text = answer[sent.chars:]
-        sent.chars = len(answer)
+        reasoning, text = _new_answer(job, completion, sent)
         if not (text or reasoning or first_chunk):
             return None, reason
         call = ToolCall(choice.name, text).body(0) if first_chunk else {"index": 0, "function": {"arguments": text}}
@@ -153,6 +149,13 @@ def _auto_delta(job: ChatJob, completion: CompletionOutput, sent: ChoiceProgress
     # The first chunk names the role with content "" (as vLLM's does) unless it already carries a call or reasoning.
     return DeltaMessage(role=role, content=text or (None if bodies or reasoning else ""), reasoning=reasoning,
                         tool_calls=bodies or None), reason
+
+
+def _new_answer(job: ChatJob, completion: CompletionOutput, sent: ChoiceProgress) -> tuple[str | None, str]:
+    """The reasoning and the answer text not sent yet (reasoning None when there is none new)."""
+    reasoning, answer = _new_reasoning(job, completion, sent)
+    text, sent.chars = answer[sent.chars:], len(answer)
+    return reasoning, text
 
 
 def _new_reasoning(job: ChatJob, completion: CompletionOutput, sent: ChoiceProgress) -> tuple[str | None, str]:

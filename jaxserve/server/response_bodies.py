@@ -141,7 +141,7 @@ class ChatRendering:
         choice, reason = self.tool_choice, completion.finish_reason
         reasoning, text = self.answer(completion, final=True)
         # With reasoning split off, an answer not yet begun is None, as in vLLM.
-        plain = ChatMessage(content=text or (None if reasoning is not None else text), reasoning=reasoning)
+        plain = ChatMessage(content=None if reasoning is not None and not text else text, reasoning=reasoning)
         if choice is None:
             return plain, reason
         if choice.kind == "auto":
