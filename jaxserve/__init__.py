@@ -1,5 +1,6 @@
 """jaxserve: a JAX/XLA inference engine for large language models."""
 
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -19,4 +20,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["Engine", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["Engine", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "LoRARequest"]

@@ -99,6 +99,10 @@ class ModelConfig:
     # padded experts.
     vocab_pad: int = 0
     expert_pad: int = 0
+    # LoRA: adapter slots beside the layers' weights (0: none) and the rank each holds (Engine's max_loras and
+    # max_lora_rank; set by the engine, not by the checkpoint: models/lora.py).
+    lora_slots: int = 0
+    lora_rank: int = 0
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

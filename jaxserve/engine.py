@@ -21,12 +21,14 @@ from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.output_processor import SequenceText, position_logprobs, record_prompt_logprobs, request_output
 from jaxserve.core.request import Request, Sequence
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+from jaxserve.engine_lora import EngineAdapters, check_lora_options
 from jaxserve.engine_inputs import (check_engine_options, check_max_model_len, fit_context_to_cache,
                                    model_for_context, normalise_conversations, normalise_prompts, prompt_token_ids,
                                    validate_lengths)
 from jaxserve.grammar import GrammarCompiler, grammar_ended
 from jaxserve.loader.checkpoint import open_checkpoint
 from jaxserve.loader.tokenizer import read_chat_template
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.parallel.multihost import agree_on_min
 from jaxserve.parallel.sharding import resolve_mesh
@@ -68,9 +70,11 @@ class Engine:
                  tokenizer=None, attention_impl: str = "auto", tensor_parallel_size: int | None = None,
                  pipeline_parallel_size: int | None = None, pp_layer_partition: list[int] | None = None,
                  quantization: str | None = None, load_format: str = "auto", async_scheduling: bool = True,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, enable_lora: bool = False, max_loras: int = 1,
+                 max_lora_rank: int = 16, lora_modules: dict[str, str] | None = None):
         check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
                              recompile_guard, quantization)
+        enable_lora, max_loras = check_lora_options(enable_lora, max_loras, max_lora_rank, lora_modules)
         template = None if chat_template is None else read_chat_template(chat_template)  # before the load
         enable_compilation_cache(compilation_cache_dir)
         ckpt = open_checkpoint(model, load_format)
@@ -84,8 +88,13 @@ class Engine:
         cfg = model_for_context(cfg, max_model_len)
         dtype = resolve_dtype(dtype, jax.devices()[0].platform)
         self.mesh_shape = resolve_mesh(mesh, tensor_parallel_size, pipeline_parallel_size)
+        if enable_lora:  # the layers get adapter slots beside their weights (models/lora.py)
+            cfg = dataclasses.replace(cfg, lora_slots=max_loras, lora_rank=max_lora_rank)
         self.runner = ModelRunner(cfg, ckpt.tensors, dtype, block_size, self.mesh_shape, attention_impl,
                                   pp_layer_partition, quantization)
+        self.adapters = EngineAdapters(self.runner, cfg, max_loras, max_lora_rank, enable_lora)
+        for name, path in (lora_modules or {}).items():
+            self.adapters.preload(name, path)
         self.plan_shape = PlanShape(Buckets.for_limits(max_num_batched_tokens, max_num_seqs), block_size,
                                     cfg.vocab_size, max_model_len, max_logprobs, self.runner.decode_kernel)
         self.runner.set_token_feed(self.plan_shape.buckets.seqs[-1])
@@ -104,7 +113,7 @@ class Engine:
             dtype=dtype, seed=seed, max_logprobs=max_logprobs, quantization=quantization,
         )
         self.blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.config.scheduler, self.blocks)
+        self.scheduler = Scheduler(self.config.scheduler, self.blocks, self.adapters.slots)
         self._requests: dict[str, Request] = {}
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self._eos_token_ids())
         self._texts: dict[int, SequenceText] = {}
@@ -160,13 +169,16 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------------
 
     def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                        priority: int = 0) -> Request:
+                        priority: int = 0, lora_request: LoRARequest | None = None) -> Request:
         """Tokenize and validate (no device work, safe from any thread). Raises ValueError for bad input."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = prompt_token_ids(self.tokenizer, prompt, self.config.model.vocab_size)
         params = validate_lengths(params, len(ids), self.max_model_len, self.config)
+        lora_request = self.adapters.check(lora_request)
         seqs = [self._new_sequence(request_id, i, ids, params, priority) for i in range(params.num_sequences)]
+        for seq in seqs:
+            seq.lora_request = lora_request
         if params.constrained:  # compiled here, off the engine thread; an invalid grammar is a ValueError
             matcher = self.grammars.matcher(params.structured_outputs)
             for i, seq in enumerate(seqs):
@@ -197,8 +209,9 @@ class Engine:
             self.scheduler.add(seq)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    priority: int = 0) -> None:
-        self.add_prepared_request(self.prepare_request(request_id, prompt, params, priority=priority))
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> None:
+        self.add_prepared_request(self.prepare_request(request_id, prompt, params, priority=priority,
+                                                       lora_request=lora_request))
 
     def abort_request(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)
@@ -238,6 +251,7 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return None
+        self.adapters.write_pending()  # adapters the scheduler just gave a slot
         inputs, statics = build_step_inputs(sched, self.blocks, self.plan_shape)
         if self.logits_log is not None:
             statics = dataclasses.replace(statics, return_logits=True)
@@ -318,20 +332,23 @@ class Engine:
     # ---- convenience API ---------------------------------------------------------------------------------
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run prompts (a str, a list of str, or a list of token-id lists) to completion, in input order."""
+                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
+        """Run prompts (a str, a list of str, or a list of token-id lists) to completion, in input order;
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (vLLM's `LLM.generate`)."""
         prompts = normalise_prompts(prompts)
-        return self._run_all(prompts, params, use_tqdm)
+        return self._run_all(prompts, params, use_tqdm, lora_request)
 
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or a list of conversations; the template
         options are vLLM's `LLM.chat` ones."""
         prompts = [self.encode_chat(conv, add_generation_prompt, continue_final_message=continue_final_message,
                                     chat_template_kwargs=chat_template_kwargs, tools=tools)
                    for conv in normalise_conversations(messages)]
-        return self._run_all(prompts, params, use_tqdm)
+        return self._run_all(prompts, params, use_tqdm, lora_request)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **rendering) -> list[int]:
         """Token ids of the messages through the chat template; `rendering`: continue_final_message,
@@ -351,15 +368,19 @@ class Engine:
                     finished = out.finished
                     yield out
 
-    def _run_all(self, prompts: list, params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run_all(self, prompts: list, params, use_tqdm: bool, lora_request=None) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
         params_list = params if isinstance(params, list) else [params or self.default_sampling_params()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one or one each")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts; give one or one each")
         ids = [f"gen-{next(self._request_ids)}" for _ in prompts]
         # Validate every prompt before anything runs, so one bad prompt does not leave the others half done.
-        requests = [self.prepare_request(rid, prompt, p) for rid, prompt, p in zip(ids, prompts, params_list)]
+        requests = [self.prepare_request(rid, prompt, p, lora_request=lora)
+                    for rid, prompt, p, lora in zip(ids, prompts, params_list, loras)]
         for request in requests:
             self.add_prepared_request(request)
         results: dict[str, RequestOutput] = {}

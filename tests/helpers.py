@@ -218,3 +218,24 @@ def _gguf_rope_factors(cfg: dict, rope: dict, theta: float, rotary: int) -> dict
             smooth = (old_context / wavelen - low) / (high - low)
             divisors.append(1 / ((1 - smooth) / factor + smooth))
     return {"rope_freqs.weight": divisors}
+
+
+ALL_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_lora_adapter(base_dir: Path, out: Path, seed: int, r: int = 4, targets=tuple(ALL_LORA_TARGETS), **config):
+    """A PEFT LoRA adapter for the checkpoint at base_dir, with random factors large enough to move the logits
+    (PEFT starts B at zero); returns the PEFT model, the reference."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = get_peft_model(base, LoraConfig(r=r, target_modules=list(targets), init_lora_weights=False, **config))
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "lora_" in name:
+                weight.mul_(3.0)
+    model.save_pretrained(out)
+    return model.eval()

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 import numpy as np
 
 NULL_BLOCK = 0
-# The parent hash of a sequence's first block.
-_ROOT_HASH = b""
+# The parent hash of a sequence's first block, unless its KV differs for equal tokens (a LoRA adapter's
+# sequences chain from their adapter's root: Sequence.cache_root).
+ROOT_HASH = b""
 
 
 def hash_block(parent_hash: bytes, block_token_ids: Sequence[int]) -> bytes:
@@ -80,7 +81,7 @@ class BlockManager:
 
     # ---- allocation --------------------------------------------------------------------------------
 
-    def match_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
+    def match_prefix(self, seq_id: int, token_ids: Sequence[int], root: bytes = ROOT_HASH) -> int:
         """Reuse the longest cached chain of full blocks matching the start of token_ids.
 
         The sequence must hold no blocks yet. Returns the number of tokens covered, a multiple of block_size,
@@ -91,7 +92,7 @@ class BlockManager:
         if self._tables.get(seq_id):
             raise ValueError(f"match_prefix needs a sequence without blocks; seq {seq_id} already has some")
         max_blocks = (len(token_ids) - 1) // self.block_size
-        blocks, hashes = self._find_cached_chain(token_ids, max_blocks)
+        blocks, hashes = self._find_cached_chain(token_ids, max_blocks, root)
         for block in blocks:
             self._take_reference(block)
         self._tables[seq_id] = blocks
@@ -114,7 +115,7 @@ class BlockManager:
             table.append(block)
         return True
 
-    def commit(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def commit(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int, root: bytes = ROOT_HASH) -> None:
         """Register the sequence's newly full blocks (KV computed for the first num_computed_tokens) in the cache.
 
         When another block already caches the same hash, that mapping is kept and this block stays uncached.
@@ -131,7 +132,7 @@ class BlockManager:
             )
         for index in range(len(hashes), num_full_blocks):
             start = index * self.block_size
-            parent = hashes[-1] if hashes else _ROOT_HASH
+            parent = hashes[-1] if hashes else root
             block_hash = hash_block(parent, token_ids[start : start + self.block_size])
             hashes.append(block_hash)
             if block_hash not in self._cached:
@@ -165,10 +166,11 @@ class BlockManager:
 
     # ---- internals ---------------------------------------------------------------------------------
 
-    def _find_cached_chain(self, token_ids: Sequence[int], max_blocks: int) -> tuple[list[int], list[bytes]]:
+    def _find_cached_chain(self, token_ids: Sequence[int], max_blocks: int,
+                           root: bytes) -> tuple[list[int], list[bytes]]:
         blocks: list[int] = []
         hashes: list[bytes] = []
-        parent = _ROOT_HASH
+        parent = root
         for index in range(max_blocks):
             start = index * self.block_size
             parent = hash_block(parent, token_ids[start : start + self.block_size])

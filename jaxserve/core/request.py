@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from ..lora_request import LoRARequest
 from ..sampling_params import SamplingParams
 
 
@@ -47,6 +48,15 @@ class Sequence:
     # and, for a grammar that starts after a token (reasoning), that token until it is sampled.
     matcher: object | None = None
     grammar_waits_for: int | None = None
+    # The LoRA adapter it runs with (None: the base model), and the device slot holding it once admitted (-1:
+    # none yet; core/adapter_slots.py).
+    lora_request: LoRARequest | None = None
+    lora_slot: int = -1
+
+    @property
+    def cache_root(self) -> bytes:
+        """The root of its blocks' prefix-cache hash chain: the adapter's, so KV never matches across adapters."""
+        return b"" if self.lora_request is None else self.lora_request.cache_root
 
     @property
     def grammar_active(self) -> bool:

@@ -13,6 +13,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from ..config import SchedulerConfig
+from .adapter_slots import AdapterSlots
 from .block_manager import BlockManager
 from .request import PLACEHOLDER, Sequence, SequenceStatus
 
@@ -45,9 +46,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, adapters: AdapterSlots | None = None):
         self.config = config
         self.blocks = block_manager
+        self.adapters = adapters or AdapterSlots(0)  # LoRA slots; without LoRA no sequence names an adapter
         self.waiting: list[Sequence] = []  # kept sorted by (priority, arrival)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -88,18 +90,22 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        i = 0  # the next waiting sequence to try: one whose LoRA adapter finds no slot is passed over
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[i]
+            if not self.adapters.admit(seq):
+                i += 1
+                continue
             # A request asking for prompt logprobs must compute every prompt position, so it takes no cache hits.
             if seq.num_computed_tokens == 0 and seq.params.prompt_logprobs is None:
-                seq.num_computed_tokens = self.blocks.match_prefix(seq.seq_id, seq.token_ids)
+                seq.num_computed_tokens = self.blocks.match_prefix(seq.seq_id, seq.token_ids, seq.cache_root)
                 seq.num_cached_tokens = max(seq.num_cached_tokens, min(seq.num_computed_tokens, seq.num_prompt_tokens))
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + n):
                 self.blocks.free(seq.seq_id)  # give back what the prefix match took; retry next step
                 seq.num_computed_tokens = 0
                 return
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             seq.status = SequenceStatus.RUNNING
             # Running sequences stay in (priority, arrival) order too: they are scheduled in that order and the
             # last one is the preemption victim, so a victim is never one already scheduled in this step.
@@ -124,7 +130,7 @@ class Scheduler:
             # Full blocks of known tokens join the prefix cache now, not when the step is read back: a step that
             # reuses them is dispatched later, so the device runs it after this one has written them.
             known = seq.num_computed_tokens if seq.pending_index is None else seq.pending_index
-            self.blocks.commit(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, known))
+            self.blocks.commit(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, known), seq.cache_root)
             if chunk.samples:
                 seq.pending_index, seq.pending_row = seq.num_tokens, row
                 seq.token_ids.append(PLACEHOLDER)
@@ -140,7 +146,7 @@ class Scheduler:
                 continue
             computed = chunk.start + chunk.num_tokens
             if seq.status is SequenceStatus.RUNNING:  # not preempted since: it still holds its blocks
-                self.blocks.commit(seq.seq_id, seq.token_ids, computed)
+                self.blocks.commit(seq.seq_id, seq.token_ids, computed, seq.cache_root)
             if not chunk.samples:
                 continue
             seq.token_ids[computed] = token
@@ -165,6 +171,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq.seq_id)
+        self.adapters.release(seq)
         if seq.pending_index is not None:  # the token of a step still in flight will not be part of it
             del seq.token_ids[seq.pending_index :]
             seq.pending_index = seq.pending_row = None

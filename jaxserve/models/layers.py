@@ -3,7 +3,7 @@
 Shape letters, used in every einsum of the package:
     B batch (sequences in a step)   T tokens (flat, across sequences)   S kv length
     D embed   H q heads   K kv heads   G q heads per kv head (H = K*G)   d head dim
-    F mlp hidden   E experts   V vocab   L layers
+    F mlp hidden   E experts   V vocab   L layers   N LoRA adapter slots   R LoRA rank
 """
 
 from __future__ import annotations
@@ -50,8 +50,11 @@ def weight(shape: tuple[int, ...], logical: tuple[str | None, ...], dtype, contr
     return param(shape, logical, jnp.int8), scale
 
 
-def dense(spec: str, x: jax.Array, weights: dict[str, jax.Array], name: str) -> jax.Array:
-    """`einsum(spec, x, weights[name])`, scaled back when the weight is int8 (its `<name>_scale` is present).
+def dense(spec: str, x: jax.Array, weights: dict[str, jax.Array], name: str,
+          adapters: jax.Array | None = None) -> jax.Array:
+    """`einsum(spec, x, weights[name])`, scaled back when the weight is int8 (its `<name>_scale` is present), plus
+    each token's LoRA update where the weight has adapter slots (`<name>_lora_a`/`_b`) and `adapters` says
+    which slot each token uses.
 
     The scale is per output channel, so it is applied once to the [.., out] result instead of to the weight, in
     float32 (a bfloat16 scale would add up to 0.4% of gain error per channel). GPU backends can fuse the int8 ->
@@ -59,9 +62,40 @@ def dense(spec: str, x: jax.Array, weights: dict[str, jax.Array], name: str) -> 
     """
     w, scale = weights[name], weights.get(name + "_scale")
     if scale is None:
-        return jnp.einsum(spec, x, w)
-    y = jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-    return (y * scale).astype(x.dtype)
+        y = jnp.einsum(spec, x, w)
+    else:
+        y = jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+        y = (y * scale).astype(x.dtype)
+    if adapters is not None and name + "_lora_a" in weights:
+        y = y + lora_delta(spec, x, weights[name + "_lora_a"], weights[name + "_lora_b"], adapters)
+    return y
+
+
+def lora_delta(spec: str, x: jax.Array, a: jax.Array, b: jax.Array, adapters: jax.Array) -> jax.Array:
+    """The LoRA update of `einsum(spec, x, w)`: x @ A @ B with each token's own adapter.
+
+    `a` [N, <contracted axes of w>, R] and `b` [N, R, <produced axes of w>] hold every slot's factors (scale
+    folded into B; unused slots and ranks are zeros); `adapters` [T, N] is one-hot per token (all zeros for the
+    base model). Every slot's x @ A is computed and the others' zeroed: N * R extra columns, exact, and no gather
+    of per-token weights. Adapter loads write slots in place, so nothing recompiles.
+    """
+    inputs, out = spec.split("->")
+    x_axes, w_axes = inputs.split(",")
+    contracted = "".join(c for c in w_axes if c in x_axes)
+    produced = "".join(c for c in w_axes if c not in x_axes)
+    rows = "".join(c for c in x_axes if c not in w_axes)  # the token axis
+    xa = jnp.einsum(f"{x_axes},N{contracted}R->{rows}NR", x, a.astype(x.dtype))
+    xa = xa * adapters[..., None].astype(x.dtype)
+    return jnp.einsum(f"{rows}NR,NR{produced}->{out}", xa, b.astype(x.dtype))
+
+
+def lora_selection(slots: jax.Array | None, weights: dict[str, jax.Array]) -> jax.Array | None:
+    """[T, N] one-hot of each token's adapter slot (`slots` [T], -1 for none: an all-zero row), or None when the
+    layers hold no adapter slots."""
+    a = next((v for k, v in weights.items() if k.endswith("_lora_a")), None)
+    if a is None or slots is None:
+        return None
+    return jax.nn.one_hot(slots, a.shape[0], dtype=a.dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -131,11 +165,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq, factor=1.0) -> jax.
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
-def gated_mlp(x: jax.Array, w: dict[str, jax.Array], activation: str) -> jax.Array:
+def gated_mlp(x: jax.Array, w: dict[str, jax.Array], activation: str, adapters: jax.Array | None = None) -> jax.Array:
     """down(act(gate(x)) * up(x)): SwiGLU with "silu" (Llama), GeGLU with "gelu_tanh" (Gemma)."""
-    gate = dense("TD,DF->TF", x, w, "w_gate")
-    up = dense("TD,DF->TF", x, w, "w_up")
-    return dense("TF,FD->TD", ACTIVATIONS[activation](gate) * up, w, "w_down")
+    gate = dense("TD,DF->TF", x, w, "w_gate", adapters)
+    up = dense("TD,DF->TF", x, w, "w_up", adapters)
+    return dense("TF,FD->TD", ACTIVATIONS[activation](gate) * up, w, "w_down", adapters)
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:

@@ -14,7 +14,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.layers import apply_rope, dense, gated_mlp, param, rms_norm, rope_tables, soft_cap, weight
+from jaxserve.models.layers import (apply_rope, dense, gated_mlp, lora_selection, param, rms_norm, rope_tables,
+                                    soft_cap, weight)
+from jaxserve.models.lora import add_lora_slots
 
 
 class DecoderLayers(nnx.Module):
@@ -43,6 +45,8 @@ class DecoderLayers(nnx.Module):
         if cfg.layers_differ:  # each layer's attention kind, an index into cfg.attention_windows
             self.attn_kind = param((L,), ("layers",), jnp.int32)
         self.init_mlp(cfg, dtype, q)
+        if cfg.lora_slots:
+            add_lora_slots(self, cfg, dtype)
 
     def init_mlp(self, cfg: ModelConfig, dtype, q: str | None):
         L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
@@ -54,17 +58,19 @@ class DecoderLayers(nnx.Module):
         return {name: p[...] for name, p in vars(self).items() if isinstance(p, nnx.Param)}
 
 
-def mlp(cfg: ModelConfig, w: dict[str, jax.Array], h: jax.Array) -> jax.Array:
-    return gated_mlp(h, w, cfg.hidden_act)
+def mlp(cfg: ModelConfig, w: dict[str, jax.Array], h: jax.Array, adapters: jax.Array | None = None) -> jax.Array:
+    return gated_mlp(h, w, cfg.hidden_act, adapters)
 
 
-def self_attention(cfg: ModelConfig, attention_fn, w: dict[str, jax.Array], h: jax.Array, kv, layer, meta):
+def self_attention(cfg: ModelConfig, attention_fn, w: dict[str, jax.Array], h: jax.Array, kv, layer, meta,
+                   adapters: jax.Array | None = None):
     """q/k/v projections, RoPE, paged attention, output projection. A model whose layers differ in attention
-    kind passes the layer's kind on (its window, and its RoPE frequencies)."""
+    kind passes the layer's kind on (its window, and its RoPE frequencies). `adapters`: each token's LoRA slot,
+    one-hot (layers.lora_selection)."""
     kind = w.get("attn_kind")
-    q = dense("TD,DHd->THd", h, w, "wq")
-    k = dense("TD,DKd->TKd", h, w, "wk")
-    v = dense("TD,DKd->TKd", h, w, "wv")
+    q = dense("TD,DHd->THd", h, w, "wq", adapters)
+    k = dense("TD,DKd->TKd", h, w, "wk", adapters)
+    v = dense("TD,DKd->TKd", h, w, "wv", adapters)
     if cfg.qkv_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     if cfg.qk_norm:  # over head_dim, each head alike (zero heads padded for tp stay zero)
@@ -77,15 +83,16 @@ def self_attention(cfg: ModelConfig, attention_fn, w: dict[str, jax.Array], h: j
     q = apply_rope(q, meta.positions, inv_freq, factor)
     k = apply_rope(k, meta.positions, inv_freq, factor)
     attn, kv = attention_fn(q, k, v, kv, layer, meta, kind)
-    return dense("THd,HdD->TD", attn, w, "wo"), kv
+    return dense("THd,HdD->TD", attn, w, "wo", adapters), kv
 
 
 def decoder_layer(cfg: ModelConfig, attention_fn, mlp_fn, carry, w: dict[str, jax.Array], layer: jax.Array, meta):
     x, kv = carry
     eps = cfg.rms_norm_eps
-    out, kv = self_attention(cfg, attention_fn, w, rms_norm(x, w["attn_norm"], eps), kv, layer, meta)
+    adapters = lora_selection(meta.lora_slots, w)
+    out, kv = self_attention(cfg, attention_fn, w, rms_norm(x, w["attn_norm"], eps), kv, layer, meta, adapters)
     x = x + _residual(cfg, out, w.get("post_attn_norm"))
-    out = mlp_fn(cfg, w, rms_norm(x, w["mlp_norm"], eps))
+    out = mlp_fn(cfg, w, rms_norm(x, w["mlp_norm"], eps), adapters)
     x = x + _residual(cfg, out, w.get("post_mlp_norm"))
     return x, kv
 

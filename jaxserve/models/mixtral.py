@@ -38,8 +38,8 @@ def route(cfg: ModelConfig, h: jax.Array, router: jax.Array) -> jax.Array:
     return jnp.einsum("Tk,TkE->TE", top_p, chosen)
 
 
-def moe_mlp(cfg: ModelConfig, w: dict[str, jax.Array], h: jax.Array) -> jax.Array:
-    """Every expert runs on every token and the combine weights zero the ones not chosen: dense, so with the
+def moe_mlp(cfg: ModelConfig, w: dict[str, jax.Array], h: jax.Array, adapters: jax.Array | None = None) -> jax.Array:
+    """(LoRA adapters change only the attention of these models: `adapters` is unused.) Every expert runs on every token and the combine weights zero the ones not chosen: dense, so with the
     experts split over tp each device runs its own experts and one all-reduce sums them. Costs E/k times the
     FLOPs of a sparse dispatch, which does not matter at the sizes this serves on CPU."""
     combine = route(cfg, h, w["router"])

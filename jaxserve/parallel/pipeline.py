@@ -22,7 +22,8 @@ from jax.sharding import Mesh
 
 from jaxserve.parallel.sharding import PIPELINE_AXIS, partition_spec
 
-PER_TOKEN_META = ("positions", "slot_mapping", "token_seq")  # AttentionMetadata fields with one entry per token
+# AttentionMetadata fields with one entry per token (lora_slots may be None)
+PER_TOKEN_META = ("positions", "slot_mapping", "token_seq", "lora_slots")
 
 
 def num_microbatches(num_tokens: int, num_stages: int) -> int:
@@ -38,15 +39,19 @@ def schedule(num_stages: int, num_micro: int) -> np.ndarray:
 
 def _micro_meta(meta, num_micro: int):
     """Per-token fields [T] -> [M, T/M]; block tables are per sequence and shared by every micro-batch."""
-    split = {name: getattr(meta, name).reshape(num_micro, -1) for name in PER_TOKEN_META}
+    split = {name: getattr(meta, name).reshape(num_micro, -1) for name in _present(meta)}
     return dataclasses.replace(meta, **split)
 
 
 def _pick_meta(meta, m: jax.Array, active: jax.Array):
     """Micro-batch m's metadata; on an idle tick every token is padding (position 0, written to the null
     block), so a stage's idle work never touches a real cache page."""
-    picked = {name: jnp.where(active, getattr(meta, name)[m], 0) for name in PER_TOKEN_META}
+    picked = {name: jnp.where(active, getattr(meta, name)[m], 0) for name in _present(meta)}
     return dataclasses.replace(meta, **picked)
+
+
+def _present(meta) -> list[str]:
+    return [name for name in PER_TOKEN_META if getattr(meta, name) is not None]
 
 
 def _stage(run_stage_layers, num_stages: int, num_micro: int, weights, x, kv, meta):

@@ -25,6 +25,8 @@ LOGICAL_RULES: dict[str, str | None] = {
     "mlp": "tp",
     "experts": "tp",
     "expert_mlp": None,  # an expert's own MLP width: whole, since its experts already split over tp
+    "lora_slots": None,  # LoRA factors: every device holds every adapter, split like the weight they change
+    "lora_rank": None,
 }
 
 PIPELINE_AXIS, TENSOR_AXIS = "pp", "tp"

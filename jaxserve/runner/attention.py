@@ -23,6 +23,9 @@ class AttentionMetadata:
     slot_mapping: jax.Array  # [T] int32, flat cache slot (block * block_size + offset) to write each token's K/V
     token_seq: jax.Array  # [T] int32, which row of block_tables each token belongs to
     block_tables: jax.Array  # [B, MB] int32, physical blocks of each sequence (0 = null block)
+    # [T] int32, each token's LoRA adapter slot, -1 for the base model (None: no adapters, in hand-built
+    # metadata). Not attention's, but per token like the fields above, which the pipeline splits into micro-batches.
+    lora_slots: jax.Array | None = None
     # Static (part of the compiled shape): every sequence has exactly one token here, token i being row i's, so
     # a decode kernel can run instead of the ragged one. Set only where the attention has one (see plan.py).
     decode_only: bool = field(default=False, metadata=dict(static=True))

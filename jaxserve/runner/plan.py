@@ -63,6 +63,7 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanSha
     positions = np.arange(N) - np.repeat(ends - counts - starts, counts)
     meta.positions[:N] = positions
     meta.token_seq[:N] = rows
+    meta.lora_slots[:N] = np.repeat([c.seq.lora_slot for c in chunks], counts)
     meta.slot_mapping[:N] = meta.block_tables[rows, positions // bs] * bs + positions % bs
     inputs.token_ids[:N] = list(chain.from_iterable(c.seq.token_ids[c.start : c.start + c.num_tokens] for c in chunks))
     inputs.token_source[ends[fed_rows] - 1] = fed_from
@@ -100,7 +101,7 @@ def empty_inputs(T: int, B: int, shape: PlanShape, penalties: bool = False, deco
         presence=f32(0.0), frequency=f32(0.0), repetition=f32(1.0), allowed=np.full((B, W), -1, np.int32),
     )
     meta = AttentionMetadata(np.zeros(T, np.int32), np.zeros(T, np.int32), np.zeros(T, np.int32),
-                             np.zeros((B, shape.max_blocks_per_seq), np.int32), decode_only)
+                             np.zeros((B, shape.max_blocks_per_seq), np.int32), np.full(T, -1, np.int32), decode_only)
     return StepInputs(np.zeros(T, np.int32), meta, np.zeros(B, np.int32), sampling, np.zeros(T, np.int32),
                       np.full(T, -1, np.int32))
 

@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
 from jaxserve.loader.weights import TensorSource, load_params
+from jaxserve.models.lora import is_lora_path
 from jaxserve.models.registry import model_class
 from jaxserve.parallel.layout import ParallelLayout, plan_layout
 from jaxserve.parallel.padding import pad_weight
@@ -39,6 +40,9 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
     with `quantization="int8"`, every matmul weight is quantized on the host as it is read."""
     layout = layout or plan_layout(cfg, 1, 1)
     if hasattr(tensors, "restore"):  # a `jaxserve convert` checkpoint: stored padded, each process reads its shards
+        if cfg.lora_slots:
+            raise ValueError("LoRA adapters cannot be served on a `jaxserve convert` checkpoint yet: serve the "
+                             "original model (HF directory or GGUF) with enable_lora instead")
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r} quantizes weights as they are read from the original "
                              "checkpoint, and a `jaxserve convert` checkpoint holds placed float weights: serve the "
@@ -64,6 +68,10 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
             placed[scale_path] = scale_var.replace(jax.device_put(scale, named_sharding(mesh, scale_logical)))
         placed[path] = var.replace(jax.device_put(array, named_sharding(mesh, logical)))
         del array
+    for path in filter(is_lora_path, flat):  # adapter slots start empty (zeros); runner/lora_weights.py fills them
+        var = flat[path]
+        sharding = named_sharding(mesh, var.get_metadata()["logical"])
+        placed[path] = var.replace(jax.jit(lambda v=var: jax.numpy.zeros(v.shape, v.dtype), out_shardings=sharding)())
     missing = set(flat) - set(placed)
     if missing:
         raise ValueError(f"the checkpoint provides no weights for {sorted('.'.join(p) for p in missing)}")

@@ -1,0 +1,79 @@
+"""Which LoRA adapter each of the engine's `max_loras` device slots holds (pure Python; no jax).
+
+A sequence takes a reference on its adapter's slot when the scheduler admits it and gives it back when it
+finishes. An adapter not resident is loaded into a free slot, or into the least recently used slot no
+sequence references; when every slot is referenced, sequences of other adapters wait (later requests whose
+adapter is resident go first, as in vLLM). The engine writes the weights of `pending_loads` into the device
+slots before the step that first uses them is dispatched.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from jaxserve.lora_request import LoRARequest
+
+from .request import Sequence
+
+
+class AdapterSlots:
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
+        self._requests: dict[str, LoRARequest] = {}
+        self._refs = [0] * num_slots
+        self._pinned: set[int] = set()  # slots of adapters loaded at start (serve's --lora-modules): never evicted
+        self.pending_loads: list[tuple[int, LoRARequest]] = []  # (slot, adapter) to write before the next step
+
+    def admit(self, seq: Sequence) -> bool:
+        """Give the sequence its adapter's slot (loading it if needed); False if no slot can take it now."""
+        lora = seq.lora_request
+        if lora is None or seq.lora_slot >= 0:
+            return True
+        slot = self._resident.get(lora.lora_name)
+        if slot is None:
+            slot = self._free_slot()
+            if slot is None:
+                return False
+            self._resident[lora.lora_name] = slot
+            self._requests[lora.lora_name] = lora
+            self.pending_loads.append((slot, lora))
+        self._resident.move_to_end(lora.lora_name)
+        self._refs[slot] += 1
+        seq.lora_slot = slot
+        return True
+
+    def pin(self, lora: LoRARequest) -> int:
+        """Load the adapter for good (its slot is never given to another): the server's named adapters."""
+        slot = self._free_slot()
+        if slot is None:
+            raise ValueError(f"max_loras={self.num_slots} slots cannot hold adapter {lora.lora_name!r} beside the "
+                             "others; raise max_loras (--max-loras) to the number of adapters")
+        self._resident[lora.lora_name] = slot
+        self._requests[lora.lora_name] = lora
+        self._pinned.add(slot)
+        self.pending_loads.append((slot, lora))
+        return slot
+
+    def can_hold(self, lora: LoRARequest) -> bool:
+        """Whether a request for this adapter can ever run: it is resident, or some slot is not pinned."""
+        return lora.lora_name in self._resident or len(self._pinned) < self.num_slots
+
+    def release(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self._refs[seq.lora_slot] -= 1
+            seq.lora_slot = -1
+
+    def resident(self) -> dict[str, int]:
+        return dict(self._resident)
+
+    def _free_slot(self) -> int | None:
+        used = set(self._resident.values())
+        for slot in range(self.num_slots):
+            if slot not in used:
+                return slot
+        for name, slot in self._resident.items():  # least recently used first
+            if self._refs[slot] == 0 and slot not in self._pinned:
+                del self._resident[name], self._requests[name]
+                return slot
+        return None

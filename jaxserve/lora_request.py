@@ -1,0 +1,30 @@
+"""`LoRARequest`: which LoRA adapter a request runs with (vLLM's `vllm.lora.request.LoRARequest`)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """A PEFT LoRA adapter directory (`adapter_config.json` + `adapter_model.safetensors`) under a name.
+
+    `lora_int_id` is vLLM's unique id per adapter; here the name is the key and the id is kept for
+    compatibility. The engine loads the adapter into a free slot the first time a request names it."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self):
+        if not self.lora_name:
+            raise ValueError("LoRARequest needs a non-empty lora_name")
+        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be an int >= 1 (vLLM's convention), got {self.lora_int_id!r}")
+
+    @property
+    def cache_root(self) -> bytes:
+        """The prefix cache's root hash for this adapter's requests: equal tokens give different KV under
+        another adapter, so their blocks must never match across adapters (or with the base model, root b"")."""
+        return hashlib.sha256(f"lora\0{self.lora_name}\0{self.lora_path}".encode()).digest()

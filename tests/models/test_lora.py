@@ -1,0 +1,149 @@
+"""Multi-LoRA serving: logits match PEFT's on transformers with the same base weights and adapter, with
+several adapters and the base model in one batch, on one device and on a tp x pp mesh; the prefix cache never
+shares KV across adapters; a slot is reused once its adapter's requests are done; adapters jaxserve cannot serve
+are refused by name."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jaxserve import Engine, LoRARequest, SamplingParams
+from tests.helpers import hf_logits, make_lora_adapter
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPTS = [list(range(300, 341)), list(range(100, 105)), list(range(200, 216))]  # partial, short, one block
+
+
+@pytest.fixture(scope="module")
+def llama_with_adapters(tiny_checkpoint, tmp_path_factory):
+    """A tiny Llama, two adapters on it (one on every target with rsLoRA scaling, one on attention only, rank 2),
+    and their PEFT references."""
+    base = tiny_checkpoint("llama", tie_word_embeddings=False)
+    root = tmp_path_factory.mktemp("adapters")
+    every = make_lora_adapter(base, root / "every", seed=1, r=4, lora_alpha=8, use_rslora=True)
+    attention = make_lora_adapter(base, root / "attention", seed=2, r=2, lora_alpha=16,
+                                  targets=("q_proj", "v_proj", "o_proj"))
+    adapters = {"every": LoRARequest("every", 1, str(root / "every")),
+                "attention": LoRARequest("attention", 2, str(root / "attention"))}
+    return base, adapters, {"every": every, "attention": attention}
+
+
+def _reference(references: dict, name: str | None, tokens: list[int]) -> np.ndarray:
+    if name is None:
+        with references["every"].disable_adapter():
+            return hf_logits(references["every"], tokens)
+    return hf_logits(references[name], tokens)
+
+
+def check_lora_parity(engine: Engine, references: dict, prompts, loras, tol: float = 1e-4):
+    """Greedy generation of prompts[i] under loras[i]; every sampled row's logits against its reference."""
+    engine.logits_log = []
+    try:
+        outs = engine.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    finally:
+        log, engine.logits_log = engine.logits_log, None
+    finals = [(o.prompt_token_ids + o.outputs[0].token_ids, None if lora is None else lora.lora_name)
+              for o, lora in zip(outs, loras)]
+    references_by_final = {tuple(f): _reference(references, name, f) for f, name in finals}
+    assert len(log) == len(prompts) * GREEDY.max_tokens
+    worst = 0.0
+    for tokens_so_far, logits in log:
+        full = next(f for f, _ in finals if f[: len(tokens_so_far)] == tokens_so_far)
+        worst = max(worst, float(np.abs(references_by_final[tuple(full)][len(tokens_so_far) - 1] - logits).max()))
+    assert worst <= tol, f"max abs logit difference {worst}"
+    return outs
+
+
+@pytest.mark.parametrize("mesh", [None, "4x2"])
+def test_adapters_and_base_in_one_batch_match_peft(mesh, llama_with_adapters):
+    """On 4x2, tp pads the 2 kv heads to 4 (replicated) and pp pads 3 layers to 4 slots: the factors pad alike."""
+    base, adapters, references = llama_with_adapters
+    engine = Engine(str(base), mesh=mesh, enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64,
+                    max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
+    outs = check_lora_parity(engine, references, PROMPTS, [adapters["every"], adapters["attention"], None])
+    base_outs = engine.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    # The adapters do change the text (else the parity above would not show the adapters were applied).
+    assert outs[0].outputs[0].token_ids != base_outs[0].outputs[0].token_ids
+    assert outs[1].outputs[0].token_ids != base_outs[1].outputs[0].token_ids
+
+
+def test_prefix_cache_is_never_shared_across_adapters(llama_with_adapters):
+    base, adapters, references = llama_with_adapters
+    engine = Engine(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64,
+                    max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
+    prompt = PROMPTS[0]  # 41 tokens: two full blocks a later request could reuse
+    first = engine.generate([prompt], GREEDY, use_tqdm=False, lora_request=adapters["every"])[0]
+    again = engine.generate([prompt], GREEDY, use_tqdm=False, lora_request=adapters["every"])[0]
+    assert again.num_cached_tokens == 32 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    for lora in (adapters["attention"], None):  # same tokens, other weights: nothing cached applies
+        out = check_lora_parity(engine, references, [prompt], [lora])[0]
+        assert out.num_cached_tokens == 0
+
+
+def test_one_slot_serves_adapters_in_turn(llama_with_adapters):
+    """max_loras=1 and two adapters in one call: the second waits for the slot, which is then reloaded."""
+    base, adapters, references = llama_with_adapters
+    engine = Engine(str(base), enable_lora=True, max_loras=1, max_lora_rank=8, num_kv_blocks=64,
+                    max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
+    loras = [adapters["every"], adapters["attention"], adapters["every"]]
+    outs = check_lora_parity(engine, references, PROMPTS, loras)
+    adapter_of = {out.request_id: lora.lora_name for out, lora in zip(outs, loras)}
+    steps = [{adapter_of[rid] for rid, _, _ in record.chunks} for record in engine.step_records]
+    assert all(len(names) == 1 for names in steps), "two adapters ran in one step with one slot"
+    # The third request passed the second: its adapter was resident, so both of "every" ran before the reload.
+    first_attention = steps.index({"attention"})
+    assert {"every"} not in steps[first_attention:]
+    assert any(rid == outs[2].request_id for record in list(engine.step_records)[:first_attention] for rid, _, _ in record.chunks)
+
+
+def test_named_adapters_are_loaded_at_start_and_kept(llama_with_adapters):
+    base, adapters, references = llama_with_adapters
+    modules = {name: lora.lora_path for name, lora in adapters.items()}
+    engine = Engine(str(base), lora_modules=modules, max_lora_rank=8, num_kv_blocks=64, max_num_batched_tokens=64,
+                    max_num_seqs=4, warmup=False)  # max_loras rises to 2, one slot each
+    assert engine.adapters.slots.resident() == {"every": 0, "attention": 1}
+    check_lora_parity(engine, references, PROMPTS[:2], [adapters["attention"], adapters["every"]])
+    with pytest.raises(ValueError, match="raise max_loras"):
+        engine.generate(PROMPTS[:1], GREEDY, use_tqdm=False,
+                        lora_request=LoRARequest("third", 3, adapters["every"].lora_path))
+
+
+def _broken_copy(src: str, dst, config_changes: dict | None = None, extra_tensors: dict | None = None) -> str:
+    dst.mkdir()
+    config = json.loads(Path(src, "adapter_config.json").read_text())
+    (dst / "adapter_config.json").write_text(json.dumps(config | (config_changes or {})))
+    tensors = load_file(f"{src}/adapter_model.safetensors") | (extra_tensors or {})
+    save_file(tensors, str(dst / "adapter_model.safetensors"))
+    return str(dst)
+
+
+def test_adapters_it_cannot_serve_are_refused_by_name(llama_with_adapters, tmp_path):
+    base, adapters, _ = llama_with_adapters
+    src = adapters["every"].lora_path
+    engine = Engine(str(base), enable_lora=True, max_lora_rank=8, num_kv_blocks=16, max_num_batched_tokens=32,
+                    max_num_seqs=2, warmup=False)
+    cases = {
+        "rank 16, above max_lora_rank=8": _broken_copy(src, tmp_path / "r16", {"r": 16}),
+        "no adapter_config.json": str(tmp_path),
+        "DoRA": _broken_copy(src, tmp_path / "dora", {"use_dora": True}),
+        "embed_tokens.lora_embedding_A.weight": _broken_copy(
+            src, tmp_path / "embed", extra_tensors={"base_model.model.model.embed_tokens.lora_embedding_A.weight":
+                                                    np.zeros((4, 8), np.float32)}),
+        "for layer 7, but the model has 3 layers": _broken_copy(
+            src, tmp_path / "deep", extra_tensors={
+                f"base_model.model.model.layers.7.self_attn.q_proj.lora_{x}.weight": np.zeros((4, 64), np.float32)
+                for x in "AB"}),
+    }
+    for i, (message, path) in enumerate(cases.items()):
+        with pytest.raises(ValueError, match=message):
+            engine.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest(f"bad{i}", i + 1, path))
+    assert not engine.has_unfinished_requests()
+    plain = Engine(str(base), num_kv_blocks=16, max_num_batched_tokens=32, max_num_seqs=2, warmup=False)
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        plain.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=adapters["every"])
+    engine.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=adapters["every"])
+    with pytest.raises(ValueError, match="already in use"):
+        engine.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("every", 9, str(tmp_path / "r16")))
