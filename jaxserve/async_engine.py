@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.request_errors import EngineDeadError, EngineShuttingDown, QueueFull, RequestTimedOut
 from jaxserve.request_stream import END_OF_STREAM, RequestStream
@@ -132,7 +133,8 @@ class AsyncEngine:
 
     # --- requests ---------------------------------------------------------------------------------------------
     async def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate and queue a request; its outputs arrive on the returned stream.
 
@@ -143,7 +145,7 @@ class AsyncEngine:
         self._admit(request_id)
         try:
             request = await asyncio.to_thread(
-                self.engine.prepare_request, request_id, prompt, params, priority=priority
+                self.engine.prepare_request, request_id, prompt, params, priority=priority, lora_request=lora_request
             )
             stream = RequestStream(request_id, self._stream_done)
             self._submit((_ADD, request, stream))
@@ -156,10 +158,11 @@ class AsyncEngine:
         return stream
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the request finishes; stopping early aborts the request."""
-        stream = await self.add_request(prompt, params, request_id, priority=priority)
+        stream = await self.add_request(prompt, params, request_id, priority=priority, lora_request=lora_request)
         try:
             async for output in stream:
                 yield output

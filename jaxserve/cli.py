@@ -23,6 +23,8 @@ from jaxserve.cli_args import (
     fail,
     layer_partition,
     json_object,
+    lora_module,
+    lora_modules_dict,
     memory_fraction,
     mesh_shape,
     non_negative_float,
@@ -105,9 +107,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-warmup", action="store_true",
                         help="compile step programs when first needed instead of at start-up (faster start, "
                              "slower first requests)")
+    add_lora_arguments(parser)
     add_distributed_arguments(parser)
     parser.add_argument("--config", metavar="FILE.yaml", help="read any of these options from a YAML file")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    lora = parser.add_argument_group("LoRA adapters (vLLM's options)")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="give the model adapter slots (implied by --lora-modules)")
+    lora.add_argument("--lora-modules", type=lora_module, nargs="+", metavar="NAME=PATH",
+                      help="PEFT LoRA adapter directories, each served as model NAME (a request's \"model\" picks "
+                           "it); loaded at start and kept")
+    lora.add_argument("--max-loras", type=positive_int, default=1, metavar="N",
+                      help="adapter slots on the devices (default 1; raised to the number of --lora-modules)")
+    lora.add_argument("--max-lora-rank", type=positive_int, default=16, metavar="R",
+                      help="largest adapter rank a slot holds (default 16)")
 
 
 def mesh_from_args(args: argparse.Namespace) -> str | None:
@@ -151,7 +167,8 @@ def build_engine(args: argparse.Namespace):
                         kv_cache_memory_fraction=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching, attention_impl=args.attention_impl,
                         chat_template=args.chat_template if is_leader(args) else None,  # only it sees prompts
-                        **compilation_cache_option(args))
+                        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                        lora_modules=lora_modules_dict(args.lora_modules), **compilation_cache_option(args))
     except (ValueError, OSError) as exc:  # the engine words these for people (DESIGN.md convention 9)
         raise UserError(str(exc)) from None
     # Process 0 gets its engine back (now driving the others); a follower follows and exits inside take_role.

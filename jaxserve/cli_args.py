@@ -110,6 +110,33 @@ def layer_partition(text: str) -> list[int]:
     return [int(p) for p in parts]
 
 
+def lora_module(text: str) -> tuple[str, str]:
+    """`name=path`, or vLLM's JSON form `{"name": ..., "path": ...}` -> (name, path)."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        if isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(value.get("path"), str):
+            return value["name"], value["path"]
+    else:
+        name, sep, path = text.partition("=")
+        if sep and name and path:
+            return name, path
+    raise argparse.ArgumentTypeError(f"expected NAME=PATH (an adapter directory served as model NAME) or "
+                                     f"'{{\"name\": ..., \"path\": ...}}', got {text!r}")
+
+
+def lora_modules_dict(modules: list[tuple[str, str]] | None) -> dict[str, str] | None:
+    if not modules:
+        return None
+    names = [name for name, _ in modules]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise UserError(f"--lora-modules names {', '.join(repeated)} more than once; give each adapter its own name")
+    return dict(modules)
+
+
 # --- multi-node (jaxserve/parallel/launch.py reads these) ---------------------------------------------------
 def non_negative_int(text: str) -> int:
     try:

@@ -37,6 +37,7 @@ class EngineAdapters:
         self._cfg = cfg  # the checkpoint's real sizes (the runner pads to the mesh)
         self._known: dict[str, LoRARequest] = {}
         self._factors: dict[str, dict] = {}  # name -> host factors, read once (requests are prepared off-thread)
+        self.preloaded: dict[str, LoRARequest] = {}  # loaded at start and kept (the server's named adapters)
         self._lock = threading.Lock()
 
     def check(self, lora: LoRARequest | None) -> LoRARequest | None:
@@ -66,6 +67,7 @@ class EngineAdapters:
         """Load an adapter at start and keep it resident (serve's --lora-modules)."""
         lora = self.check(LoRARequest(name, len(self._known) + 1, path))
         self.slots.pin(lora)
+        self.preloaded[name] = lora
         self.write_pending()
 
     def write_pending(self) -> None:

@@ -75,6 +75,9 @@ def test_config_file_values_with_command_line_winning(tmp_path):
     (["serve", "--default-chat-template-kwargs", "[1]"], "expected a JSON object"),
     (["generate", "--prompt", "x", "--chat-template", "missing.jinja"], "neither a readable file"),
     (["generate"], "--prompt"),
+    (["serve", "--lora-modules", "sql"], "expected NAME=PATH"),
+    (["serve", "--lora-modules", '{"name": "sql"}'], "expected NAME=PATH"),
+    (["generate", "--prompt", "x", "--lora-modules", "a=/x", "a=/y"], "names a more than once"),
     (["generate", "--prompt", "x", "--temperature", "-1"], "temperature"),
 ])
 def test_user_errors_are_one_line_and_exit_2(capsys, argv, expected):
@@ -143,6 +146,14 @@ def test_vllm_engine_flags_reach_the_engine(capsys, fake_engine_module):
     assert fake_engine_module["kv_cache_memory_fraction"] == 0.5 and fake_engine_module["enable_prefix_caching"] is False
     assert fake_engine_module["attention_impl"] == "reference" and fake_engine_module["chat_template"] == "{{ x }}"
     assert fake_engine_module["compilation_cache_dir"] is None  # '' turns the cache off
+
+
+def test_lora_flags_reach_the_engine(capsys, fake_engine_module):
+    assert cli.main(["generate", "--prompt", "Count:", "--max-tokens", "3", "--lora-modules", "sql=/adapters/sql",
+                     '{"name": "chat", "path": "/adapters/chat"}', "--max-lora-rank", "64"]) == 0
+    assert fake_engine_module["lora_modules"] == {"sql": "/adapters/sql", "chat": "/adapters/chat"}
+    assert fake_engine_module["max_lora_rank"] == 64 and fake_engine_module["max_loras"] == 1
+    assert fake_engine_module["enable_lora"] is False  # the Engine turns LoRA on for named adapters
 
 
 def test_serve_logs_model_mesh_kv_capacity_and_url(fake_engine_module, caplog, monkeypatch):

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.chat_protocol import ChatCompletionRequest
@@ -72,6 +73,7 @@ class PreparedRequest:
     prompts: list[Prompt]
     params: SamplingParams
     priority: int
+    lora_request: LoRARequest | None = None  # the adapter the body's `model` names
 
     @property
     def request_id(self) -> str:
@@ -97,15 +99,17 @@ def new_request_id(url: str) -> str:
 
 
 def prepare(url: str, body: dict, defaults: dict, request_id: str, engine, served_model_names: list[str],
-            parsers: OutputParsers = OutputParsers()) -> PreparedRequest:
-    """Everything HTTP does before queueing: parse, pick the model name, build prompts and params.
-    `parsers`: the job's tool_call_parser (chat bodies with tool_choice "auto") and reasoning_parser."""
+            parsers: OutputParsers = OutputParsers(), lora_adapters: dict[str, LoRARequest] | None = None,
+            ) -> PreparedRequest:
+    """Everything HTTP does before queueing: parse, pick the model name (or LoRA adapter), build prompts and
+    params. `parsers`: the job's tool_call_parser (chat bodies with tool_choice "auto") and reasoning_parser."""
     endpoint = ENDPOINTS[url]
+    adapters = lora_adapters or {}
     request, _ = parse_body(url, body, defaults)
-    model = resolve_model_name(request.model, served_model_names)
+    model = resolve_model_name(request.model, served_model_names + list(adapters))
     prompts, params = endpoint.inputs(request, engine, parsers)
     rendering = endpoint.rendering(request, model, request_id, engine.tokenizer, parsers, prompts, params)
-    return PreparedRequest(endpoint, rendering, prompts, params, request.priority)
+    return PreparedRequest(endpoint, rendering, prompts, params, request.priority, adapters.get(model))
 
 
 def sampling_default_problems(sampling: dict) -> list[str]:

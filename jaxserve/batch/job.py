@@ -59,7 +59,8 @@ def run_job(path: str | Path, *, engine=None, engine_factory=None, show_progress
                              max_concurrency=job.max_concurrency or default_concurrency(engine),
                              stop_check=stop_check, parsers=OutputParsers(
                                  tool_call_parser(job.tool_call_parser),
-                                 reasoning_parser(job.reasoning_parser, engine.tokenizer)))
+                                 reasoning_parser(job.reasoning_parser, engine.tokenizer)),
+                             lora_adapters=engine.adapters.preloaded)
         try:
             totals = runner.run(todo)
         finally:

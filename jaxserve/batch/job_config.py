@@ -51,6 +51,11 @@ class EngineOptions(BaseModel):
     attention_impl: Literal[ATTENTION_IMPLS] | None = None
     compilation_cache_dir: str | None = None
     chat_template: str | None = None  # a Jinja chat template or a file holding one (relative: to the job file)
+    # LoRA adapters (name -> PEFT adapter directory, relative: to the job file); a body's `model` picks one.
+    enable_lora: bool | None = None
+    max_loras: PositiveInt | None = None
+    max_lora_rank: PositiveInt | None = None
+    lora_modules: dict[str, str] | None = None
 
     @field_validator("mesh", mode="before")
     @classmethod
@@ -68,6 +73,14 @@ class EngineOptions(BaseModel):
         if template is None or is_template_text(template):
             return template
         return str(Path((info.context or {}).get("base_dir", ".")) / Path(template).expanduser())
+
+    @field_validator("lora_modules", mode="after")
+    @classmethod
+    def _adapters_beside_the_job(cls, modules: dict[str, str] | None, info: ValidationInfo) -> dict[str, str] | None:
+        if modules is None:
+            return None
+        base_dir = Path((info.context or {}).get("base_dir", "."))
+        return {name: str(base_dir / Path(path).expanduser()) for name, path in modules.items()}
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `Engine(...)`: only what the job set, with -tp/-pp folded into the mesh."""

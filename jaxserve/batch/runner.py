@@ -47,7 +47,7 @@ class RunTotals:
 class BatchRunner:
     def __init__(self, engine, results: ResultLog, progress: BatchProgress, *, sampling_defaults: dict,
                  served_model_names: list[str], max_concurrency: int, stop_check=lambda: None,
-                 parsers: OutputParsers = OutputParsers()):
+                 parsers: OutputParsers = OutputParsers(), lora_adapters: dict | None = None):
         self.engine = engine
         self.results = results
         self.progress = progress
@@ -56,6 +56,7 @@ class BatchRunner:
         self.max_concurrency = max_concurrency
         self.stop_check = stop_check  # raises to end the run between steps
         self.parsers = parsers  # the job's tool_call_parser (tool_choice "auto" in chat bodies), reasoning_parser
+        self.lora_adapters = lora_adapters or {}  # name -> LoRARequest: bodies whose `model` names one use it
         self.totals = RunTotals()
         self._lines_in_flight = 0
         self._owner: dict[str, InFlight] = {}  # engine request id -> its batch line
@@ -79,9 +80,9 @@ class BatchRunner:
         request_id = new_request_id(entry.url)
         try:
             prepared = prepare(entry.url, entry.body, self.sampling_defaults, request_id, self.engine,
-                               self.served_model_names, self.parsers)
+                               self.served_model_names, self.parsers, self.lora_adapters)
             requests = [self.engine.prepare_request(engine_id, prompt, prepared.params.clone(),
-                                                    priority=prepared.priority)
+                                                    priority=prepared.priority, lora_request=prepared.lora_request)
                         for engine_id, prompt in zip(_engine_ids(request_id, prepared), prepared.prompts)]
         except APIError as exc:
             self._save(refused(entry.custom_id, request_id, exc))

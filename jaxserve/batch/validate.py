@@ -72,9 +72,11 @@ def _body_problems(job: BatchJob, scan: InputScan) -> list[str]:
         except APIError as exc:
             problems.append(f"line {item.line} (custom_id {item.custom_id!r}): {exc.message}")
             continue
-        if job.served_model_name and request.model and request.model not in job.served_model_name:
+        adapters = list(job.engine.lora_modules or {})
+        if job.served_model_name and request.model and request.model not in job.served_model_name + adapters:
             problems.append(f"line {item.line} (custom_id {item.custom_id!r}): model {request.model!r} is not "
-                            f"served; served_model_name is {', '.join(job.served_model_name)}")
+                            f"served; served_model_name is {', '.join(job.served_model_name)}"
+                            + (f" and the LoRA adapters are {', '.join(adapters)}" if adapters else ""))
     return problems
 
 

@@ -80,6 +80,8 @@ async def list_models(request: Request) -> JSONResponse:
     state = _state(request)
     cards = [ModelCard(id=name, root=state.engine.model_name, max_model_len=state.engine.max_model_len)
              for name in state.served_model_names]
+    cards += [ModelCard(id=name, root=lora.lora_path, parent=state.served_model_names[0],
+                        max_model_len=state.engine.max_model_len) for name, lora in state.lora_adapters.items()]
     return JSONResponse(ModelList(data=cards).model_dump())
 
 
@@ -155,13 +157,15 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
               api_key: str | None = None, shutdown_engine: bool = True,
               max_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
               default_chat_template_kwargs: dict | None = None, tool_parser=None,
-              reasoning_parser=None) -> Starlette:
-    """The HTTP app over `async_engine`; it serves the model under `served_model_names` (default: its name).
+              reasoning_parser=None, lora_adapters: dict | None = None) -> Starlette:
+    """The HTTP app over `async_engine`; it serves the model under `served_model_names` (default: its name),
+    and each of `lora_adapters` (name -> LoRARequest) under its name.
 
     Bodies over `max_body_bytes` are refused with 413 (None: no limit)."""
     names = list(served_model_names or [async_engine.model_name])
     state = ServerState(async_engine, names, ServerMetrics(async_engine, names[0]), api_key,
-                        default_chat_template_kwargs, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+                        default_chat_template_kwargs, tool_parser=tool_parser, reasoning_parser=reasoning_parser,
+                        lora_adapters=dict(lora_adapters or {}))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

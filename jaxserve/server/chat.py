@@ -48,7 +48,7 @@ async def create_chat_completion(request: Request) -> Response:
     reasoning = state.reasoning_parser and state.reasoning_parser.bind(prompts[0], params)
     arrival_time = time.monotonic()
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await start_requests(state, prompts, params, request_id, body.priority)
+    streams = await start_requests(state, prompts, params, request_id, body.priority, model)
     job = ChatJob(body, model, request_id, tokenizer, state.tool_parser, reasoning, state=state,
                   arrival_time=arrival_time, stream=streams[0])
     if body.stream:

@@ -42,7 +42,7 @@ async def create_completion(request: Request) -> Response:
     prompts, params = completion_inputs(body, state.engine.generation_defaults)
     arrival_time = time.monotonic()
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await start_requests(state, prompts, params, request_id, body.priority)
+    streams = await start_requests(state, prompts, params, request_id, body.priority, model)
     job = CompletionJob(body, model, request_id, state.engine.tokenizer, state, arrival_time, streams)
     if body.stream:
         return EventStreamResponse(sse_events(_stream_chunks(job)), on_close=lambda: close_all(streams))

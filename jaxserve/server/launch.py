@@ -28,7 +28,8 @@ def serve_engine(engine, args: argparse.Namespace, sock: socket.socket, mesh: st
                     max_body_bytes=args.max_request_body_bytes,
                     default_chat_template_kwargs=args.default_chat_template_kwargs,
                     tool_parser=tool_call_parser(args.tool_call_parser if args.enable_auto_tool_choice else None),
-                    reasoning_parser=reasoning_parser(args.reasoning_parser, engine.tokenizer))
+                    reasoning_parser=reasoning_parser(args.reasoning_parser, engine.tokenizer),
+                    lora_adapters=engine.adapters.preloaded)
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
     log_startup(engine, mesh, names, f"http://{host}:{port}")
@@ -45,6 +46,8 @@ def log_startup(engine, mesh: str | None, names: list[str], url: str) -> None:
     block_size = engine.config.cache.block_size
     logger.info("model %s served as %s; max_model_len %d", engine.model_name, ", ".join(names),
                 engine.max_model_len)
+    for name, lora in engine.adapters.preloaded.items():
+        logger.info("LoRA adapter %s served as %s", lora.lora_path, name)
     logger.info("mesh %s; dtype %s", mesh or "1x1 (one device)", engine.config.dtype)
     logger.info("KV cache: %d blocks x %d tokens = %d tokens", stats["total_blocks"], block_size,
                 stats["total_blocks"] * block_size)

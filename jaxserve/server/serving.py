@@ -8,6 +8,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from jaxserve.async_engine import AsyncEngine
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.request_stream import RequestStream
 from jaxserve.sampling_params import SamplingParams
@@ -30,24 +31,33 @@ class ServerState:
     default_chat_template_kwargs: dict | None = None  # --default-chat-template-kwargs; a request's own win
     tool_parser: HermesToolParser | None = None  # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto"
     reasoning_parser: ThinkReasoningParser | None = None  # --reasoning-parser: `reasoning` apart from `content`
+    # --lora-modules: a request whose `model` names one runs with that adapter (vLLM's convention)
+    lora_adapters: dict[str, LoRARequest] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
 
     def resolve_model(self, requested: str | None) -> str:
-        """The name to answer with; a 404 for a model this server does not serve."""
-        return resolve_model_name(requested, self.served_model_names)
+        """The name to answer with; a 404 for a model (or adapter) this server does not serve."""
+        return resolve_model_name(requested, self.served_model_names + list(self.lora_adapters))
+
+    def lora_for(self, model: str) -> LoRARequest | None:
+        """The adapter a resolved model name runs with (None: the base model)."""
+        return self.lora_adapters.get(model)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.engine.tokenizer.decode(token_ids)
 
 
 async def start_requests(state: ServerState, prompts: list[str | list[int]], params: SamplingParams,
-                         request_id: str, priority: int) -> list[RequestStream]:
-    """Queue one engine request per prompt; if any is refused, abort those already queued and re-raise."""
+                         request_id: str, priority: int, model: str) -> list[RequestStream]:
+    """Queue one engine request per prompt (with the adapter `model` names, if it names one); if any is
+    refused, abort those already queued and re-raise."""
     streams: list[RequestStream] = []
+    lora = state.lora_for(model)
     try:
         for index, prompt in enumerate(prompts):
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
-            streams.append(await state.engine.add_request(prompt, params.clone(), sub_id, priority=priority))
+            streams.append(await state.engine.add_request(prompt, params.clone(), sub_id, priority=priority,
+                                                          lora_request=lora))
     except BaseException:
         close_all(streams)
         raise

@@ -4,6 +4,7 @@ shares KV across adapters; a slot is reused once its adapter's requests are done
 are refused by name."""
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -147,3 +148,26 @@ def test_adapters_it_cannot_serve_are_refused_by_name(llama_with_adapters, tmp_p
     engine.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=adapters["every"])
     with pytest.raises(ValueError, match="already in use"):
         engine.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("every", 9, str(tmp_path / "r16")))
+
+
+def test_batch_job_bodies_name_adapters(llama_with_adapters, tmp_path):
+    """`engine.lora_modules` in a job file (paths relative to it); a body's `model` picks the adapter, as over HTTP."""
+    from jaxserve.batch.job import run_job
+    from tests.batch.helpers import completion_line, results_by_custom_id, write_job
+
+    base, adapters, _ = llama_with_adapters
+    (tmp_path / "adapters").symlink_to(os.path.dirname(adapters["every"].lora_path))
+    lines = [completion_line(name, PROMPTS[0], model=name, max_tokens=6, temperature=0, ignore_eos=True)
+             for name in ("every", "attention", "tiny")]
+    job = write_job(tmp_path, lines, model=str(base), served_model_name=["tiny"],
+                    engine={"lora_modules": {"every": "adapters/every", "attention": "adapters/attention"},
+                            "max_lora_rank": 8, "num_kv_blocks": 64, "max_num_seqs": 4, "warmup": False})
+    summary = run_job(job, show_progress=False)
+    assert summary.totals.succeeded == 3
+    results = results_by_custom_id(tmp_path / "out.jsonl")
+    engine = Engine(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64, max_num_seqs=4,
+                    warmup=False)
+    for name in ("every", "attention", "tiny"):
+        [expected] = engine.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=adapters.get(name))
+        status, body = results[name]
+        assert body["model"] == name and body["choices"][0]["text"] == expected.outputs[0].text

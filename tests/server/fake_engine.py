@@ -48,8 +48,11 @@ class FakeEngine:
         self._script = tokenizer.encode(script_text)
         self._running: dict[str, FakeRequest] = {}
         self.aborted: list[str] = []
+        self.adapters = SimpleNamespace(preloaded={})  # the LoRA adapters served by name (serve --lora-modules)
+        self.lora_requests: dict[str, object] = {}  # request id -> the adapter it was prepared with
 
-    def prepare_request(self, request_id, prompt, params, *, priority=0):
+    def prepare_request(self, request_id, prompt, params, *, priority=0, lora_request=None):
+        self.lora_requests[request_id] = lora_request
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt)
         else:
