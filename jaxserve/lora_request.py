@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class LoRARequest:
         if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
             raise ValueError(f"lora_int_id must be an int >= 1 (vLLM's convention), got {self.lora_int_id!r}")
 
-    @property
+    @cached_property  # read at every step of every sequence that uses the adapter
     def cache_root(self) -> bytes:
         """The prefix cache's root hash for this adapter's requests: equal tokens give different KV under
         another adapter, so their blocks must never match across adapters (or with the base model, root b"")."""

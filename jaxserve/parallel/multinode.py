@@ -8,6 +8,7 @@ follower runs the follower loop and exits when released, so commands need no mul
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -65,9 +66,10 @@ def is_leader(args: argparse.Namespace) -> bool:
 
 
 def fingerprint(args: argparse.Namespace) -> dict:
-    """The options every process must share: all but the per-process and the HTTP server's own."""
+    """The options every process must share: all but the per-process and the HTTP server's own. In the form the
+    other processes' arrive in (a JSON round trip: tuples become lists), so equal options compare equal."""
     ignored = PER_PROCESS_OPTIONS | _server_options()
-    return {k: v for k, v in sorted(vars(args).items()) if k not in ignored}
+    return json.loads(json.dumps({k: v for k, v in sorted(vars(args).items()) if k not in ignored}))
 
 
 def _server_options() -> set[str]:
