@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from jaxserve.lora_request import LoRARequest
+from ..lora_request import LoRARequest
 
 from .request import Sequence
 
