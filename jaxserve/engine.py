@@ -1,6 +1,7 @@
 """The engine: requests in, RequestOutputs out. One step is schedule -> run -> update.
 
-`Engine.generate` / `chat` / `stream` are the synchronous Python API; `AsyncEngine` (async_engine.py) drives
+`Engine.generate` / `chat` / `stream` are the synchronous Python API (engine_offline.py, built on the request and
+step methods here); `AsyncEngine` (async_engine.py) drives
 `add_request` / `step` / `abort_request` from a background thread for the server.
 """
 
@@ -11,7 +12,6 @@ import itertools
 import logging
 import random
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import jax
@@ -22,8 +22,9 @@ from jaxserve.core.output_processor import SequenceText, position_logprobs, reco
 from jaxserve.core.request import Request, Sequence
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine_lora import EngineAdapters, check_lora_options
+from jaxserve.engine_offline import OfflineAPI
 from jaxserve.engine_inputs import (check_engine_options, check_max_model_len, fit_context_to_cache,
-                                   model_for_context, normalise_conversations, normalise_prompts, prompt_token_ids,
+                                   model_for_context, prompt_token_ids,
                                    validate_lengths)
 from jaxserve.grammar import GrammarCompiler, grammar_ended
 from jaxserve.loader.checkpoint import open_checkpoint
@@ -61,7 +62,7 @@ class StepRecord:
     chunks: tuple[tuple[str, int, int], ...]
 
 
-class Engine:
+class Engine(OfflineAPI):
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory_fraction: float = 0.9,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, seed: int = 0, mesh=None,
@@ -328,79 +329,6 @@ class Engine:
             for seq in request.sequences:
                 self._texts.pop(seq.seq_id, None)
         return output
-
-    # ---- convenience API ---------------------------------------------------------------------------------
-
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
-                 ) -> list[RequestOutput]:
-        """Run prompts (a str, a list of str, or a list of token-id lists) to completion, in input order;
-        `lora_request`: the LoRA adapter of every prompt, or one per prompt (vLLM's `LLM.generate`)."""
-        prompts = normalise_prompts(prompts)
-        return self._run_all(prompts, params, use_tqdm, lora_request)
-
-    def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True, *,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
-             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of messages) or a list of conversations; the template
-        options are vLLM's `LLM.chat` ones."""
-        prompts = [self.encode_chat(conv, add_generation_prompt, continue_final_message=continue_final_message,
-                                    chat_template_kwargs=chat_template_kwargs, tools=tools)
-                   for conv in normalise_conversations(messages)]
-        return self._run_all(prompts, params, use_tqdm, lora_request)
-
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **rendering) -> list[int]:
-        """Token ids of the messages through the chat template; `rendering`: continue_final_message,
-        chat_template_kwargs, tools (loader/tokenizer.apply_chat_template)."""
-        from jaxserve.loader.tokenizer import apply_chat_template
-
-        return apply_chat_template(self.tokenizer, messages, add_generation_prompt, **rendering)
-
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield the request's output after every step that advanced it, until it finishes."""
-        request_id = f"stream-{next(self._request_ids)}"
-        self.add_request(request_id, prompt, params or self.default_sampling_params())
-        finished = False
-        while not finished:
-            for out in self.step():
-                if out.request_id == request_id:
-                    finished = out.finished
-                    yield out
-
-    def _run_all(self, prompts: list, params, use_tqdm: bool, lora_request=None) -> list[RequestOutput]:
-        from tqdm.auto import tqdm
-
-        params_list = params if isinstance(params, list) else [params or self.default_sampling_params()] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one or one each")
-        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts; give one or one each")
-        ids = [f"gen-{next(self._request_ids)}" for _ in prompts]
-        # Validate every prompt before anything runs, so one bad prompt does not leave the others half done.
-        requests = [self.prepare_request(rid, prompt, p, lora_request=lora)
-                    for rid, prompt, p, lora in zip(ids, prompts, params_list, loras)]
-        for request in requests:
-            self.add_prepared_request(request)
-        results: dict[str, RequestOutput] = {}
-        wanted = set(ids)
-        try:
-            with tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm) as bar:
-                while len(results) < len(ids):
-                    for out in self.step(finished_only=True):
-                        if out.request_id in wanted:  # not a request left over from an interrupted call
-                            results[out.request_id] = out
-                            bar.update(1)
-        except BaseException:  # an interrupt or an error: these requests must not run on inside later calls
-            for rid in ids:
-                self.abort_request(rid)
-            raise
-        return [results[rid] for rid in ids]
-
-    def default_sampling_params(self) -> SamplingParams:
-        """SamplingParams with the model's generation_config.json defaults (temperature, top_p, ...), as vLLM."""
-        return SamplingParams(**self.generation_defaults)
 
     def stats(self) -> dict:
         return {

@@ -77,6 +77,3 @@ class EngineAdapters:
                                                 self._runner.mesh, self._runner.layout, self._cfg.num_kv_heads)
             log.info("LoRA adapter %s (%s) loaded into slot %d", lora.lora_name, lora.lora_path, slot)
         self.slots.pending_loads.clear()
-
-    def names(self) -> list[str]:
-        return list(self._known)

@@ -20,7 +20,6 @@ class AdapterSlots:
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
         self._resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
-        self._requests: dict[str, LoRARequest] = {}
         self._refs = [0] * num_slots
         self._pinned: set[int] = set()  # slots of adapters loaded at start (serve's --lora-modules): never evicted
         self.pending_loads: list[tuple[int, LoRARequest]] = []  # (slot, adapter) to write before the next step
@@ -36,7 +35,6 @@ class AdapterSlots:
             if slot is None:
                 return False
             self._resident[lora.lora_name] = slot
-            self._requests[lora.lora_name] = lora
             self.pending_loads.append((slot, lora))
         self._resident.move_to_end(lora.lora_name)
         self._refs[slot] += 1
@@ -50,7 +48,6 @@ class AdapterSlots:
             raise ValueError(f"max_loras={self.num_slots} slots cannot hold adapter {lora.lora_name!r} beside the "
                              "others; raise max_loras (--max-loras) to the number of adapters")
         self._resident[lora.lora_name] = slot
-        self._requests[lora.lora_name] = lora
         self._pinned.add(slot)
         self.pending_loads.append((slot, lora))
         return slot
@@ -74,6 +71,6 @@ class AdapterSlots:
                 return slot
         for name, slot in self._resident.items():  # least recently used first
             if self._refs[slot] == 0 and slot not in self._pinned:
-                del self._resident[name], self._requests[name]
+                del self._resident[name]
                 return slot
         return None
