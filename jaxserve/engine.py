@@ -18,6 +18,7 @@ import jax
 
 from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_dtype
 from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.ngram_proposer import NgramProposer
 from jaxserve.core.output_processor import SequenceText, position_logprobs, record_prompt_logprobs, request_output
 from jaxserve.core.request import Request, Sequence
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
@@ -41,6 +42,7 @@ from jaxserve.runner.plan import PlanShape, build_step_inputs, empty_inputs
 from jaxserve.runner.sampler import SamplerFlags
 from jaxserve.runner.step import StepStatics
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.speculative_config import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +74,9 @@ class Engine(OfflineAPI):
                  pipeline_parallel_size: int | None = None, pp_layer_partition: list[int] | None = None,
                  quantization: str | None = None, load_format: str = "auto", async_scheduling: bool = True,
                  chat_template: str | None = None, enable_lora: bool = False, max_loras: int = 1,
-                 max_lora_rank: int = 16, lora_modules: dict[str, str] | None = None):
+                 max_lora_rank: int = 16, lora_modules: dict[str, str] | None = None,
+                 speculative_config: dict | SpeculativeConfig | None = None):
+        speculative = SpeculativeConfig.from_dict(speculative_config)
         check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
                              recompile_guard, quantization)
         enable_lora, max_loras = check_lora_options(enable_lora, max_loras, max_lora_rank, lora_modules)
@@ -96,12 +100,16 @@ class Engine(OfflineAPI):
         self.adapters = EngineAdapters(self.runner, cfg, max_loras, max_lora_rank, enable_lora)
         for name, path in (lora_modules or {}).items():
             self.adapters.preload(name, path)
-        self.plan_shape = PlanShape(Buckets.for_limits(max_num_batched_tokens, max_num_seqs), block_size,
+        # A single stream's drafted step (1 + k tokens and rows) gets a bucket of its own, unpadded.
+        spec_step = () if speculative is None else (1 + speculative.num_speculative_tokens,)
+        self.plan_shape = PlanShape(Buckets.for_limits(max_num_batched_tokens, max_num_seqs, spec_step), block_size,
                                     cfg.vocab_size, max_model_len, max_logprobs, self.runner.decode_kernel)
         self.runner.set_token_feed(self.plan_shape.buckets.seqs[-1])
         # Overlap needs the step's read-back to stay this process's own: with several processes, followers run
-        # each step whole and the host copy can be a collective (parallel/multihost.py).
-        self.async_scheduling = async_scheduling and jax.process_count() == 1
+        # each step whole and the host copy can be a collective (parallel/multihost.py). Drafting needs a
+        # sequence's latest tokens on the host, which overlap would always leave one step behind (as in vLLM,
+        # speculative decoding runs its steps one after the other).
+        self.async_scheduling = async_scheduling and jax.process_count() == 1 and speculative is None
         self._launched: deque[InFlightStep] = deque()  # dispatched, not read back yet (oldest first)
         num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_memory_fraction)
         max_model_len = fit_context_to_cache(max_model_len, requested_len, (num_kv_blocks - 1) * block_size)
@@ -114,7 +122,11 @@ class Engine(OfflineAPI):
             dtype=dtype, seed=seed, max_logprobs=max_logprobs, quantization=quantization,
         )
         self.blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.config.scheduler, self.blocks, self.adapters.slots)
+        self.speculative_config = speculative
+        proposer = None if speculative is None else NgramProposer(speculative.num_speculative_tokens,
+                                                                 speculative.prompt_lookup_min,
+                                                                 speculative.prompt_lookup_max)
+        self.scheduler = Scheduler(self.config.scheduler, self.blocks, self.adapters.slots, proposer)
         self._requests: dict[str, Request] = {}
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self._eos_token_ids())
         self._texts: dict[int, SequenceText] = {}
@@ -240,8 +252,8 @@ class Engine(OfflineAPI):
         """
         touched: dict[str, Request] = {}
         # One step in flight at most when scheduling (a call that raised leaves two): one placeholder a sequence.
-        # None when it samples for a grammar: the next mask needs the token it samples.
-        self._read_back_all_but(0 if self._grammar_in_flight() else 1, touched)
+        # None when it samples for a grammar or checks drafts: the next step needs the tokens it samples.
+        self._read_back_all_but(0 if self._tokens_needed_in_flight() else 1, touched)
         launched = self._launch()
         if launched is not None and launched.recompiled:
             self._on_recompile(launched.sched)  # may raise: every launched step is queued, so nothing is lost
@@ -265,10 +277,12 @@ class Engine(OfflineAPI):
         self._launched.append(step)
         return step
 
-    def _grammar_in_flight(self) -> bool:
-        """Whether a constrained sequence samples in a step in flight: then the next step waits for its token, which
-        the next mask depends on. A grammar still waiting for its start token counts: the token may be it."""
-        return any(c.seq.matcher is not None and c.samples for step in self._launched for c in step.sched.chunks)
+    def _tokens_needed_in_flight(self) -> bool:
+        """Whether the next step must wait for the tokens of a step in flight: a constrained sequence samples there
+        (the next mask depends on its token; a grammar still waiting for its start token counts, the token may be
+        it), or a sequence's drafts are checked there (how many are accepted decides its next positions)."""
+        return any((c.seq.matcher is not None and c.samples) or c.draft
+                   for step in self._launched for c in step.sched.chunks)
 
     def _read_back_all_but(self, keep: int, touched: dict[str, Request]) -> None:
         """Read back and account for the launched steps, oldest first, leaving the newest `keep` in flight."""
@@ -280,15 +294,26 @@ class Engine(OfflineAPI):
             self._account(step.sched, step.pending, touched)
 
     def _account(self, sched: SchedulerOutput, result: StepResult, touched: dict[str, Request]) -> None:
+        sampled = [_chunk_samples(c, result.tokens[row : row + c.num_rows])
+                   for row, c in zip(sched.first_rows(), sched.chunks)]
         if self.logits_log is not None:
-            self.logits_log.extend((c.seq.token_ids[: c.start + c.num_tokens], result.logits[i])
-                                   for i, c in enumerate(sched.chunks) if c.samples and not c.seq.finished)
-        sampled = [int(result.tokens[i]) if c.samples else None for i, c in enumerate(sched.chunks)]
+            self._log_logits(sched, sampled, result)
         if result.prompt is not None:
             record_prompt_logprobs(sched.chunks, result.prompt, self._texts)
-        for seq, token, row in self.scheduler.resolve(sched, sampled):
+
+        def on_token(seq: Sequence, token: int, row: int) -> None:
             self._on_token(seq, token, result, row)
             touched[seq.request_id] = self._requests[seq.request_id]
+
+        self.scheduler.resolve(sched, sampled, on_token)
+
+    def _log_logits(self, sched: SchedulerOutput, sampled: list, result: StepResult) -> None:
+        """(the sequence's tokens before a sampled one, the logits it was sampled from), for each token kept."""
+        for row, c, tokens in zip(sched.first_rows(), sched.chunks, sampled):
+            if c.samples and not c.seq.finished:
+                kept = len(c.accepted(tokens)) if c.draft else 1
+                self.logits_log.extend((c.seq.token_ids[: c.end] + c.draft[:i], result.logits[row + i])
+                                       for i in range(kept))
 
     def _on_recompile(self, sched: SchedulerOutput) -> None:
         if self._compiles_at_warmup is None or self.recompile_guard == "off":
@@ -338,12 +363,22 @@ class Engine(OfflineAPI):
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
+            "spec_decode_num_drafts": self.scheduler.num_drafts,
+            "spec_decode_num_draft_tokens": self.scheduler.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.scheduler.num_accepted_tokens,
             "prefix_cache_queries": self.blocks.prefix_cache_queries,
             "prefix_cache_hits": self.blocks.prefix_cache_hits,
             "num_steps": self._num_steps,
             "num_compiles": self.runner.num_compiles,
             "compiles_after_warmup": self.compiles_after_warmup,
         }
+
+
+def _chunk_samples(chunk, rows) -> int | list[int] | None:
+    """What the scheduler reads of a chunk's sampled rows: every row's token when it fed drafts, else its one."""
+    if chunk.draft:
+        return [int(t) for t in rows]
+    return int(rows[0]) if chunk.samples else None
 
 
 def _profile_inputs(T: int, B: int, shape: PlanShape):

@@ -5,16 +5,24 @@ then waiting ones are admitted in (priority, arrival) order while the token budg
 the KV blocks allow. A prompt longer than the budget is prefilled in chunks across steps, so decodes never
 stall behind it. When blocks run out, the latest-arrived running sequence is preempted by recompute: its
 blocks are freed and it goes back to the waiting queue, keeping its generated tokens.
+
+Speculative decoding (with a proposer): a decoding sequence may also feed draft tokens, guesses of what follows
+its last token; the step samples after each of them, and `resolve` keeps the drafts that match what was sampled
+plus the one sample after them. Drafts only use the rows (sampled positions) that the step's sequences and the
+waiting ones that could still be admitted leave free, so speculation never delays an admission.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Sequence as Tokens
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from ..config import SchedulerConfig
 from .adapter_slots import AdapterSlots
 from .block_manager import BlockManager
+from .ngram_proposer import NgramProposer
 from .request import PLACEHOLDER, Sequence, SequenceStatus
 
 
@@ -24,11 +32,37 @@ class ScheduledChunk:
     start: int  # first token position computed this step
     num_tokens: int
     samples: bool = False  # the chunk reaches the sequence's last token, so the step samples its next one
+    # Speculative decoding: guessed tokens fed after the sequence's last one (counted in num_tokens); the step
+    # samples after each, one row apiece.
+    draft: list[int] = field(default_factory=list)
 
     @classmethod
-    def of(cls, seq: Sequence, num_tokens: int) -> "ScheduledChunk":
-        start = seq.num_computed_tokens
-        return cls(seq, start, num_tokens, samples=start + num_tokens == seq.num_tokens)
+    def of(cls, seq: Sequence, num_tokens: int, draft: list[int] | None = None) -> "ScheduledChunk":
+        start, draft = seq.num_computed_tokens, draft or []
+        return cls(seq, start, num_tokens, samples=start + num_tokens - len(draft) == seq.num_tokens, draft=draft)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows it takes in the step's sampler: one, plus one per draft token."""
+        return 1 + len(self.draft)
+
+    @property
+    def end(self) -> int:
+        """One past the last of the sequence's own tokens it computes (drafts not counted)."""
+        return self.start + self.num_tokens - len(self.draft)
+
+    def input_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.end] + self.draft
+
+    def accepted(self, sampled: list[int]) -> list[int]:
+        """The tokens a step's samples make final: each draft token equal to the sample before it, then the sample
+        after the last of them. Sampling every position as usual and keeping a draft token only where the sample
+        equals it is rejection sampling for a draft that is certain of its guess, so the tokens follow the model's
+        own distribution; seeded, they are the very tokens decoding one at a time would give."""
+        kept = 0
+        while kept < len(self.draft) and self.draft[kept] == sampled[kept]:
+            kept += 1
+        return list(sampled[: kept + 1])
 
 
 @dataclass
@@ -44,15 +78,30 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.chunks
 
+    @property
+    def num_rows(self) -> int:
+        return sum(c.num_rows for c in self.chunks)
+
+    def first_rows(self) -> list[int]:
+        """Each chunk's first row in the step's sampler (rows are laid out chunk after chunk)."""
+        return [0, *accumulate(c.num_rows for c in self.chunks)][:-1]
+
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, adapters: AdapterSlots | None = None):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, adapters: AdapterSlots | None = None,
+                 proposer: NgramProposer | None = None):
         self.config = config
         self.blocks = block_manager
         self.adapters = adapters or AdapterSlots(0)  # LoRA slots; without LoRA no sequence names an adapter
+        self.proposer = proposer  # drafts tokens for speculative decoding; None: off
+        # The step's largest sequence bucket (runner/buckets.py) bounds its sampler rows too.
+        self.max_rows = min(config.max_num_seqs, config.max_num_batched_tokens)
         self.waiting: list[Sequence] = []  # kept sorted by (priority, arrival)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_drafts = 0  # speculative decoding: chunks that fed drafts, their draft tokens, those accepted
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -70,6 +119,9 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Rows drafts may take: those the running sequences and the admissible waiting ones leave.
+        admissible = min(len(self.waiting), self.config.max_num_seqs - len(self.running))
+        spare_rows = self.max_rows - len(self.running) - max(admissible, 0)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -77,6 +129,13 @@ class Scheduler:
                 i += 1  # its token in flight is its last: it finishes when that step is read back
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            draft = self._draft(seq, min(budget - 1, spare_rows)) if n == 1 else []
+            if draft and self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + 1 + len(draft)):
+                out.chunks.append(ScheduledChunk.of(seq, 1 + len(draft), draft))
+                budget -= 1 + len(draft)
+                spare_rows -= len(draft)
+                i += 1
+                continue
             while not self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + n):
                 victim = self.running[-1]  # the lowest priority, latest arrival: not scheduled yet this step
                 self._preempt(victim)
@@ -88,6 +147,16 @@ class Scheduler:
                 budget -= n
                 i += 1
         return budget
+
+    def _draft(self, seq: Sequence, max_len: int) -> list[int]:
+        """Draft tokens for a decoding sequence: none for one whose next sample needs its tokens sampled one by one
+        (a grammar's mask, penalties over the history) or while its last token is still in flight; never past its
+        max_tokens or the context."""
+        if self.proposer is None or seq.pending_index is not None or seq.matcher is not None or \
+                seq.params.needs_penalties:
+            return []
+        room = min(seq.params.max_tokens - seq.num_output_tokens, seq.max_model_len - seq.num_tokens) - 1
+        return self.proposer.propose(seq.token_ids, min(max_len, room))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         i = 0  # the next waiting sequence to try: one whose LoRA adapter finds no slot is passed over
@@ -123,10 +192,11 @@ class Scheduler:
     def advance(self, out: SchedulerOutput) -> None:
         """Account for a step as it is dispatched: its tokens count as computed, and each sampling sequence gets
         a PLACEHOLDER for the token the step will sample, so the next step can be scheduled before this one's
-        tokens are read back (async scheduling). `resolve` fills the placeholders in."""
-        for row, chunk in enumerate(out.chunks):
+        tokens are read back (async scheduling). `resolve` fills the placeholders in. Draft tokens count as
+        computed only once `resolve` accepts them."""
+        for row, chunk in zip(out.first_rows(), out.chunks):
             seq = chunk.seq
-            seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            seq.num_computed_tokens = chunk.end
             # Full blocks of known tokens join the prefix cache now, not when the step is read back: a step that
             # reuses them is dispatched later, so the device runs it after this one has written them.
             known = seq.num_computed_tokens if seq.pending_index is None else seq.pending_index
@@ -134,31 +204,56 @@ class Scheduler:
             if chunk.samples:
                 seq.pending_index, seq.pending_row = seq.num_tokens, row
                 seq.token_ids.append(PLACEHOLDER)
+            if chunk.draft:
+                self.num_drafts += 1
+                self.num_draft_tokens += len(chunk.draft)
 
-    def resolve(self, out: SchedulerOutput, sampled: list[int | None]) -> list[tuple[Sequence, int]]:
-        """Account for a step's results, steps in dispatch order: register its now-computed blocks, put each
-        sampled token in its placeholder's place, stop what is done. Returns (sequence, token, row of the step)
-        for each sequence that received a token."""
+    def resolve(self, out: SchedulerOutput, sampled: list[int | Tokens[int] | None],
+                on_token: Callable[[Sequence, int, int], None] | None = None) -> list[tuple[Sequence, int, int]]:
+        """Account for a step's results, steps in dispatch order: register its now-computed blocks, put the sampled
+        tokens in place (a chunk with drafts gets a list, its rows' samples), stop what is done. `on_token(seq,
+        token, row)` runs after each token's own stop checks and may finish the sequence, which drops the tokens
+        after it. Returns (sequence, token, row of the step) for each token a sequence received."""
         progressed = []
-        for row, (chunk, token) in enumerate(zip(out.chunks, sampled)):
+        for row, chunk, tokens in zip(out.first_rows(), out.chunks, sampled):
             seq = chunk.seq
             if seq.finished:  # aborted or stopped while the step ran
                 continue
-            computed = chunk.start + chunk.num_tokens
-            if seq.status is SequenceStatus.RUNNING:  # not preempted since: it still holds its blocks
-                self.blocks.commit(seq.seq_id, seq.token_ids, computed, seq.cache_root)
             if not chunk.samples:
+                if seq.status is SequenceStatus.RUNNING:  # not preempted since: it still holds its blocks
+                    self.blocks.commit(seq.seq_id, seq.token_ids, chunk.end, seq.cache_root)
                 continue
-            seq.token_ids[computed] = token
-            if seq.pending_index == computed:  # no later step holds a placeholder of this sequence
-                seq.pending_index = seq.pending_row = None
-            progressed.append((seq, token, row))
-            stop = seq.stop_after(token, computed)
-            if stop is not None:
-                self.finish(seq, *stop)
+            tokens = chunk.accepted(tokens) if chunk.draft else [tokens]
+            self._place(seq, chunk, tokens)
+            for i, token in enumerate(tokens):
+                index = chunk.end + i
+                progressed.append((seq, token, row + i))
+                stop = seq.stop_after(token, index)
+                if stop is not None:
+                    self.finish(seq, *stop)
+                if on_token is not None:
+                    on_token(seq, token, row + i)
+                if seq.finished:
+                    del seq.token_ids[index + 1 :]
+                    break
         return progressed
 
-    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+    def _place(self, seq: Sequence, chunk: ScheduledChunk, tokens: list[int]) -> None:
+        """Put a step's final tokens where its placeholder is; drafts it accepted become computed tokens."""
+        at = computed = chunk.end
+        if chunk.draft:  # read back before the next step was scheduled (engine.py), so nothing follows it
+            assert seq.pending_index == at, "a step was scheduled before the drafts in flight were checked"
+            seq.token_ids[at:] = tokens
+            computed = seq.num_computed_tokens = at + len(tokens) - 1
+            self.num_accepted_tokens += len(tokens) - 1
+        else:
+            seq.token_ids[at] = tokens[0]
+        if seq.pending_index == at:  # no later step holds a placeholder of this sequence
+            seq.pending_index = seq.pending_row = None
+        if seq.status is SequenceStatus.RUNNING:  # not preempted since: it still holds its blocks
+            self.blocks.commit(seq.seq_id, seq.token_ids, computed, seq.cache_root)
+
+    def update(self, out: SchedulerOutput, sampled: list[int | Tokens[int] | None]) -> list[Sequence]:
         """`advance` then `resolve`: a step whose results are read back before the next is scheduled."""
         self.advance(out)
         return [seq for seq, _, _ in self.resolve(out, sampled)]

@@ -29,12 +29,15 @@ class Buckets:
     seqs: tuple[int, ...]  # B: sequences in a step
 
     @classmethod
-    def for_limits(cls, max_num_batched_tokens: int, max_num_seqs: int) -> "Buckets":
+    def for_limits(cls, max_num_batched_tokens: int, max_num_seqs: int, extra: tuple[int, ...] = ()) -> "Buckets":
+        """`extra`: sizes steps often have that the geometric series would pad (speculative decoding's 1 + k
+        tokens of a single stream)."""
         max_seqs = min(max_num_seqs, max_num_batched_tokens)
         # Small sequence counts grow by 4x: padding rows cost little (a block-table row and an LM-head row each).
         # Tokens grow by 2x from 16, which keeps prefill padding under half.
         wide = geometric(16, max_num_batched_tokens, 2) if max_num_batched_tokens > 16 else (max_num_batched_tokens,)
-        tokens = tuple(sorted(set(geometric(1, max_seqs, 4)) | set(wide)))
+        extra = {n for n in extra if n <= max_seqs}
+        tokens = tuple(sorted(set(geometric(1, max_seqs, 4)) | set(wide) | extra))
         # Every token bucket up to max_seqs is also a sequence bucket: then a step's B never rounds past its T (a
         # step has at least one token per sequence), so every step's (T, B) is one warm-up compiled, and a
         # decode-only step gets T == B instead of paying for padding tokens.

@@ -41,9 +41,11 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanSha
     """Whole-array numpy work wherever it can be (a few operations per step, not per sequence): at 256 sequences
     a step's host work is a fifth of a GPU step, and it runs between steps (BENCHMARKS.md)."""
     chunks = out.chunks
-    T, B = shape.buckets.shape(out.num_tokens, len(chunks))
+    # B covers the sequences (block-table rows) and the sampled rows, one per chunk plus one per draft token.
+    T, B = shape.buckets.shape(out.num_tokens, out.num_rows)
     decode_only = shape.decode_kernel and T == B and all(c.num_tokens == 1 for c in chunks)
-    grammar_rows = [(row, c.seq.matcher) for row, c in enumerate(chunks) if c.samples and c.seq.grammar_active]
+    first_rows = out.first_rows()
+    grammar_rows = [(row, c.seq.matcher) for row, c in zip(first_rows, chunks) if c.samples and c.seq.grammar_active]
     inputs = empty_inputs(T, B, shape, penalties=any(c.seq.params.needs_penalties for c in chunks),
                           decode_only=decode_only, constrained=bool(grammar_rows))
     meta, bs = inputs.meta, blocks.block_size
@@ -65,14 +67,18 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanSha
     meta.token_seq[:N] = rows
     meta.lora_slots[:N] = np.repeat([c.seq.lora_slot for c in chunks], counts)
     meta.slot_mapping[:N] = meta.block_tables[rows, positions // bs] * bs + positions % bs
-    inputs.token_ids[:N] = list(chain.from_iterable(c.seq.token_ids[c.start : c.start + c.num_tokens] for c in chunks))
+    inputs.token_ids[:N] = list(chain.from_iterable(c.input_ids() for c in chunks))
     inputs.token_source[ends[fed_rows] - 1] = fed_from
     assert not np.any((inputs.token_ids[:N] == PLACEHOLDER) & (inputs.token_source[:N] < 0)), \
         "a placeholder token id would reach the model"
     # Each token's next token, where the sequence has one (prompt_logprobs); 0 past a sequence's last token.
     inputs.prompt_targets[:N] = list(chain.from_iterable(_next_tokens(c) for c in chunks))
-    inputs.logits_indices[: len(chunks)] = ends - 1
-    _fill_sampling(inputs.sampling, chunks)
+    # Row j of a chunk with r rows samples after its token r - j from the end (a draft token, or its own last).
+    num_rows = np.fromiter((c.num_rows for c in chunks), np.int64, len(chunks))
+    row_chunk = np.repeat(np.arange(len(chunks)), num_rows)
+    row_offset = np.arange(out.num_rows) - np.repeat(first_rows, num_rows)
+    inputs.logits_indices[: out.num_rows] = ends[row_chunk] - num_rows[row_chunk] + row_offset
+    _fill_sampling(inputs.sampling, [chunks[i] for i in row_chunk], row_offset.tolist())
     if grammar_rows:
         assert all(chunks[row].seq.pending_index is None for row, _ in grammar_rows), \
             "a grammar mask planned before the token it follows was read back"
@@ -112,30 +118,34 @@ def inputs_treedef(shape: PlanShape, decode_only: bool):
     return jax.tree_util.tree_structure(empty_inputs(1, 1, shape, decode_only=decode_only))
 
 
-def bias_entries(chunk: ScheduledChunk) -> dict[int, float]:
+def bias_entries(chunk: ScheduledChunk, offset: int = 0) -> dict[int, float]:
+    """The row's additive biases; `offset`: how many draft tokens precede the position it samples."""
     seq, p = chunk.seq, chunk.seq.params
     bias = dict(p.logit_bias or {})
-    if seq.num_output_tokens < p.min_tokens:
+    if seq.num_output_tokens + offset < p.min_tokens:
         banned = list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(seq.eos_token_ids))
         bias.update({t: BAN for t in banned})
     return bias
 
 
-def _fill_sampling(t: SamplingTensors, chunks: list[ScheduledChunk]) -> None:
-    n = len(chunks)
-    params = [c.seq.params for c in chunks]
+def _fill_sampling(t: SamplingTensors, row_chunks: list[ScheduledChunk], offsets: list[int]) -> None:
+    """One row per sampled position: `row_chunks[r]` is its chunk, `offsets[r]` the draft tokens before it. A
+    row's random stream is keyed by the output position it samples (the counter), as one-at-a-time decoding
+    keys it."""
+    n = len(row_chunks)
+    params = [c.seq.params for c in row_chunks]
     t.temperature[:n] = [p.temperature for p in params]
     t.top_p[:n] = [p.top_p for p in params]
     t.min_p[:n] = [p.min_p for p in params]
     t.top_k[:n] = [p.top_k for p in params]
-    t.seeds[:n] = [c.seq.seed & 0xFFFFFFFF for c in chunks]
-    t.counters[:n] = [c.seq.num_output_tokens for c in chunks]
-    for row, chunk in enumerate(chunks):
+    t.seeds[:n] = [c.seq.seed & 0xFFFFFFFF for c in row_chunks]
+    t.counters[:n] = [c.seq.num_output_tokens + j for c, j in zip(row_chunks, offsets)]
+    for row, (chunk, j) in enumerate(zip(row_chunks, offsets)):
         seq, p = chunk.seq, params[row]
-        if p.logit_bias or p.min_tokens > seq.num_output_tokens:
-            for j, (token, value) in enumerate(bias_entries(chunk).items()):
-                t.bias_ids[row, j], t.bias_values[row, j] = token, value
-        if p.needs_penalties:
+        if p.logit_bias or p.min_tokens > seq.num_output_tokens + j:
+            for slot, (token, value) in enumerate(bias_entries(chunk, j).items()):
+                t.bias_ids[row, slot], t.bias_values[row, slot] = token, value
+        if p.needs_penalties:  # such sequences get no drafts (core/scheduler.py): one row, j == 0
             t.presence[row], t.frequency[row], t.repetition[row] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             t.history[row, : seq.num_tokens] = seq.token_ids
             t.history_is_output[row, seq.num_prompt_tokens : seq.num_tokens] = True

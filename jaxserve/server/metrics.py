@@ -54,6 +54,14 @@ class EngineStatsCollector:
                             stats.get("prefix_cache_queries", 0))
         yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                             stats.get("prefix_cache_hits", 0))
+        # Speculative decoding (vLLM's names): accepted / draft tokens is the acceptance rate, accepted / drafts
+        # the tokens each drafting step gained.
+        yield self._counter("spec_decode_num_drafts", "Steps in which a sequence fed draft tokens.",
+                            stats.get("spec_decode_num_drafts", 0))
+        yield self._counter("spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                            stats.get("spec_decode_num_draft_tokens", 0))
+        yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                            stats.get("spec_decode_num_accepted_tokens", 0))
 
 
 class ServerMetrics:

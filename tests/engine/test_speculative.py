@@ -1,0 +1,106 @@
+"""Speculative decoding (n-gram drafts) end to end: the tokens are those one-at-a-time decoding gives, greedy
+and seeded, on the real model and on a 2x2 mesh, with logits matching transformers at every position kept."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from jaxserve import Engine, SamplingParams
+from tests.models.test_parity import PROMPTS, check_parity
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+PARAGRAPH = ("The river flows through the old town, past the market square and the stone bridge, where fishermen "
+             "sell their catch every morning.")
+
+
+@pytest.fixture(scope="module")
+def spec_engine(smollm2_gguf_path):
+    # The shared smol_engine's settings, so the two differ only in speculation.
+    return Engine(smollm2_gguf_path, max_model_len=1024, num_kv_blocks=512, max_num_seqs=16,
+                  max_num_batched_tokens=256, warmup=False, speculative_config=NGRAM)
+
+
+def copy_prompt(engine) -> list[int]:
+    return engine.encode_chat([{"role": "user", "content": "Copy this exactly, word for word:\n\n" + PARAGRAPH}])
+
+
+def token_ids(engine, prompts, params):
+    return [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+
+
+def test_greedy_tokens_equal_decoding_one_at_a_time_and_transformers(spec_engine, smol_engine, hf_smollm2):
+    prompts = [copy_prompt(spec_engine), "The best thing about the city is the the the"]
+    params = SamplingParams(temperature=0, max_tokens=40)  # the copy ends with EOS, as transformers' does
+    before = spec_engine.stats()
+    ours = token_ids(spec_engine, prompts, params)
+    after = spec_engine.stats()
+    assert ours == token_ids(smol_engine, prompts, params)
+    ids = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        ref = hf_smollm2.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+    assert ours[0] == ref[0, ids.shape[1]:].tolist() and ours[0][-1] == spec_engine.tokenizer.eos_token_id
+    drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < drafted  # drafts were both kept and turned down
+
+
+def test_seeded_sampling_logprobs_and_stops_are_unchanged(spec_engine, smol_engine):
+    prompts = [copy_prompt(spec_engine), "Once upon a time"]
+    # The copy ends with EOS after `last` tokens: with min_tokens=last it may end there, not a token earlier. Each
+    # of a drafted step's rows must apply the ban by the position it samples, or a row past it bans EOS too.
+    last = len(token_ids(smol_engine, prompts[:1], SamplingParams(temperature=0, max_tokens=60))[0]) - 1
+    cases = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=32, seed=7, n=2, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=40, logprobs=2, stop=[" bridge"]),
+             SamplingParams(temperature=0, max_tokens=60, min_tokens=last)]
+    for params in cases:
+        ours = spec_engine.generate(prompts, params, use_tqdm=False)
+        theirs = smol_engine.generate(prompts, params, use_tqdm=False)
+        for a, b in zip(ours, theirs):
+            assert [(o.token_ids, o.text, o.finish_reason) for o in a.outputs] == \
+                   [(o.token_ids, o.text, o.finish_reason) for o in b.outputs]
+            if params.logprobs:
+                for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                    assert x.keys() == y.keys()
+                    assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+        if params.stop:
+            assert theirs[0].outputs[0].finish_reason == "stop"  # the copy reached the stop string
+        if params.min_tokens:
+            assert len(theirs[0].outputs[0].token_ids) == last + 1
+
+
+def test_logits_match_transformers_on_a_2x2_mesh(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    engine = Engine(str(path), mesh="2x2", num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=8,
+                    warmup=False, speculative_config=dict(NGRAM, prompt_lookup_min=1))
+    check_parity(engine, reference, PROMPTS, max_tokens=16)
+    assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_bad_settings_are_refused_before_loading():
+    with pytest.raises(ValueError, match="method 'medusa'"):
+        Engine("/nonexistent", speculative_config={"method": "medusa", "num_speculative_tokens": 2})
+
+
+def test_served_stream_matches_and_metrics_count_the_drafts(spec_engine, smol_engine):
+    import json
+
+    import httpx
+
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.server.app import build_app
+    from tests.server.helpers import metric_value, serve_in_thread
+
+    messages = [{"role": "user", "content": "Copy this exactly, word for word:\n\n" + PARAGRAPH}]
+    expected = smol_engine.chat(messages, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
+    app = build_app(AsyncEngine(spec_engine), served_model_names=["smol"])  # stops its loop thread at exit
+    with serve_in_thread(app) as url:
+        body = {"model": "smol", "messages": messages, "max_tokens": 40, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        chunks = [json.loads(e) for e in events if e != "[DONE]"]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert text == expected.outputs[0].text
+        assert metric_value(url, "jaxserve:spec_decode_num_accepted_tokens_total") > 0
+        assert metric_value(url, "jaxserve:spec_decode_num_draft_tokens_total") >= \
+            metric_value(url, "jaxserve:spec_decode_num_accepted_tokens_total")
