@@ -32,6 +32,7 @@ from jaxserve.cli_args import (
     port_number,
     positive_float,
     positive_int,
+    speculative_config,
 )
 from jaxserve.config import ATTENTION_IMPLS
 from jaxserve.loader.convert_command import add_convert_arguments, run_convert
@@ -107,6 +108,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-warmup", action="store_true",
                         help="compile step programs when first needed instead of at start-up (faster start, "
                              "slower first requests)")
+    engine.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
+                        help="speculative decoding, as in vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                             "\"prompt_lookup_max\": 4}' drafts tokens by looking the latest ones up earlier in the "
+                             "sequence (faster on outputs that copy their input; the tokens are unchanged)")
     add_lora_arguments(parser)
     add_distributed_arguments(parser)
     parser.add_argument("--config", metavar="FILE.yaml", help="read any of these options from a YAML file")
@@ -168,7 +173,8 @@ def build_engine(args: argparse.Namespace):
                         enable_prefix_caching=args.enable_prefix_caching, attention_impl=args.attention_impl,
                         chat_template=args.chat_template if is_leader(args) else None,  # only it sees prompts
                         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                        lora_modules=lora_modules_dict(args.lora_modules), **compilation_cache_option(args))
+                        lora_modules=lora_modules_dict(args.lora_modules), speculative_config=args.speculative_config,
+                        **compilation_cache_option(args))
     except (ValueError, OSError) as exc:  # the engine words these for people (DESIGN.md convention 9)
         raise UserError(str(exc)) from None
     # Process 0 gets its engine back (now driving the others); a follower follows and exits inside take_role.

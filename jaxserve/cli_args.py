@@ -70,6 +70,22 @@ def json_object(text: str) -> dict:
     return value
 
 
+def speculative_config(text: str) -> dict:
+    """vLLM's --speculative-config JSON, checked at once (the Engine takes the dict)."""
+    from jaxserve.speculative_config import SpeculativeConfig
+
+    value = json_object(text)
+    try:
+        SpeculativeConfig.from_dict(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+# Options whose value is a JSON object: in a YAML config file they may be written as a mapping.
+JSON_OPTION_TYPES = (json_object, speculative_config)
+
+
 def memory_fraction(text: str) -> float:
     value = _float(text)
     if not 0 < value <= 1:
@@ -202,6 +218,8 @@ def _coerce(action: argparse.Action, key: str, value: Any, path: str) -> Any:
 
 
 def _coerce_one(action: argparse.Action, key: str, value: Any, path: str) -> Any:
+    if isinstance(value, dict) and action.type in JSON_OPTION_TYPES:
+        value = json.dumps(value)
     if value is None or isinstance(value, (dict, list)):
         raise UserError(f"{key} in config file {path} must be a single value, got {value!r}")
     converted = value

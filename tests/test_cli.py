@@ -79,6 +79,8 @@ def test_config_file_values_with_command_line_winning(tmp_path):
     (["serve", "--lora-modules", '{"name": "sql"}'], "expected NAME=PATH"),
     (["generate", "--prompt", "x", "--lora-modules", "a=/x", "a=/y"], "names a more than once"),
     (["generate", "--prompt", "x", "--temperature", "-1"], "temperature"),
+    (["serve", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 3}'], "method 'eagle'"),
+    (["serve", "--speculative-config", '{"method": "ngram"}'], "needs num_speculative_tokens"),
 ])
 def test_user_errors_are_one_line_and_exit_2(capsys, argv, expected):
     assert expected in user_error(capsys, argv)
@@ -154,6 +156,17 @@ def test_lora_flags_reach_the_engine(capsys, fake_engine_module):
     assert fake_engine_module["lora_modules"] == {"sql": "/adapters/sql", "chat": "/adapters/chat"}
     assert fake_engine_module["max_lora_rank"] == 64 and fake_engine_module["max_loras"] == 1
     assert fake_engine_module["enable_lora"] is False  # the Engine turns LoRA on for named adapters
+
+
+def test_speculative_config_reaches_the_engine_from_the_flag_or_a_yaml_mapping(tmp_path, fake_engine_module):
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    assert cli.main(["generate", "--prompt", "Count:", "--max-tokens", "3", "--speculative-config",
+                     '{"method": "ngram", "num_speculative_tokens": 3}']) == 0
+    assert fake_engine_module["speculative_config"] == ngram
+    config = tmp_path / "spec.yaml"
+    config.write_text("speculative_config:\n  method: ngram\n  num_speculative_tokens: 3\n")
+    assert cli.main(["generate", "--prompt", "Count:", "--max-tokens", "3", "--config", str(config)]) == 0
+    assert fake_engine_module["speculative_config"] == ngram
 
 
 def test_serve_logs_model_mesh_kv_capacity_and_url(fake_engine_module, caplog, monkeypatch):

@@ -20,6 +20,7 @@ from jaxserve.config import ATTENTION_IMPLS
 from jaxserve.loader.tokenizer import is_template_text
 from jaxserve.server.reasoning_parsers import REASONING_PARSERS
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
+from jaxserve.speculative_config import SpeculativeConfig
 
 
 class EngineOptions(BaseModel):
@@ -56,6 +57,8 @@ class EngineOptions(BaseModel):
     max_loras: PositiveInt | None = None
     max_lora_rank: PositiveInt | None = None
     lora_modules: dict[str, str] | None = None
+    # vLLM's speculative_config mapping, e.g. {method: ngram, num_speculative_tokens: 4}
+    speculative_config: dict[str, Any] | None = None
 
     @field_validator("mesh", mode="before")
     @classmethod
@@ -66,6 +69,12 @@ class EngineOptions(BaseModel):
             return mesh_shape(str(mesh))
         except Exception as exc:  # argparse.ArgumentTypeError carries the sentence we want
             raise ValueError(str(exc)) from None
+
+    @field_validator("speculative_config", mode="after")
+    @classmethod
+    def _known_speculation(cls, options: dict[str, Any] | None) -> dict[str, Any] | None:
+        SpeculativeConfig.from_dict(options)  # a ValueError names the key or value, as the Engine would
+        return options
 
     @field_validator("chat_template", mode="after")
     @classmethod

@@ -97,6 +97,14 @@ def test_engine_options_map_onto_engine_keywords():
         EngineOptions(mesh="2x1", pipeline_parallel_size=2).engine_kwargs()
 
 
+def test_speculative_config_is_checked_in_the_job_file(tmp_path):
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    assert load_job(write_job(tmp_path, [], engine={"speculative_config": ngram})).engine.engine_kwargs() == \
+        {"speculative_config": ngram}
+    [problem] = problems_of(write_job(tmp_path, [], engine={"speculative_config": {"method": "mtp"}}))
+    assert problem.startswith("engine.speculative_config:") and "method 'mtp'" in problem
+
+
 def test_vllm_memory_name_and_a_chat_template_file_beside_the_job(tmp_path):
     (tmp_path / "chat.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     job = load_job(write_job(tmp_path, [], engine={"gpu_memory_utilization": 0.7, "chat_template": "chat.jinja"}))
