@@ -2,6 +2,7 @@
 one process; each restores only its own shards of a converted checkpoint; SIGTERM anywhere ends both; a killed
 process ends the other within a bound, named."""
 
+import json
 import re
 import signal
 import threading
@@ -91,19 +92,25 @@ def _long_request(url: str, model: str, generating: threading.Event) -> None:
         pass  # the server goes away mid-request: that is the point
 
 
-def test_lora_adapter_served_by_two_processes_matches_one_process(processes, tiny_checkpoint, tmp_path):
+def test_lora_adapter_and_speculation_served_by_two_processes_match_one_process(processes, tiny_checkpoint,
+                                                                                tmp_path):
     """Every process loads --lora-modules into the same slots at start, so an adapter request runs the same
-    steps on both halves of the mesh."""
+    steps on both halves of the mesh; drafted steps (more sampler rows than sequences) travel to the follower
+    like any other."""
     from jaxserve import Engine, LoRARequest, SamplingParams
     from tests.helpers import make_lora_adapter
+    from tests.server.helpers import metric_value
 
     model = str(tiny_checkpoint("llama"))
     make_lora_adapter(model, tmp_path / "adapter", seed=3)
-    url = start_pair(processes, model, free_port(), "--lora-modules", f"tuned={tmp_path / 'adapter'}")
-    served = {name: [complete(url, name, prompt) for prompt in PROMPTS] for name in (model, "tuned")}
+    ngram = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1}
+    url = start_pair(processes, model, free_port(), "--lora-modules", f"tuned={tmp_path / 'adapter'}",
+                     "--speculative-config", json.dumps(ngram))
+    served = {name: [complete(url, name, prompt, max_tokens=16) for prompt in PROMPTS] for name in (model, "tuned")}
+    assert metric_value(url, "jaxserve:spec_decode_num_accepted_tokens_total") > 0
     engine = Engine(model, mesh="4x2", num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=2, warmup=False,
-                    dtype="float32", lora_modules={"tuned": str(tmp_path / "adapter")})
-    params = SamplingParams(max_tokens=8, temperature=0)
+                    dtype="float32", lora_modules={"tuned": str(tmp_path / "adapter")}, speculative_config=ngram)
+    params = SamplingParams(max_tokens=16, temperature=0)
     for name, lora in ((model, None), ("tuned", LoRARequest("tuned", 1, str(tmp_path / "adapter")))):
         expected = [engine.generate([p], params, use_tqdm=False, lora_request=lora)[0].outputs[0].text for p in PROMPTS]
         assert served[name] == expected
