@@ -149,11 +149,9 @@ class Scheduler:
         return budget
 
     def _draft(self, seq: Sequence, max_len: int) -> list[int]:
-        """Draft tokens for a decoding sequence: none for one whose next sample needs its tokens sampled one by one
-        (a grammar's mask, penalties over the history) or while its last token is still in flight; never past its
-        max_tokens or the context."""
-        if self.proposer is None or seq.pending_index is not None or seq.matcher is not None or \
-                seq.params.needs_penalties:
+        """Draft tokens for a decoding sequence: none under a grammar (each mask needs the tokens before it
+        accepted) or while its last token is still in flight; never past its max_tokens or the context."""
+        if self.proposer is None or seq.pending_index is not None or seq.matcher is not None:
             return []
         room = min(seq.params.max_tokens - seq.num_output_tokens, seq.max_model_len - seq.num_tokens) - 1
         return self.proposer.propose(seq.token_ids, min(max_len, room))

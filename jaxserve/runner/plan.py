@@ -145,13 +145,14 @@ def _fill_sampling(t: SamplingTensors, row_chunks: list[ScheduledChunk], offsets
         if p.logit_bias or p.min_tokens > seq.num_output_tokens + j:
             for slot, (token, value) in enumerate(bias_entries(chunk, j).items()):
                 t.bias_ids[row, slot], t.bias_values[row, slot] = token, value
-        if p.needs_penalties:  # such sequences get no drafts (core/scheduler.py): one row, j == 0
+        if p.needs_penalties:  # over the tokens before the position it samples: the drafts before it count
             t.presence[row], t.frequency[row], t.repetition[row] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
-            t.history[row, : seq.num_tokens] = seq.token_ids
-            t.history_is_output[row, seq.num_prompt_tokens : seq.num_tokens] = True
+            length = seq.num_tokens + j
+            t.history[row, :length] = seq.token_ids + chunk.draft[:j] if j else seq.token_ids
+            t.history_is_output[row, seq.num_prompt_tokens : length] = True
             if seq.pending_index is not None:  # sampled by the step in flight: the sampler reads it on the device
                 t.history_fed_pos[row], t.history_fed_row[row] = seq.pending_index, seq.pending_row
-            holes = np.flatnonzero(t.history[row, : seq.num_tokens] == PLACEHOLDER)
+            holes = np.flatnonzero(t.history[row, :length] == PLACEHOLDER)
             assert list(holes) in ([], [seq.pending_index]), "a token the penalties cannot see (two steps in flight)"
 
 

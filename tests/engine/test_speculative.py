@@ -51,7 +51,9 @@ def test_seeded_sampling_logprobs_and_stops_are_unchanged(spec_engine, smol_engi
     last = len(token_ids(smol_engine, prompts[:1], SamplingParams(temperature=0, max_tokens=60))[0]) - 1
     cases = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=32, seed=7, n=2, ignore_eos=True),
              SamplingParams(temperature=0, max_tokens=40, logprobs=2, stop=[" bridge"]),
-             SamplingParams(temperature=0, max_tokens=60, min_tokens=last)]
+             SamplingParams(temperature=0, max_tokens=60, min_tokens=last),
+             # penalties mild enough that the copy (and its drafts) goes on; the rows' histories: test_plan_drafts.py
+             SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.05, frequency_penalty=0.1)]
     for params in cases:
         ours = spec_engine.generate(prompts, params, use_tqdm=False)
         theirs = smol_engine.generate(prompts, params, use_tqdm=False)
