@@ -294,8 +294,8 @@ class Engine(OfflineAPI):
             self._account(step.sched, step.pending, touched)
 
     def _account(self, sched: SchedulerOutput, result: StepResult, touched: dict[str, Request]) -> None:
-        sampled = [_chunk_samples(c, result.tokens[row : row + c.num_rows])
-                   for row, c in zip(sched.first_rows(), sched.chunks)]
+        tokens = result.tokens.tolist()
+        sampled = [_chunk_samples(c, tokens, row) for row, c in zip(sched.first_rows(), sched.chunks)]
         if self.logits_log is not None:
             self._log_logits(sched, sampled, result)
         if result.prompt is not None:
@@ -374,11 +374,12 @@ class Engine(OfflineAPI):
         }
 
 
-def _chunk_samples(chunk, rows) -> int | list[int] | None:
-    """What the scheduler reads of a chunk's sampled rows: every row's token when it fed drafts, else its one."""
+def _chunk_samples(chunk, tokens: list[int], row: int) -> int | list[int] | None:
+    """What the scheduler reads of a chunk's sampled rows (from `row` on): every row's token when it fed drafts,
+    else its one."""
     if chunk.draft:
-        return [int(t) for t in rows]
-    return int(rows[0]) if chunk.samples else None
+        return tokens[row : row + chunk.num_rows]
+    return tokens[row] if chunk.samples else None
 
 
 def _profile_inputs(T: int, B: int, shape: PlanShape):

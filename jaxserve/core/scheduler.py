@@ -52,7 +52,8 @@ class ScheduledChunk:
         return self.start + self.num_tokens - len(self.draft)
 
     def input_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start : self.end] + self.draft
+        own = self.seq.token_ids[self.start : self.start + self.num_tokens - len(self.draft)]
+        return own + self.draft if self.draft else own
 
     def accepted(self, sampled: list[int]) -> list[int]:
         """The tokens a step's samples make final: each draft token equal to the sample before it, then the sample
@@ -69,6 +70,12 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Kept as chunks are added: the row layout is read several times a step, on the host's hot path.
+    num_draft_tokens: int = 0
+
+    def add(self, chunk: ScheduledChunk) -> None:
+        self.chunks.append(chunk)
+        self.num_draft_tokens += len(chunk.draft)
 
     @property
     def num_tokens(self) -> int:
@@ -80,10 +87,12 @@ class SchedulerOutput:
 
     @property
     def num_rows(self) -> int:
-        return sum(c.num_rows for c in self.chunks)
+        return len(self.chunks) + self.num_draft_tokens
 
-    def first_rows(self) -> list[int]:
+    def first_rows(self) -> range | list[int]:
         """Each chunk's first row in the step's sampler (rows are laid out chunk after chunk)."""
+        if not self.num_draft_tokens:
+            return range(len(self.chunks))
         return [0, *accumulate(c.num_rows for c in self.chunks)][:-1]
 
 
@@ -129,9 +138,9 @@ class Scheduler:
                 i += 1  # its token in flight is its last: it finishes when that step is read back
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            draft = self._draft(seq, min(budget - 1, spare_rows)) if n == 1 else []
+            draft = self._draft(seq, min(budget - 1, spare_rows)) if n == 1 and self.proposer else []
             if draft and self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + 1 + len(draft)):
-                out.chunks.append(ScheduledChunk.of(seq, 1 + len(draft), draft))
+                out.add(ScheduledChunk.of(seq, 1 + len(draft), draft))
                 budget -= 1 + len(draft)
                 spare_rows -= len(draft)
                 i += 1
@@ -143,7 +152,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.chunks.append(ScheduledChunk.of(seq, n))
+                out.add(ScheduledChunk.of(seq, n))
                 budget -= n
                 i += 1
         return budget
@@ -151,7 +160,7 @@ class Scheduler:
     def _draft(self, seq: Sequence, max_len: int) -> list[int]:
         """Draft tokens for a decoding sequence: none under a grammar (each mask needs the tokens before it
         accepted) or while its last token is still in flight; never past its max_tokens or the context."""
-        if self.proposer is None or seq.pending_index is not None or seq.matcher is not None:
+        if seq.pending_index is not None or seq.matcher is not None:
             return []
         room = min(seq.params.max_tokens - seq.num_output_tokens, seq.max_model_len - seq.num_tokens) - 1
         return self.proposer.propose(seq.token_ids, min(max_len, room))
@@ -177,7 +186,7 @@ class Scheduler:
             # Running sequences stay in (priority, arrival) order too: they are scheduled in that order and the
             # last one is the preemption victim, so a victim is never one already scheduled in this step.
             bisect.insort(self.running, seq, key=lambda s: s.order)
-            out.chunks.append(ScheduledChunk.of(seq, n))
+            out.add(ScheduledChunk.of(seq, n))
             budget -= n
 
     def _preempt(self, seq: Sequence) -> None:
@@ -217,14 +226,24 @@ class Scheduler:
             seq = chunk.seq
             if seq.finished:  # aborted or stopped while the step ran
                 continue
+            at = computed = chunk.end  # where the step's first sampled token goes
+            if chunk.draft:  # read back before the next step was scheduled (engine.py), so nothing follows it
+                assert seq.pending_index == at, "a step was scheduled before the drafts in flight were checked"
+                tokens = chunk.accepted(tokens)
+                seq.token_ids[at:] = tokens
+                computed = seq.num_computed_tokens = at + len(tokens) - 1  # the accepted drafts' K/V is valid
+                self.num_accepted_tokens += len(tokens) - 1
+            if seq.status is SequenceStatus.RUNNING:  # not preempted since: it still holds its blocks
+                self.blocks.commit(seq.seq_id, seq.token_ids, computed, seq.cache_root)
             if not chunk.samples:
-                if seq.status is SequenceStatus.RUNNING:  # not preempted since: it still holds its blocks
-                    self.blocks.commit(seq.seq_id, seq.token_ids, chunk.end, seq.cache_root)
                 continue
-            tokens = chunk.accepted(tokens) if chunk.draft else [tokens]
-            self._place(seq, chunk, tokens)
+            if not chunk.draft:
+                seq.token_ids[at] = tokens
+                tokens = (tokens,)
+            if seq.pending_index == at:  # no later step holds a placeholder of this sequence
+                seq.pending_index = seq.pending_row = None
             for i, token in enumerate(tokens):
-                index = chunk.end + i
+                index = at + i
                 progressed.append((seq, token, row + i))
                 stop = seq.stop_after(token, index)
                 if stop is not None:
@@ -235,21 +254,6 @@ class Scheduler:
                     del seq.token_ids[index + 1 :]
                     break
         return progressed
-
-    def _place(self, seq: Sequence, chunk: ScheduledChunk, tokens: list[int]) -> None:
-        """Put a step's final tokens where its placeholder is; drafts it accepted become computed tokens."""
-        at = computed = chunk.end
-        if chunk.draft:  # read back before the next step was scheduled (engine.py), so nothing follows it
-            assert seq.pending_index == at, "a step was scheduled before the drafts in flight were checked"
-            seq.token_ids[at:] = tokens
-            computed = seq.num_computed_tokens = at + len(tokens) - 1
-            self.num_accepted_tokens += len(tokens) - 1
-        else:
-            seq.token_ids[at] = tokens[0]
-        if seq.pending_index == at:  # no later step holds a placeholder of this sequence
-            seq.pending_index = seq.pending_row = None
-        if seq.status is SequenceStatus.RUNNING:  # not preempted since: it still holds its blocks
-            self.blocks.commit(seq.seq_id, seq.token_ids, computed, seq.cache_root)
 
     def update(self, out: SchedulerOutput, sampled: list[int | Tokens[int] | None]) -> list[Sequence]:
         """`advance` then `resolve`: a step whose results are read back before the next is scheduled."""

@@ -73,12 +73,16 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanSha
         "a placeholder token id would reach the model"
     # Each token's next token, where the sequence has one (prompt_logprobs); 0 past a sequence's last token.
     inputs.prompt_targets[:N] = list(chain.from_iterable(_next_tokens(c) for c in chunks))
-    # Row j of a chunk with r rows samples after its token r - j from the end (a draft token, or its own last).
-    num_rows = np.fromiter((c.num_rows for c in chunks), np.int64, len(chunks))
-    row_chunk = np.repeat(np.arange(len(chunks)), num_rows)
-    row_offset = np.arange(out.num_rows) - np.repeat(first_rows, num_rows)
-    inputs.logits_indices[: out.num_rows] = ends[row_chunk] - num_rows[row_chunk] + row_offset
-    _fill_sampling(inputs.sampling, [chunks[i] for i in row_chunk], row_offset.tolist())
+    if out.num_draft_tokens:
+        # Row j of a chunk with r rows samples after its token r - j from the end (a draft token, or its last).
+        num_rows = np.fromiter((c.num_rows for c in chunks), np.int64, len(chunks))
+        row_chunk = np.repeat(np.arange(len(chunks)), num_rows)
+        row_offset = np.arange(out.num_rows) - np.repeat(first_rows, num_rows)
+        inputs.logits_indices[: out.num_rows] = ends[row_chunk] - num_rows[row_chunk] + row_offset
+        _fill_sampling(inputs.sampling, [chunks[i] for i in row_chunk], row_offset.tolist())
+    else:  # one row per chunk, after its last token
+        inputs.logits_indices[: len(chunks)] = ends - 1
+        _fill_sampling(inputs.sampling, chunks, [0] * len(chunks))
     if grammar_rows:
         assert all(chunks[row].seq.pending_index is None for row, _ in grammar_rows), \
             "a grammar mask planned before the token it follows was read back"
