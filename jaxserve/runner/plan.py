@@ -45,7 +45,8 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanSha
     T, B = shape.buckets.shape(out.num_tokens, out.num_rows)
     decode_only = shape.decode_kernel and T == B and all(c.num_tokens == 1 for c in chunks)
     first_rows = out.first_rows()
-    grammar_rows = [(row, c.seq.matcher) for row, c in zip(first_rows, chunks) if c.samples and c.seq.grammar_active]
+    constrained = [(row, c.seq) for row, c in zip(first_rows, chunks) if c.samples and c.seq.grammar_active]
+    grammar_rows = [(row, seq.matcher) for row, seq in constrained]  # sampler rows (chunk indices only without drafts)
     inputs = empty_inputs(T, B, shape, penalties=any(c.seq.params.needs_penalties for c in chunks),
                           decode_only=decode_only, constrained=bool(grammar_rows))
     meta, bs = inputs.meta, blocks.block_size
@@ -84,7 +85,7 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanSha
         inputs.logits_indices[: len(chunks)] = ends - 1
         _fill_sampling(inputs.sampling, chunks, [0] * len(chunks))
     if grammar_rows:
-        assert all(chunks[row].seq.pending_index is None for row, _ in grammar_rows), \
+        assert all(seq.pending_index is None for _, seq in constrained), \
             "a grammar mask planned before the token it follows was read back"
         fill_masks(grammar_rows, inputs.sampling.allowed)
     return inputs, _statics(chunks, shape.max_logprobs, decode_only, constrained=bool(grammar_rows))

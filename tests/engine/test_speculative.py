@@ -106,3 +106,15 @@ def test_served_stream_matches_and_metrics_count_the_drafts(spec_engine, smol_en
         assert metric_value(url, "jaxserve:spec_decode_num_accepted_tokens_total") > 0
         assert metric_value(url, "jaxserve:spec_decode_num_draft_tokens_total") >= \
             metric_value(url, "jaxserve:spec_decode_num_accepted_tokens_total")
+
+
+def test_a_constrained_request_beside_a_drafting_one(spec_engine, smol_engine):
+    """Sampler rows are not chunk indices once a chunk drafts: the grammar's row must still find its chunk."""
+    from jaxserve.structured_outputs import StructuredOutputsParams
+
+    prompts = [copy_prompt(spec_engine), "Answer yes or no: is the sky blue?"]
+    params = [SamplingParams(temperature=0, max_tokens=24),
+              SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))]
+    ours = [o.outputs[0].text for o in spec_engine.generate(prompts, params, use_tqdm=False)]
+    assert ours == [o.outputs[0].text for o in smol_engine.generate(prompts, params, use_tqdm=False)]
+    assert ours[1] in ("yes", "no")
