@@ -252,8 +252,9 @@ class Engine(OfflineAPI):
         """
         touched: dict[str, Request] = {}
         # One step in flight at most when scheduling (a call that raised leaves two): one placeholder a sequence.
-        # None when it samples for a grammar or checks drafts: the next step needs the tokens it samples.
-        self._read_back_all_but(0 if self._tokens_needed_in_flight() else 1, touched)
+        # None when it samples for a grammar: the next mask needs the token it samples. (An engine that drafts
+        # never overlaps steps: see async_scheduling.)
+        self._read_back_all_but(0 if self._grammar_in_flight() else 1, touched)
         launched = self._launch()
         if launched is not None and launched.recompiled:
             self._on_recompile(launched.sched)  # may raise: every launched step is queued, so nothing is lost
@@ -277,12 +278,10 @@ class Engine(OfflineAPI):
         self._launched.append(step)
         return step
 
-    def _tokens_needed_in_flight(self) -> bool:
-        """Whether the next step must wait for the tokens of a step in flight: a constrained sequence samples there
-        (the next mask depends on its token; a grammar still waiting for its start token counts, the token may be
-        it), or a sequence's drafts are checked there (how many are accepted decides its next positions)."""
-        return any((c.seq.matcher is not None and c.samples) or c.draft
-                   for step in self._launched for c in step.sched.chunks)
+    def _grammar_in_flight(self) -> bool:
+        """Whether a constrained sequence samples in a step in flight: then the next step waits for its token, which
+        the next mask depends on. A grammar still waiting for its start token counts: the token may be it."""
+        return any(c.seq.matcher is not None and c.samples for step in self._launched for c in step.sched.chunks)
 
     def _read_back_all_but(self, keep: int, touched: dict[str, Request]) -> None:
         """Read back and account for the launched steps, oldest first, leaving the newest `keep` in flight."""
