@@ -22,7 +22,7 @@ from jaxserve.core.ngram_proposer import NgramProposer
 from jaxserve.core.output_processor import SequenceText, position_logprobs, record_prompt_logprobs, request_output
 from jaxserve.core.request import Request, Sequence
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
-from jaxserve.engine_lora import EngineAdapters, check_lora_options
+from jaxserve.engine_lora import EngineAdapters, LoRAAPI, check_lora_options
 from jaxserve.engine_offline import OfflineAPI
 from jaxserve.engine_inputs import (check_engine_options, check_max_model_len, fit_context_to_cache,
                                    model_for_context, prompt_token_ids,
@@ -64,7 +64,7 @@ class StepRecord:
     chunks: tuple[tuple[str, int, int], ...]
 
 
-class Engine(OfflineAPI):
+class Engine(OfflineAPI, LoRAAPI):
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory_fraction: float = 0.9,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, seed: int = 0, mesh=None,
@@ -216,6 +216,9 @@ class Engine(OfflineAPI):
     def add_prepared_request(self, request: Request) -> None:
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        lora = request.sequences[0].lora_request
+        if lora is not None and not self.adapters.is_current(lora):  # unloaded since it was prepared
+            raise ValueError(f"adapter {lora.lora_name!r} was unloaded")
         self._requests[request.request_id] = request
         for seq in request.sequences:
             self._texts[seq.seq_id] = SequenceText(self.tokenizer, seq)
@@ -251,6 +254,7 @@ class Engine(OfflineAPI):
         KeyboardInterrupt while waiting, recompile_guard="error") leaves nothing half done: the next call reads it.
         """
         touched: dict[str, Request] = {}
+        self._purge_removed_adapters()
         # One step in flight at most when scheduling (a call that raised leaves two): one placeholder a sequence.
         # None when it samples for a grammar: the next mask needs the token it samples. (An engine that drafts
         # never overlaps steps: see async_scheduling.)

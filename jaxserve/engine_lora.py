@@ -29,19 +29,27 @@ def check_lora_options(enable_lora: bool, max_loras: int, max_lora_rank: int,
 
 
 class EngineAdapters:
+    """Adapters by name: `check` (any thread) reads a new one once and gives every request naming it the same
+    `LoRARequest`; `remove` (any thread) takes the name away, and the host factors and device slot of a removed
+    adapter are dropped by `purge_removed` (the thread that steps the engine) once no request uses them."""
+
     def __init__(self, runner, cfg, max_loras: int, max_lora_rank: int, enabled: bool):
         self.enabled = enabled
         self.max_lora_rank = max_lora_rank
         self.slots = AdapterSlots(max_loras if enabled else 0)
         self._runner = runner
         self._cfg = cfg  # the checkpoint's real sizes (the runner pads to the mesh)
-        self._known: dict[str, LoRARequest] = {}
-        self._factors: dict[str, dict] = {}  # name -> host factors, read once (requests are prepared off-thread)
+        self._known: dict[str, LoRARequest] = {}  # name -> the adapter requests naming it run with
+        self._factors: dict[LoRARequest, dict] = {}  # host factors, read once (requests are prepared off-thread)
+        self._removed: set[LoRARequest] = set()  # unloaded; purged once no request runs with them
         self.preloaded: dict[str, LoRARequest] = {}  # loaded at start and kept (the server's named adapters)
+        # Called with (slot, factors) before each device write: a multi-process leader sends them to the followers.
+        self.before_write = None
         self._lock = threading.Lock()
 
     def check(self, lora: LoRARequest | None) -> LoRARequest | None:
-        """Validate a request's adapter and read it from disk if new (safe from any thread); ValueError if bad."""
+        """Validate a request's adapter and read it from disk if new (safe from any thread); ValueError if bad.
+        Returns the engine's own LoRARequest for that name."""
         if lora is None:
             return None
         if not isinstance(lora, LoRARequest):
@@ -55,13 +63,13 @@ class EngineAdapters:
                 raise ValueError(f"adapter name {lora.lora_name!r} is already in use for {known.lora_path}; give the "
                                  f"adapter at {lora.lora_path} another name")
             if known is None:
-                self._factors[lora.lora_name] = read_adapter(lora.lora_path, self._cfg, self.max_lora_rank,
-                                                             self._runner.dtype)
-                self._known[lora.lora_name] = lora
-        if not self.slots.can_hold(lora):
+                self._removed.discard(lora)  # removed, not yet purged, and named again: it stays
+                self._factors[lora] = read_adapter(lora.lora_path, self._cfg, self.max_lora_rank, self._runner.dtype)
+                self._known[lora.lora_name] = known = lora
+        if not self.slots.can_hold(known):
             raise ValueError(f"all max_loras={self.slots.num_slots} adapter slots hold the server's own adapters, so "
                              f"{lora.lora_name!r} cannot be loaded; raise max_loras")
-        return lora
+        return known
 
     def preload(self, name: str, path: str) -> None:
         """Load an adapter at start and keep it resident (serve's --lora-modules)."""
@@ -70,10 +78,75 @@ class EngineAdapters:
         self.preloaded[name] = lora
         self.write_pending()
 
+    def is_current(self, lora: LoRARequest) -> bool:
+        """Whether requests may still start with this adapter (it was not removed since they were prepared)."""
+        with self._lock:
+            return self._known.get(lora.lora_name) is lora
+
+    def known(self) -> list[LoRARequest]:
+        with self._lock:
+            return list(self._known.values())
+
+    def remove(self, name: str) -> LoRARequest | None:
+        """Unload adapter `name` (None if unknown): no request may start with it from now on; those running
+        finish with it."""
+        with self._lock:
+            lora = self._known.pop(name, None)
+            if lora is not None:
+                self._removed.add(lora)
+                self.preloaded.pop(name, None)
+        return lora
+
+    def purge_removed(self, in_use: set[LoRARequest]) -> None:
+        """Free the slots and host factors of removed adapters that no request in `in_use` runs with."""
+        with self._lock:
+            for lora in self._removed - in_use:
+                self.slots.forget(lora)
+                del self._factors[lora]
+                self._removed.discard(lora)
+                log.info("LoRA adapter %s (%s) unloaded", lora.lora_name, lora.lora_path)
+
+    @property
+    def has_removed(self) -> bool:
+        return bool(self._removed)
+
     def write_pending(self) -> None:
         """Write the factors of adapters just given a slot onto the devices (before the step that uses them)."""
         for slot, lora in self.slots.pending_loads:
-            self._runner.params = write_adapter(self._runner.params, self._factors[lora.lora_name], slot,
-                                                self._runner.mesh, self._runner.layout, self._cfg.num_kv_heads)
+            self.write_factors(slot, self._factors[lora])
             log.info("LoRA adapter %s (%s) loaded into slot %d", lora.lora_name, lora.lora_path, slot)
         self.slots.pending_loads.clear()
+
+    def write_factors(self, slot: int, factors: dict) -> None:
+        if self.before_write is not None:
+            self.before_write(slot, factors)
+        self._runner.params = write_adapter(self._runner.params, factors, slot, self._runner.mesh,
+                                            self._runner.layout, self._cfg.num_kv_heads)
+
+
+class LoRAAPI:
+    """The Engine's adapter calls, as vLLM's engine has them (mixed into Engine; `self.adapters` is its
+    EngineAdapters and `self._requests` its live requests)."""
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """Read an adapter now rather than at its first request; ValueError if LoRA is off or it cannot be
+        served. Returns the LoRARequest the engine runs that name with."""
+        return self.adapters.check(lora_request)
+
+    def remove_lora(self, lora: str | int) -> bool:
+        """Unload an adapter, by name or `lora_int_id` (False if none has it): requests naming it are refused
+        from now on, running ones finish with it; its slot and host copy are freed once they have. Call it from
+        the thread that steps the engine (AsyncEngine.remove_lora queues it there)."""
+        name = lora if isinstance(lora, str) else next(
+            (known.lora_name for known in self.adapters.known() if known.lora_int_id == lora), None)
+        removed = name is not None and self.adapters.remove(name) is not None
+        self._purge_removed_adapters()
+        return removed
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.adapters.known()
+
+    def _purge_removed_adapters(self) -> None:
+        if self.adapters.has_removed:
+            in_use = {seq.lora_request for request in self._requests.values() for seq in request.sequences}
+            self.adapters.purge_removed(in_use)

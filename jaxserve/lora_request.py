@@ -11,8 +11,9 @@ from functools import cached_property
 class LoRARequest:
     """A PEFT LoRA adapter directory (`adapter_config.json` + `adapter_model.safetensors`) under a name.
 
-    `lora_int_id` is vLLM's unique id per adapter; here the name is the key and the id is kept for
-    compatibility. The engine loads the adapter into a free slot the first time a request names it."""
+    `lora_int_id` is vLLM's unique id per adapter; here the name is the key (a request naming a known adapter runs
+    with the engine's own LoRARequest for it) and the id tells apart two loads under one name. The engine loads the
+    adapter into a free slot the first time a request names it."""
 
     lora_name: str
     lora_int_id: int
@@ -27,5 +28,7 @@ class LoRARequest:
     @cached_property  # read at every step of every sequence that uses the adapter
     def cache_root(self) -> bytes:
         """The prefix cache's root hash for this adapter's requests: equal tokens give different KV under
-        another adapter, so their blocks must never match across adapters (or with the base model, root b"")."""
-        return hashlib.sha256(f"lora\0{self.lora_name}\0{self.lora_path}".encode()).digest()
+        another adapter, so their blocks must never match across adapters (or with the base model, root b""). The id
+        is in it so that an adapter unloaded and loaded again (a new id; its files may have changed) matches nothing
+        computed before."""
+        return hashlib.sha256(f"lora\0{self.lora_name}\0{self.lora_int_id}\0{self.lora_path}".encode()).digest()

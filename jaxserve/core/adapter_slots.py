@@ -5,6 +5,9 @@ finishes. An adapter not resident is loaded into a free slot, or into the least 
 sequence references; when every slot is referenced, sequences of other adapters wait (later requests whose
 adapter is resident go first, as in vLLM). The engine writes the weights of `pending_loads` into the device
 slots before the step that first uses them is dispatched.
+
+Slots are keyed by the `LoRARequest` itself (name, id and path), not the name alone: an adapter unloaded and
+loaded again under its name is another adapter, and requests still running with the first keep its slot.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from .request import Sequence
 class AdapterSlots:
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
-        self._resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
+        self._resident: OrderedDict[LoRARequest, int] = OrderedDict()  # adapter -> slot, least recently used first
         self._refs = [0] * num_slots
         self._pinned: set[int] = set()  # slots of adapters loaded at start (serve's --lora-modules): never evicted
         self.pending_loads: list[tuple[int, LoRARequest]] = []  # (slot, adapter) to write before the next step
@@ -29,14 +32,14 @@ class AdapterSlots:
         lora = seq.lora_request
         if lora is None or seq.lora_slot >= 0:
             return True
-        slot = self._resident.get(lora.lora_name)
+        slot = self._resident.get(lora)
         if slot is None:
             slot = self._free_slot()
             if slot is None:
                 return False
-            self._resident[lora.lora_name] = slot
+            self._resident[lora] = slot
             self.pending_loads.append((slot, lora))
-        self._resident.move_to_end(lora.lora_name)
+        self._resident.move_to_end(lora)
         self._refs[slot] += 1
         seq.lora_slot = slot
         return True
@@ -47,14 +50,20 @@ class AdapterSlots:
         if slot is None:
             raise ValueError(f"max_loras={self.num_slots} slots cannot hold adapter {lora.lora_name!r} beside the "
                              "others; raise max_loras (--max-loras) to the number of adapters")
-        self._resident[lora.lora_name] = slot
+        self._resident[lora] = slot
         self._pinned.add(slot)
         self.pending_loads.append((slot, lora))
         return slot
 
     def can_hold(self, lora: LoRARequest) -> bool:
         """Whether a request for this adapter can ever run: it is resident, or some slot is not pinned."""
-        return lora.lora_name in self._resident or len(self._pinned) < self.num_slots
+        return lora in self._resident or len(self._pinned) < self.num_slots
+
+    def forget(self, lora: LoRARequest) -> None:
+        """The adapter was unloaded: unpin its slot and free it (at once, or when its last sequence releases it)."""
+        slot = self._resident.pop(lora, None)
+        if slot is not None:
+            self._pinned.discard(slot)
 
     def release(self, seq: Sequence) -> None:
         if seq.lora_slot >= 0:
@@ -62,15 +71,17 @@ class AdapterSlots:
             seq.lora_slot = -1
 
     def resident(self) -> dict[str, int]:
-        return dict(self._resident)
+        """Adapter name -> slot."""
+        return {lora.lora_name: slot for lora, slot in self._resident.items()}
 
     def _free_slot(self) -> int | None:
-        used = set(self._resident.values())
+        # A forgotten adapter's slot stays taken while sequences still run with it.
+        used = set(self._resident.values()) | {slot for slot, refs in enumerate(self._refs) if refs}
         for slot in range(self.num_slots):
             if slot not in used:
                 return slot
-        for name, slot in self._resident.items():  # least recently used first
+        for lora, slot in self._resident.items():  # least recently used first
             if self._refs[slot] == 0 and slot not in self._pinned:
-                del self._resident[name]
+                del self._resident[lora]
                 return slot
         return None

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
 from jaxserve.config import ModelConfig
@@ -94,7 +95,11 @@ def _read_factors(directory: Path, cfg: ModelConfig) -> dict[str, dict[int, tupl
                                "with PEFT's save_pretrained(safe_serialization=True))")
     ours = {hf: name for name, (_, _, hf) in lora_targets(cfg).items()}
     pairs: dict[tuple[str, int], dict[str, np.ndarray]] = {}
-    for tensor_name, array in load_file(str(file)).items():
+    try:
+        tensors = load_file(str(file))
+    except SafetensorError as e:
+        raise LoraAdapterError(f"{file} is not a readable safetensors file ({e})") from None
+    for tensor_name, array in tensors.items():
         m = _TENSOR.match(tensor_name)
         if m is None or not _PREFIX_OK.match(tensor_name) or m.group(2) not in ours:
             supported = ", ".join(hf.split(".")[-1] for hf in ours)

@@ -51,6 +51,22 @@ def test_pinned_adapters_are_never_evicted():
         slots.pin(C)
 
 
+def test_a_forgotten_adapter_keeps_its_slot_until_its_sequences_release_it():
+    slots = AdapterSlots(2)
+    slots.pin(A)
+    running = with_lora(A)
+    assert slots.admit(running) and running.lora_slot == 0
+    slots.forget(A)  # unloaded while `running` still uses slot 0
+    reloaded = LoRARequest("a", 9, A.lora_path)  # the same name loaded again is another adapter
+    assert slots.can_hold(C) and slots.resident() == {}
+    first, second = with_lora(reloaded), with_lora(C)
+    assert slots.admit(first) and first.lora_slot == 1
+    assert not slots.admit(second)  # slot 0 is still A's: C waits
+    slots.release(running)
+    assert slots.admit(second) and second.lora_slot == 0
+    assert slots.pending_loads == [(0, A), (1, reloaded), (0, C)]
+
+
 def test_scheduler_passes_over_a_sequence_whose_adapter_waits():
     s, _ = make()
     s.adapters = AdapterSlots(1)

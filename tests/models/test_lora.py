@@ -112,6 +112,34 @@ def test_named_adapters_are_loaded_at_start_and_kept(llama_with_adapters):
                         lora_request=LoRARequest("third", 3, adapters["every"].lora_path))
 
 
+def test_adapters_are_added_and_removed_while_the_engine_runs(llama_with_adapters):
+    """vLLM's add_lora / remove_lora: a removed adapter's running request finishes with it, one prepared before the
+    removal is refused, and its slot and host copy are freed; the name loaded again with other files is another
+    adapter (its own logits, none of the first's KV blocks)."""
+    base, adapters, references = llama_with_adapters
+    engine = Engine(str(base), enable_lora=True, max_loras=1, max_lora_rank=8, num_kv_blocks=64,
+                    max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
+    every = adapters["every"]
+    registered = LoRARequest("every", 5, every.lora_path)
+    assert engine.add_lora(registered) is registered and engine.list_loras() == [registered]
+    first = check_lora_parity(engine, references, PROMPTS[:1], [every])[0]  # id 1 given: runs as the engine's id 5
+    engine.add_request("running", PROMPTS[0], GREEDY, lora_request=every)
+    late = engine.prepare_request("late", PROMPTS[1], GREEDY, lora_request=every)
+    outputs = engine.step()
+    assert engine.remove_lora(5) and not engine.remove_lora("every") and engine.list_loras() == []
+    with pytest.raises(ValueError, match="'every' was unloaded"):
+        engine.add_prepared_request(late)
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    running = [o for o in outputs if o.request_id == "running" and o.finished][0]
+    assert running.outputs[0].token_ids == first.outputs[0].token_ids
+    assert engine.adapters.has_removed  # purged at the next step: nothing runs now
+    other_files = LoRARequest("every", 6, adapters["attention"].lora_path)
+    again = check_lora_parity(engine, {"every": references["attention"]}, PROMPTS[:1], [other_files])[0]
+    assert again.num_cached_tokens == 0 and not engine.adapters.has_removed
+    assert engine.adapters.slots.resident() == {"every": 0} and engine.list_loras() == [other_files]
+
+
 def _broken_copy(src: str, dst, config_changes: dict | None = None, extra_tensors: dict | None = None) -> str:
     dst.mkdir()
     config = json.loads(Path(src, "adapter_config.json").read_text())
@@ -119,6 +147,11 @@ def _broken_copy(src: str, dst, config_changes: dict | None = None, extra_tensor
     tensors = load_file(f"{src}/adapter_model.safetensors") | (extra_tensors or {})
     save_file(tensors, str(dst / "adapter_model.safetensors"))
     return str(dst)
+
+
+def _corrupt_tensors(adapter: str) -> str:
+    Path(adapter, "adapter_model.safetensors").write_bytes(b"not safetensors" * 4)
+    return adapter
 
 
 def test_adapters_it_cannot_serve_are_refused_by_name(llama_with_adapters, tmp_path):
@@ -130,6 +163,7 @@ def test_adapters_it_cannot_serve_are_refused_by_name(llama_with_adapters, tmp_p
         "rank 16, above max_lora_rank=8": _broken_copy(src, tmp_path / "r16", {"r": 16}),
         "no adapter_config.json": str(tmp_path),
         "DoRA": _broken_copy(src, tmp_path / "dora", {"use_dora": True}),
+        "not a readable safetensors file": _corrupt_tensors(_broken_copy(src, tmp_path / "corrupt")),
         "embed_tokens.lora_embedding_A.weight": _broken_copy(
             src, tmp_path / "embed", extra_tensors={"base_model.model.model.embed_tokens.lora_embedding_A.weight":
                                                     np.zeros((4, 8), np.float32)}),
