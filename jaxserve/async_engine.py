@@ -38,7 +38,7 @@ MAX_LOGGED_PROMPT_CHARS = 1000
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineShuttingDown", "QueueFull", "RequestTimedOut"]
 
 # Commands from the asyncio side to the loop thread.
-_ADD, _ABORT, _STOP = "add", "abort", "stop"
+_ADD, _ABORT, _STOP, _REMOVE_LORA = "add", "abort", "stop", "remove_lora"
 
 
 class AsyncEngine:
@@ -171,6 +171,15 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self._submit_abort(request_id)
+
+    # --- LoRA adapters ----------------------------------------------------------------------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """Read and check an adapter (off the event loop); ValueError if it cannot be served."""
+        return await asyncio.to_thread(self.engine.add_lora, lora_request)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter on the loop thread, between steps; requests already queued with it still run."""
+        self._submit((_REMOVE_LORA, lora_name))
 
     def stop_admitting(self) -> None:
         """The first step of a graceful shutdown: new requests are refused with EngineShuttingDown (and health
@@ -319,6 +328,8 @@ class AsyncEngine:
                 stream.push(exc)
                 return
             self._streams[stream.request_id] = stream
+        elif command[0] == _REMOVE_LORA:
+            self.engine.remove_lora(command[1])
         elif command[0] == _ABORT:
             _, request_id, error = command
             stream = self._streams.pop(request_id, None)

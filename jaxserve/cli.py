@@ -226,6 +226,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="split the model's <think>...</think> reasoning into the chat message's `reasoning`, "
                              "apart from its `content` (as in vLLM): qwen3 (Qwen3, QwQ, SmolLM3; reasoning only "
                              "where a block is opened) or deepseek_r1 (reasoning until </think> even unopened)")
+    server.add_argument("--enable-runtime-lora-updating", action="store_true",
+                        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; there "
+                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): anyone who can reach the server, with the "
+                             "--api-key if set, can make it read adapter directories it can see. Implies --enable-lora")
     server.add_argument("--log-prompts", action="store_true",
                         help="log each request's prompt (kept out of the logs unless set: prompts may be private)")
 
@@ -250,6 +254,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise UserError("--enable-auto-tool-choice needs --tool-call-parser to say how the model writes tool calls "
                         f"(one of: {', '.join(TOOL_CALL_PARSERS)})")
+    args.enable_lora = args.enable_lora or args.enable_runtime_lora_updating
     sock = listen_socket(args.host, args.port) if is_leader(args) else None  # followers serve no HTTP
     return serve_engine(build_engine(args), args, sock, mesh=mesh_from_args(args))
 

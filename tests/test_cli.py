@@ -187,6 +187,12 @@ def test_serve_logs_model_mesh_kv_capacity_and_url(fake_engine_module, caplog, m
     assert state.served_model_names == ["smol"] and state.api_key == "k"
     assert state.default_chat_template_kwargs == {"enable_thinking": False}
     state.engine.shutdown()
+    assert not state.runtime_lora_updating and fake_engine_module["enable_lora"] is False
+    assert cli.main(["serve", "--port", "0", "--enable-runtime-lora-updating"]) == 0
+    state = started["app"].state.server
+    assert state.runtime_lora_updating and fake_engine_module["enable_lora"] is True  # implied: adapters need slots
+    assert "LoRA adapters may be loaded and unloaded over HTTP" in caplog.text
+    state.engine.shutdown()
 
 
 # --- with the real default model (a few seconds each: loading, first compile) -------------------------------

@@ -33,6 +33,7 @@ from jaxserve.server.errors import (
     parse_json,
 )
 from jaxserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
+from jaxserve.server.lora_admin import load_lora_adapter, unload_lora_adapter
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.protocol import (
     DetokenizeRequest,
@@ -145,6 +146,8 @@ ROUTES = [
     Route("/v1/completions", create_completion, methods=["POST"]),
     Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+    Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/health", health, methods=["GET"]),
@@ -157,15 +160,17 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
               api_key: str | None = None, shutdown_engine: bool = True,
               max_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
               default_chat_template_kwargs: dict | None = None, tool_parser=None,
-              reasoning_parser=None, lora_adapters: dict | None = None) -> Starlette:
+              reasoning_parser=None, lora_adapters: dict | None = None,
+              runtime_lora_updating: bool = False) -> Starlette:
     """The HTTP app over `async_engine`; it serves the model under `served_model_names` (default: its name),
-    and each of `lora_adapters` (name -> LoRARequest) under its name.
+    and each of `lora_adapters` (name -> LoRARequest) under its name; `runtime_lora_updating` opens the routes
+    that load and unload adapters.
 
     Bodies over `max_body_bytes` are refused with 413 (None: no limit)."""
     names = list(served_model_names or [async_engine.model_name])
     state = ServerState(async_engine, names, ServerMetrics(async_engine, names[0]), api_key,
                         default_chat_template_kwargs, tool_parser=tool_parser, reasoning_parser=reasoning_parser,
-                        lora_adapters=dict(lora_adapters or {}))
+                        lora_adapters=dict(lora_adapters or {}), runtime_lora_updating=runtime_lora_updating)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

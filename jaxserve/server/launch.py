@@ -29,10 +29,11 @@ def serve_engine(engine, args: argparse.Namespace, sock: socket.socket, mesh: st
                     default_chat_template_kwargs=args.default_chat_template_kwargs,
                     tool_parser=tool_call_parser(args.tool_call_parser if args.enable_auto_tool_choice else None),
                     reasoning_parser=reasoning_parser(args.reasoning_parser, engine.tokenizer),
-                    lora_adapters=engine.adapters.preloaded)
+                    lora_adapters=engine.adapters.preloaded,
+                    runtime_lora_updating=args.enable_runtime_lora_updating)
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
-    log_startup(engine, mesh, names, f"http://{host}:{port}")
+    log_startup(engine, args, mesh, names, f"http://{host}:{port}")
     server = DrainingServer(app, async_engine, log_level=args.log_level, drain_seconds=args.shutdown_grace_seconds)
     try:
         server.run(sockets=[sock])
@@ -41,13 +42,16 @@ def serve_engine(engine, args: argparse.Namespace, sock: socket.socket, mesh: st
     return 0
 
 
-def log_startup(engine, mesh: str | None, names: list[str], url: str) -> None:
+def log_startup(engine, args: argparse.Namespace, mesh: str | None, names: list[str], url: str) -> None:
     stats = engine.stats()
     block_size = engine.config.cache.block_size
     logger.info("model %s served as %s; max_model_len %d", engine.model_name, ", ".join(names),
                 engine.max_model_len)
     for name, lora in engine.adapters.preloaded.items():
         logger.info("LoRA adapter %s served as %s", lora.lora_path, name)
+    if args.enable_runtime_lora_updating:
+        logger.warning("LoRA adapters may be loaded and unloaded over HTTP (--enable-runtime-lora-updating): "
+                       "clients can make this server read any adapter directory it can see")
     logger.info("mesh %s; dtype %s", mesh or "1x1 (one device)", engine.config.dtype)
     logger.info("KV cache: %d blocks x %d tokens = %d tokens", stats["total_blocks"], block_size,
                 stats["total_blocks"] * block_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -33,7 +34,15 @@ class ServerState:
     reasoning_parser: ThinkReasoningParser | None = None  # --reasoning-parser: `reasoning` apart from `content`
     # --lora-modules: a request whose `model` names one runs with that adapter (vLLM's convention)
     lora_adapters: dict[str, LoRARequest] = field(default_factory=dict)
+    runtime_lora_updating: bool = False  # --enable-runtime-lora-updating: adapters loaded and unloaded over HTTP
     started_at: float = field(default_factory=time.time)
+
+    def __post_init__(self):
+        # Ids only grow: an adapter loaded again gets a new one, so none of its old KV blocks match (cache_root).
+        self._lora_ids = itertools.count(max((lora.lora_int_id for lora in self.lora_adapters.values()), default=0) + 1)
+
+    def next_lora_id(self) -> int:
+        return next(self._lora_ids)
 
     def resolve_model(self, requested: str | None) -> str:
         """The name to answer with; a 404 for a model (or adapter) this server does not serve."""

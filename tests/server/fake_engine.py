@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 import threading
 import time
@@ -50,6 +51,16 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.adapters = SimpleNamespace(preloaded={})  # the LoRA adapters served by name (serve --lora-modules)
         self.lora_requests: dict[str, object] = {}  # request id -> the adapter it was prepared with
+        self.removed_loras: list[str] = []  # remove_lora calls, in order
+
+    def add_lora(self, lora_request):
+        """As the engine: a directory it cannot serve is a ValueError naming why."""
+        if not os.path.isfile(os.path.join(lora_request.lora_path, "adapter_config.json")):
+            raise ValueError(f"{lora_request.lora_path} has no adapter_config.json")
+        return lora_request
+
+    def remove_lora(self, lora_name):
+        self.removed_loras.append(lora_name)
 
     def prepare_request(self, request_id, prompt, params, *, priority=0, lora_request=None):
         self.lora_requests[request_id] = lora_request

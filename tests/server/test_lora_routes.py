@@ -40,3 +40,69 @@ def test_the_model_field_picks_the_adapter(server, path, body):
         assert fake.lora_requests[reply.json()["id"]] == expected
     missing = httpx.post(url + path, json=body | {"model": "sq1"}, timeout=30)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_runtime_loading_is_off_unless_the_server_allows_it(server):
+    url, _ = server
+    for route in ("load_lora_adapter", "unload_lora_adapter"):
+        reply = httpx.post(f"{url}/v1/{route}", json={"lora_name": "sql", "lora_path": "/adapters/sql"})
+        assert reply.status_code == 404 and reply.json()["error"]["code"] == "runtime_lora_updating_off"
+        assert "--enable-runtime-lora-updating" in reply.json()["error"]["message"]
+
+
+@pytest.fixture
+def updatable(tokenizer):
+    fake = FakeEngine(tokenizer)
+    app = build_app(AsyncEngine(fake, max_waiting_requests=8), served_model_names=["base"], lora_adapters={"sql": SQL},
+                    runtime_lora_updating=True)
+    with serve_in_thread(app) as url:
+        yield url, fake
+
+
+def _adapter_dir(tmp_path, name):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "adapter_config.json").write_text("{}")
+    return str(tmp_path / name)
+
+
+def _served(url):
+    return {card["id"] for card in httpx.get(f"{url}/v1/models").json()["data"]}
+
+
+def test_adapters_are_loaded_and_unloaded_over_http(updatable, tmp_path):
+    """vLLM's routes and replies: the loaded adapter is served under its name with a new id, until unloaded."""
+    url, fake = updatable
+    body = {"prompt": "Hello", "max_tokens": 2, "model": "poems"}
+    path = _adapter_dir(tmp_path, "poems")
+    reply = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "poems", "lora_path": path})
+    assert reply.status_code == 200 and reply.text == "Success: LoRA adapter 'poems' added successfully."
+    assert _served(url) == {"base", "sql", "poems"}
+    completion = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()
+    assert fake.lora_requests[completion["id"]] == LoRARequest("poems", 2, path)  # ids after --lora-modules' 1
+    for name in ("poems", "sql", "base"):  # names already served
+        again = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+        assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    reply = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "poems"})
+    assert reply.status_code == 200 and reply.text == "Success: LoRA adapter 'poems' removed successfully."
+    assert _served(url) == {"base", "sql"} and fake.removed_loras == ["poems"]
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 404
+    missing = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "poems"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "lora_adapter_not_found"
+    reloaded = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "poems", "lora_path": path})
+    completion = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()
+    assert reloaded.status_code == 200 and fake.lora_requests[completion["id"]].lora_int_id == 3  # never reused
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"lora_name": "x", "lora_path": "/nowhere"}, "lora_path", "/nowhere has no adapter_config.json"),
+    ({"lora_name": "", "lora_path": "/adapters/x"}, "lora_name", "must be non-empty"),
+    ({"lora_name": "x"}, "lora_path", "Field required"),
+    ({"lora_name": 5, "lora_path": "/adapters/x"}, "lora_name", "valid string"),
+])
+def test_bad_load_requests_get_400_naming_the_field(updatable, body, param, message):
+    url, _ = updatable
+    reply = httpx.post(f"{url}/v1/load_lora_adapter", json=body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and message in error["message"]
+    assert _served(url) == {"base", "sql"}
