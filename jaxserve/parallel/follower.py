@@ -68,6 +68,8 @@ def follow(engine, cluster: Cluster, shutdown: _ShutdownRequest) -> None:
             leaves, statics = wire.decode_step(payload, StepStatics)
             engine.runner.execute(jax.tree_util.tree_unflatten(treedefs[statics.decode_only], leaves), statics)
             num_steps += 1
+        elif kind == wire.LORA:
+            engine.adapters.write_factors(*wire.decode_adapter(payload))
         elif kind == wire.STOP:
             _released(cluster, payload)
             log.info("process 0 released this process after %d steps", num_steps)

@@ -39,6 +39,10 @@ def lead(engine, cluster: Cluster):
     """Make `engine` drive the followers from now on (its construction ran on every process alike). From here an
     exit releases them cleanly (`Cluster.close`)."""
     engine.runner = BroadcastingRunner(engine.runner, cluster)
+    # Adapters loaded from now on are read here only: their factors travel to the followers, which write them into
+    # the same slot before the step that uses it (frames arrive in order), so no node needs the adapter's files.
+    engine.adapters.before_write = lambda slot, factors: cluster.broadcast(
+        wire.frame(wire.LORA, wire.encode_adapter(slot, factors)))
     cluster.serving = True
     log.info("leading %d followers: %s", len(cluster.peers),
              ", ".join(p.describe() for p in cluster.peers.values()))

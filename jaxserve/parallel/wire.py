@@ -20,11 +20,12 @@ from typing import Any
 import numpy as np
 
 # Frame kinds. Leader -> follower: STEP, PING (idle heartbeat), STOP (payload: {"clean": bool, "reason": str}),
-# LOAD (build the engine now: commands whose leader may decide to run nothing, like `batch`, send it first).
+# LOAD (build the engine now: commands whose leader may decide to run nothing, like `batch`, send it first),
+# LORA (write a LoRA adapter's factors into a device slot before the next step: only process 0 reads adapters).
 # Follower -> leader: HELO (payload: JSON facts about the process), LIVE (heartbeat), TERM (it got a signal).
-STEP, PING, STOP, LOAD = b"STEP", b"PING", b"STOP", b"LOAD"
+STEP, PING, STOP, LOAD, LORA = b"STEP", b"PING", b"STOP", b"LOAD", b"LORA"
 HELO, LIVE, TERM = b"HELO", b"LIVE", b"TERM"
-KINDS = {STEP, PING, STOP, LOAD, HELO, LIVE, TERM}
+KINDS = {STEP, PING, STOP, LOAD, LORA, HELO, LIVE, TERM}
 
 _HEADER = struct.Struct("!4sQ")
 _JSON_LEN = struct.Struct("!I")
@@ -62,24 +63,41 @@ def read_frame(sock: socket.socket) -> tuple[bytes, bytes]:
     return kind, _recv_exact(sock, size) if size else b""
 
 
-# --- step payloads ---------------------------------------------------------------------------------------------
-def encode_step(leaves: list[np.ndarray], statics: Any) -> bytes:
-    arrays = [np.ascontiguousarray(a) for a in leaves]
-    header = json.dumps({"statics": dataclasses.asdict(statics),
-                         "arrays": [[a.dtype.str, list(a.shape)] for a in arrays]}).encode()
-    return b"".join([_JSON_LEN.pack(len(header)), header, *(a.tobytes() for a in arrays)])
+# --- payloads: a JSON header, then arrays --------------------------------------------------------------------
+def _encode_arrays(header: dict, arrays: list[np.ndarray]) -> bytes:
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    text = json.dumps({**header, "arrays": [[a.dtype.str, list(a.shape)] for a in arrays]}).encode()
+    return b"".join([_JSON_LEN.pack(len(text)), text, *(a.tobytes() for a in arrays)])
 
 
-def decode_step(payload: bytes, statics_type: type) -> tuple[list[np.ndarray], Any]:
+def _decode_arrays(payload: bytes) -> tuple[dict, list[np.ndarray]]:
     (n,) = _JSON_LEN.unpack_from(payload)
     header = json.loads(payload[_JSON_LEN.size : _JSON_LEN.size + n])
-    offset, leaves = _JSON_LEN.size + n, []
+    offset, arrays = _JSON_LEN.size + n, []
     for dtype, shape in header["arrays"]:
         dt = np.dtype(dtype)
         count = int(np.prod(shape, dtype=np.int64))
-        leaves.append(np.frombuffer(payload, dt, count, offset).reshape(shape))
+        arrays.append(np.frombuffer(payload, dt, count, offset).reshape(shape))
         offset += count * dt.itemsize
+    return header, arrays
+
+
+def encode_step(leaves: list[np.ndarray], statics: Any) -> bytes:
+    return _encode_arrays({"statics": dataclasses.asdict(statics)}, leaves)
+
+
+def decode_step(payload: bytes, statics_type: type) -> tuple[list[np.ndarray], Any]:
+    header, leaves = _decode_arrays(payload)
     return leaves, from_dict(statics_type, header["statics"])
+
+
+def encode_adapter(slot: int, factors: dict[str, np.ndarray]) -> bytes:
+    return _encode_arrays({"slot": slot, "names": list(factors)}, list(factors.values()))
+
+
+def decode_adapter(payload: bytes) -> tuple[int, dict[str, np.ndarray]]:
+    header, arrays = _decode_arrays(payload)
+    return header["slot"], dict(zip(header["names"], arrays))
 
 
 def from_dict(cls: type, values: dict) -> Any:

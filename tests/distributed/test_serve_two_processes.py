@@ -94,24 +94,31 @@ def _long_request(url: str, model: str, generating: threading.Event) -> None:
 
 def test_lora_adapter_and_speculation_served_by_two_processes_match_one_process(processes, tiny_checkpoint,
                                                                                 tmp_path):
-    """Every process loads --lora-modules into the same slots at start, so an adapter request runs the same
-    steps on both halves of the mesh; drafted steps (more sampler rows than sequences) travel to the follower
+    """Every process loads --lora-modules into the same slots at start; an adapter loaded over HTTP is read by
+    process 0 alone, whose factors reach the follower before the step that uses them. Adapter requests run the
+    same steps on both halves of the mesh; drafted steps (more sampler rows than sequences) travel to the follower
     like any other."""
     from jaxserve import Engine, LoRARequest, SamplingParams
     from tests.helpers import make_lora_adapter
     from tests.server.helpers import metric_value
 
     model = str(tiny_checkpoint("llama"))
-    make_lora_adapter(model, tmp_path / "adapter", seed=3)
+    for name, seed in (("tuned", 3), ("later", 4)):
+        make_lora_adapter(model, tmp_path / name, seed=seed)
     ngram = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1}
-    url = start_pair(processes, model, free_port(), "--lora-modules", f"tuned={tmp_path / 'adapter'}",
-                     "--speculative-config", json.dumps(ngram))
-    served = {name: [complete(url, name, prompt, max_tokens=16) for prompt in PROMPTS] for name in (model, "tuned")}
+    url = start_pair(processes, model, free_port(), "--lora-modules", f"tuned={tmp_path / 'tuned'}",
+                     "--speculative-config", json.dumps(ngram), "--enable-runtime-lora-updating", "--max-loras", "2")
+    loaded = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "later", "lora_path": str(tmp_path / "later")})
+    assert loaded.status_code == 200, loaded.text
+    names = (model, "tuned", "later")
+    served = {name: [complete(url, name, prompt, max_tokens=16) for prompt in PROMPTS] for name in names}
     assert metric_value(url, "jaxserve:spec_decode_num_accepted_tokens_total") > 0
     engine = Engine(model, mesh="4x2", num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=2, warmup=False,
-                    dtype="float32", lora_modules={"tuned": str(tmp_path / "adapter")}, speculative_config=ngram)
+                    dtype="float32", max_loras=2, lora_modules={"tuned": str(tmp_path / "tuned")},
+                    speculative_config=ngram)
     params = SamplingParams(max_tokens=16, temperature=0)
-    for name, lora in ((model, None), ("tuned", LoRARequest("tuned", 1, str(tmp_path / "adapter")))):
+    for name in names:
+        lora = None if name == model else LoRARequest(name, 2, str(tmp_path / name))
         expected = [engine.generate([p], params, use_tqdm=False, lora_request=lora)[0].outputs[0].text for p in PROMPTS]
         assert served[name] == expected
-    assert served["tuned"] != served[model]
+    assert len({tuple(texts) for texts in served.values()}) == 3

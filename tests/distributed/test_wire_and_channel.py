@@ -57,6 +57,14 @@ def test_a_decode_only_step_is_rebuilt_with_its_static_flag():
     assert rebuilt.meta.decode_only and jax.tree_util.tree_structure(rebuilt) == jax.tree_util.tree_structure(inputs)
 
 
+def test_adapter_factors_round_trip_with_their_slot_and_names():
+    factors = {"wq_lora_a": np.arange(24, dtype=np.float32).reshape(2, 3, 4),
+               "wq_lora_b": np.ones((2, 4, 5), np.float16), "empty": np.zeros((0, 3), np.float32)}
+    slot, got = wire.decode_adapter(wire.encode_adapter(3, factors))
+    assert slot == 3 and list(got) == list(factors)
+    assert all(got[k].dtype == v.dtype and np.array_equal(got[k], v) for k, v in factors.items())
+
+
 def test_a_stranger_on_the_port_is_not_read_as_a_frame():
     a, b = socket.socketpair()
     with a, b:
