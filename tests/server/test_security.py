@@ -31,14 +31,22 @@ V1_ROUTES = [(route.path, method) for route in ROUTES if route.path.startswith("
 @pytest.fixture(scope="module")
 def keyed_server(tokenizer):
     engine = AsyncEngine(FakeEngine(tokenizer, step_delay=0))
-    with serve_in_thread(build_app(engine, api_key=API_KEY)) as url:
+    with serve_in_thread(build_app(engine, api_key=API_KEY, runtime_lora_updating=True)) as url:
         yield url
 
 
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("adapter")
+    (directory / "adapter_config.json").write_text("{}")
+    return str(directory)
+
+
 # --- API key ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("path, method", V1_ROUTES)
-def test_every_v1_route_needs_the_key(keyed_server, path, method):
-    body = {"prompt": "x", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+@pytest.mark.parametrize("path, method", V1_ROUTES)  # in ROUTES' order: the adapter is loaded, then unloaded
+def test_every_v1_route_needs_the_key(keyed_server, adapter_dir, path, method):
+    body = {"prompt": "x", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
+            "lora_name": "x", "lora_path": adapter_dir}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
                     {"Authorization": f"Bearer {API_KEY}x"}, {"Authorization": f"bearer {API_KEY}"}):
         response = httpx.request(method, keyed_server + path, json=body, headers=headers)
