@@ -4,7 +4,8 @@ no jax.
 A constrained sequence owns an `LLMatcher`: before each sampling step the matcher says which tokens may come
 next, as a bitmask (bit t of word t // 32 is token t) that the sampler applies on the device; after the step it
 consumes the sampled token. The mask depends on the token sampled just before, so a constrained sequence never
-has a step in flight when the next one is planned (engine.py).
+has a step in flight when the next one is planned (engine.py). With speculative decoding, a drafted row's mask is
+the grammar's after the drafts before it (the scheduler keeps only drafts the grammar accepts).
 
 JSON is generated on one line with ", " and ": " separators: letting the model choose whitespace freely lets a
 small model emit newlines for ever without breaking the grammar.
@@ -119,12 +120,17 @@ def grammar_ended(matcher, token: int, request_id: str) -> bool:
     return matcher.is_stopped()
 
 
-def fill_masks(rows: list[tuple[int, object]], out: np.ndarray) -> None:
-    """Write each (row, matcher)'s allowed next tokens into `out[row]` ([B, bitmask_width] int32), the rows in
-    parallel on llguidance's threads (the GIL is released)."""
+def fill_masks(rows: list[tuple[int, object, list[int]]], out: np.ndarray) -> None:
+    """For each (row, matcher, draft): write the matcher's allowed next tokens into `out[row]` ([B, bitmask_width]
+    int32) and, for speculative decoding, those after the first i draft tokens into `out[row + i]` (the matcher
+    is left as it was). Matchers run in parallel on llguidance's threads (the GIL is released)."""
     import llguidance.numpy
 
-    llguidance.numpy.fill_next_token_bitmask_par(_executor(), [(m, row) for row, m in rows], out)
+    drafted = [(m, row, d) for row, m, d in rows if d]  # llguidance's drafted variant refuses an empty draft
+    if drafted:
+        llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(_executor(), drafted, out)
+    if len(drafted) < len(rows):
+        llguidance.numpy.fill_next_token_bitmask_par(_executor(), [(m, row) for row, m, d in rows if not d], out)
 
 
 @functools.cache

@@ -158,12 +158,13 @@ class Scheduler:
         return budget
 
     def _draft(self, seq: Sequence, max_len: int) -> list[int]:
-        """Draft tokens for a decoding sequence: none under a grammar (each mask needs the tokens before it
-        accepted) or while its last token is still in flight; never past its max_tokens or the context."""
-        if seq.pending_index is not None or seq.matcher is not None:
+        """Draft tokens for a decoding sequence, never past its max_tokens or the context; none while its last
+        token is still in flight."""
+        if seq.pending_index is not None:
             return []
         room = min(seq.params.max_tokens - seq.num_output_tokens, seq.max_model_len - seq.num_tokens) - 1
-        return self.proposer.propose(seq.token_ids, min(max_len, room))
+        draft = self.proposer.propose(seq.token_ids, min(max_len, room))
+        return _fit_grammar(seq, draft) if draft and seq.matcher is not None else draft
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         i = 0  # the next waiting sequence to try: one whose LoRA adapter finds no slot is passed over
@@ -275,3 +276,12 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
+
+
+def _fit_grammar(seq: Sequence, draft: list[int]) -> list[int]:
+    """The part of a draft a constrained sequence can check: the tokens its grammar accepts, or, while the grammar
+    waits for its start token (after reasoning), those before that token, since the rows after it would need the
+    grammar's masks from its first token on. The step masks each row with the grammar after the drafts before it."""
+    if seq.grammar_waits_for is not None:
+        return draft[: draft.index(seq.grammar_waits_for)] if seq.grammar_waits_for in draft else draft
+    return draft[: seq.matcher.validate_tokens(draft)]

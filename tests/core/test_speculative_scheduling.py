@@ -132,7 +132,7 @@ def test_a_callback_that_stops_the_sequence_drops_the_later_tokens():
     assert seen == [(60, 0)] and a.output_token_ids == [50, 60]
 
 
-def test_drafts_leave_rows_for_waiting_sequences_and_skip_grammars():
+def test_drafts_leave_rows_for_waiting_sequences():
     s, _ = make([60, 61, 62], max_seqs=4)
     a = seq(0, range(1, 5))
     prefill(s, a)
@@ -141,11 +141,29 @@ def test_drafts_leave_rows_for_waiting_sequences_and_skip_grammars():
     out = s.schedule()  # 4 rows: a's own, one for each waiting sequence, so one draft token
     assert [len(c.draft) for c in out.chunks] == [1, 0, 0] and out.num_rows == 4
 
+
+class Grammar:
+    """A matcher that accepts the first `valid` tokens of any draft."""
+
+    def __init__(self, valid: int):
+        self.valid = valid
+
+    def validate_tokens(self, tokens: list[int]) -> int:
+        return min(self.valid, len(tokens))
+
+
+@pytest.mark.parametrize("valid, waits_for, expected", [
+    (2, None, [60, 61]),  # cut where the grammar would refuse
+    (0, None, []),
+    (0, 61, [60]),  # waiting for its start token: drafts before it only (the grammar masks the rows after it)
+    (0, 99, [60, 61, 62]),  # waiting, and the start token is not drafted: nothing to check
+])
+def test_drafts_under_a_grammar_keep_what_it_accepts(valid, waits_for, expected):
     s, _ = make([60, 61, 62])
     b = seq(3, range(1, 5))
     prefill(s, b)
-    b.matcher = object()  # a grammar's next mask needs the token before it accepted
-    assert s.schedule().chunks[0].draft == []
+    b.matcher, b.grammar_waits_for = Grammar(valid), waits_for
+    assert s.schedule().chunks[0].draft == expected
 
 
 def test_first_rows_lay_chunks_out_one_after_another():

@@ -118,3 +118,20 @@ def test_a_constrained_request_beside_a_drafting_one(spec_engine, smol_engine):
     ours = [o.outputs[0].text for o in spec_engine.generate(prompts, params, use_tqdm=False)]
     assert ours == [o.outputs[0].text for o in smol_engine.generate(prompts, params, use_tqdm=False)]
     assert ours[1] in ("yes", "no")
+
+
+def test_constrained_requests_draft_and_keep_their_tokens(spec_engine, smol_engine):
+    """Under a grammar each drafted row is masked by the grammar after the drafts before it, so constrained output
+    equals one-at-a-time decoding, and drafts the grammar accepts are kept."""
+    import re
+
+    from jaxserve.structured_outputs import StructuredOutputsParams
+
+    words = r"[A-Za-z ,.]+"
+    params = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=words))
+    prompts = [copy_prompt(spec_engine)]
+    before = spec_engine.stats()
+    ours = [o.outputs[0].text for o in spec_engine.generate(prompts, params, use_tqdm=False)]
+    accepted = spec_engine.stats()["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert ours == [o.outputs[0].text for o in smol_engine.generate(prompts, params, use_tqdm=False)]
+    assert re.fullmatch(words, ours[0]) and accepted > 0

@@ -47,3 +47,43 @@ def test_rows_sample_after_each_draft_with_their_own_position():
         assert t.history[4 + j, :length].tolist() == [1, 2, 3, 4, 5, 50, 60, 61, 62][:length]
         assert (t.history[4 + j, length:] == V).all()
         assert t.history_is_output[4 + j].tolist() == [False] * 5 + [True] * (1 + j) + [False] * (64 - 6 - j)
+
+
+def test_a_constrained_rows_masks_follow_the_drafts_before_them(smollm2_gguf_path):
+    """Each drafted row of a constrained sequence is masked by its grammar after the drafts before that row (the
+    matcher is left as it was); a draft is cut where the grammar would refuse it."""
+    from jaxserve.grammar import GrammarCompiler, bitmask_width
+    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.structured_outputs import StructuredOutputsParams
+    from tests.server.helpers import load_default_tokenizer
+
+    tokenizer = load_default_tokenizer()
+    vocab = len(tokenizer)
+    grammar = GrammarCompiler(tokenizer, vocab, (tokenizer.eos_token_id,))
+    matcher = grammar.matcher(StructuredOutputsParams(choice=["yes please", "no thanks"]))
+    yes = tokenizer.encode("yes please")
+    refused = tokenizer.encode("no")[0]  # after "yes", the grammar refuses it
+    blocks = BlockManager(64, 4)
+    s = Scheduler(SchedulerConfig(8, 64, 64), blocks, proposer=FixedProposer(yes[1:] + [refused]))
+    seq = Sequence(0, "a", 0, [1, 2, 3], 3, SamplingParams(max_tokens=10), seed=5, arrival=0, max_model_len=64)
+    seq.matcher = matcher
+    s.add(seq)
+    s.update(s.schedule(), [yes[0]])
+    assert matcher.consume_token(yes[0])  # as the engine does with a sampled token
+    out = s.schedule()
+    assert out.chunks[0].draft == yes[1:]
+    inputs = build_step_inputs(out, blocks, PlanShape(Buckets.for_limits(64, 8), 4, vocab, 64, 5))[0]
+    reference = matcher.deep_copy()
+    for i, token in enumerate([*yes[1:], None]):
+        expected = np.full((1, bitmask_width(vocab)), -1, np.int32)
+        grammar_mask(reference, expected)
+        assert np.array_equal(inputs.sampling.allowed[i], expected[0]), f"row {i}"
+        if token is not None:
+            assert reference.consume_token(token)
+    assert matcher.validate_tokens(yes[1:]) == len(yes) - 1  # rolled back: the drafts can still follow
+
+
+def grammar_mask(matcher, out: np.ndarray) -> None:
+    import llguidance.numpy
+
+    llguidance.numpy.fill_next_token_bitmask(matcher, out, 0)
