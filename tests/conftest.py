@@ -22,6 +22,15 @@ def smollm2_gguf_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def smol_tokenizer(smollm2_gguf_path):
+    """SmolLM2's tokenizer with its chat template, read from the GGUF once (5 s) for every test that needs it: a
+    byte-level BPE with <|im_start|>-style specials. Shared: tests must not change it."""
+    from tests.server.helpers import load_default_tokenizer
+
+    return load_default_tokenizer()
+
+
+@pytest.fixture(scope="session")
 def smol_engine(smollm2_gguf_path):
     from jaxserve import Engine
 

@@ -121,10 +121,8 @@ def fake_engine_module(monkeypatch, tokenizer):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_gguf_path):
-    from tests.server.helpers import load_default_tokenizer
-
-    return load_default_tokenizer()
+def tokenizer(smol_tokenizer):
+    return smol_tokenizer
 
 
 def test_generate_prints_the_completion(capsys, fake_engine_module):

@@ -142,8 +142,8 @@ def test_a_stop_signal_ends_the_job_between_steps_with_every_finished_result_sav
             os.kill(os.getpid(), signal.SIGINT)
 
 
-def test_tool_choice_auto_needs_the_jobs_tool_call_parser(tmp_path, smol_tokenizer_for_batch):
-    engine = FakeEngine(smol_tokenizer_for_batch, step_delay=0, script_text=REPLY)
+def test_tool_choice_auto_needs_the_jobs_tool_call_parser(tmp_path, smol_tokenizer):
+    engine = FakeEngine(smol_tokenizer, step_delay=0, script_text=REPLY)
     engine.config.scheduler = SimpleNamespace(max_num_seqs=4)
     line = chat_line("weather", "Weather in Paris?", tools=TOOLS, stop=["</tool_call>"],
                      include_stop_str_in_output=True, temperature=0, max_tokens=100)
@@ -160,12 +160,12 @@ def test_tool_choice_auto_needs_the_jobs_tool_call_parser(tmp_path, smol_tokeniz
     assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
-def test_the_jobs_reasoning_parser_splits_reasoning_from_the_answer(tmp_path, smol_tokenizer_for_batch):
+def test_the_jobs_reasoning_parser_splits_reasoning_from_the_answer(tmp_path, smol_tokenizer):
     from tests.server.test_reasoning_parsers import THINKING, THOUGHT
 
-    engine = FakeEngine(smol_tokenizer_for_batch, step_delay=0, script_text=THINKING)
+    engine = FakeEngine(smol_tokenizer, step_delay=0, script_text=THINKING)
     engine.config.scheduler = SimpleNamespace(max_num_seqs=4)
-    line = chat_line("think", "Weather?", temperature=0, max_tokens=len(smol_tokenizer_for_batch.encode(THINKING)))
+    line = chat_line("think", "Weather?", temperature=0, max_tokens=len(smol_tokenizer.encode(THINKING)))
     run_job(write_job(tmp_path, [line], reasoning_parser="qwen3"), engine=engine, show_progress=False)
     status, body = results_by_custom_id(tmp_path / "out.jsonl")["think"]
     assert status == 200

@@ -49,15 +49,13 @@ def test_rows_sample_after_each_draft_with_their_own_position():
         assert t.history_is_output[4 + j].tolist() == [False] * 5 + [True] * (1 + j) + [False] * (64 - 6 - j)
 
 
-def test_a_constrained_rows_masks_follow_the_drafts_before_them(smollm2_gguf_path):
+def test_a_constrained_rows_masks_follow_the_drafts_before_them(smol_tokenizer):
     """Each drafted row of a constrained sequence is masked by its grammar after the drafts before that row (the
     matcher is left as it was); a draft is cut where the grammar would refuse it."""
     from jaxserve.grammar import GrammarCompiler, bitmask_width
     from jaxserve.sampling_params import SamplingParams
     from jaxserve.structured_outputs import StructuredOutputsParams
-    from tests.server.helpers import load_default_tokenizer
-
-    tokenizer = load_default_tokenizer()
+    tokenizer = smol_tokenizer
     vocab = len(tokenizer)
     grammar = GrammarCompiler(tokenizer, vocab, (tokenizer.eos_token_id,))
     matcher = grammar.matcher(StructuredOutputsParams(choice=["yes please", "no thanks"]))

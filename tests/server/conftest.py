@@ -1,12 +1,11 @@
 import pytest
 
-from tests.server.helpers import REAL_SERVER_ARGS, load_default_tokenizer, server_process
+from tests.server.helpers import REAL_SERVER_ARGS, server_process
 
 
 @pytest.fixture(scope="session")
-def tokenizer(smollm2_gguf_path):
-    # smollm2_gguf_path fetches the default model (or fails loudly): these tests never skip for want of it.
-    return load_default_tokenizer()
+def tokenizer(smol_tokenizer):
+    return smol_tokenizer
 
 
 @pytest.fixture(scope="session")
