@@ -1,7 +1,8 @@
 """jaxserve: a JAX/XLA inference engine for large language models."""
 
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -20,4 +21,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["Engine", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "LoRARequest"]
+__all__ = ["Engine", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "LoRARequest",
+           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput"]

@@ -23,6 +23,7 @@ from jaxserve.core.output_processor import SequenceText, position_logprobs, reco
 from jaxserve.core.request import Request, Sequence
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine_lora import EngineAdapters, LoRAAPI, check_lora_options
+from jaxserve.engine_pooling import check_pooling, embedding_output, pooled_sequences
 from jaxserve.engine_offline import OfflineAPI
 from jaxserve.engine_inputs import (check_engine_options, check_max_model_len, fit_context_to_cache,
                                    model_for_context, prompt_token_ids,
@@ -31,7 +32,7 @@ from jaxserve.grammar import GrammarCompiler, grammar_ended
 from jaxserve.loader.checkpoint import open_checkpoint
 from jaxserve.loader.tokenizer import read_chat_template
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput
 from jaxserve.parallel.multihost import agree_on_min
 from jaxserve.parallel.sharding import resolve_mesh
 from jaxserve.runner.buckets import Buckets
@@ -41,6 +42,7 @@ from jaxserve.runner.model_runner import ModelRunner, PendingStep, StepResult
 from jaxserve.runner.plan import PlanShape, build_step_inputs, empty_inputs
 from jaxserve.runner.sampler import SamplerFlags
 from jaxserve.runner.step import StepStatics
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.speculative_config import SpeculativeConfig
 
@@ -89,6 +91,7 @@ class Engine(OfflineAPI, LoRAAPI):
         if template is not None:  # replaces the tokenizer's own
             self.tokenizer.chat_template = template
         self.generation_defaults = ckpt.generation_defaults
+        self.declared_pooling = ckpt.pooling
         requested_len, max_model_len = max_model_len, check_max_model_len(max_model_len, cfg.max_position_embeddings)
         cfg = model_for_context(cfg, max_model_len)
         dtype = resolve_dtype(dtype, jax.devices()[0].platform)
@@ -181,23 +184,27 @@ class Engine(OfflineAPI, LoRAAPI):
 
     # ---- requests -------------------------------------------------------------------------------------
 
-    def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+    def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams, *,
                         priority: int = 0, lora_request: LoRARequest | None = None) -> Request:
-        """Tokenize and validate (no device work, safe from any thread). Raises ValueError for bad input."""
+        """Tokenize and validate (no device work, safe from any thread). Raises ValueError for bad input.
+        PoolingParams make it an embedding request (engine_pooling.py)."""
+        pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None:
+            params = check_pooling(pooling, self.config.model.hidden_size, self.declared_pooling)
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"params must be a SamplingParams or PoolingParams, got {type(params).__name__}")
         ids = prompt_token_ids(self.tokenizer, prompt, self.config.model.vocab_size)
         params = validate_lengths(params, len(ids), self.max_model_len, self.config)
         lora_request = self.adapters.check(lora_request)
         seqs = [self._new_sequence(request_id, i, ids, params, priority) for i in range(params.num_sequences)]
         for seq in seqs:
-            seq.lora_request = lora_request
+            seq.lora_request, seq.pooling = lora_request, pooling
         if params.constrained:  # compiled here, off the engine thread; an invalid grammar is a ValueError
             matcher = self.grammars.matcher(params.structured_outputs)
             for i, seq in enumerate(seqs):
                 seq.matcher = matcher.deep_copy() if i else matcher
                 seq.grammar_waits_for = params.structured_outputs.starts_after_token
-        return Request(request_id, prompt if isinstance(prompt, str) else None, seqs, params)
+        return Request(request_id, prompt if isinstance(prompt, str) else None, seqs, params, pooling)
 
     def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
                       priority: int) -> Sequence:
@@ -303,6 +310,10 @@ class Engine(OfflineAPI, LoRAAPI):
             self._log_logits(sched, sampled, result)
         if result.prompt is not None:
             record_prompt_logprobs(sched.chunks, result.prompt, self._texts)
+        if result.hidden is not None:  # embedding requests end here, before their sample would be kept
+            for seq in pooled_sequences(sched.chunks, sched.first_rows(), result.hidden):
+                self.scheduler.finish(seq, "stop")
+                touched[seq.request_id] = self._requests[seq.request_id]
 
         def on_token(seq: Sequence, token: int, row: int) -> None:
             self._on_token(seq, token, result, row)
@@ -350,8 +361,8 @@ class Engine(OfflineAPI, LoRAAPI):
         if seq.finished:
             text.finish(seq)
 
-    def _emit(self, request: Request) -> RequestOutput:
-        output = request_output(request, self._texts)
+    def _emit(self, request: Request) -> RequestOutput | EmbeddingRequestOutput:
+        output = request_output(request, self._texts) if request.pooling is None else embedding_output(request)
         if request.finished:
             del self._requests[request.request_id]
             for seq in request.sequences:

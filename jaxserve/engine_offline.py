@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 from jaxserve.engine_inputs import normalise_conversations, normalise_prompts
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -23,6 +24,13 @@ class OfflineAPI:
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (vLLM's `LLM.generate`)."""
         prompts = normalise_prompts(prompts)
         return self._run_all(prompts, params, use_tqdm, lora_request)
+
+    def embed(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None,
+              use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+              ) -> list[EmbeddingRequestOutput]:
+        """Embed prompts (as `generate` takes them), in input order: `output.outputs.embedding` is the final hidden
+        state at the prompt's last token, normalized unless `PoolingParams(normalize=False)` (vLLM's `LLM.embed`)."""
+        return self._run_all(normalise_prompts(prompts), pooling_params or PoolingParams(), use_tqdm, lora_request)
 
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -58,7 +66,7 @@ class OfflineAPI:
 
         params_list = params if isinstance(params, list) else [params or self.default_sampling_params()] * len(prompts)
         if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one or one each")
+            raise ValueError(f"got {len(params_list)} params for {len(prompts)} prompts; give one or one each")
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts; give one or one each")

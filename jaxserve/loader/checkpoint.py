@@ -19,6 +19,7 @@ from jaxserve.loader.random_weights import RandomWeights
 from jaxserve.loader.safetensors import SafetensorsSource
 from jaxserve.loader.text_model import text_model_config, text_model_tensors
 from jaxserve.loader.weights import TensorSource
+from jaxserve.loader.pooling import declared_pooling
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ class Checkpoint:
     tensors: TensorSource
     tokenizer: Any
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    pooling: str | None = None  # what its sentence-transformers config declares (loader/pooling.py)
 
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -122,7 +124,8 @@ def _open_hf_dir(directory: Path, name: str, weights: bool = True) -> Checkpoint
     tensors = _split_fused(text_model_tensors(raw, SafetensorsSource(directory)), config) if weights else None
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
     defaults = sampling_defaults(generation, gen_path)
-    return Checkpoint(name=name, config=config, tensors=tensors, tokenizer=tokenizer, generation_defaults=defaults)
+    return Checkpoint(name=name, config=config, tensors=tensors, tokenizer=tokenizer, generation_defaults=defaults,
+                      pooling=declared_pooling(directory))
 
 
 def _download_from_hub(repo_id: str, weights: bool = True) -> Path:

@@ -78,7 +78,7 @@ def convert(model: str, out: str, mesh_shape: tuple[int, int], dtype: str, parti
         meta = {"format": FORMAT_VERSION, "name": ckpt.name, "config": dataclasses.asdict(ckpt.config),
                 "mesh": list(mesh_shape), "partition": list(layout.partition), "layout": layout_signature(layout),
                 "dtype": dtype, "bytes": sum(a.nbytes for a in arrays.values()),
-                "generation_defaults": ckpt.generation_defaults}
+                "generation_defaults": ckpt.generation_defaults, "pooling": ckpt.pooling}
         (out_dir / MARKER).write_text(json.dumps(meta, indent=1))
     except BaseException:
         shutil.rmtree(out_dir, ignore_errors=True)  # no half-written checkpoint that looks complete
@@ -171,4 +171,4 @@ def open_orbax_checkpoint(directory: Path):
                          f"{FORMAT_VERSION}; convert the original model again")
     return Checkpoint(name=meta["name"], config=model_config(meta), tensors=OrbaxParams(directory.absolute(), meta),
                       tokenizer=AutoTokenizer.from_pretrained(str(directory)),
-                      generation_defaults=meta.get("generation_defaults") or {})
+                      generation_defaults=meta.get("generation_defaults") or {}, pooling=meta.get("pooling"))

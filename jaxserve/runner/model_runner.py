@@ -34,6 +34,7 @@ class PendingStep:
     sampled: object  # SamplerOutput of device arrays
     prompt: object | None
     logits: object | None
+    hidden: object | None = None
 
 
 @dataclass
@@ -47,6 +48,7 @@ class StepResult:
     top_logprobs: np.ndarray
     prompt: tuple[np.ndarray, ...] | None
     logits: np.ndarray | None = None
+    hidden: np.ndarray | None = None  # [B, D] the sampled rows' final hidden states, when asked (embeddings)
 
 
 class ModelRunner:
@@ -101,13 +103,13 @@ class ModelRunner:
         if statics.prompt_logprobs >= 0:
             prompt = f.prompt_rows(self.params, hidden, inputs.prompt_targets, statics.prompt_logprobs)
         logits = f.logits(self.params, rows) if statics.return_logits else None
-        return PendingStep(sampled, prompt, logits)
+        return PendingStep(sampled, prompt, logits, rows if statics.return_hidden else None)
 
     @staticmethod
     def collect(pending: PendingStep) -> StepResult:
         """Wait for a launched step and copy its results to the host."""
-        s, prompt, logits = host_copy((pending.sampled, pending.prompt, pending.logits))  # also across processes
-        return StepResult(s.tokens, s.logprobs, s.ranks, s.top_ids, s.top_logprobs, prompt, logits)
+        s, prompt, logits, hidden = host_copy((pending.sampled, pending.prompt, pending.logits, pending.hidden))
+        return StepResult(s.tokens, s.logprobs, s.ranks, s.top_ids, s.top_logprobs, prompt, logits, hidden)
 
     def execute(self, inputs: StepInputs, statics: StepStatics) -> StepResult:
         return self.collect(self.launch(inputs, statics))

@@ -173,4 +173,4 @@ def _statics(chunks: list[ScheduledChunk], max_logprobs: int, decode_only: bool,
         flags = SamplerFlags(all(p.greedy for p in sampling), top_filter, penalties, num_logprobs)
     wants_prompt_logprobs = any(c.seq.params.prompt_logprobs is not None for c in chunks)
     return StepStatics(sampler=flags, prompt_logprobs=max_logprobs if wants_prompt_logprobs else -1,
-                       decode_only=decode_only)
+                       decode_only=decode_only, return_hidden=any(c.samples and c.seq.pooling for c in chunks))

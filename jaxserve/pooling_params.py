@@ -1,0 +1,40 @@
+"""`PoolingParams`: what an embedding request asks for (vLLM's `vllm.PoolingParams`, the fields embeddings use)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """An embedding of the whole prompt: the final hidden state (after the model's last norm) at its last token,
+    the pooling of decoder embedding models (Qwen3-Embedding, e5-mistral, gte-Qwen2).
+
+    `dimensions`: keep the first `dimensions` values (Matryoshka models such as Qwen3-Embedding are trained so
+    that a prefix is itself an embedding; None keeps all). `normalize`: scale to unit length (after truncating),
+    so a dot product is the cosine similarity."""
+
+    dimensions: int | None = None
+    normalize: bool = True
+
+    def __post_init__(self):
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
+                                            or self.dimensions < 1):
+            raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
+
+    def clone(self) -> PoolingParams:
+        return self  # frozen: one object serves every request made with it
+
+    def check(self, hidden_size: int) -> None:
+        if self.dimensions is not None and self.dimensions > hidden_size:
+            raise ValueError(f"dimensions={self.dimensions} is more than the model's {hidden_size}; ask for at most "
+                             f"{hidden_size}")
+
+    def pool(self, hidden: np.ndarray) -> list[float]:
+        """The embedding from the last token's hidden state [D]."""
+        vector = np.asarray(hidden, np.float32)[: self.dimensions]
+        if self.normalize:
+            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+        return vector.tolist()

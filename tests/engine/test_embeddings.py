@@ -1,0 +1,83 @@
+"""Embedding requests (PoolingParams): the final hidden state at the prompt's last token, as transformers'
+`last_hidden_state` on the same weights, on one device and a 2x2 mesh, over chunked prompts, batched with
+generating requests that stay unchanged."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModel
+
+from jaxserve import Engine, PoolingParams, SamplingParams
+
+PROMPTS = [list(range(300, 341)), list(range(100, 105)), [7]]  # 41 tokens run in three chunks of 16
+
+
+def last_hidden_states(path, prompts) -> list[np.ndarray]:
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([p])).last_hidden_state[0, -1].numpy() for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3")
+    return path, last_hidden_states(path, PROMPTS)
+
+
+@pytest.mark.parametrize("mesh", [None, "2x2"])
+def test_embeddings_are_transformers_last_hidden_state_normalized(qwen3, mesh):
+    path, references = qwen3
+    engine = Engine(str(path), mesh=mesh, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16,
+                    max_num_seqs=4, warmup=False)
+    outs = engine.embed(PROMPTS, use_tqdm=False)
+    for prompt, out, ref in zip(PROMPTS, outs, references):
+        assert out.finished and out.prompt_token_ids == prompt
+        np.testing.assert_allclose(out.outputs.embedding, ref / np.linalg.norm(ref), atol=1e-5)
+    if mesh is None:
+        raw = engine.embed(PROMPTS[:1], PoolingParams(dimensions=8, normalize=False), use_tqdm=False)[0]
+        np.testing.assert_allclose(raw.outputs.embedding, references[0][:8], atol=1e-4)
+        assert len(engine.embed(PROMPTS[:1], PoolingParams(dimensions=8), use_tqdm=False)[0].outputs.embedding) == 8
+        for bad, message in ((dict(dimensions=10_000), "more than the model's"), (dict(dimensions=0), "positive")):
+            with pytest.raises(ValueError, match=message):
+                engine.embed(PROMPTS[:1], PoolingParams(**bad), use_tqdm=False)
+
+
+def test_embedding_and_generating_requests_share_steps(qwen3):
+    path, references = qwen3
+    engine = Engine(str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4,
+                    warmup=False)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = engine.generate(PROMPTS[1:2], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    engine.add_request("gen", PROMPTS[1], greedy)
+    engine.add_request("emb", PROMPTS[0], PoolingParams())
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((out.request_id, out) for out in engine.step() if out.finished)
+    assert any({"gen", "emb"} <= {rid for rid, _, _ in record.chunks} for record in engine.step_records)
+    assert finals["gen"].outputs[0].token_ids == alone
+    np.testing.assert_allclose(finals["emb"].outputs.embedding, references[0] / np.linalg.norm(references[0]),
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("mode, refused", [("pooling_mode_lasttoken", False), ("pooling_mode_mean_tokens", True)])
+def test_a_model_that_declares_another_pooling_is_refused_by_name(qwen3, tmp_path, mode, refused):
+    """sentence-transformers checkpoints name their pooling: embedding by the last token where the model was trained
+    to mean-pool would give vectors it was not trained to give."""
+    path, _ = qwen3
+    for file in path.iterdir():
+        (tmp_path / file.name).symlink_to(file)
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({mode: True, "word_embedding_dimension": 64}))
+    engine = Engine(str(tmp_path), dtype="float32", num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=2,
+                    warmup=False)
+    if refused:
+        with pytest.raises(ValueError, match="pools by mean, and jaxserve embeds by the last token only"):
+            engine.embed(PROMPTS[:1], use_tqdm=False)
+        assert engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished  # still generates
+    else:
+        assert len(engine.embed(PROMPTS[:1], use_tqdm=False)[0].outputs.embedding) == 64
