@@ -23,6 +23,7 @@ from jaxserve.async_engine import AsyncEngine, EngineDeadError, QueueFull, Reque
 from jaxserve.server.chat import create_chat_completion
 from jaxserve.server.chat_protocol import ChatMessageParam, template_kwargs
 from jaxserve.server.completions import create_completion
+from jaxserve.server.embeddings import create_embedding
 from jaxserve.server.errors import (
     APIError,
     bad_request,
@@ -145,6 +146,7 @@ async def metrics(request: Request) -> Response:
 ROUTES = [
     Route("/v1/completions", create_completion, methods=["POST"]),
     Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+    Route("/v1/embeddings", create_embedding, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
     Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 SCRIPT_TEXT = " one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen"
@@ -64,6 +65,10 @@ class FakeEngine:
 
     def prepare_request(self, request_id, prompt, params, *, priority=0, lora_request=None):
         self.lora_requests[request_id] = lora_request
+        if isinstance(params, PoolingParams):  # an embedding: the prompt's token count, then zeros
+            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            vector = [float(len(token_ids))] + [0.0] * ((params.dimensions or 8) - 1)
+            return EmbeddingRequestOutput(request_id, EmbeddingOutput(vector), token_ids)
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt)
         else:
@@ -94,6 +99,9 @@ class FakeEngine:
         return [rng.randrange(len(self._script)) for _ in range(params.n)]
 
     def add_prepared_request(self, request):
+        if isinstance(request, EmbeddingRequestOutput):
+            self._running[request.request_id] = request
+            return
         request.outputs = [CompletionOutput(index=i, text="", token_ids=[],
                                             logprobs=[] if request.params.logprobs is not None else None)
                            for i in range(request.params.n)]
@@ -122,6 +130,8 @@ class FakeEngine:
         return results
 
     def _advance(self, request):
+        if isinstance(request, EmbeddingRequestOutput):
+            return request
         for output in request.outputs:
             if not output.finished:
                 self._append_token(request, output)
@@ -180,7 +190,7 @@ class FakeEngine:
     def stats(self):
         used = sum(
             math.ceil((len(r.prompt_token_ids) + max(len(o.token_ids) for o in r.outputs)) / self.block_size)
-            for r in self._running.values()
+            for r in self._running.values() if not isinstance(r, EmbeddingRequestOutput)
         )
         return {"total_blocks": self.total_blocks, "free_blocks": self.total_blocks - used,
                 "num_running": len(self._running), "num_waiting": 0, "num_preemptions": 0,

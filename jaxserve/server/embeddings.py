@@ -1,0 +1,97 @@
+"""POST /v1/embeddings (OpenAI's Embeddings API, as vLLM serves it): each input's embedding is the model's final
+hidden state at its last token, unit length (engine_pooling.py); `encoding_format: "base64"` sends the float32
+bytes, which OpenAI's SDK decodes by default."""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from contextlib import aclosing
+from typing import Literal
+
+import numpy as np
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from jaxserve.outputs import EmbeddingRequestOutput
+from jaxserve.pooling_params import PoolingParams
+from jaxserve.request_stream import RequestStream
+from jaxserve.server.errors import APIError, bad_request, parse_json
+from jaxserve.server.protocol import OpenAIModel, UsageInfo
+from jaxserve.server.request_bodies import parse_request
+from jaxserve.server.serving import ServerState, close_all, start_requests
+from jaxserve.server.streaming import cancel_on_disconnect, merge_streams
+
+EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+
+
+class EmbeddingRequest(OpenAIModel):
+    input: EmbeddingInput
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    priority: int = 0
+
+    def prompts(self) -> list[str | list[int]]:
+        """One engine prompt per input: a string, or a list of token ids."""
+        given = self.input
+        if isinstance(given, str) or (given and isinstance(given[0], int)):
+            given = [given]
+        if not given:
+            raise bad_request("input must not be empty: give a string, a list of strings or token ids", param="input")
+        for prompt in given:
+            if not prompt:
+                raise bad_request("input has an empty string or token list; every input needs at least one token",
+                                  param="input")
+        return list(given)
+
+
+class EmbeddingData(OpenAIModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+
+
+class EmbeddingResponse(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: UsageInfo
+
+
+async def create_embedding(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    body = parse_request(EmbeddingRequest, await parse_json(request))
+    model = state.resolve_model(body.model)
+    prompts = body.prompts()
+    streams = await start_requests(state, prompts, PoolingParams(dimensions=body.dimensions),
+                                   f"embd-{uuid.uuid4().hex}", body.priority, model)
+    completed, finals = await cancel_on_disconnect(request, _collect(streams))
+    if not completed:
+        return Response(status_code=499)  # the client left; nobody reads this
+    data = [EmbeddingData(index=i, embedding=_encode(out.outputs.embedding, body.encoding_format))
+            for i, out in enumerate(finals)]
+    num_tokens = sum(len(out.prompt_token_ids) for out in finals)
+    usage = UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens)
+    return JSONResponse(EmbeddingResponse(data=data, model=model, usage=usage).model_dump())
+
+
+async def _collect(streams: list[RequestStream]) -> list[EmbeddingRequestOutput]:
+    finals: list[EmbeddingRequestOutput | None] = [None] * len(streams)
+    try:
+        async with aclosing(merge_streams(streams)) as outputs:
+            async for index, output in outputs:
+                finals[index] = output
+    finally:
+        close_all(streams)
+    if any(output is None for output in finals):
+        raise APIError(500, "The request was aborted before it finished", "server_error", code="aborted")
+    return finals
+
+
+def _encode(embedding: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "float":
+        return embedding
+    return base64.b64encode(np.asarray(embedding, "<f4").tobytes()).decode()
