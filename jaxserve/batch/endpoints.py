@@ -13,10 +13,12 @@ from typing import Any
 
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.chat_protocol import ChatCompletionRequest
 from jaxserve.server.errors import APIError, bad_request
-from jaxserve.server.protocol import CompletionRequest
+from jaxserve.server.embeddings import EmbeddingRendering, EmbeddingRequest
+from jaxserve.server.protocol import CompletionRequest, SamplingFields
 from jaxserve.server.request_bodies import (
     Prompt,
     build_sampling_params,
@@ -61,6 +63,12 @@ ENDPOINTS: dict[str, Endpoint] = {
             request, model, response_id, tokenizer, parsers.tool, parsers.bind_reasoning(prompts[0], params)),
         render=lambda rendering, finals: rendering.full_response(finals[0]),
         example_body={"messages": [{"role": "user", "content": "x"}]}),
+    "/v1/embeddings": Endpoint(
+        schema=EmbeddingRequest, id_prefix="embd",
+        inputs=lambda request, engine, _: (request.prompts(), request.pooling_params()),
+        rendering=lambda request, model, response_id, *_: EmbeddingRendering(request, model, response_id),
+        render=lambda rendering, finals: rendering.full_response(finals),
+        example_body={"input": "x"}),
 }
 
 
@@ -71,7 +79,7 @@ class PreparedRequest:
     endpoint: Endpoint
     rendering: CompletionRendering | ChatRendering
     prompts: list[Prompt]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     priority: int
     lora_request: LoRARequest | None = None  # the adapter the body's `model` names
 
@@ -90,7 +98,7 @@ def parse_body(url: str, body: dict, defaults: dict) -> tuple[Any, SamplingParam
     if merged.get("stream"):
         raise bad_request("stream is not supported in a batch job; remove it from the body", param="stream")
     request = parse_request(ENDPOINTS[url].schema, merged)
-    return request, build_sampling_params(request)
+    return request, build_sampling_params(request) if isinstance(request, SamplingFields) else None
 
 
 def new_request_id(url: str) -> str:

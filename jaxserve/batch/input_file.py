@@ -67,10 +67,11 @@ class InputScan:
         return sorted([*self.items, *self.bad_lines], key=lambda entry: entry.line)
 
     def count_by_url(self) -> dict[str, int]:
+        """Requests per endpoint, in ENDPOINTS' order; endpoints no line calls are left out."""
         counts = dict.fromkeys(ENDPOINTS, 0)
         for item in self.items:
             counts[item.url] += 1
-        return counts
+        return {url: count for url, count in counts.items() if count}
 
 
 def scan_input(path: Path) -> InputScan:

@@ -103,6 +103,8 @@ class BatchRunner:
                 self._finish(output)
 
     def _count_tokens(self, output: RequestOutput) -> None:
+        if not isinstance(output, RequestOutput):  # an embedding generates nothing
+            return
         generated = sum(len(completion.token_ids) for completion in output.outputs)
         self.progress.tokens_generated(generated - self._tokens_seen.get(output.request_id, 0))
         self._tokens_seen[output.request_id] = generated

@@ -5,8 +5,10 @@ bytes, which OpenAI's SDK decodes by default."""
 from __future__ import annotations
 
 import base64
+import time
 import uuid
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -47,6 +49,9 @@ class EmbeddingRequest(OpenAIModel):
                                   param="input")
         return list(given)
 
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(dimensions=self.dimensions)
+
 
 class EmbeddingData(OpenAIModel):
     index: int
@@ -55,27 +60,41 @@ class EmbeddingData(OpenAIModel):
 
 
 class EmbeddingResponse(OpenAIModel):
+    id: str  # vLLM's; OpenAI's embeddings carry none
     object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
     data: list[EmbeddingData]
     model: str
     usage: UsageInfo
+
+
+@dataclass
+class EmbeddingRendering:
+    """How one embedding request's finished outputs become its response (the batch job renders with it too)."""
+
+    request: EmbeddingRequest
+    model: str
+    request_id: str
+
+    def full_response(self, finals: list[EmbeddingRequestOutput]) -> EmbeddingResponse:
+        data = [EmbeddingData(index=i, embedding=_encode(out.outputs.embedding, self.request.encoding_format))
+                for i, out in enumerate(finals)]
+        num_tokens = sum(len(out.prompt_token_ids) for out in finals)
+        return EmbeddingResponse(id=self.request_id, data=data, model=self.model,
+                                 usage=UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens))
 
 
 async def create_embedding(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = parse_request(EmbeddingRequest, await parse_json(request))
     model = state.resolve_model(body.model)
-    prompts = body.prompts()
-    streams = await start_requests(state, prompts, PoolingParams(dimensions=body.dimensions),
-                                   f"embd-{uuid.uuid4().hex}", body.priority, model)
+    rendering = EmbeddingRendering(body, model, f"embd-{uuid.uuid4().hex}")
+    streams = await start_requests(state, body.prompts(), body.pooling_params(), rendering.request_id,
+                                   body.priority, model)
     completed, finals = await cancel_on_disconnect(request, _collect(streams))
     if not completed:
         return Response(status_code=499)  # the client left; nobody reads this
-    data = [EmbeddingData(index=i, embedding=_encode(out.outputs.embedding, body.encoding_format))
-            for i, out in enumerate(finals)]
-    num_tokens = sum(len(out.prompt_token_ids) for out in finals)
-    usage = UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens)
-    return JSONResponse(EmbeddingResponse(data=data, model=model, usage=usage).model_dump())
+    return JSONResponse(rendering.full_response(finals).model_dump())
 
 
 async def _collect(streams: list[RequestStream]) -> list[EmbeddingRequestOutput]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 # A small engine starts fast on CPU: few step buckets; a fixed small KV cache (no profiling step, and steps that
@@ -15,6 +16,10 @@ SMALL_ENGINE = {"max_num_seqs": 16, "max_num_batched_tokens": 128, "max_model_le
 
 def completion_line(custom_id: str, prompt, **body) -> dict:
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": {"prompt": prompt, **body}}
+
+
+def embedding_line(custom_id: str, input, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings", "body": {"input": input, **body}}
 
 
 def chat_line(custom_id: str, content: str, **body) -> dict:
@@ -41,9 +46,20 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+class Close(list):
+    """An embedding, equal to another within float tolerance: the same prompt batched with other requests runs in
+    another step shape, which may change the last bits."""
+
+    def __eq__(self, other) -> bool:
+        return len(self) == len(other) and bool(np.allclose(self, other, atol=1e-5))
+
+
 def comparable_body(body: dict) -> dict:
     """A response body without what differs between two runs of the same request (its id and time)."""
-    return {key: value for key, value in body.items() if key not in ("id", "created")}
+    body = {key: value for key, value in body.items() if key not in ("id", "created")}
+    if body.get("object") == "list":  # embeddings
+        body["data"] = [{**d, "embedding": Close(d["embedding"])} for d in body["data"]]
+    return body
 
 
 def results_by_custom_id(path: Path) -> dict[str, dict]:

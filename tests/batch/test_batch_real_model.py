@@ -15,6 +15,7 @@ from tests.batch.helpers import (
     answers_over_http,
     chat_line,
     completion_line,
+    embedding_line,
     read_jsonl,
     results_by_custom_id,
     write_job,
@@ -27,6 +28,7 @@ LINES = (
     [completion_line(f"cmpl-{index}", f"Fact number {index} about the ocean:") for index in range(28)]
     + [chat_line(f"chat-{index}", f"Say something short about the number {index}.") for index in range(26)]
     + ["{this line is not JSON", completion_line("too-long", "word " * 600)]
+    + [embedding_line("embd-0", ["The ocean is deep.", "Numbers are fun."]), embedding_line("embd-1", [1, 2, 3])]
 )
 
 
@@ -48,7 +50,7 @@ def uninterrupted(tmp_path_factory, engine, smollm2_gguf_path):
     """custom_id -> (status, body minus id/created) of the whole job run in one go."""
     job = job_in(tmp_path_factory.mktemp("uninterrupted") / "job", smollm2_gguf_path)
     summary = run_job(job, engine=engine, show_progress=False)
-    assert (summary.total, summary.totals.succeeded, summary.totals.failed) == (56, 54, 2)
+    assert (summary.total, summary.totals.succeeded, summary.totals.failed) == (58, 56, 2)
     return results_by_custom_id(job.parent / "out.jsonl")
 
 
@@ -82,9 +84,9 @@ def test_killed_and_rerun_job_equals_an_uninterrupted_one(tmp_path, smollm2_gguf
     rerun = start_batch(job)
     log = rerun.communicate(timeout=600)[0]
     assert rerun.returncode == 0, log[-3000:]
-    assert f"resuming: {lines_at_kill} of 56 lines already have results" in log and "torn line" in log
+    assert f"resuming: {lines_at_kill} of 58 lines already have results" in log and "torn line" in log
     assert done_at_kill >= 6 and results_by_custom_id(output) == uninterrupted
-    assert len(read_jsonl(output)) == 56
+    assert len(read_jsonl(output)) == 58
 
 
 def test_refused_and_malformed_lines_become_error_records(uninterrupted):
@@ -95,7 +97,9 @@ def test_refused_and_malformed_lines_become_error_records(uninterrupted):
 
 
 def test_same_body_as_the_http_api(engine, uninterrupted):
-    lines = [LINES[0], LINES[30], LINES[-1]]  # a completion, a chat, a refusal
+    lines = [LINES[0], LINES[30], LINES[55], LINES[56]]  # a completion, a chat, a refusal, embeddings
     http = answers_over_http(engine, lines, SAMPLING, [engine.model_name])
     assert http == {line["custom_id"]: uninterrupted[line["custom_id"]] for line in lines}
     assert http["cmpl-0"][1]["choices"][0]["text"] and http["chat-2"][1]["choices"][0]["message"]["content"]
+    expected = engine.embed(LINES[56]["body"]["input"], use_tqdm=False)
+    assert [d["embedding"] for d in http["embd-0"][1]["data"]] == [e.outputs.embedding for e in expected]

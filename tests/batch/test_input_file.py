@@ -15,7 +15,7 @@ def test_good_and_malformed_lines(tmp_path):
         "{not json",
         "[1, 2]",
         {"method": "POST", "url": "/v1/completions", "body": {}},
-        {**chat_line("b", "hi"), "url": "/v1/embeddings"},
+        {**chat_line("b", "hi"), "url": "/v1/audio/transcriptions"},
         {**chat_line("c", "hi"), "method": "GET"},
         {**completion_line("d", "x"), "body": "prompt"},
         {**completion_line("e", "x"), "custom_id": 5},
@@ -29,7 +29,7 @@ def test_good_and_malformed_lines(tmp_path):
     assert bad[3].message.startswith("line 3: not valid JSON")
     assert "expected a JSON object" in bad[4].message and "got list" in bad[4].message
     assert bad[5].message == "line 5: `custom_id` is required" and bad[5].custom_id is None
-    assert "url" in bad[6].message and "/v1/embeddings" in bad[6].message and bad[6].custom_id == "b"
+    assert "url" in bad[6].message and "/v1/audio/transcriptions" in bad[6].message and bad[6].custom_id == "b"
     assert "method" in bad[7].message and "'GET'" in bad[7].message
     assert bad[8].message.startswith("line 8: body:")
     assert bad[9].message.startswith("line 9: custom_id:") and bad[9].key == 9  # no usable id: keyed by line
