@@ -23,7 +23,7 @@ from jaxserve.core.output_processor import SequenceText, position_logprobs, reco
 from jaxserve.core.request import Request, Sequence
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine_lora import EngineAdapters, LoRAAPI, check_lora_options
-from jaxserve.engine_pooling import check_pooling, embedding_output, pooled_sequences
+from jaxserve.engine_pooling import check_pooling, embedding_output
 from jaxserve.engine_offline import OfflineAPI
 from jaxserve.engine_inputs import (check_engine_options, check_max_model_len, fit_context_to_cache,
                                    model_for_context, prompt_token_ids,
@@ -310,10 +310,6 @@ class Engine(OfflineAPI, LoRAAPI):
             self._log_logits(sched, sampled, result)
         if result.prompt is not None:
             record_prompt_logprobs(sched.chunks, result.prompt, self._texts)
-        if result.hidden is not None:  # embedding requests end here, before their sample would be kept
-            for seq in pooled_sequences(sched.chunks, sched.first_rows(), result.hidden):
-                self.scheduler.finish(seq, "stop")
-                touched[seq.request_id] = self._requests[seq.request_id]
 
         def on_token(seq: Sequence, token: int, row: int) -> None:
             self._on_token(seq, token, result, row)
@@ -344,6 +340,9 @@ class Engine(OfflineAPI, LoRAAPI):
         self._num_steps += 1
 
     def _on_token(self, seq: Sequence, token: int, result: StepResult, row: int) -> None:
+        if seq.pooling is not None:  # an embedding: its one-token budget ended it; the token itself is not used
+            seq.embedding = seq.pooling.pool(result.hidden[row])
+            return
         if seq.params.needs_logprobs:  # else the step skipped them
             seq.cumulative_logprob += float(result.logprobs[row])
         text = self._texts[seq.seq_id]

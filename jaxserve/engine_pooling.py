@@ -2,13 +2,14 @@
 
 An embedding request is one sequence that runs its prompt like any other (chunked prefill, prefix cache, batched
 with generating requests) with a one-token budget; the step that reaches its last prompt token returns that
-row's final hidden state (`StepStatics.return_hidden`: the forward computes it for sampling anyway), and the
-sequence finishes there, its sampled token dropped.
+row's final hidden state (`StepStatics.return_hidden`: the forward computes it for sampling anyway), the budget
+ends the sequence there (its prompt's blocks go to the prefix cache as any other's), and the engine takes the
+embedding from that row (`Engine._on_token`); the sampled token is never shown.
 """
 
 from __future__ import annotations
 
-from jaxserve.core.request import Request, Sequence
+from jaxserve.core.request import Request
 from jaxserve.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
@@ -25,17 +26,6 @@ def check_pooling(params: PoolingParams, hidden_size: int, declared: str | None)
                          "last token only (the pooling of Qwen3-Embedding, e5-mistral, gte-Qwen2)")
     params.check(hidden_size)
     return EMBEDDING_STEP
-
-
-def pooled_sequences(chunks, first_rows, hidden) -> list[Sequence]:
-    """The embedding sequences a step finished: each gets its embedding from its row of `hidden` [B, D]."""
-    done = []
-    for row, chunk in zip(first_rows, chunks):
-        seq = chunk.seq
-        if chunk.samples and seq.pooling is not None and not seq.finished:
-            seq.embedding = seq.pooling.pool(hidden[row])
-            done.append(seq)
-    return done
 
 
 def embedding_output(request: Request) -> EmbeddingRequestOutput:

@@ -36,6 +36,10 @@ def test_embeddings_are_transformers_last_hidden_state_normalized(qwen3, mesh):
         assert out.finished and out.prompt_token_ids == prompt
         np.testing.assert_allclose(out.outputs.embedding, ref / np.linalg.norm(ref), atol=1e-5)
     if mesh is None:
+        # An embedding's prompt blocks join the prefix cache, its last chunk's too (48 tokens: chunks end at 16, 32, 48).
+        whole_blocks = list(range(500, 548))
+        engine.embed([whole_blocks], use_tqdm=False)
+        assert engine.embed([whole_blocks + [9]], use_tqdm=False)[0].num_cached_tokens == 48
         raw = engine.embed(PROMPTS[:1], PoolingParams(dimensions=8, normalize=False), use_tqdm=False)[0]
         np.testing.assert_allclose(raw.outputs.embedding, references[0][:8], atol=1e-4)
         assert len(engine.embed(PROMPTS[:1], PoolingParams(dimensions=8), use_tqdm=False)[0].outputs.embedding) == 8
