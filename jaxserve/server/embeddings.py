@@ -22,8 +22,8 @@ from jaxserve.request_stream import RequestStream
 from jaxserve.server.errors import APIError, bad_request, parse_json
 from jaxserve.server.protocol import OpenAIModel, UsageInfo
 from jaxserve.server.request_bodies import parse_request
-from jaxserve.server.serving import ServerState, close_all, start_requests
-from jaxserve.server.streaming import cancel_on_disconnect, merge_streams
+from jaxserve.server.serving import ServerState, close_all, observed, start_requests
+from jaxserve.server.streaming import cancel_on_disconnect
 
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
 
@@ -91,16 +91,17 @@ async def create_embedding(request: Request) -> Response:
     rendering = EmbeddingRendering(body, model, f"embd-{uuid.uuid4().hex}")
     streams = await start_requests(state, body.prompts(), body.pooling_params(), rendering.request_id,
                                    body.priority, model)
-    completed, finals = await cancel_on_disconnect(request, _collect(streams))
+    completed, finals = await cancel_on_disconnect(request, _collect(state, streams, time.monotonic()))
     if not completed:
         return Response(status_code=499)  # the client left; nobody reads this
     return JSONResponse(rendering.full_response(finals).model_dump())
 
 
-async def _collect(streams: list[RequestStream]) -> list[EmbeddingRequestOutput]:
+async def _collect(state: ServerState, streams: list[RequestStream], arrival_time: float
+                   ) -> list[EmbeddingRequestOutput]:
     finals: list[EmbeddingRequestOutput | None] = [None] * len(streams)
     try:
-        async with aclosing(merge_streams(streams)) as outputs:
+        async with aclosing(observed(state, streams, arrival_time)) as outputs:
             async for index, output in outputs:
                 finals[index] = output
     finally:

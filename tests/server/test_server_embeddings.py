@@ -5,9 +5,11 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.server.helpers import API_KEY, REAL_MODEL
+from tests.server.helpers import API_KEY, REAL_MODEL, metric_value
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+METRICS = [("jaxserve:request_success_total", {"finished_reason": "stop"}), ("jaxserve:prompt_tokens_total", {}),
+           ("jaxserve:generation_tokens_total", {})]
 TEXTS = ["The cat sat on the mat.", "A dog ran through the park chasing a red ball."]
 
 
@@ -17,7 +19,9 @@ def embed(url, **body):
 
 def test_embeddings_are_the_engines_in_input_order(real_server, openai_client, smol_engine):
     expected = [o.outputs.embedding for o in smol_engine.embed(TEXTS, use_tqdm=False)]
+    before = {name: metric_value(real_server.url, name, **labels) for name, labels in METRICS}
     reply = embed(real_server.url, input=TEXTS, model=REAL_MODEL)
+    after = {name: metric_value(real_server.url, name, **labels) for name, labels in METRICS}
     assert reply.status_code == 200, reply.text
     body = reply.json()
     assert body["object"] == "list" and body["model"] == REAL_MODEL
@@ -26,6 +30,10 @@ def test_embeddings_are_the_engines_in_input_order(real_server, openai_client, s
         np.testing.assert_allclose(data["embedding"], want, atol=1e-4)
     tokens = sum(len(smol_engine.tokenizer(t)["input_ids"]) for t in TEXTS)
     assert body["usage"] == {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}
+    # Counted in /metrics as requests that finished, with their prompt tokens and no generated ones.
+    assert {name: after[name] - before[name] for name in after} == {
+        "jaxserve:request_success_total": 2, "jaxserve:prompt_tokens_total": tokens,
+        "jaxserve:generation_tokens_total": 0}
     # The SDK sends encoding_format="base64" unless told otherwise, and decodes the float32 bytes.
     sdk = openai_client.embeddings.create(model=REAL_MODEL, input=TEXTS[1])
     np.testing.assert_allclose(sdk.data[0].embedding, expected[1], atol=1e-4)
