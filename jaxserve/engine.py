@@ -35,14 +35,12 @@ from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput
 from jaxserve.parallel.multihost import agree_on_min
 from jaxserve.parallel.sharding import resolve_mesh
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.runner.buckets import Buckets
-from jaxserve.runner.capacity import capacity_line, free_bytes_for_cache, num_blocks_for
+from jaxserve.runner.capacity import capacity_line, free_bytes_for_cache, num_blocks_for, profile_step_inputs
 from jaxserve.runner.compilation_cache import DEFAULT_COMPILATION_CACHE, enable_compilation_cache
 from jaxserve.runner.model_runner import ModelRunner, PendingStep, StepResult
-from jaxserve.runner.plan import PlanShape, build_step_inputs, empty_inputs
-from jaxserve.runner.sampler import SamplerFlags
-from jaxserve.runner.step import StepStatics
-from jaxserve.pooling_params import PoolingParams
+from jaxserve.runner.plan import PlanShape, build_step_inputs
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.speculative_config import SpeculativeConfig
 
@@ -153,7 +151,7 @@ class Engine(OfflineAPI, LoRAAPI):
         if num_blocks is None:
             self.runner.allocate_cache(2)
             T, B = max(self.plan_shape.buckets.forward_shapes())
-            self.runner.execute(*_profile_inputs(T, B, self.plan_shape))
+            self.runner.execute(*profile_step_inputs(T, B, self.plan_shape))
             free = free_bytes_for_cache(self.runner.mesh.local_devices, memory_fraction)
             num_blocks = num_blocks_for(self.runner.cfg, self.runner.block_size, self.runner.dtype, free,
                                         shards=self.mesh_shape[0] * self.mesh_shape[1])
@@ -394,9 +392,3 @@ def _chunk_samples(chunk, tokens: list[int], row: int) -> int | list[int] | None
         return tokens[row : row + chunk.num_rows]
     return tokens[row] if chunk.samples else None
 
-
-def _profile_inputs(T: int, B: int, shape: PlanShape):
-    """The largest step with every sampler extra on: what the cache must leave room for."""
-    inputs = empty_inputs(T, B, shape, penalties=True, constrained=True)
-    flags = SamplerFlags.for_constrained(penalties=True, num_logprobs=shape.max_logprobs)
-    return inputs, StepStatics(sampler=flags, prompt_logprobs=shape.max_logprobs)

@@ -13,6 +13,17 @@ CPU_KV_FRACTION = 0.25  # of available host memory: leaves room for weights, act
 CPU_KV_CAP_BYTES = 4 << 30
 
 
+def profile_step_inputs(T: int, B: int, shape):
+    """The largest step with every sampler extra on: what the cache must leave room for (`shape`: a PlanShape)."""
+    from jaxserve.runner.plan import empty_inputs
+    from jaxserve.runner.sampler import SamplerFlags
+    from jaxserve.runner.step import StepStatics
+
+    inputs = empty_inputs(T, B, shape, penalties=True, constrained=True)
+    flags = SamplerFlags.for_constrained(penalties=True, num_logprobs=shape.max_logprobs)
+    return inputs, StepStatics(sampler=flags, prompt_logprobs=shape.max_logprobs)
+
+
 def free_bytes_for_cache(devices, memory_fraction: float) -> int:
     """Bytes each device can give the cache: the minimum over the devices, so they all agree on one number."""
     per_device = []

@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,11 +17,10 @@ from starlette.responses import JSONResponse, Response
 
 from jaxserve.outputs import EmbeddingRequestOutput
 from jaxserve.pooling_params import PoolingParams
-from jaxserve.request_stream import RequestStream
-from jaxserve.server.errors import APIError, bad_request, parse_json
+from jaxserve.server.errors import bad_request, parse_json
 from jaxserve.server.protocol import OpenAIModel, UsageInfo
 from jaxserve.server.request_bodies import parse_request
-from jaxserve.server.serving import ServerState, close_all, observed, start_requests
+from jaxserve.server.serving import ServerState, collect_final_outputs, start_requests
 from jaxserve.server.streaming import cancel_on_disconnect
 
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
@@ -91,24 +89,10 @@ async def create_embedding(request: Request) -> Response:
     rendering = EmbeddingRendering(body, model, f"embd-{uuid.uuid4().hex}")
     streams = await start_requests(state, body.prompts(), body.pooling_params(), rendering.request_id,
                                    body.priority, model)
-    completed, finals = await cancel_on_disconnect(request, _collect(state, streams, time.monotonic()))
+    completed, finals = await cancel_on_disconnect(request, collect_final_outputs(state, streams, time.monotonic()))
     if not completed:
         return Response(status_code=499)  # the client left; nobody reads this
     return JSONResponse(rendering.full_response(finals).model_dump())
-
-
-async def _collect(state: ServerState, streams: list[RequestStream], arrival_time: float
-                   ) -> list[EmbeddingRequestOutput]:
-    finals: list[EmbeddingRequestOutput | None] = [None] * len(streams)
-    try:
-        async with aclosing(observed(state, streams, arrival_time)) as outputs:
-            async for index, output in outputs:
-                finals[index] = output
-    finally:
-        close_all(streams)
-    if any(output is None for output in finals):
-        raise APIError(500, "The request was aborted before it finished", "server_error", code="aborted")
-    return finals
 
 
 def _encode(embedding: list[float], encoding_format: str) -> list[float] | str:
