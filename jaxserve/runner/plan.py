@@ -45,9 +45,9 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanSha
     T, B = shape.buckets.shape(out.num_tokens, out.num_rows)
     decode_only = shape.decode_kernel and T == B and all(c.num_tokens == 1 for c in chunks)
     first_rows = out.first_rows()
+    constrained = [(row, c) for row, c in zip(first_rows, chunks) if c.samples and c.seq.grammar_active]
     # (first sampler row, matcher, draft): a chunk's rows are masked by its grammar after the drafts before each
-    grammar_rows = [(row, c.seq.matcher, c.draft) for row, c in zip(first_rows, chunks)
-                    if c.samples and c.seq.grammar_active]
+    grammar_rows = [(row, c.seq.matcher, c.draft) for row, c in constrained]
     inputs = empty_inputs(T, B, shape, penalties=any(c.seq.params.needs_penalties for c in chunks),
                           decode_only=decode_only, constrained=bool(grammar_rows))
     meta, bs = inputs.meta, blocks.block_size
@@ -86,7 +86,7 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanSha
         inputs.logits_indices[: len(chunks)] = ends - 1
         _fill_sampling(inputs.sampling, chunks, [0] * len(chunks))
     if grammar_rows:
-        assert all(c.seq.pending_index is None for c in chunks if c.samples and c.seq.grammar_active), \
+        assert all(c.seq.pending_index is None for _, c in constrained), \
             "a grammar mask planned before the token it follows was read back"
         fill_masks(grammar_rows, inputs.sampling.allowed)
     return inputs, _statics(chunks, shape.max_logprobs, decode_only, constrained=bool(grammar_rows))
@@ -173,4 +173,4 @@ def _statics(chunks: list[ScheduledChunk], max_logprobs: int, decode_only: bool,
         flags = SamplerFlags(all(p.greedy for p in sampling), top_filter, penalties, num_logprobs)
     wants_prompt_logprobs = any(c.seq.params.prompt_logprobs is not None for c in chunks)
     return StepStatics(sampler=flags, prompt_logprobs=max_logprobs if wants_prompt_logprobs else -1,
-                       decode_only=decode_only, return_hidden=any(c.samples and c.seq.pooling for c in chunks))
+                       decode_only=decode_only, return_hidden=any(c.samples and c.seq.pooling is not None for c in chunks))
