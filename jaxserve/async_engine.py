@@ -173,9 +173,10 @@ class AsyncEngine:
         self._submit_abort(request_id)
 
     # --- LoRA adapters ----------------------------------------------------------------------------------------
-    async def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
-        """Read and check an adapter (off the event loop); ValueError if it cannot be served."""
-        return await asyncio.to_thread(self.engine.add_lora, lora_request)
+    async def add_lora(self, lora_request: LoRARequest, load_inplace: bool = False) -> LoRARequest:
+        """Read and check an adapter (off the event loop); ValueError if it cannot be served. `load_inplace`
+        replaces the adapter of that name (Engine.add_lora)."""
+        return await asyncio.to_thread(self.engine.add_lora, lora_request, load_inplace)
 
     def remove_lora(self, lora_name: str) -> None:
         """Unload an adapter on the loop thread, between steps; requests already queued with it still run."""

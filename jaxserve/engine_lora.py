@@ -71,6 +71,27 @@ class EngineAdapters:
                              f"{lora.lora_name!r} cannot be loaded; raise max_loras")
         return known
 
+    def replace(self, lora: LoRARequest) -> LoRARequest:
+        """Serve name `lora.lora_name` with these files from now on (vLLM's load_inplace; any thread). The files are
+        read first, so a directory that cannot be served leaves the adapter of that name serving. Requests already
+        running finish with the old adapter, as after `remove`; the new one is loaded on demand (not pinned)."""
+        if not self.enabled:
+            return self.check(lora)  # the error that says LoRA is off
+        with self._lock:
+            old = self._known.get(lora.lora_name)
+        if old is not None and old.lora_int_id == lora.lora_int_id:
+            raise ValueError(f"adapter {lora.lora_name!r} already has lora_int_id {lora.lora_int_id}; a replacement "
+                             "needs a new id, so that no KV cached for the old files is reused")
+        factors = read_adapter(lora.lora_path, self._cfg, self.max_lora_rank, self._runner.dtype)
+        with self._lock:
+            old = self._known.pop(lora.lora_name, None)
+            if old is not None:
+                self._retire(old)
+            self._removed.discard(lora)
+            self._factors[lora] = factors
+            self._known[lora.lora_name] = lora
+        return lora
+
     def preload(self, name: str, path: str) -> None:
         """Load an adapter at start and keep it resident (serve's --lora-modules)."""
         lora = self.check(LoRARequest(name, len(self._known) + 1, path))
@@ -93,9 +114,15 @@ class EngineAdapters:
         with self._lock:
             lora = self._known.pop(name, None)
             if lora is not None:
-                self._removed.add(lora)
-                self.preloaded.pop(name, None)
+                self._retire(lora)
         return lora
+
+    def _retire(self, lora: LoRARequest) -> None:
+        """No request may start with `lora` now (callers hold the lock); its pinned slot becomes ordinary at once,
+        so that the adapter loaded next can have it as soon as nothing runs with this one."""
+        self._removed.add(lora)
+        self.preloaded.pop(lora.lora_name, None)
+        self.slots.unpin(lora)
 
     def purge_removed(self, in_use: set[LoRARequest]) -> None:
         """Free the slots and host factors of removed adapters that no request in `in_use` runs with."""
@@ -128,10 +155,12 @@ class LoRAAPI:
     """The Engine's adapter calls, as vLLM's engine has them (mixed into Engine; `self.adapters` is its
     EngineAdapters and `self._requests` its live requests)."""
 
-    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+    def add_lora(self, lora_request: LoRARequest, load_inplace: bool = False) -> LoRARequest:
         """Read an adapter now rather than at its first request; ValueError if LoRA is off or it cannot be
-        served. Returns the LoRARequest the engine runs that name with."""
-        return self.adapters.check(lora_request)
+        served. Returns the LoRARequest the engine runs that name with. `load_inplace`: the name may already be
+        loaded (from other files, or the same files changed): the new files serve it from now on, requests
+        running with the old ones finish with them (give the replacement a new `lora_int_id`)."""
+        return self.adapters.replace(lora_request) if load_inplace else self.adapters.check(lora_request)
 
     def remove_lora(self, lora: str | int) -> bool:
         """Unload an adapter, by name or `lora_int_id` (False if none has it): requests naming it are refused

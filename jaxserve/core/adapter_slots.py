@@ -59,6 +59,13 @@ class AdapterSlots:
         """Whether a request for this adapter can ever run: it is resident, or some slot is not pinned."""
         return lora in self._resident or len(self._pinned) < self.num_slots
 
+    def unpin(self, lora: LoRARequest) -> None:
+        """The adapter was unloaded or replaced: its slot may go to another adapter once nothing runs with it (safe
+        from any thread: one set operation)."""
+        slot = self._resident.get(lora)
+        if slot is not None:
+            self._pinned.discard(slot)
+
     def forget(self, lora: LoRARequest) -> None:
         """The adapter was unloaded: unpin its slot and free it (at once, or when its last sequence releases it)."""
         slot = self._resident.pop(lora, None)

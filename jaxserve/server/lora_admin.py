@@ -21,6 +21,7 @@ from jaxserve.server.serving import ServerState
 class LoadLoRAAdapterRequest(OpenAIModel):
     lora_name: str
     lora_path: str
+    load_inplace: bool = False  # vLLM's: replace the adapter already served under this name
 
 
 class UnloadLoRAAdapterRequest(OpenAIModel):
@@ -42,15 +43,18 @@ async def load_lora_adapter(request: Request) -> PlainTextResponse:
     name, path = body.lora_name, body.lora_path
     if not name or not path:
         raise bad_request("Both lora_name and lora_path must be non-empty", param="lora_name" if not name else "lora_path")
-    if name in state.served_model_names or name in state.lora_adapters:
-        raise bad_request(f"The lora adapter '{name}' has already been loaded; unload it first, or give the adapter "
-                          "another name", param="lora_name")
+    if name in state.served_model_names:
+        raise bad_request(f"'{name}' is the served model's name; give the adapter another name", param="lora_name")
+    replace = name in state.lora_adapters
+    if replace and not body.load_inplace:
+        raise bad_request(f"The lora adapter '{name}' has already been loaded; unload it first, send "
+                          '"load_inplace": true to replace it, or give the adapter another name', param="lora_name")
     try:
-        lora = await state.engine.add_lora(LoRARequest(name, state.next_lora_id(), path))
+        lora = await state.engine.add_lora(LoRARequest(name, state.next_lora_id(), path), load_inplace=replace)
     except (ValueError, OSError) as exc:  # a directory it cannot serve: the loader's message names why
         raise bad_request(str(exc), param="lora_path") from None
     state.lora_adapters[name] = lora
-    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")  # vLLM's reply, replaced or not
 
 
 async def unload_lora_adapter(request: Request) -> PlainTextResponse:

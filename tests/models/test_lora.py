@@ -140,6 +140,34 @@ def test_adapters_are_added_and_removed_while_the_engine_runs(llama_with_adapter
     assert engine.adapters.slots.resident() == {"every": 0} and engine.list_loras() == [other_files]
 
 
+def test_load_inplace_serves_the_name_with_new_files(llama_with_adapters, tmp_path):
+    """A pinned (--lora-modules) adapter replaced in place: a running request finishes with the old files, requests
+    after it run with the new ones and reuse none of the old KV, and the pinned slot goes to the replacement
+    (max_loras=1). Files it cannot serve leave the old adapter serving."""
+    base, adapters, references = llama_with_adapters
+    every, attention = adapters["every"], adapters["attention"]
+    engine = Engine(str(base), lora_modules={"tuned": every.lora_path}, max_lora_rank=8, num_kv_blocks=64,
+                    max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
+    old = engine.list_loras()[0]
+    first = check_lora_parity(engine, {"tuned": references["every"]}, PROMPTS[:1], [old])[0]
+    engine.add_request("running", PROMPTS[0], GREEDY, lora_request=old)
+    outputs = engine.step()
+    with pytest.raises(ValueError, match="needs a new id"):
+        engine.add_lora(LoRARequest("tuned", old.lora_int_id, attention.lora_path), load_inplace=True)
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        engine.add_lora(LoRARequest("tuned", 7, str(tmp_path)), load_inplace=True)
+    assert engine.list_loras() == [old]
+    new = LoRARequest("tuned", 7, attention.lora_path)
+    assert engine.add_lora(new, load_inplace=True) is new and engine.list_loras() == [new]
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    running = [o for o in outputs if o.request_id == "running" and o.finished][0]
+    assert running.outputs[0].token_ids == first.outputs[0].token_ids
+    named_again = LoRARequest("tuned", 1, attention.lora_path)  # a request names it; it runs as id 7
+    again = check_lora_parity(engine, {"tuned": references["attention"]}, PROMPTS[:1], [named_again])[0]
+    assert again.num_cached_tokens == 0 and engine.adapters.slots.resident() == {"tuned": 0}
+
+
 def _broken_copy(src: str, dst, config_changes: dict | None = None, extra_tensors: dict | None = None) -> str:
     dst.mkdir()
     config = json.loads(Path(src, "adapter_config.json").read_text())

@@ -53,11 +53,13 @@ class FakeEngine:
         self.adapters = SimpleNamespace(preloaded={})  # the LoRA adapters served by name (serve --lora-modules)
         self.lora_requests: dict[str, object] = {}  # request id -> the adapter it was prepared with
         self.removed_loras: list[str] = []  # remove_lora calls, in order
+        self.replaced_loras: list[str] = []  # add_lora calls with load_inplace, in order
 
-    def add_lora(self, lora_request):
+    def add_lora(self, lora_request, load_inplace=False):
         """As the engine: a directory it cannot serve is a ValueError naming why."""
         if not os.path.isfile(os.path.join(lora_request.lora_path, "adapter_config.json")):
             raise ValueError(f"{lora_request.lora_path} has no adapter_config.json")
+        self.replaced_loras += [lora_request.lora_name] if load_inplace else []
         return lora_request
 
     def remove_lora(self, lora_name):

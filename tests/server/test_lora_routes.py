@@ -81,7 +81,8 @@ def test_adapters_are_loaded_and_unloaded_over_http(updatable, tmp_path):
     assert fake.lora_requests[completion["id"]] == LoRARequest("poems", 2, path)  # ids after --lora-modules' 1
     for name in ("poems", "sql", "base"):  # names already served
         again = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
-        assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+        message = again.json()["error"]["message"]
+        assert again.status_code == 400 and ("already been loaded" in message or "served model's name" in message)
     reply = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "poems"})
     assert reply.status_code == 200 and reply.text == "Success: LoRA adapter 'poems' removed successfully."
     assert _served(url) == {"base", "sql"} and fake.removed_loras == ["poems"]
@@ -91,6 +92,25 @@ def test_adapters_are_loaded_and_unloaded_over_http(updatable, tmp_path):
     reloaded = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "poems", "lora_path": path})
     completion = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()
     assert reloaded.status_code == 200 and fake.lora_requests[completion["id"]].lora_int_id == 3  # never reused
+
+
+def test_load_inplace_replaces_an_adapter_under_its_name(updatable, tmp_path):
+    """vLLM's load_inplace: the name stays served and runs with the new files under a new id; a directory it
+    cannot serve leaves the old adapter serving."""
+    url, fake = updatable
+    body = {"prompt": "Hello", "max_tokens": 2, "model": "sql"}
+    path = _adapter_dir(tmp_path, "sql-v2")
+    load = {"lora_name": "sql", "lora_path": path, "load_inplace": True}
+    reply = httpx.post(f"{url}/v1/load_lora_adapter", json=load)
+    assert reply.status_code == 200 and fake.replaced_loras == ["sql"] and fake.removed_loras == []
+    completion = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()
+    assert fake.lora_requests[completion["id"]] == LoRARequest("sql", 2, path) and _served(url) == {"base", "sql"}
+    bad = httpx.post(f"{url}/v1/load_lora_adapter", json=load | {"lora_path": "/nowhere"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+    completion = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()
+    assert fake.lora_requests[completion["id"]] == LoRARequest("sql", 2, path)
+    base = httpx.post(f"{url}/v1/load_lora_adapter", json=load | {"lora_name": "base"})
+    assert base.status_code == 400 and "served model's name" in base.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("body, param, message", [
