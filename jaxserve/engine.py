@@ -377,11 +377,13 @@ class Engine(OfflineAPI, LoRAAPI):
             "spec_decode_num_drafts": self.scheduler.num_drafts,
             "spec_decode_num_draft_tokens": self.scheduler.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.scheduler.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.scheduler.accepted_per_position),
             "prefix_cache_queries": self.blocks.prefix_cache_queries,
             "prefix_cache_hits": self.blocks.prefix_cache_hits,
             "num_steps": self._num_steps,
             "num_compiles": self.runner.num_compiles,
             "compiles_after_warmup": self.compiles_after_warmup,
+            **self._lora_stats(),
         }
 
 

@@ -153,7 +153,7 @@ class EngineAdapters:
 
 class LoRAAPI:
     """The Engine's adapter calls, as vLLM's engine has them (mixed into Engine; `self.adapters` is its
-    EngineAdapters and `self._requests` its live requests)."""
+    EngineAdapters, `self._requests` its live requests and `self.scheduler` its scheduler)."""
 
     def add_lora(self, lora_request: LoRARequest, load_inplace: bool = False) -> LoRARequest:
         """Read an adapter now rather than at its first request; ValueError if LoRA is off or it cannot be
@@ -174,6 +174,17 @@ class LoRAAPI:
 
     def list_loras(self) -> list[LoRARequest]:
         return self.adapters.known()
+
+    def _lora_stats(self) -> dict:
+        """Which adapters running and waiting requests use (vLLM's lora_requests_info); nothing with LoRA off."""
+        if not self.adapters.enabled:
+            return {}
+
+        def names(seqs) -> list[str]:
+            return sorted({seq.lora_request.lora_name for seq in seqs if seq.lora_request is not None})
+
+        return {"max_loras": self.adapters.slots.num_slots, "running_lora_adapters": names(self.scheduler.running),
+                "waiting_lora_adapters": names(self.scheduler.waiting)}
 
     def _purge_removed_adapters(self) -> None:
         if self.adapters.has_removed:

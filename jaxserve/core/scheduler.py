@@ -111,6 +111,8 @@ class Scheduler:
         self.num_drafts = 0  # speculative decoding: chunks that fed drafts, their draft tokens, those accepted
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # [i]: drafts whose token i was accepted (vLLM's per-position counter): how far drafts usually hold
+        self.accepted_per_position = [0] * (proposer.k if proposer else 0)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -216,6 +218,11 @@ class Scheduler:
                 self.num_drafts += 1
                 self.num_draft_tokens += len(chunk.draft)
 
+    def _count_accepted(self, accepted: int) -> None:
+        self.num_accepted_tokens += accepted
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
     def resolve(self, out: SchedulerOutput, sampled: list[int | Tokens[int] | None],
                 on_token: Callable[[Sequence, int, int], None] | None = None) -> list[tuple[Sequence, int, int]]:
         """Account for a step's results, steps in dispatch order: register its now-computed blocks, put the sampled
@@ -233,7 +240,7 @@ class Scheduler:
                 tokens = chunk.accepted(tokens)
                 seq.token_ids[at:] = tokens
                 computed = seq.num_computed_tokens = at + len(tokens) - 1  # the accepted drafts' K/V is valid
-                self.num_accepted_tokens += len(tokens) - 1
+                self._count_accepted(len(tokens) - 1)
             if seq.status is SequenceStatus.RUNNING:  # not preempted since: it still holds its blocks
                 self.blocks.commit(seq.seq_id, seq.token_ids, computed, seq.cache_root)
             if not chunk.samples:

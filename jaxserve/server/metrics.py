@@ -37,6 +37,16 @@ class EngineStatsCollector:
         family.add_metric([self.model_name], value)
         return family
 
+    @staticmethod
+    def _lora_info(stats: dict) -> GaugeMetricFamily:
+        """vLLM's vllm:lora_requests_info: the adapters in use as labels (names joined by commas), the time of the
+        reading as the value; dashboards show the series with the latest value."""
+        family = GaugeMetricFamily(PREFIX + "lora_requests_info", "LoRA adapters of running and waiting requests.",
+                                   labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        family.add_metric([str(stats["max_loras"]), ",".join(stats["waiting_lora_adapters"]),
+                           ",".join(stats["running_lora_adapters"])], time.time())
+        return family
+
     def collect(self):
         stats = self.async_engine.stats()
         total, free = stats.get("total_blocks", 0), stats.get("free_blocks", 0)
@@ -62,6 +72,14 @@ class EngineStatsCollector:
                             stats.get("spec_decode_num_draft_tokens", 0))
         yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                             stats.get("spec_decode_num_accepted_tokens", 0))
+        if "max_loras" in stats:
+            yield self._lora_info(stats)
+        per_position = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                           "Drafts whose token at this position was accepted.",
+                                           labels=["model_name", "position"])
+        for position, accepted in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", [])):
+            per_position.add_metric([self.model_name, str(position)], accepted)
+        yield per_position
 
 
 class ServerMetrics:

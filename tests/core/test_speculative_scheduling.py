@@ -51,6 +51,7 @@ class FixedProposer:
 
     def __init__(self, draft):
         self.draft, self.limits = draft, []
+        self.k = len(draft)
 
     def propose(self, token_ids, limit):
         self.limits.append(limit)
@@ -85,6 +86,7 @@ def test_accepted_drafts_become_tokens_and_the_first_miss_is_replaced():
     assert a.output_token_ids == [50, 60, 61, 99]
     assert a.num_computed_tokens == 10  # the prompt, 50, 60 and 61 have K/V; 99 is next to compute
     assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (1, 3, 2)
+    assert s.accepted_per_position == [1, 1, 0]  # positions 0 and 1 held, 2 missed
     assert len(blocks._seq_hashes[a.seq_id]) == 2  # blocks of computed tokens only: 10 // 4
     blocks.check_invariants()
 
@@ -95,6 +97,8 @@ def test_all_drafts_accepted_add_the_sample_after_the_last():
     prefill(s, a)
     s.update(s.schedule(), [[60, 61, 62]])
     assert a.output_token_ids == [50, 60, 61, 62] and a.num_computed_tokens == 7
+    s.update(s.schedule(), [[99, 0, 0]])  # the next draft misses at once
+    assert s.accepted_per_position == [1, 1] and s.num_drafts == 2
 
 
 def test_drafts_never_run_past_max_tokens_and_a_stop_drops_what_follows():

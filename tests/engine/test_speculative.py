@@ -106,6 +106,12 @@ def test_served_stream_matches_and_metrics_count_the_drafts(spec_engine, smol_en
         assert metric_value(url, "jaxserve:spec_decode_num_accepted_tokens_total") > 0
         assert metric_value(url, "jaxserve:spec_decode_num_draft_tokens_total") >= \
             metric_value(url, "jaxserve:spec_decode_num_accepted_tokens_total")
+        positions = range(len(spec_engine.stats()["spec_decode_num_accepted_tokens_per_pos"]))
+        per_position = [metric_value(url, "jaxserve:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+                        for i in positions]
+        assert len(per_position) > 1 and sum(per_position) == metric_value(
+            url, "jaxserve:spec_decode_num_accepted_tokens_total")
+        assert per_position == sorted(per_position, reverse=True) and per_position[0] > 0  # a later one needs earlier
 
 
 def test_a_constrained_request_beside_a_drafting_one(spec_engine, smol_engine):

@@ -98,6 +98,11 @@ def test_one_slot_serves_adapters_in_turn(llama_with_adapters):
     first_attention = steps.index({"attention"})
     assert {"every"} not in steps[first_attention:]
     assert any(rid == outs[2].request_id for record in list(engine.step_records)[:first_attention] for rid, _, _ in record.chunks)
+    engine.add_request("a", PROMPTS[0], GREEDY, lora_request=adapters["every"])
+    engine.add_request("b", PROMPTS[1], GREEDY, lora_request=adapters["attention"])
+    engine.step()  # "every" holds the slot; "attention" waits for it
+    assert lora_requests_info(engine) == {"max_lora": "1", "running_lora_adapters": "every",
+                                          "waiting_lora_adapters": "attention"}
 
 
 def test_named_adapters_are_loaded_at_start_and_kept(llama_with_adapters):
@@ -126,6 +131,8 @@ def test_adapters_are_added_and_removed_while_the_engine_runs(llama_with_adapter
     engine.add_request("running", PROMPTS[0], GREEDY, lora_request=every)
     late = engine.prepare_request("late", PROMPTS[1], GREEDY, lora_request=every)
     outputs = engine.step()
+    assert lora_requests_info(engine) == {"max_lora": "1", "running_lora_adapters": "every",
+                                          "waiting_lora_adapters": ""}
     assert engine.remove_lora(5) and not engine.remove_lora("every") and engine.list_loras() == []
     with pytest.raises(ValueError, match="'every' was unloaded"):
         engine.add_prepared_request(late)
@@ -166,6 +173,17 @@ def test_load_inplace_serves_the_name_with_new_files(llama_with_adapters, tmp_pa
     named_again = LoRARequest("tuned", 1, attention.lora_path)  # a request names it; it runs as id 7
     again = check_lora_parity(engine, {"tuned": references["attention"]}, PROMPTS[:1], [named_again])[0]
     assert again.num_cached_tokens == 0 and engine.adapters.slots.resident() == {"tuned": 0}
+
+
+def lora_requests_info(engine: Engine) -> dict:
+    """The labels of the vllm:lora_requests_info gauge /metrics would show for this engine now."""
+    from types import SimpleNamespace
+
+    from jaxserve.server.metrics import EngineStatsCollector
+
+    collector = EngineStatsCollector(SimpleNamespace(stats=engine.stats, is_healthy=True), "base")
+    (family,) = [f for f in collector.collect() if f.name == "jaxserve:lora_requests_info"]
+    return family.samples[0].labels
 
 
 def _broken_copy(src: str, dst, config_changes: dict | None = None, extra_tensors: dict | None = None) -> str:
