@@ -26,8 +26,7 @@ from jaxserve.engine_lora import EngineAdapters, LoRAAPI, check_lora_options
 from jaxserve.engine_pooling import check_pooling, embedding_output
 from jaxserve.engine_offline import OfflineAPI
 from jaxserve.engine_inputs import (check_engine_options, check_max_model_len, fit_context_to_cache,
-                                   model_for_context, prompt_token_ids,
-                                   validate_lengths)
+                                   model_for_context, prompt_token_ids, truncate_prompt, validate_lengths)
 from jaxserve.grammar import GrammarCompiler, grammar_ended
 from jaxserve.loader.checkpoint import open_checkpoint
 from jaxserve.loader.tokenizer import read_chat_template
@@ -186,12 +185,13 @@ class Engine(OfflineAPI, LoRAAPI):
                         priority: int = 0, lora_request: LoRARequest | None = None) -> Request:
         """Tokenize and validate (no device work, safe from any thread). Raises ValueError for bad input.
         PoolingParams make it an embedding request (engine_pooling.py)."""
+        if not isinstance(params, (SamplingParams, PoolingParams)):
+            raise ValueError(f"params must be a SamplingParams or PoolingParams, got {type(params).__name__}")
         pooling = params if isinstance(params, PoolingParams) else None
+        given = prompt_token_ids(self.tokenizer, prompt, self.config.model.vocab_size)
+        ids = truncate_prompt(given, params.truncate_prompt_tokens, self.max_model_len)
         if pooling is not None:
             params = check_pooling(pooling, self.config.model.hidden_size, self.declared_pooling)
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams or PoolingParams, got {type(params).__name__}")
-        ids = prompt_token_ids(self.tokenizer, prompt, self.config.model.vocab_size)
         params = validate_lengths(params, len(ids), self.max_model_len, self.config)
         lora_request = self.adapters.check(lora_request)
         seqs = [self._new_sequence(request_id, i, ids, params, priority) for i in range(params.num_sequences)]
@@ -202,7 +202,8 @@ class Engine(OfflineAPI, LoRAAPI):
             for i, seq in enumerate(seqs):
                 seq.matcher = matcher.deep_copy() if i else matcher
                 seq.grammar_waits_for = params.structured_outputs.starts_after_token
-        return Request(request_id, prompt if isinstance(prompt, str) else None, seqs, params, pooling)
+        text = prompt if isinstance(prompt, str) and len(ids) == len(given) else None  # None: decoded when needed
+        return Request(request_id, text, seqs, params, pooling)
 
     def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
                       priority: int) -> Sequence:

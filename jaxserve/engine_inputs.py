@@ -46,6 +46,17 @@ def prompt_token_ids(tokenizer, prompt, vocab_size: int) -> list[int]:
     return ids
 
 
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: the longest prompt the context holds
+    with room for one more token)."""
+    if keep is None:
+        return ids
+    if keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens={keep} is more than the model's maximum context length "
+                         f"{max_model_len}; ask for at most {max_model_len - 1} (or -1)")
+    return ids[-(max_model_len - 1 if keep == -1 else keep):]
+
+
 def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int, config: EngineConfig) -> SamplingParams:
     """Check the request fits the context and the cache; fill in max_tokens=None as 'up to the context length'."""
     if prompt_len >= max_model_len:

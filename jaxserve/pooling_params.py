@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxserve.sampling_params import check_truncate_prompt_tokens
+
 
 @dataclass(frozen=True)
 class PoolingParams:
@@ -18,8 +20,11 @@ class PoolingParams:
 
     dimensions: int | None = None
     normalize: bool = True
+    # Embed only the prompt's last k tokens (-1: the most the context holds), as in SamplingParams.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
                                             or self.dimensions < 1):
             raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")

@@ -40,6 +40,14 @@ def _require_optional_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be an integer or None, got {value!r}")
 
 
+def check_truncate_prompt_tokens(value: Any) -> None:
+    """vLLM's truncate_prompt_tokens: None (no truncation), -1 (to the context) or a positive count."""
+    _require_optional_int("truncate_prompt_tokens", value)
+    if value is not None and value != -1 and value < 1:
+        raise ValueError(f"truncate_prompt_tokens must be a positive integer, -1 (as long as the context allows) or "
+                         f"None, got {value}")
+
+
 def _require_number(name: str, value: Any) -> float:
     # NaN would slip through every range check (all comparisons are False), so demand finite numbers.
     if not _is_number(value) or not math.isfinite(value):
@@ -121,6 +129,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    # Keep only the prompt's last k tokens (-1: the most the context holds beside one generated token).
+    truncate_prompt_tokens: int | None = None
     # Constrain the output to a JSON schema, regex, choice or grammar (a dict of its fields is accepted too).
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -176,6 +186,7 @@ class SamplingParams:
         _require_optional_int("max_tokens", self.max_tokens)
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         _require_int("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")

@@ -95,6 +95,9 @@ def test_replace_validates_and_clone_is_independent():
         ("logit_bias", {"abc": 1.0}),
         ("logit_bias", {-1: 1.0}),
         ("logit_bias", {1: "big"}),
+        ("truncate_prompt_tokens", 0),
+        ("truncate_prompt_tokens", -2),
+        ("truncate_prompt_tokens", "8"),
     ],
 )
 def test_invalid_value_names_the_field(field, value):
@@ -117,3 +120,15 @@ def test_min_tokens_bounded_by_max_tokens():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
     assert SamplingParams(max_tokens=None, min_tokens=500).min_tokens == 500
+
+
+def test_truncate_prompt_keeps_the_end():
+    from jaxserve.engine_inputs import truncate_prompt
+
+    ids = list(range(10))
+    assert truncate_prompt(ids, None, 8) == ids  # as given: a prompt too long for the context is refused later
+    assert truncate_prompt(ids, 3, 8) == [7, 8, 9]
+    assert truncate_prompt(ids, -1, 8) == ids[-7:]  # the context less one token to generate
+    assert truncate_prompt(ids, 8, 8) == ids[-8:]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens=9 is more than .* at most 7"):
+        truncate_prompt(ids, 9, 8)

@@ -19,7 +19,7 @@ from jaxserve.outputs import EmbeddingRequestOutput
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.server.errors import bad_request, parse_json
 from jaxserve.server.protocol import OpenAIModel, UsageInfo
-from jaxserve.server.request_bodies import parse_request
+from jaxserve.server.request_bodies import checked_params, parse_request
 from jaxserve.server.serving import ServerState, collect_final_outputs, start_requests
 from jaxserve.server.streaming import cancel_on_disconnect
 
@@ -33,6 +33,7 @@ class EmbeddingRequest(OpenAIModel):
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
     priority: int = 0
+    truncate_prompt_tokens: int | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """One engine prompt per input: a string, or a list of token ids."""
@@ -48,7 +49,7 @@ class EmbeddingRequest(OpenAIModel):
         return list(given)
 
     def pooling_params(self) -> PoolingParams:
-        return PoolingParams(dimensions=self.dimensions)
+        return PoolingParams(dimensions=self.dimensions, truncate_prompt_tokens=self.truncate_prompt_tokens)
 
 
 class EmbeddingData(OpenAIModel):
@@ -87,8 +88,8 @@ async def create_embedding(request: Request) -> Response:
     body = parse_request(EmbeddingRequest, await parse_json(request))
     model = state.resolve_model(body.model)
     rendering = EmbeddingRendering(body, model, f"embd-{uuid.uuid4().hex}")
-    streams = await start_requests(state, body.prompts(), body.pooling_params(), rendering.request_id,
-                                   body.priority, model)
+    params = checked_params(body, body.pooling_params)
+    streams = await start_requests(state, body.prompts(), params, rendering.request_id, body.priority, model)
     completed, finals = await cancel_on_disconnect(request, collect_final_outputs(state, streams, time.monotonic()))
     if not completed:
         return Response(status_code=499)  # the client left; nobody reads this

@@ -84,6 +84,7 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: int = 0
+    truncate_prompt_tokens: int | None = None
 
     @property
     def include_usage_chunk(self) -> bool:
@@ -118,6 +119,7 @@ class SamplingFields(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             structured_outputs=self._structured_outputs(),
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             **specific,
         )
 

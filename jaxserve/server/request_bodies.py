@@ -29,8 +29,13 @@ def parse_request(schema: type[pydantic.BaseModel], body: dict):
 def build_sampling_params(body, model_defaults: dict | None = None) -> SamplingParams:
     """The request's SamplingParams (unset fields from the model's generation defaults); a 400 naming the field
     when a value is out of range."""
+    return checked_params(body, lambda: body.to_sampling_params(model_defaults))
+
+
+def checked_params(body, build):
+    """`build()` (the engine's params for this body), with a ValueError turned into a 400 naming the field."""
     try:
-        return body.to_sampling_params(model_defaults)
+        return build()
     except ValueError as exc:
         field_name = str(exc).split(" ", 1)[0].split("[")[0]  # "tools[0].function.name ..." names tools
         raise bad_request(str(exc), param=field_name if field_name in type(body).model_fields else None) from None

@@ -100,3 +100,12 @@ def test_raw_sse_format(real_server):
         events = [line for line in response.iter_lines() if line]
     assert events[-1] == "data: [DONE]"
     assert all(event.startswith("data: {") for event in events[:-1])
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(openai_client, tokenizer):
+    """vLLM's truncate_prompt_tokens: the completion of the last k tokens, counted and echoed as k tokens."""
+    ids = tokenizer(PROMPT)["input_ids"]
+    kept = completion(openai_client, prompt=ids[-3:], temperature=0)
+    truncated = completion(openai_client, temperature=0, echo=True, extra_body={"truncate_prompt_tokens": 3})
+    assert truncated.usage.prompt_tokens == 3
+    assert truncated.choices[0].text == tokenizer.decode(ids[-3:]) + kept.choices[0].text

@@ -41,6 +41,12 @@ def test_embeddings_are_the_engines_in_input_order(real_server, openai_client, s
     assert len(short.data[0].embedding) == 64 and np.linalg.norm(short.data[0].embedding) == pytest.approx(1, abs=1e-5)
     ids = embed(real_server.url, input=smol_engine.tokenizer(TEXTS[0])["input_ids"]).json()  # token ids
     np.testing.assert_allclose(ids["data"][0]["embedding"], expected[0], atol=1e-4)
+    # truncate_prompt_tokens embeds the input's last k tokens.
+    end = smol_engine.tokenizer(TEXTS[1])["input_ids"][-4:]
+    truncated = embed(real_server.url, input=TEXTS[1], truncate_prompt_tokens=4).json()
+    assert truncated["usage"]["prompt_tokens"] == 4
+    np.testing.assert_allclose(truncated["data"][0]["embedding"],
+                               smol_engine.embed([end], use_tqdm=False)[0].outputs.embedding, atol=1e-4)
 
 
 @pytest.mark.parametrize("body, param, message", [
@@ -51,6 +57,8 @@ def test_embeddings_are_the_engines_in_input_order(real_server, openai_client, s
     ({"input": "x", "dimensions": 100000}, None, "more than the model's 576"),
     ({"input": "x", "encoding_format": "int8"}, "encoding_format", "'float' or 'base64'"),
     ({"input": "x", "model": "other"}, "model", "does not exist"),
+    ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "positive integer, -1"),
+    ({"input": "x", "truncate_prompt_tokens": 5000}, None, "more than the model's maximum context length 512"),
 ])
 def test_bad_embedding_requests_are_400_naming_the_problem(real_server, body, param, message):
     reply = embed(real_server.url, **body)
