@@ -45,6 +45,7 @@ from jaxserve.server.protocol import (
     TokenizeResponse,
 )
 from jaxserve.server.request_bodies import parse_request
+from jaxserve.server.responses import create_response, delete_response, retrieve_response
 from jaxserve.server.serving import ServerState
 
 # Only the OpenAI routes need a key; health, metrics and tokenisation stay open, as in vLLM.
@@ -147,6 +148,9 @@ ROUTES = [
     Route("/v1/completions", create_completion, methods=["POST"]),
     Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
     Route("/v1/embeddings", create_embedding, methods=["POST"]),
+    Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
     Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),

@@ -39,24 +39,29 @@ class ChatJob(ChatRendering):
 async def create_chat_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = parse_request(ChatCompletionRequest, await parse_json(request))
+    job, streams = await start_chat(state, body, f"chatcmpl-{uuid.uuid4().hex}")
+    if body.stream:
+        return EventStreamResponse(sse_events(_stream_chunks(job)), on_close=lambda: close_all(streams))
+    completed, finals = await cancel_on_disconnect(request, collect_final_outputs(state, streams, job.arrival_time))
+    if not completed:
+        return Response(status_code=499)  # the client left; nobody reads this
+    return JSONResponse(job.full_response(finals[0]).model_dump())
+
+
+async def start_chat(state: ServerState, body: ChatCompletionRequest, request_id: str
+                     ) -> tuple[ChatJob, list[RequestStream]]:
+    """Render the conversation and queue its request (also how /v1/responses runs)."""
     model = state.resolve_model(body.model)
     # Rendering a long conversation through the template is CPU work: keep it off the event loop.
     prompts, params = await asyncio.to_thread(chat_inputs, body, state.engine.encode_chat,
                                               state.engine.generation_defaults, state.default_chat_template_kwargs,
                                               state.tool_parser, state.reasoning_parser)
-    tokenizer = state.engine.tokenizer
     reasoning = state.reasoning_parser and state.reasoning_parser.bind(prompts[0], params)
     arrival_time = time.monotonic()
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await start_requests(state, prompts, params, request_id, body.priority, model)
-    job = ChatJob(body, model, request_id, tokenizer, state.tool_parser, reasoning, state=state,
+    job = ChatJob(body, model, request_id, state.engine.tokenizer, state.tool_parser, reasoning, state=state,
                   arrival_time=arrival_time, stream=streams[0])
-    if body.stream:
-        return EventStreamResponse(sse_events(_stream_chunks(job)), on_close=lambda: close_all(streams))
-    completed, finals = await cancel_on_disconnect(request, collect_final_outputs(state, streams, arrival_time))
-    if not completed:
-        return Response(status_code=499)  # the client left; nobody reads this
-    return JSONResponse(job.full_response(finals[0]).model_dump())
+    return job, streams
 
 
 async def _stream_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionStreamResponse]:
@@ -66,7 +71,7 @@ async def _stream_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionStreamResp
         async for _, output in outputs:
             last_output = output
             for completion in output.outputs:
-                choice = _delta_choice(job, completion, progress)
+                choice = delta_choice(job, completion, progress)
                 if choice is not None:
                     yield ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[choice])
     if job.request.include_usage_chunk and last_output is not None:
@@ -85,7 +90,7 @@ class ChoiceProgress:
     finished: bool = False
 
 
-def _delta_choice(job: ChatJob, completion: CompletionOutput, progress: dict[int, ChoiceProgress]
+def delta_choice(job: ChatJob, completion: CompletionOutput, progress: dict[int, ChoiceProgress]
                   ) -> ChatStreamChoice | None:
     """The new part of one choice since its last chunk (the first one also names the role), or None."""
     choice = job.tool_choice

@@ -17,6 +17,7 @@ from jaxserve.server.errors import APIError
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.reasoning_parsers import ThinkReasoningParser
 from jaxserve.server.request_bodies import resolve_model_name
+from jaxserve.server.response_store import ResponseStore
 from jaxserve.server.streaming import merge_streams
 from jaxserve.server.tool_parsers import HermesToolParser
 
@@ -35,6 +36,7 @@ class ServerState:
     # --lora-modules: a request whose `model` names one runs with that adapter (vLLM's convention)
     lora_adapters: dict[str, LoRARequest] = field(default_factory=dict)
     runtime_lora_updating: bool = False  # --enable-runtime-lora-updating: adapters loaded and unloaded over HTTP
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses made with store
     started_at: float = field(default_factory=time.time)
 
     def __post_init__(self):

@@ -52,6 +52,8 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.adapters = SimpleNamespace(preloaded={})  # the LoRA adapters served by name (serve --lora-modules)
         self.lora_requests: dict[str, object] = {}  # request id -> the adapter it was prepared with
+        self.prompts: dict[str, object] = {}  # request id -> the prompt and params it was prepared with
+        self.sampling_params: dict[str, object] = {}
         self.removed_loras: list[str] = []  # remove_lora calls, in order
         self.replaced_loras: list[str] = []  # add_lora calls with load_inplace, in order
 
@@ -67,6 +69,7 @@ class FakeEngine:
 
     def prepare_request(self, request_id, prompt, params, *, priority=0, lora_request=None):
         self.lora_requests[request_id] = lora_request
+        self.prompts[request_id], self.sampling_params[request_id] = prompt, params
         if isinstance(params, PoolingParams):  # an embedding: the prompt's token count, then zeros
             token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             vector = [float(len(token_ids))] + [0.0] * ((params.dimensions or 8) - 1)

@@ -1,0 +1,239 @@
+"""The OpenAI Responses API (POST /v1/responses), as vLLM serves it: a request is read into the chat request this
+server already runs (same template, tools, reasoning and structured outputs), and the chat answer is written back
+as the Responses API's output items (reasoning, message, function calls).
+
+Only what a local model can do is accepted: text input, function tools, `text.format` for JSON. Hosted tools
+(web search, file search, code interpreter, MCP), images, files and background runs are refused by name.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import ConfigDict
+
+from jaxserve.outputs import RequestOutput
+from jaxserve.server.chat_protocol import ChatCompletionRequest, ChatMessage
+from jaxserve.server.errors import bad_request
+from jaxserve.server.protocol import OpenAIModel, SamplingFields
+from jaxserve.server.request_bodies import parse_request
+
+TEXT_PART_TYPES = ("input_text", "output_text", "text")
+# vLLM's sampling extras a Responses body may carry, handed to the chat request as they are; the fields the
+# Responses API names itself (and those it has no use for) are not.
+FORWARDED_FIELDS = (set(SamplingFields.model_fields) - {"model", "n", "stream", "stream_options", "temperature",
+                                                        "top_p", "user", "response_format"}) | {"chat_template_kwargs"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponsesRequest(OpenAIModel):
+    model_config = ConfigDict(extra="allow")  # vLLM's sampling extras (top_k, seed, ...): FORWARDED_FIELDS
+
+    input: str | list[dict[str, Any]]
+    model: str | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None  # effort and summary settings: the model reasons as its template says
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    background: bool = False
+    truncation: Literal["auto", "disabled"] = "disabled"
+
+    def chat_request(self, history: list[dict[str, Any]]) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
+        """The chat request that answers this one, and the conversation so far as chat messages (the earlier
+        turns, then this input). `instructions` lead as the system message, this time only: OpenAI never carries
+        them over to a later response."""
+        if self.background:
+            raise bad_request("background responses are not supported: leave background unset and stream instead",
+                              param="background")
+        conversation = history + input_messages(self.input)
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        extras = {key: value for key, value in (self.model_extra or {}).items() if key in FORWARDED_FIELDS}
+        chat = parse_request(ChatCompletionRequest, {
+            **extras, "model": self.model, "messages": system + conversation,
+            "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
+            "tools": chat_tools(self.tools), "tool_choice": chat_tool_choice(self.tool_choice),
+            "response_format": response_format(self.text), "stream": self.stream,
+        })
+        return chat, conversation
+
+    def echo_fields(self) -> dict[str, Any]:
+        """The request's settings as a response object repeats them."""
+        return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+                "metadata": self.metadata or {}, "parallel_tool_calls": self.parallel_tool_calls,
+                "previous_response_id": self.previous_response_id, "reasoning": self.reasoning,
+                "store": self.store, "temperature": self.temperature, "top_p": self.top_p,
+                "text": self.text or {"format": {"type": "text"}}, "tool_choice": self.tool_choice or "auto",
+                "tools": self.tools or [], "truncation": self.truncation, "user": self.user}
+
+
+# --- input --------------------------------------------------------------------------------------------------
+def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Responses input items as chat messages: a function call joins the assistant message before it (one turn's
+    text and calls are one message to chat templates), its output is a "tool" message, reasoning items are dropped
+    (templates drop earlier turns' reasoning)."""
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}]
+    if not given:
+        raise bad_request("input must not be empty: give a string or a list of input items", param="input")
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(given):
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(_message(item, i))
+        elif kind == "function_call":
+            call = {"id": _string(item, "call_id", i), "type": "function",
+                    "function": {"name": _string(item, "name", i), "arguments": _string(item, "arguments", i)}}
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else _text(output, i)
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", i), "content": text})
+        elif kind != "reasoning":
+            raise bad_request(f"input[{i}] has type {kind!r}, which is not supported: send messages, function_call "
+                              "and function_call_output items", param="input")
+    return messages
+
+
+def _message(item: dict[str, Any], i: int) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ("user", "assistant", "system", "developer"):
+        raise bad_request(f"input[{i}].role must be 'user', 'assistant', 'system' or 'developer', got {role!r}",
+                          param="input")
+    content = item.get("content")
+    return {"role": "system" if role == "developer" else role,
+            "content": content if isinstance(content, str) else _text(content, i)}
+
+
+def _text(parts: Any, i: int) -> str:
+    if not isinstance(parts, list):
+        raise bad_request(f"input[{i}] content must be a string or a list of text parts", param="input")
+    for part in parts:
+        is_text = isinstance(part, dict) and part.get("type") in TEXT_PART_TYPES and isinstance(part.get("text"), str)
+        if not is_text:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise bad_request(f"input[{i}] has a content part of type {kind!r}: only text parts (input_text, "
+                              "output_text) are supported", param="input")
+    return "".join(part["text"] for part in parts)
+
+
+def _string(item: dict[str, Any], key: str, i: int) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise bad_request(f"input[{i}] ({item.get('type')}) needs {key} as a string, got {value!r}", param="input")
+    return value
+
+
+# --- tools and formats --------------------------------------------------------------------------------------
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses function tools ({"type": "function", "name", "parameters"}) in chat's shape."""
+    if not tools:
+        return None
+    converted = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else tool
+            raise bad_request(f"tools[{i}] has type {kind!r}: only function tools are supported (hosted tools such as "
+                              "web_search or file_search are OpenAI's own)", param="tools")
+        function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
+        converted.append({"type": "function", "function": function})
+    return converted
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict):
+        if choice.get("type") != "function":
+            raise bad_request(f"tool_choice {choice!r} is not supported: use 'auto', 'none', 'required' or "
+                              '{"type": "function", "name": ...}', param="tool_choice")
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`text.format` as chat's response_format."""
+    fmt = (text or {}).get("format") or {"type": "text"}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_schema":
+        schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    raise bad_request(f"text.format must be of type 'text', 'json_object' or 'json_schema', got {fmt!r}", param="text")
+
+
+# --- output -------------------------------------------------------------------------------------------------
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    part = [text_part(text)] if status != "in_progress" else []
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": part}
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed"
+                       ) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def output_items(message: ChatMessage, finish_reason: str | None) -> list[dict[str, Any]]:
+    """A finished chat message as output items: its reasoning, its text, its tool calls (an answer with none of
+    them is one empty message, as when streamed)."""
+    status = "incomplete" if finish_reason == "length" else "completed"
+    items = [reasoning_item(new_id("rs"), message.reasoning)] if message.reasoning else []
+    if message.content or not (items or message.tool_calls):
+        items.append(message_item(new_id("msg"), message.content or "", status))
+    for call in message.tool_calls:
+        function = call["function"]
+        items.append(function_call_item(new_id("fc"), call["id"], function["name"], function["arguments"]))
+    return items
+
+
+def response_body(response_id: str, model: str, request: ResponsesRequest, output: list[dict[str, Any]], *,
+                  status: str = "completed", usage: dict[str, Any] | None = None, created_at: float | None = None
+                  ) -> dict[str, Any]:
+    """The response object (`status` "in_progress" while streaming, "incomplete" when max_output_tokens cut it)."""
+    return {"id": response_id, "object": "response", "created_at": int(created_at or time.time()), "model": model,
+            "status": status, "output": output, "usage": usage, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            **request.echo_fields()}
+
+
+def usage(final: RequestOutput, reasoning_tokens: int) -> dict[str, Any]:
+    generated = sum(len(completion.token_ids) for completion in final.outputs)
+    prompt = len(final.prompt_token_ids)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+            "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": prompt + generated}
+
+
+def continued(conversation: list[dict[str, Any]], message: ChatMessage) -> list[dict[str, Any]]:
+    """The conversation a later response continues from: this one's (without its instructions) and its answer,
+    as chat messages (reasoning dropped, as templates drop it)."""
+    answer: dict[str, Any] = {"role": "assistant", "content": message.content or ""}
+    if message.tool_calls:
+        answer["tool_calls"] = message.tool_calls
+    return [*conversation, answer]

@@ -1,0 +1,200 @@
+"""POST /v1/responses through the OpenAI SDK, on the fake engine (scripted output, real tokenizer and template):
+reasoning, text and function calls as output items, whole and streamed alike; conversations continued with
+previous_response_id; stored responses retrieved and deleted; what a local model cannot do refused by name."""
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.server.app import build_app
+from jaxserve.server.reasoning_parsers import reasoning_parser
+from jaxserve.server.tool_parsers import HermesToolParser
+from tests.server.fake_engine import FakeEngine
+from tests.server.helpers import serve_in_thread
+from tests.server.test_reasoning_parsers import THOUGHT
+from tests.server.test_tool_parsers import REPLY
+from tests.server.test_tools import TOOLS
+
+SCRIPT = f"<think>{THOUGHT}</think>{REPLY}"
+# The Responses API's function tools are flat: {"type": "function", "name", "parameters"}.
+RESPONSE_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
+STOP_AFTER_CALL = {"stop": ["</tool_call>"], "include_stop_str_in_output": True}  # vLLM's extras pass through
+
+
+@pytest.fixture(scope="module")
+def served(tokenizer):
+    fake = FakeEngine(tokenizer, script_text=SCRIPT, step_delay=0)
+    app = build_app(AsyncEngine(fake), tool_parser=HermesToolParser(),
+                    reasoning_parser=reasoning_parser("qwen3", tokenizer))
+    with serve_in_thread(app) as url:
+        yield url, fake, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+def create(client, **kwargs):
+    return client.responses.create(model="fake-model", **{"input": "Weather in Paris?", "temperature": 0, **kwargs})
+
+
+def test_reasoning_text_and_a_function_call_become_output_items(served):
+    _, _, client = served
+    response = create(client, tools=RESPONSE_TOOLS, extra_body=STOP_AFTER_CALL)
+    reasoning, message, call = response.output
+    assert response.status == "completed" and response.object == "response" and response.id.startswith("resp_")
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == THOUGHT
+    assert message.type == "message" and response.output_text == "Let me check. "
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Paris"})
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    usage = response.usage
+    assert usage.output_tokens == len(client_tokens(served, SCRIPT))
+    assert 0 < usage.output_tokens_details.reasoning_tokens < usage.output_tokens
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    assert response.tools[0].name == "get_weather" and response.tool_choice == "auto"
+
+
+def client_tokens(served, text):
+    return served[1].tokenizer.encode(text)
+
+
+def test_streamed_events_build_the_same_items(served):
+    _, _, client = served
+    whole = create(client, tools=RESPONSE_TOOLS, extra_body=STOP_AFTER_CALL)
+    events = list(create(client, tools=RESPONSE_TOOLS, extra_body=STOP_AFTER_CALL, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    final = events[-1].response
+    assert [item.type for item in final.output] == [item.type for item in whole.output]
+    assert final.output_text == whole.output_text and final.output[0].content[0].text == THOUGHT
+    # Deltas add up to their item's text, and name the item they belong to.
+    by_id = {item.id: item for item in final.output}
+    for delta_kind, item_type in (("response.reasoning_text.delta", "reasoning"),
+                                  ("response.output_text.delta", "message"),
+                                  ("response.function_call_arguments.delta", "function_call")):
+        deltas = [e for e in events if e.type == delta_kind]
+        assert deltas and {by_id[e.item_id].type for e in deltas} == {item_type}
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == final.output_text
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert json.loads(arguments) == json.loads(final.output[2].arguments) == {"city": "Paris"}
+    # Each item is announced, then done, one after another.
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert added == [0, 1, 2] and [item.id for item in done] == [item.id for item in final.output]
+
+
+def test_max_output_tokens_makes_it_incomplete(served):
+    _, _, client = served
+    response = create(client, max_output_tokens=6)  # cut short while thinking: the reasoning so far, no message
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 6 and [item.type for item in response.output] == ["reasoning"]
+    assert THOUGHT.startswith(response.output[0].content[0].text) and response.output_text == ""
+    events = list(create(client, max_output_tokens=6, stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.status == "incomplete"
+    assert [item.type for item in events[-1].response.output] == ["reasoning"]
+    cut_answer = create(client, max_output_tokens=len(client_tokens(served, f"<think>{THOUGHT}</think>Let")))
+    assert cut_answer.output[1].status == "incomplete" and cut_answer.output_text == "Let"
+
+
+def test_a_conversation_continues_from_a_stored_response(served, tokenizer):
+    url, fake, client = served
+    first = create(client, tools=RESPONSE_TOOLS, instructions="Be brief.", extra_body=STOP_AFTER_CALL)
+    call = first.output[2]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}
+    second = create(client, input=[result], previous_response_id=first.id, tools=RESPONSE_TOOLS,
+                    extra_body=STOP_AFTER_CALL)
+    prompt = fake.prompts[second.id]
+    text = tokenizer.decode(prompt) if isinstance(prompt, list) else prompt
+    # The earlier turn (its question, its answer, the call's result) is in the prompt (SmolLM2's template writes
+    # no tool calls); its instructions are not (OpenAI never carries them over).
+    for part in ("Weather in Paris?", "Let me check.", "Sunny, 24 C"):
+        assert part in text
+    assert "Be brief." in (tokenizer.decode(fake.prompts[first.id]) if isinstance(fake.prompts[first.id], list)
+                           else fake.prompts[first.id]) and "Be brief." not in text
+    assert second.previous_response_id == first.id
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError, match="not found") as missing:
+        create(client, previous_response_id=first.id)
+    assert missing.value.body["param"] == "previous_response_id"
+    unstored = create(client, store=False)
+    assert httpx.get(f"{url}/v1/responses/{unstored.id}").status_code == 404
+
+
+def test_input_items_become_chat_messages():
+    """A turn's text and its calls are one assistant message (as chat templates expect), a call's output a tool
+    message; reasoning items are dropped, developer means system."""
+    from jaxserve.server.responses_protocol import input_messages
+
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    items = [{"role": "developer", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+             {"type": "reasoning", "id": "rs_1", "summary": []},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+             call, call | {"call_id": "call_2"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "Sunny"}]
+    as_call = {"id": "call_1", "type": "function",
+               "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert input_messages(items) == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [as_call, as_call | {"id": "call_2"}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"}]
+    assert input_messages([call])[0] == {"role": "assistant", "content": "", "tool_calls": [as_call]}
+
+
+def test_json_schema_format_constrains_the_text(served):
+    """text.format reaches the engine as the request's structured output (the fake engine shows the params)."""
+    url, fake, client = served
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    response = create(client, text={"format": {"type": "json_schema", "name": "place", "schema": schema}},
+                      max_output_tokens=4)
+    assert response.text.format.type == "json_schema"
+    assert fake.sampling_params[response.id].structured_outputs.json == schema
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"input": []}, "input", "must not be empty"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
+     "'input_image': only text parts"),
+    ({"input": [{"type": "web_search_call"}]}, "input", "'web_search_call', which is not supported"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input", "needs call_id"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "only function tools"),
+    ({"input": "x", "background": True}, "background", "not supported"),
+    ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text", "text.format must be"),
+    ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice", "is not supported"),
+    ({"input": "x", "temperature": -1}, "temperature", "temperature must be >= 0"),
+    ({"input": "x", "model": "other"}, "model", "does not exist"),
+])
+def test_what_it_cannot_do_is_a_400_naming_the_field(served, body, param, message):
+    url, _, _ = served
+    reply = httpx.post(f"{url}/v1/responses", json=body, timeout=30)
+    assert reply.status_code in (400, 404), reply.text
+    error = reply.json()["error"]
+    assert message in error["message"] and error["param"] == param
+
+
+def test_the_real_model_answers_as_in_chat(openai_client):
+    """SmolLM2 on the real server: a response's text is the chat completion's for the same messages, whole and
+    streamed, and a JSON schema holds."""
+    from tests.server.helpers import REAL_MODEL
+
+    messages = [{"role": "system", "content": "Answer in one sentence."}, {"role": "user", "content": "What is rain?"}]
+    chat = openai_client.chat.completions.create(model=REAL_MODEL, messages=messages, temperature=0, max_tokens=12)
+    response = openai_client.responses.create(model=REAL_MODEL, instructions=messages[0]["content"],
+                                              input=messages[1]["content"], temperature=0, max_output_tokens=12)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    streamed = list(openai_client.responses.create(model=REAL_MODEL, instructions=messages[0]["content"],
+                                                   input=messages[1]["content"], temperature=0, max_output_tokens=12,
+                                                   stream=True))
+    assert streamed[-1].response.output_text == response.output_text
+    schema = {"type": "object", "properties": {"planet": {"type": "string"}, "moons": {"type": "integer"}},
+              "required": ["planet", "moons"], "additionalProperties": False}
+    shaped = openai_client.responses.create(model=REAL_MODEL, input="Name a planet and its number of moons.",
+                                            temperature=0, max_output_tokens=40,
+                                            text={"format": {"type": "json_schema", "name": "planet",
+                                                             "schema": schema}})
+    assert shaped.status == "completed" and set(json.loads(shaped.output_text)) == {"planet", "moons"}
