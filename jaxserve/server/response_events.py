@@ -26,6 +26,7 @@ class _OpenItem:
     index: int  # output_index
     item: dict[str, Any]  # as announced, in progress
     text: str = ""  # reasoning, message text or call arguments so far
+    call_index: int | None = None  # a function call's index among the chat deltas' tool calls
 
     @property
     def kind(self) -> str:
@@ -40,6 +41,9 @@ class ResponseEvents:
         self.sequence_number = 0
         self.items: list[dict[str, Any]] = []  # finished output items, in order
         self._open: _OpenItem | None = None
+        # Calls announced (id, name) whose item opens with their first arguments: a forced call is announced in
+        # the first chunk, before any reasoning, and must not be closed by it.
+        self._announced: dict[int, dict[str, Any]] = {}
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         body = {"type": kind, "sequence_number": self.sequence_number, **fields}
@@ -53,21 +57,30 @@ class ResponseEvents:
         if delta.content:
             events += self._text("message", delta.content)
         for call in delta.tool_calls or []:
+            index = call.get("index", 0)
             if "id" in call:  # a new call (a forced call's later deltas carry only more arguments)
-                events += self.close() + self._open_call(call)
+                self._announced[index] = call
             arguments = call.get("function", {}).get("arguments")
             if arguments:
-                self._open.text += arguments
-                events.append(self.event("response.function_call_arguments.delta", **self._open.where(),
-                                         delta=arguments))
+                events += self._arguments(index, arguments)
         return events
 
     def finish(self, status: str) -> list[dict[str, Any]]:
-        """Close what is open; an answer with no output at all still gets its (empty) message, as when whole."""
+        """Close what is open (and calls announced with no arguments yet); an answer with no output at all still
+        gets its (empty) message, as when whole."""
         events = self.close(status)
+        for index in list(self._announced):
+            events += self._open_call(index) + self.close(status)
         if not self.items:
             events += self._open_text("message") + self.close(status)
         return events
+
+    def _arguments(self, index: int, arguments: str) -> list[dict[str, Any]]:
+        events = []
+        if self._open is None or self._open.call_index != index:
+            events += self.close() + self._open_call(index)
+        self._open.text += arguments
+        return [*events, self.event("response.function_call_arguments.delta", **self._open.where(), delta=arguments)]
 
     def close(self, status: str = "completed") -> list[dict[str, Any]]:
         """Finish the open item, if any (`status`: of a message that max_output_tokens cut short)."""
@@ -84,8 +97,8 @@ class ResponseEvents:
             done = message_item(item.item["id"], item.text, status)
             events = [self.event("response.output_text.done", **where, content_index=0, text=item.text, logprobs=[]),
                       self.event("response.content_part.done", **where, content_index=0, part=text_part(item.text))]
-        else:
-            done = function_call_item(item.item["id"], item.item["call_id"], item.item["name"], item.text)
+        else:  # a call max_output_tokens cut short is incomplete, as when whole
+            done = function_call_item(item.item["id"], item.item["call_id"], item.item["name"], item.text, status)
             events = [self.event("response.function_call_arguments.done", **where, name=item.item["name"],
                                  arguments=item.text)]
         self.items.append(done)
@@ -109,7 +122,8 @@ class ResponseEvents:
         return [self.event("response.output_item.added", output_index=self._open.index, item=item),
                 self.event("response.content_part.added", **self._open.where(), content_index=0, part=part)]
 
-    def _open_call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+    def _open_call(self, index: int) -> list[dict[str, Any]]:
+        call = self._announced.pop(index)
         item = function_call_item(new_id("fc"), call["id"], call["function"]["name"], "", "in_progress")
-        self._open = _OpenItem(len(self.items), item)
+        self._open = _OpenItem(len(self.items), item, call_index=index)
         return [self.event("response.output_item.added", output_index=self._open.index, item=item)]

@@ -53,7 +53,7 @@ class ResponseJob:
         """The whole response; kept in the store when the request asked for it."""
         reason = final.outputs[0].finish_reason
         body = self.body(output, "incomplete" if reason == "length" else "completed", final)
-        if self.request.store:
+        if self.request.stored:
             store.put(body, self.conversation + input_messages(output))  # output items read as the next input
         return body
 
@@ -70,8 +70,9 @@ async def create_response(request: Request) -> Response:
         previous = state.responses.get(body.previous_response_id)
         if previous is None:
             raise bad_request(f"Previous response with id '{body.previous_response_id}' not found: it was made with "
-                              "store false, deleted, or is older than this server's latest "
-                              f"{state.responses.capacity} (or the server restarted)", param="previous_response_id")
+                              "store false, deleted, or dropped to keep this server's store within its bounds (the "
+                              f"latest {state.responses.capacity} responses), or the server restarted",
+                              param="previous_response_id")
         history = previous.conversation
     chat, conversation = body.chat_request(history)
     response_id = new_id("resp")
@@ -85,7 +86,9 @@ async def create_response(request: Request) -> Response:
         return Response(status_code=499)  # the client left; nobody reads this
     final = finals[0]
     message, reason = chat_job.message(final.outputs[0])
-    return JSONResponse(job.finished(output_items(message, reason), final, state.responses))
+    choice = chat_job.tool_choice
+    named = choice.name if choice is not None and choice.kind == "named" else None
+    return JSONResponse(job.finished(output_items(message, reason, named), final, state.responses))
 
 
 async def _events(job: ResponseJob, state: ServerState) -> AsyncIterator[dict[str, Any]]:

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import ConfigDict
+from pydantic import ConfigDict, Field
 
 from jaxserve.outputs import RequestOutput
 from jaxserve.server.chat_protocol import ChatCompletionRequest, ChatMessage
@@ -31,6 +31,18 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+# Fields of other APIs a client might send here by mistake: refused with the Responses API's own name for them,
+# rather than dropped (an unconstrained or unbounded answer would be the silent result).
+MISPLACED_FIELDS = {"messages": "input", "response_format": "text.format", "max_tokens": "max_output_tokens",
+                    "max_completion_tokens": "max_output_tokens"}
+# Asked of OpenAI's service, not served here: refused by name.
+UNSUPPORTED_FIELDS = {
+    "background": "background responses are not supported: leave background unset and stream instead",
+    "conversation": "conversations (the Conversations API) are not supported: continue with previous_response_id",
+    "top_logprobs": "logprobs are not supported on /v1/responses yet: use /v1/chat/completions with logprobs",
+}
+
+
 class ResponsesRequest(OpenAIModel):
     model_config = ConfigDict(extra="allow")  # vLLM's sampling extras (top_k, seed, ...): FORWARDED_FIELDS
 
@@ -38,61 +50,83 @@ class ResponsesRequest(OpenAIModel):
     model: str | None = None
     instructions: str | None = None
     previous_response_id: str | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    stream: bool = False
-    store: bool = True
+    stream: bool | None = False  # None (an explicit null, which OpenAI accepts) means the default, as below
+    store: bool | None = True
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = True  # echoed; a model that calls several tools at once may still do so
     text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None  # effort and summary settings: the model reasons as its template says
+    reasoning: dict[str, Any] | None = None  # {"effort"}: the chat template's reasoning_effort, as vLLM does
+    include: list[str] | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
-    background: bool = False
-    truncation: Literal["auto", "disabled"] = "disabled"
+    truncation: Literal["auto", "disabled"] | None = "disabled"
+
+    @property
+    def stored(self) -> bool:
+        return self.store is not False
 
     def chat_request(self, history: list[dict[str, Any]]) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
         """The chat request that answers this one, and the conversation so far as chat messages (the earlier
         turns, then this input). `instructions` lead as the system message, this time only: OpenAI never carries
         them over to a later response."""
-        if self.background:
-            raise bad_request("background responses are not supported: leave background unset and stream instead",
-                              param="background")
+        self._refuse_what_is_not_served()
         conversation = history + input_messages(self.input)
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         extras = {key: value for key, value in (self.model_extra or {}).items() if key in FORWARDED_FIELDS}
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None:
+            extras["chat_template_kwargs"] = {"reasoning_effort": effort, **(extras.get("chat_template_kwargs") or {})}
         chat = parse_request(ChatCompletionRequest, {
             **extras, "model": self.model, "messages": system + conversation,
             "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
             "tools": chat_tools(self.tools), "tool_choice": chat_tool_choice(self.tool_choice),
-            "response_format": response_format(self.text), "stream": self.stream,
+            "response_format": response_format(self.text), "stream": bool(self.stream),
         })
         return chat, conversation
+
+    def _refuse_what_is_not_served(self) -> None:
+        given = {**(self.model_extra or {})}
+        for name, message in UNSUPPORTED_FIELDS.items():
+            if given.get(name):
+                raise bad_request(message, param=name)
+        for name, own in MISPLACED_FIELDS.items():
+            if given.get(name) is not None:
+                raise bad_request(f"{name} belongs to the chat completions API: on /v1/responses send {own}",
+                                  param=name)
+        if any("logprobs" in entry for entry in self.include or []):
+            raise bad_request(UNSUPPORTED_FIELDS["top_logprobs"], param="include")
 
     def echo_fields(self) -> dict[str, Any]:
         """The request's settings as a response object repeats them."""
         return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
-                "metadata": self.metadata or {}, "parallel_tool_calls": self.parallel_tool_calls,
+                "metadata": self.metadata or {}, "parallel_tool_calls": self.parallel_tool_calls is not False,
                 "previous_response_id": self.previous_response_id, "reasoning": self.reasoning,
-                "store": self.store, "temperature": self.temperature, "top_p": self.top_p,
+                "store": self.stored, "temperature": self.temperature, "top_p": self.top_p,
                 "text": self.text or {"format": {"type": "text"}}, "tool_choice": self.tool_choice or "auto",
-                "tools": self.tools or [], "truncation": self.truncation, "user": self.user}
+                "tools": self.tools or [], "truncation": self.truncation or "disabled", "user": self.user}
 
 
 # --- input --------------------------------------------------------------------------------------------------
 def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Responses input items as chat messages: a function call joins the assistant message before it (one turn's
-    text and calls are one message to chat templates), its output is a "tool" message, reasoning items are dropped
-    (templates drop earlier turns' reasoning)."""
+    text and calls are one message to chat templates), its output is a "tool" message, and a reasoning item goes
+    with the assistant message after it as `reasoning_content` (templates such as Qwen3's write it back into
+    the current turn, so the prompt is what the model produced and its cached blocks match)."""
     if isinstance(given, str):
         return [{"role": "user", "content": given}]
     if not given:
         raise bad_request("input must not be empty: give a string or a list of input items", param="input")
     messages: list[dict[str, Any]] = []
+    reasoning = None  # of the assistant turn that comes next
     for i, item in enumerate(given):
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            reasoning = "".join(part.get("text", "") for part in item.get("content") or [] if isinstance(part, dict))
+            continue
         if kind == "message":
             messages.append(_message(item, i))
         elif kind == "function_call":
@@ -106,9 +140,12 @@ def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             output = item.get("output")
             text = output if isinstance(output, str) else _text(output, i)
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", i), "content": text})
-        elif kind != "reasoning":
+        else:
             raise bad_request(f"input[{i}] has type {kind!r}, which is not supported: send messages, function_call "
                               "and function_call_output items", param="input")
+        if reasoning and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = reasoning
+        reasoning = None
     return messages
 
 
@@ -148,10 +185,11 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         return None
     converted = []
     for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else tool
-            raise bad_request(f"tools[{i}] has type {kind!r}: only function tools are supported (hosted tools such as "
-                              "web_search or file_search are OpenAI's own)", param="tools")
+        if tool.get("type") != "function":
+            raise bad_request(f"tools[{i}] has type {tool.get('type')!r}: only function tools are supported (hosted "
+                              "tools such as web_search or file_search are OpenAI's own)", param="tools")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise bad_request(f"tools[{i}].name must be a non-empty string, got {tool.get('name')!r}", param="tools")
         function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
         converted.append({"type": "function", "function": function})
     return converted
@@ -171,6 +209,9 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format") or {"type": "text"}
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise bad_request("text.format of type 'json_schema' needs its JSON schema as 'schema' (and a 'name')",
+                              param="text")
         schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
         return {"type": "json_schema", "json_schema": schema}
     if kind in ("text", "json_object"):
@@ -199,11 +240,15 @@ def function_call_item(item_id: str, call_id: str, name: str, arguments: str, st
             "status": status}
 
 
-def output_items(message: ChatMessage, finish_reason: str | None) -> list[dict[str, Any]]:
+def output_items(message: ChatMessage, finish_reason: str | None, named_call: str | None = None
+                 ) -> list[dict[str, Any]]:
     """A finished chat message as output items: its reasoning, its text, its tool calls (an answer with none of
-    them is one empty message, as when streamed)."""
+    them is one empty message, as when streamed). `named_call`: the function tool_choice named, whose call
+    max_output_tokens cut short (chat leaves the partial arguments as text): an incomplete call, as streamed."""
     status = "incomplete" if finish_reason == "length" else "completed"
     items = [reasoning_item(new_id("rs"), message.reasoning)] if message.reasoning else []
+    if named_call is not None and status == "incomplete" and not message.tool_calls and message.content:
+        return [*items, function_call_item(new_id("fc"), new_id("call"), named_call, message.content, status)]
     if message.content or not (items or message.tool_calls):
         items.append(message_item(new_id("msg"), message.content or "", status))
     for call in message.tool_calls:
@@ -225,15 +270,8 @@ def response_body(response_id: str, model: str, request: ResponsesRequest, outpu
 def usage(final: RequestOutput, reasoning_tokens: int) -> dict[str, Any]:
     generated = sum(len(completion.token_ids) for completion in final.outputs)
     prompt = len(final.prompt_token_ids)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+    # cache_write_tokens is OpenAI's paid cache writes, which a local prefix cache has none of.
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": final.num_cached_tokens,
+                                                             "cache_write_tokens": 0},
             "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt + generated}
-
-
-def continued(conversation: list[dict[str, Any]], message: ChatMessage) -> list[dict[str, Any]]:
-    """The conversation a later response continues from: this one's (without its instructions) and its answer,
-    as chat messages (reasoning dropped, as templates drop it)."""
-    answer: dict[str, Any] = {"role": "assistant", "content": message.content or ""}
-    if message.tool_calls:
-        answer["tool_calls"] = message.tool_calls
-    return [*conversation, answer]

@@ -125,14 +125,15 @@ def test_a_conversation_continues_from_a_stored_response(served, tokenizer):
 
 
 def test_input_items_become_chat_messages():
-    """A turn's text and its calls are one assistant message (as chat templates expect), a call's output a tool
-    message; reasoning items are dropped, developer means system."""
+    """A turn's text and its calls are one assistant message (as chat templates expect), with the reasoning before
+    it as reasoning_content; a call's output is a tool message; developer means system."""
     from jaxserve.server.responses_protocol import input_messages
 
     call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
     items = [{"role": "developer", "content": "Be brief."},
              {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
-             {"type": "reasoning", "id": "rs_1", "summary": []},
+             {"type": "reasoning", "id": "rs_1", "summary": [],
+              "content": [{"type": "reasoning_text", "text": "Hm."}]},
              {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
              call, call | {"call_id": "call_2"},
              {"type": "function_call_output", "call_id": "call_1", "output": "Sunny"}]
@@ -140,9 +141,55 @@ def test_input_items_become_chat_messages():
                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     assert input_messages(items) == [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": "Checking.", "tool_calls": [as_call, as_call | {"id": "call_2"}]},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [as_call, as_call | {"id": "call_2"}],
+         "reasoning_content": "Hm."},
         {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"}]
     assert input_messages([call])[0] == {"role": "assistant", "content": "", "tool_calls": [as_call]}
+
+
+def test_a_named_call_after_reasoning_streams_as_it_comes_whole(tokenizer):
+    """tool_choice naming a function under a reasoning parser: the call is announced in the first chunk, before the
+    reasoning; its item opens with its arguments, so streamed and whole give [reasoning, function_call]. Cut short
+    by max_output_tokens, the call is incomplete either way."""
+    import copy
+
+    thinking = copy.deepcopy(tokenizer)
+    thinking.add_tokens(["<think>", "</think>"])
+    fake = FakeEngine(thinking, script_text=f'<think>{THOUGHT}</think>{{"city": "Paris"}} and more', step_delay=0)
+    app = build_app(AsyncEngine(fake), reasoning_parser=reasoning_parser("qwen3", thinking))
+    with serve_in_thread(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        kwargs = dict(tools=RESPONSE_TOOLS, tool_choice={"type": "function", "name": "get_weather"},
+                      extra_body={"stop": ["}"], "include_stop_str_in_output": True})
+        whole = create(client, **kwargs)
+        streamed = list(create(client, stream=True, **kwargs))
+        cut = len(thinking.encode(f'<think>{THOUGHT}</think>{{"city'))
+        cut_whole = create(client, max_output_tokens=cut, **kwargs)
+        cut_streamed = list(create(client, max_output_tokens=cut, stream=True, **kwargs))[-1].response
+    final = streamed[-1].response
+    for response in (whole, final):
+        assert [item.type for item in response.output] == ["reasoning", "function_call"]
+        assert response.output[0].content[0].text == THOUGHT
+        assert json.loads(response.output[1].arguments) == {"city": "Paris"} and response.output[1].status == "completed"
+    deltas = [e for e in streamed if e.type == "response.function_call_arguments.delta"]
+    assert {e.item_id for e in deltas} == {final.output[1].id}
+    for response in (cut_whole, cut_streamed):
+        assert response.status == "incomplete"
+        assert [(item.type, item.status) for item in response.output] == [("reasoning", "completed"),
+                                                                          ("function_call", "incomplete")]
+        assert response.output[1].arguments == '{"city' and response.output[1].name == "get_weather"
+
+
+def test_the_store_keeps_the_latest_within_its_bounds():
+    from jaxserve.server.response_store import ResponseStore
+
+    store = ResponseStore(capacity=2, max_chars=10)
+    for i in range(3):
+        store.put({"id": f"r{i}"}, [{"role": "user", "content": "abc"}])
+    assert store.get("r0") is None and store.get("r1") and store.get("r2")  # the oldest past the count
+    store.put({"id": "big"}, [{"role": "user", "content": "x" * 8}])  # 3 + 8 > 10 characters
+    assert store.get("r2") is None and store.get("big")
+    assert store.delete("big") and not store.delete("big") and store.get("big") is None
 
 
 def test_json_schema_format_constrains_the_text(served):
@@ -163,14 +210,26 @@ def test_json_schema_format_constrains_the_text(served):
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input", "needs call_id"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "only function tools"),
     ({"input": "x", "background": True}, "background", "not supported"),
+    ({"input": "x", "store": None, "stream": None, "parallel_tool_calls": None}, None, None),  # nulls: defaults
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text", "text.format must be"),
     ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice", "is not supported"),
     ({"input": "x", "temperature": -1}, "temperature", "temperature must be >= 0"),
     ({"input": "x", "model": "other"}, "model", "does not exist"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation", "previous_response_id"),
+    ({"input": "x", "top_logprobs": 3}, "top_logprobs", "logprobs are not supported"),
+    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "logprobs are not supported"),
+    ({"input": "x", "max_tokens": 5}, "max_tokens", "send max_output_tokens"),
+    ({"input": "x", "response_format": {"type": "json_object"}}, "response_format", "send text.format"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, "text", "needs its JSON schema"),
+    ({"input": "x", "tools": [{"type": "function", "parameters": {}}]}, "tools", "tools[0].name must be"),
 ])
 def test_what_it_cannot_do_is_a_400_naming_the_field(served, body, param, message):
     url, _, _ = served
     reply = httpx.post(f"{url}/v1/responses", json=body, timeout=30)
+    if message is None:
+        assert reply.status_code == 200 and reply.json()["store"] is True and reply.json()["parallel_tool_calls"]
+        return
     assert reply.status_code in (400, 404), reply.text
     error = reply.json()["error"]
     assert message in error["message"] and error["param"] == param
