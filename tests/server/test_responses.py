@@ -170,7 +170,8 @@ def test_a_named_call_after_reasoning_streams_as_it_comes_whole(tokenizer):
     for response in (whole, final):
         assert [item.type for item in response.output] == ["reasoning", "function_call"]
         assert response.output[0].content[0].text == THOUGHT
-        assert json.loads(response.output[1].arguments) == {"city": "Paris"} and response.output[1].status == "completed"
+        call = response.output[1]
+        assert json.loads(call.arguments) == {"city": "Paris"} and call.status == "completed"
     deltas = [e for e in streamed if e.type == "response.function_call_arguments.delta"]
     assert {e.item_id for e in deltas} == {final.output[1].id}
     for response in (cut_whole, cut_streamed):
