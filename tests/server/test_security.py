@@ -47,6 +47,8 @@ def adapter_dir(tmp_path_factory):
 def test_every_v1_route_needs_the_key(keyed_server, adapter_dir, path, method):
     body = {"prompt": "x", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
             "lora_name": "x", "lora_path": adapter_dir, "input": "x"}
+    if path.startswith("/v1/responses"):
+        body = {"input": "x", "max_output_tokens": 1}  # chat's fields are refused there by name
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
                     {"Authorization": f"Bearer {API_KEY}x"}, {"Authorization": f"bearer {API_KEY}"}):
         response = httpx.request(method, keyed_server + path, json=body, headers=headers)
