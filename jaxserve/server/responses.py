@@ -31,7 +31,13 @@ from jaxserve.server.responses_protocol import (
     response_body,
     usage,
 )
-from jaxserve.server.serving import ServerState, close_all, collect_final_outputs, observed
+from jaxserve.server.serving import (
+    ServerState,
+    aborted_before_finishing,
+    close_all,
+    collect_final_outputs,
+    observed,
+)
 from jaxserve.server.streaming import EventStreamResponse, cancel_on_disconnect
 
 
@@ -104,7 +110,7 @@ async def _events(job: ResponseJob, state: ServerState) -> AsyncIterator[dict[st
             for event in events.delta(choice.delta) if choice is not None else ():
                 yield event
     if final is None or not final.finished:
-        raise APIError(500, "The request was aborted before it finished", "server_error", code="aborted")
+        raise aborted_before_finishing()
     status = "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
     for event in events.finish(status):
         yield event

@@ -98,5 +98,10 @@ async def collect_final_outputs(state: ServerState, streams: list[RequestStream]
     finally:
         close_all(streams)
     if any(output is None or not output.finished for output in finals):
-        raise APIError(500, "The request was aborted before it finished", "server_error", code="aborted")
+        raise aborted_before_finishing()
     return finals
+
+
+def aborted_before_finishing() -> APIError:
+    """A request's outputs ended without a finished one (aborted by the engine or a shutdown)."""
+    return APIError(500, "The request was aborted before it finished", "server_error", code="aborted")
