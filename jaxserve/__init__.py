@@ -1,5 +1,6 @@
 """jaxserve: a JAX/XLA inference engine for large language models."""
 
+from jaxserve.beam_search import BeamSearchParams
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from jaxserve.pooling_params import PoolingParams
@@ -22,4 +23,4 @@ def __getattr__(name):
 
 
 __all__ = ["Engine", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "LoRARequest",
-           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput"]
+           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput", "BeamSearchParams"]

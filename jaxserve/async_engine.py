@@ -20,6 +20,8 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+from jaxserve.beam_search import BeamSearchParams
+from jaxserve.engine_beam_search import BeamSearchStream
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.request_errors import EngineDeadError, EngineShuttingDown, QueueFull, RequestTimedOut
@@ -168,6 +170,12 @@ class AsyncEngine:
                 yield output
         finally:
             stream.close()
+
+    async def beam_search(self, prompt: str | list[int], params: BeamSearchParams, request_id: str,
+                          priority: int = 0, lora_request: LoRARequest | None = None) -> BeamSearchStream:
+        """Start a beam search (engine_beam_search.py); its one finished output, a choice per beam, arrives on
+        the returned stream. Raises as `add_request` does, before anything runs."""
+        return await BeamSearchStream.start(self, prompt, params, request_id, priority, lora_request)
 
     async def abort(self, request_id: str) -> None:
         self._submit_abort(request_id)

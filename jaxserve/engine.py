@@ -24,6 +24,7 @@ from jaxserve.core.request import Request, Sequence
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine_lora import EngineAdapters, LoRAAPI, check_lora_options
 from jaxserve.engine_pooling import check_pooling, embedding_output
+from jaxserve.engine_beam_search import BeamSearchAPI
 from jaxserve.engine_offline import OfflineAPI
 from jaxserve.engine_inputs import (check_engine_options, check_max_model_len, fit_context_to_cache,
                                    model_for_context, prompt_token_ids, truncate_prompt, validate_lengths)
@@ -63,7 +64,7 @@ class StepRecord:
     chunks: tuple[tuple[str, int, int], ...]
 
 
-class Engine(OfflineAPI, LoRAAPI):
+class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory_fraction: float = 0.9,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, seed: int = 0, mesh=None,
@@ -128,7 +129,7 @@ class Engine(OfflineAPI, LoRAAPI):
                                                                  speculative.prompt_lookup_max)
         self.scheduler = Scheduler(self.config.scheduler, self.blocks, self.adapters.slots, proposer)
         self._requests: dict[str, Request] = {}
-        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self._eos_token_ids())
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids())
         self._texts: dict[int, SequenceText] = {}
         self._rng = random.Random(seed)
         self._seq_ids = itertools.count()
@@ -209,13 +210,13 @@ class Engine(OfflineAPI, LoRAAPI):
                       priority: int) -> Sequence:
         seed = self._rng.getrandbits(32) if params.seed is None else (params.seed + index * 0x9E3779B9) & 0xFFFFFFFF
         seq = Sequence(next(self._seq_ids), request_id, index, list(ids), len(ids), params, seed,
-                       arrival=next(self._arrivals), priority=priority, eos_token_ids=self._eos_token_ids(),
+                       arrival=next(self._arrivals), priority=priority, eos_token_ids=self.eos_token_ids(),
                        max_model_len=self.max_model_len)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs.append(None)  # the first prompt token has no context to be predicted from
         return seq
 
-    def _eos_token_ids(self) -> tuple[int, ...]:
+    def eos_token_ids(self) -> tuple[int, ...]:
         eos = self.tokenizer.eos_token_id
         return tuple(self.config.model.eos_token_ids) or (() if eos is None else (eos,))
 
