@@ -41,6 +41,8 @@ class BeamSearchParams:
         if not np.isfinite(self.length_penalty):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
 
+    constrained = False  # no grammar applies (asked as of SamplingParams by the servers' reasoning parsers)
+
     def candidates_per_beam(self, num_eos_ids: int) -> int:
         """How many continuations a round keeps (transformers' `beams_to_keep`): enough that beam_width live ones
         remain even if every EOS token is among the best."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 
 from jaxserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, as_request_output, top_logprobs_of
-from jaxserve.engine_inputs import normalise_prompts, prompt_token_ids
+from jaxserve.engine_inputs import normalise_prompts, prompt_token_ids, validate_lengths
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.request_stream import RequestStream
+from jaxserve.sampling_params import SamplingParams
 
 
 def check_beam_width(params: BeamSearchParams, eos_token_ids: tuple[int, ...], max_logprobs: int) -> None:
@@ -30,6 +31,17 @@ def check_beam_width(params: BeamSearchParams, eos_token_ids: tuple[int, ...], m
 class BeamSearchAPI:
     """Mixed into Engine. Needs: tokenizer, config, max_model_len, eos_token_ids, _run_all."""
 
+    def prepare_beam_search(self, prompt: str | list[int], params: BeamSearchParams) -> BeamSearch:
+        """Tokenize and validate one prompt's search (no device work, safe from any thread): a ValueError for a
+        beam too wide for the engine's logprobs, a bad token id, or beams that cannot fit the context or cache."""
+        eos = self.eos_token_ids()
+        check_beam_width(params, eos, self.config.max_logprobs)
+        ids = prompt_token_ids(self.tokenizer, prompt, self.config.model.vocab_size)
+        # As for a request of beam_width sequences: each beam may grow to prompt + max_tokens.
+        validate_lengths(SamplingParams(n=params.beam_width, max_tokens=params.max_tokens), len(ids),
+                         self.max_model_len, self.config)
+        return BeamSearch(ids, params, eos, self.max_model_len)
+
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = True,
                     lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
         """The best `params.beam_width` sequences of each prompt (prompts as `generate` takes them), in input
@@ -37,15 +49,11 @@ class BeamSearchAPI:
         from tqdm.auto import tqdm
 
         prompts = normalise_prompts(prompts)
-        eos = self.eos_token_ids()
-        check_beam_width(params, eos, self.config.max_logprobs)
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts; give one or one each")
-        vocab = self.config.model.vocab_size
-        searches = [BeamSearch(prompt_token_ids(self.tokenizer, prompt, vocab), params, eos, self.max_model_len)
-                    for prompt in prompts]
-        round_params = params.step_params(len(eos))
+        searches = [self.prepare_beam_search(prompt, params) for prompt in prompts]  # all checked before any runs
+        round_params = params.step_params(len(self.eos_token_ids()))
         with tqdm(total=max(s.max_new_tokens for s in searches), desc="Beam search", disable=not use_tqdm) as bar:
             while live := [(search, lora) for search, lora in zip(searches, loras) if not search.done]:
                 beams = [(prompt, lora) for search, lora in live for prompt in search.prompts()]
@@ -79,11 +87,7 @@ class BeamSearchStream:
                     priority: int = 0, lora_request: LoRARequest | None = None) -> "BeamSearchStream":
         """`engine`: an AsyncEngine. The first round is queued here, so its refusals (prompt too long, queue
         full, unknown adapter) reach the caller."""
-        inner = engine.engine
-        eos = inner.eos_token_ids()
-        check_beam_width(params, eos, inner.config.max_logprobs)
-        ids = await asyncio.to_thread(prompt_token_ids, inner.tokenizer, prompt, inner.config.model.vocab_size)
-        search = BeamSearch(ids, params, eos, inner.max_model_len)
+        search = await asyncio.to_thread(engine.engine.prepare_beam_search, prompt, params)
         first = await _start_round(engine, search, request_id, 0, priority, lora_request)
         return cls(engine, search, request_id, prompt if isinstance(prompt, str) else None, first, priority,
                    lora_request)

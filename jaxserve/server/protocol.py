@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from jaxserve.beam_search import BeamSearchParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_outputs import StructuredOutputsParams
 
@@ -85,6 +86,8 @@ class SamplingFields(OpenAIModel):
     spaces_between_special_tokens: bool = True
     priority: int = 0
     truncate_prompt_tokens: int | None = None
+    use_beam_search: bool = False  # vLLM's: `n` beams, all returned, best first
+    length_penalty: float = 1.0  # beam search: scores are cumulative logprob / length ** length_penalty
 
     @property
     def include_usage_chunk(self) -> bool:
@@ -122,6 +125,29 @@ class SamplingFields(OpenAIModel):
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             **specific,
         )
+
+    def beam_search_params(self, params: SamplingParams) -> BeamSearchParams | SamplingParams:
+        """With use_beam_search, the search the body asks for (n beams; `params`' length and EOS settings);
+        otherwise `params`. A ValueError names a field the search cannot honour: beams are ranked by the model's
+        own logprobs, so penalties, biases and grammars would be ignored (temperature, top_p, top_k, min_p and
+        seed do not apply: the search is deterministic)."""
+        if not self.use_beam_search:
+            return params
+        conflicts = {"best_of": getattr(self, "best_of", None) not in (None, self.n),
+                     "logprobs": params.logprobs is not None or params.prompt_logprobs is not None,
+                     "stop": bool(params.stop), "stop_token_ids": bool(params.stop_token_ids),
+                     "min_tokens": params.min_tokens > 0, "presence_penalty": self.presence_penalty != 0,
+                     "frequency_penalty": self.frequency_penalty != 0,
+                     "repetition_penalty": self.repetition_penalty not in (None, 1.0),
+                     "logit_bias": bool(self.logit_bias)}
+        if params.constrained:
+            source = params.structured_outputs.source or "structured_outputs"
+            conflicts["tool_choice" if source.startswith("tools") else source] = True
+        for name, conflicting in conflicts.items():
+            if conflicting:
+                raise ValueError(f"{name} cannot be combined with use_beam_search; remove one of them")
+        return BeamSearchParams(beam_width=self.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                                length_penalty=self.length_penalty, skip_special_tokens=params.skip_special_tokens)
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """The one output constraint the body asks for, in whichever spelling; a ValueError naming the field."""

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pydantic
 
+from jaxserve.beam_search import BeamSearchParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.chat_protocol import ChatCompletionRequest
 from jaxserve.server.errors import bad_request, from_validation_error, model_not_found
@@ -50,14 +51,17 @@ def resolve_model_name(requested: str | None, served_model_names: list[str]) -> 
     return requested
 
 
-def completion_inputs(body: CompletionRequest, model_defaults: dict) -> tuple[list[Prompt], SamplingParams]:
-    """POST /v1/completions: one engine prompt per entry of `prompt`, all with the same params."""
-    return body.prompts(), build_sampling_params(body, model_defaults)
+def completion_inputs(body: CompletionRequest, model_defaults: dict
+                      ) -> tuple[list[Prompt], SamplingParams | BeamSearchParams]:
+    """POST /v1/completions: one engine prompt per entry of `prompt`, all with the same params (BeamSearchParams
+    under use_beam_search)."""
+    params = build_sampling_params(body, model_defaults)
+    return body.prompts(), checked_params(body, lambda: body.beam_search_params(params))
 
 
 def chat_inputs(body: ChatCompletionRequest, encode_chat: ChatEncoder, model_defaults: dict,
                 template_defaults: dict | None = None, tool_parser=None, reasoning_parser=None
-                ) -> tuple[list[Prompt], SamplingParams]:
+                ) -> tuple[list[Prompt], SamplingParams | BeamSearchParams]:
     """POST /v1/chat/completions: the messages rendered through the chat template into one token-id prompt.
     `tool_parser`: how tool calls are read out of the text under tool_choice "auto" (None: "auto" is refused);
     `reasoning_parser`: how reasoning is read out of it (it may need the text's special tokens, and a grammar then
@@ -77,4 +81,4 @@ def chat_inputs(body: ChatCompletionRequest, encode_chat: ChatEncoder, model_def
     prompt = encode_chat(body.template_messages(), body.add_generation_prompt, **body.rendering(template_defaults))
     if reasoning_parser is not None:
         params = reasoning_parser.adjust(params, prompt)
-    return [prompt], params
+    return [prompt], checked_params(body, lambda: body.beam_search_params(params))

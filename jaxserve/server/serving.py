@@ -9,6 +9,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from jaxserve.async_engine import AsyncEngine
+from jaxserve.beam_search import BeamSearchParams
+from jaxserve.engine_beam_search import BeamSearchStream
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.request_stream import RequestStream
@@ -58,15 +60,19 @@ class ServerState:
         return self.engine.tokenizer.decode(token_ids)
 
 
-async def start_requests(state: ServerState, prompts: list[str | list[int]], params: SamplingParams,
-                         request_id: str, priority: int, model: str) -> list[RequestStream]:
-    """Queue one engine request per prompt (with the adapter `model` names, if it names one); if any is
-    refused, abort those already queued and re-raise."""
-    streams: list[RequestStream] = []
+async def start_requests(state: ServerState, prompts: list[str | list[int]],
+                         params: SamplingParams | BeamSearchParams, request_id: str, priority: int, model: str
+                         ) -> list[RequestStream | BeamSearchStream]:
+    """Queue one engine request (or beam search) per prompt (with the adapter `model` names, if it names one);
+    if any is refused, abort those already queued and re-raise."""
+    streams: list[RequestStream | BeamSearchStream] = []
     lora = state.lora_for(model)
     try:
         for index, prompt in enumerate(prompts):
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+            if isinstance(params, BeamSearchParams):
+                streams.append(await state.engine.beam_search(prompt, params, sub_id, priority, lora_request=lora))
+                continue
             streams.append(await state.engine.add_request(prompt, params.clone(), sub_id, priority=priority,
                                                           lora_request=lora))
     except BaseException:

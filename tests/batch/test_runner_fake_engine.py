@@ -47,7 +47,9 @@ def test_every_line_answers_as_the_http_api_does(tmp_path, fake_engine):
 
 def test_error_records_carry_the_message_and_the_job_goes_on(tmp_path, fake_engine):
     lines = [completion_line("ok", "Hello"), "{broken", completion_line("long", "word " * 300, max_tokens=100),
-             {**completion_line("streamed", "x"), "body": {"prompt": "x", "stream": True}}, chat_line("last", "Hi")]
+             {**completion_line("streamed", "x"), "body": {"prompt": "x", "stream": True}},
+             {**completion_line("beams", "x"), "body": {"prompt": "x", "use_beam_search": True, "n": 2}},
+             chat_line("last", "Hi")]
     run_job(write_job(tmp_path, lines, sampling=SAMPLING, errors="errors.jsonl"), engine=fake_engine,
             show_progress=False)
     assert sorted(record["custom_id"] for record in read_jsonl(tmp_path / "out.jsonl")) == ["last", "ok"]
@@ -60,6 +62,7 @@ def test_error_records_carry_the_message_and_the_job_goes_on(tmp_path, fake_engi
     assert long["response"]["body"]["error"]["message"] == long["error"]["message"]
     assert long["response"]["request_id"].startswith("cmpl-")
     assert "stream is not supported" in errors["streamed"]["error"]["message"]
+    assert "use_beam_search is not supported" in errors["beams"]["error"]["message"]
 
 
 def test_max_concurrency_bounds_the_lines_in_the_engine(tmp_path, fake_engine):

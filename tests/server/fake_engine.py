@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from jaxserve.beam_search import BeamSearch
+from jaxserve.engine_beam_search import check_beam_width
 from jaxserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
@@ -56,6 +58,17 @@ class FakeEngine:
         self.sampling_params: dict[str, object] = {}
         self.removed_loras: list[str] = []  # remove_lora calls, in order
         self.replaced_loras: list[str] = []  # add_lora calls with load_inplace, in order
+
+    def eos_token_ids(self):
+        return (self.tokenizer.eos_token_id,)
+
+    def prepare_beam_search(self, prompt, params):
+        """As the engine: the width and lengths checked as for a request of beam_width sequences."""
+        check_beam_width(params, self.eos_token_ids(), self.max_logprobs)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if len(ids) + (params.max_tokens or 1) > self.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens")
+        return BeamSearch(ids, params, self.eos_token_ids(), self.max_model_len)
 
     def add_lora(self, lora_request, load_inplace=False):
         """As the engine: a directory it cannot serve is a ValueError naming why."""

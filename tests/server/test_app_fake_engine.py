@@ -366,3 +366,33 @@ def test_tools_reach_the_template_in_chat_and_tokenize_alike(tokenizer):
         assert own.decode(tokenized["tokens"]) == "[lookup]hi"
         reply = httpx.post(url + "/v1/chat/completions", json={**chat, "tool_choice": "none", "max_tokens": 1})
         assert reply.json()["usage"]["prompt_tokens"] == tokenized["count"]
+
+
+BEAM_REFUSALS = [({"stop": ["x"]}, "stop"), ({"logprobs": 2}, "logprobs"), ({"best_of": 4}, "best_of"),
+                 ({"presence_penalty": 0.5}, "presence_penalty"), ({"min_tokens": 2}, "min_tokens"),
+                 ({"response_format": {"type": "json_object"}}, "response_format")]
+
+
+@pytest.mark.parametrize("extra, field", BEAM_REFUSALS)
+def test_beam_search_refuses_by_name_what_it_would_ignore(server, extra, field):
+    body = {"model": "fake", "prompt": "Hi", "use_beam_search": True, "n": 2, **extra}
+    assert_error(post(server, "/v1/completions", body), 400, param=field, contains="use_beam_search")
+
+
+def test_beam_search_refuses_forced_tool_calls_and_too_wide_beams(server):
+    from tests.server.test_tools import TOOLS
+
+    body = {"model": "fake", "messages": [{"role": "user", "content": "Hi"}], "use_beam_search": True,
+            "tools": TOOLS, "tool_choice": "required"}
+    assert_error(post(server, "/v1/chat/completions", body), 400, param="tool_choice", contains="use_beam_search")
+    body = {"model": "fake", "prompt": "Hi", "use_beam_search": True, "n": 11}  # ranks 22 logprobs, 20 returned
+    assert_error(post(server, "/v1/completions", body), 400, contains="max_logprobs")
+
+
+def test_beam_search_answers_n_choices(client, server):
+    result = client.completions.create(model="fake", prompt="Hello there", max_tokens=3, n=2,
+                                       extra_body={"use_beam_search": True})
+    assert [choice.index for choice in result.choices] == [0, 1]
+    assert [choice.finish_reason for choice in result.choices] == ["length", "length"]
+    assert result.choices[0].text == " one one one"  # the fake's greedy token is always its script's first
+    assert result.usage.completion_tokens == 6

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from jaxserve.async_engine import AsyncEngine, EngineDeadError, QueueFull
+from jaxserve.beam_search import BeamSearchParams
 from jaxserve.sampling_params import SamplingParams
 from tests.server.fake_engine import FakeEngine
 
@@ -140,3 +141,41 @@ def test_shutdown_ends_every_thread_it_started(fake):
     engine.shutdown()
     alive = [t.name for t in threading.enumerate() if t.name.startswith("jaxserve-") and t.is_alive()]
     assert alive == [] and time.monotonic() - started < 2
+
+
+def test_beam_search_ends_in_one_output_with_a_choice_per_beam(engine, fake, tokenizer):
+    async def run():
+        stream = await engine.beam_search("Hello", BeamSearchParams(beam_width=2, max_tokens=4), "beam")
+        return [output async for output in stream]
+
+    [output] = asyncio.run(run())
+    assert output.finished and output.request_id == "beam" and output.prompt == "Hello"
+    assert output.prompt_token_ids == tokenizer.encode("Hello")
+    assert [len(choice.token_ids) for choice in output.outputs] == [4, 4]
+    assert output.outputs[0].cumulative_logprob >= output.outputs[1].cumulative_logprob
+    assert sorted(fake.prompts) == sorted(f"beam-r{r}-b{b}" for r in range(4) for b in range(1 if r == 0 else 2))
+
+
+def test_closing_a_beam_search_stops_its_rounds(engine, fake):
+    fake.step_delay = 0.02
+
+    async def run():
+        stream = await engine.beam_search("Hello", BeamSearchParams(beam_width=2, max_tokens=200), "beam")
+        await asyncio.sleep(0.1)
+        stream.close()
+        rounds_at_close = len(fake.prompts)
+        await asyncio.sleep(0.2)
+        return rounds_at_close
+
+    rounds_at_close = asyncio.run(run())
+    assert 1 < rounds_at_close < 400 and len(fake.prompts) <= rounds_at_close + 2
+    assert not fake.has_unfinished_requests()
+
+
+def test_beam_search_refusals_come_before_anything_runs(engine, fake):
+    async def run():
+        with pytest.raises(ValueError, match="maximum context length"):
+            await engine.beam_search("word " * 300, BeamSearchParams(beam_width=2), "long")
+
+    asyncio.run(run())
+    assert not fake.has_unfinished_requests() and engine.stats()["num_waiting_for_first_output"] == 0
