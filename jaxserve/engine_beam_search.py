@@ -8,13 +8,17 @@ finished RequestOutput with a choice per beam, consumed like a RequestStream.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from jaxserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, as_request_output, top_logprobs_of
 from jaxserve.engine_inputs import normalise_prompts, prompt_token_ids, validate_lengths
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
+from jaxserve.request_errors import RequestTimedOut
 from jaxserve.request_stream import RequestStream
 from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def check_beam_width(params: BeamSearchParams, eos_token_ids: tuple[int, ...], max_logprobs: int) -> None:
@@ -81,6 +85,11 @@ class BeamSearchStream:
         self._round_streams: list[RequestStream] = round_streams
         self._task = asyncio.ensure_future(self._run())
         self._returned = False
+        # The engine's request timeout bounds the whole search (each round request also has it, but is short).
+        self._timed_out: RequestTimedOut | None = None
+        timeout = engine.request_timeout
+        self._deadline = None if timeout is None else asyncio.get_running_loop().call_later(timeout, self._expire,
+                                                                                          timeout)
 
     @classmethod
     async def start(cls, engine, prompt: str | list[int], params: BeamSearchParams, request_id: str,
@@ -99,7 +108,12 @@ class BeamSearchStream:
         if self._returned:
             raise StopAsyncIteration
         self._returned = True
-        output = await self._task
+        try:
+            output = await self._task
+        except asyncio.CancelledError:
+            if self._timed_out is not None and self._task.cancelled():
+                raise self._timed_out from None
+            raise
         if output is None:  # a round was aborted (a shutdown): end like an aborted RequestStream
             raise StopAsyncIteration
         return output
@@ -109,10 +123,18 @@ class BeamSearchStream:
         return self._task.done()
 
     def close(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
         if not self._task.done():
             self._task.cancel()
         for stream in self._round_streams:
             stream.close()
+
+    def _expire(self, timeout: float) -> None:
+        if not self._task.done():
+            logger.warning("beam search %s ran past the %g s request timeout: stopping it", self.request_id, timeout)
+            self._timed_out = RequestTimedOut(timeout)
+            self.close()
 
     async def _run(self) -> RequestOutput | None:
         search, round_index = self._search, 0

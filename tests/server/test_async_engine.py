@@ -7,6 +7,7 @@ import time
 import pytest
 
 from jaxserve.async_engine import AsyncEngine, EngineDeadError, QueueFull
+from jaxserve.request_errors import RequestTimedOut
 from jaxserve.beam_search import BeamSearchParams
 from jaxserve.sampling_params import SamplingParams
 from tests.server.fake_engine import FakeEngine
@@ -169,6 +170,23 @@ def test_closing_a_beam_search_stops_its_rounds(engine, fake):
 
     rounds_at_close = asyncio.run(run())
     assert 1 < rounds_at_close < 400 and len(fake.prompts) <= rounds_at_close + 2
+    assert not fake.has_unfinished_requests()
+
+
+def test_the_request_timeout_bounds_the_whole_beam_search(fake):
+    fake.step_delay = 0.02
+    engine = AsyncEngine(fake, request_timeout=0.3)
+
+    async def run():
+        stream = await engine.beam_search("Hello", BeamSearchParams(beam_width=2, max_tokens=200), "slow")
+        with pytest.raises(RequestTimedOut):
+            [output async for output in stream]
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert len(fake.prompts) > 3  # it ran several rounds first: each round is well within the timeout
     assert not fake.has_unfinished_requests()
 
 
