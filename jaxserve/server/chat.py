@@ -143,6 +143,7 @@ def _auto_delta(job: ChatJob, completion: CompletionOutput, sent: ChoiceProgress
     call whole once its block closes; reasoning before them as it comes."""
     reasoning, answer = _new_reasoning(job, completion, sent)
     content, calls = job.tool_parser.split(answer, final=completion.finished)
+    calls = job.tool_choice.kept_calls(calls)
     text, new_calls = content[sent.chars:], calls[sent.calls:]
     first_index, sent.chars, sent.calls = sent.calls, len(content), len(calls)
     reason = completion.finish_reason

@@ -54,6 +54,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables (enable_thinking...)
     tool_choice: Any = None
     tools: list[dict[str, Any]] | None = None  # tool calls: server/tools.py
+    parallel_tool_calls: bool | None = None  # OpenAI's default (None) is true; false: at most one call
     function_call: Any = None  # OpenAI's deprecated names for tool_choice and tools
     functions: list[dict[str, Any]] | None = None
 
@@ -69,7 +70,7 @@ class ChatCompletionRequest(SamplingFields):
 
     def resolved_tool_choice(self) -> ToolChoice | None:
         """None (no tools in play), or what the tools ask of the output (server/tools.py)."""
-        return tool_choice_of(self.tool_choice, self.tools)
+        return tool_choice_of(self.tool_choice, self.tools, parallel=self.parallel_tool_calls is not False)
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         choice, asked = self.resolved_tool_choice(), super()._structured_outputs()

@@ -146,7 +146,7 @@ class ChatRendering:
             return plain, reason
         if choice.kind == "auto":
             content, calls = self.tool_parser.split(text, final=True)
-            content = content or None
+            content, calls = content or None, choice.kept_calls(calls)
         else:  # forced: the whole text is the call(s), unless max_tokens cut it short
             content, calls = None, (parse_forced_calls(choice, text) if reason == "stop" else None)
         if not calls:

@@ -57,7 +57,7 @@ class ResponsesRequest(OpenAIModel):
     store: bool | None = True
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = True  # echoed; a model that calls several tools at once may still do so
+    parallel_tool_calls: bool | None = True  # false: at most one call (as chat's field of that name)
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None  # {"effort"}: the chat template's reasoning_effort, as vLLM does
     include: list[str] | None = None
@@ -85,6 +85,7 @@ class ResponsesRequest(OpenAIModel):
             "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
             "tools": chat_tools(self.tools), "tool_choice": chat_tool_choice(self.tool_choice),
             "response_format": response_format(self.text), "stream": bool(self.stream),
+            "parallel_tool_calls": self.parallel_tool_calls,
         })
         return chat, conversation
 

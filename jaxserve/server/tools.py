@@ -57,19 +57,25 @@ def function_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 @dataclass(frozen=True)
 class ToolChoice:
     """What a request's tools ask of the output: `kind` "auto" (the model decides, in its own format), "required"
-    (one call or more, to any of the tools) or "named" (one call, to `name`)."""
+    (one call or more, to any of the tools) or "named" (one call, to `name`). Without `parallel` (OpenAI's
+    `parallel_tool_calls: false`) at most one call: "required" is constrained to one, "auto" keeps the first."""
 
     kind: str
     name: str | None = None
+    parallel: bool = True
+
+    def kept_calls(self, calls: list[ToolCall]) -> list[ToolCall]:
+        return calls if self.parallel else calls[:1]
 
     @property
     def forced(self) -> bool:
         return self.kind != "auto"
 
 
-def tool_choice_of(tool_choice: Any, tools: list[dict[str, Any]] | None) -> ToolChoice | None:
+def tool_choice_of(tool_choice: Any, tools: list[dict[str, Any]] | None, parallel: bool = True
+                   ) -> ToolChoice | None:
     """None when no tools are in play (none given, or tool_choice "none"); ValueError naming the field for a choice
-    that names no given tool or has the wrong shape."""
+    that names no given tool or has the wrong shape. `parallel`: whether several calls may be made at once."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise ValueError(f"tool_choice {tool_choice!r} needs tools: send the tools it may call")
@@ -78,9 +84,9 @@ def tool_choice_of(tool_choice: Any, tools: list[dict[str, Any]] | None) -> Tool
         return None
     names = function_tools(tools)
     if tool_choice in (None, "auto"):
-        return ToolChoice("auto")
+        return ToolChoice("auto", parallel=parallel)
     if tool_choice == "required":
-        return ToolChoice("required")
+        return ToolChoice("required", parallel=parallel)
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
@@ -99,8 +105,10 @@ def tool_constraint(choice: ToolChoice, tools: list[dict[str, Any]]) -> Structur
     calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": parameters},
               "required": ["name", "parameters"], "additionalProperties": False}
              for name, parameters in schemas.items()]
-    return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}},
-                                   source="tools[].function.parameters")
+    one_or_more = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not choice.parallel:
+        one_or_more["maxItems"] = 1
+    return StructuredOutputsParams(json=one_or_more, source="tools[].function.parameters")
 
 
 def parse_forced_calls(choice: ToolChoice, text: str) -> list[ToolCall] | None:

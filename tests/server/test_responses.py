@@ -203,6 +203,14 @@ def test_json_schema_format_constrains_the_text(served):
     assert fake.sampling_params[response.id].structured_outputs.json == schema
 
 
+def test_parallel_tool_calls_false_reaches_the_tool_choice(served):
+    url, fake, client = served
+    response = create(client, tools=RESPONSE_TOOLS, tool_choice="required", parallel_tool_calls=False,
+                      max_output_tokens=4)
+    assert response.parallel_tool_calls is False
+    assert fake.sampling_params[response.id].structured_outputs.json["maxItems"] == 1  # one call at most
+
+
 @pytest.mark.parametrize("body, param, message", [
     ({"input": []}, "input", "must not be empty"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",

@@ -68,10 +68,11 @@ def auto_client(tokenizer):
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
 
 
-def ask(client, max_tokens=100, **kwargs):
+def ask(client, max_tokens=100, stop=("</tool_call>",), **kwargs):
     # The fake engine writes REPLY (from its start: greedy); the stop string ends it after the call, as EOS would.
     return client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "Weather?"}],
-                                          tools=TOOLS, max_tokens=max_tokens, stop=["</tool_call>"], temperature=0,
+                                          tools=TOOLS, max_tokens=max_tokens, stop=list(stop or []) or None,
+                                          temperature=0,
                                           extra_body={"include_stop_str_in_output": True}, **kwargs)
 
 
@@ -90,6 +91,27 @@ def test_auto_tool_calls_whole_and_streamed(auto_client):
     assert [(t.index, t.function.name, t.function.arguments) for t in calls] == \
         [(0, "get_weather", call.function.arguments)]
     assert chunks[-1].finish_reason == "tool_calls"
+
+
+TWO_CALLS = REPLY + '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def two_calls_client(tokenizer):
+    engine = AsyncEngine(FakeEngine(tokenizer, script_text=TWO_CALLS, step_delay=0))
+    with serve_in_thread(build_app(engine, tool_parser=HermesToolParser())) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.mark.parametrize("parallel, names", [(None, ["get_weather", "get_time"]), (False, ["get_weather"])])
+def test_parallel_tool_calls_false_keeps_the_first_call(two_calls_client, tokenizer, parallel, names):
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    ask_for_both = dict(max_tokens=len(tokenizer.encode(TWO_CALLS)), stop=None, **extra)
+    choice = ask(two_calls_client, **ask_for_both).choices[0]
+    assert [call.function.name for call in choice.message.tool_calls] == names
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check. "
+    chunks = [c.choices[0] for c in ask(two_calls_client, stream=True, **ask_for_both) if c.choices]
+    assert [t.function.name for c in chunks for t in c.delta.tool_calls or []] == names
 
 
 def test_auto_without_a_call_is_plain_text(auto_client):

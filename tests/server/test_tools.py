@@ -46,6 +46,23 @@ def test_required_constrains_the_output_to_a_list_of_calls():
     assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
 
 
+def test_required_without_parallel_calls_is_one_call(tokenizer):
+    from jaxserve.grammar import GrammarCompiler
+
+    params = build_sampling_params(request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False))
+    assert params.structured_outputs.json["maxItems"] == 1
+    call = '{"name": "get_time", "parameters": {}}'
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+
+    def accepts(structured_outputs, text: str) -> bool:
+        matcher = compiler.matcher(structured_outputs)
+        return all(matcher.consume_token(token) for token in tokenizer.encode(text))
+
+    parallel = build_sampling_params(request(tools=TOOLS, tool_choice="required")).structured_outputs
+    assert accepts(parallel, f"[{call}, {call}]") and accepts(params.structured_outputs, f"[{call}]")
+    assert not accepts(params.structured_outputs, f"[{call}, {call}]")
+
+
 def test_none_ignores_even_tools_it_would_refuse():
     assert build_sampling_params(request(tools=[WEATHER, WEATHER], tool_choice="none")).structured_outputs is None
 
