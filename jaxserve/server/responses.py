@@ -98,8 +98,22 @@ async def create_response(request: Request) -> Response:
 
 
 async def _events(job: ResponseJob, state: ServerState) -> AsyncIterator[dict[str, Any]]:
+    """The stream's events; a failure once it has begun (a timeout, an engine failure, an abort) ends it with
+    `response.failed`, the response so far with status "failed" and the error, as OpenAI ends a failed one."""
     events = ResponseEvents()
     yield events.event("response.created", response=job.body([], "in_progress"))
+    try:
+        async for event in _answer_events(job, state, events):
+            yield event
+    except Exception as exc:  # noqa: BLE001 - headers are sent: the stream is the only way left to report it
+        error = from_exception(exc).body()["error"]
+        failed = {**job.body(events.items, "failed"),
+                  "error": {"code": error.get("code") or "server_error", "message": error["message"]}}
+        yield events.event("response.failed", response=failed)
+
+
+async def _answer_events(job: ResponseJob, state: ServerState, events: ResponseEvents
+                         ) -> AsyncIterator[dict[str, Any]]:
     yield events.event("response.in_progress", response=job.body([], "in_progress"))
     progress: dict[int, ChoiceProgress] = {}
     final = None
@@ -118,8 +132,8 @@ async def _events(job: ResponseJob, state: ServerState) -> AsyncIterator[dict[st
 
 
 async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
-    """`event: <type>` and `data: {json}` per event, as OpenAI sends them (no [DONE]); a failure mid-stream becomes
-    an "error" event."""
+    """`event: <type>` and `data: {json}` per event, as OpenAI sends them (no [DONE]); a failure `_events` did not
+    report becomes an "error" event."""
     sequence_number = 0
     try:
         async for event in events:

@@ -85,6 +85,20 @@ def test_request_timeout_mid_stream_ends_with_an_error_event(serve):
     assert wait_until(lambda: engine.stats()["free_blocks"] == fake.total_blocks and engine.num_in_flight == 0)
 
 
+def test_request_timeout_mid_stream_fails_a_response_with_response_failed(serve):
+    url, fake, engine = serve(request_timeout=0.3)
+    body = {"input": "Hi", "max_output_tokens": 200, "stream": True}
+    with httpx.stream("POST", url + "/v1/responses", json=body, timeout=10) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    events = [json.loads(line.removeprefix("data: ")) for line in lines]
+    assert len(events) > 5 and [event["type"] for event in events[:2]] == ["response.created", "response.in_progress"]
+    failed = events[-1]
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"]["code"] == "request_timeout"
+    assert failed["sequence_number"] == len(events) - 1
+    assert wait_until(lambda: engine.stats()["free_blocks"] == fake.total_blocks and engine.num_in_flight == 0)
+
+
 # --- a failing step ---------------------------------------------------------------------------------------------
 def test_failing_step_fails_every_request_in_flight_with_500_logs_why_and_turns_health_503(serve, caplog):
     url, fake, engine = serve()
