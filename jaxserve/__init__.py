@@ -1,6 +1,6 @@
 """jaxserve: a JAX/XLA inference engine for large language models."""
 
-from jaxserve.beam_search import BeamSearchParams
+from jaxserve.beam_search_params import BeamSearchParams
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from jaxserve.pooling_params import PoolingParams

@@ -20,8 +20,8 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-from jaxserve.beam_search import BeamSearchParams
-from jaxserve.engine_beam_search import BeamSearchStream
+from jaxserve.beam_search_params import BeamSearchParams
+from jaxserve.beam_search_stream import BeamSearchStream
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.request_errors import EngineDeadError, EngineShuttingDown, QueueFull, RequestTimedOut

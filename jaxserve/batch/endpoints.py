@@ -98,9 +98,6 @@ def parse_body(url: str, body: dict, defaults: dict) -> tuple[Any, SamplingParam
     if merged.get("stream"):
         raise bad_request("stream is not supported in a batch job; remove it from the body", param="stream")
     request = parse_request(ENDPOINTS[url].schema, merged)
-    if getattr(request, "use_beam_search", False):
-        raise bad_request("use_beam_search is not supported in a batch job yet; serve the model and send these "
-                          "requests over HTTP, or use Engine.beam_search", param="use_beam_search")
     return request, build_sampling_params(request) if isinstance(request, SamplingFields) else None
 
 

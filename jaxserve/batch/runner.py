@@ -10,11 +10,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from jaxserve.batch.beam_searches import BeamSearches
 from jaxserve.batch.endpoints import PreparedRequest, new_request_id, prepare
 from jaxserve.batch.input_file import BadLine, InputItem
 from jaxserve.batch.progress import BatchProgress
 from jaxserve.batch.records import BatchOutputLine, bad_line, refused, succeeded
 from jaxserve.batch.result_log import ResultLog
+from jaxserve.beam_search_params import BeamSearchParams
 from jaxserve.outputs import RequestOutput
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.response_bodies import OutputParsers
@@ -61,6 +63,7 @@ class BatchRunner:
         self._lines_in_flight = 0
         self._owner: dict[str, InFlight] = {}  # engine request id -> its batch line
         self._tokens_seen: dict[str, int] = {}  # engine request id -> generated tokens counted so far
+        self._beam_searches = BeamSearches(engine)  # use_beam_search lines: their rounds of engine requests
 
     def run(self, entries: list[InputItem | BadLine]) -> RunTotals:
         waiting = deque(entries)
@@ -81,6 +84,9 @@ class BatchRunner:
         try:
             prepared = prepare(entry.url, entry.body, self.sampling_defaults, request_id, self.engine,
                                self.served_model_names, self.parsers, self.lora_adapters)
+            if isinstance(prepared.params, BeamSearchParams):
+                self._start_beam_searches(entry, prepared)
+                return
             requests = [self.engine.prepare_request(engine_id, prompt, prepared.params.clone(),
                                                     priority=prepared.priority, lora_request=prepared.lora_request)
                         for engine_id, prompt in zip(_engine_ids(request_id, prepared), prepared.prompts)]
@@ -96,8 +102,22 @@ class BatchRunner:
             self._owner[request.request_id] = flight
         self._lines_in_flight += 1
 
+    def _start_beam_searches(self, entry: InputItem, prepared: PreparedRequest) -> None:
+        """One search per prompt; a ValueError, raised before any is queued, is the line's refusal as over HTTP."""
+        engine_ids = _engine_ids(prepared.request_id, prepared)
+        self._beam_searches.start(dict(zip(engine_ids, prepared.prompts)), prepared.params, prepared.priority,
+                                  prepared.lora_request)
+        flight = InFlight(entry, prepared, engine_ids)
+        for engine_id in engine_ids:
+            self._owner[engine_id] = flight
+        self._lines_in_flight += 1
+
     def _step(self) -> None:
         for output in self.engine.step():
+            if self._beam_searches.owns(output.request_id):
+                output = self._beam_searches.round_finished(output) if output.finished else None
+                if output is None:
+                    continue
             self._count_tokens(output)
             if output.finished:
                 self._finish(output)

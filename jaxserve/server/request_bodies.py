@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pydantic
 
-from jaxserve.beam_search import BeamSearchParams
+from jaxserve.beam_search_params import BeamSearchParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.chat_protocol import ChatCompletionRequest
 from jaxserve.server.errors import bad_request, from_validation_error, model_not_found

@@ -9,8 +9,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from jaxserve.async_engine import AsyncEngine
-from jaxserve.beam_search import BeamSearchParams
-from jaxserve.engine_beam_search import BeamSearchStream
+from jaxserve.beam_search_params import BeamSearchParams
+from jaxserve.beam_search_stream import BeamSearchStream
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.request_stream import RequestStream

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from jaxserve import BeamSearchParams
 from jaxserve.batch.job import run_job
 from tests.batch.helpers import (
     SMALL_ENGINE,
@@ -29,6 +30,7 @@ LINES = (
     + [chat_line(f"chat-{index}", f"Say something short about the number {index}.") for index in range(26)]
     + ["{this line is not JSON", completion_line("too-long", "word " * 600)]
     + [embedding_line("embd-0", ["The ocean is deep.", "Numbers are fun."]), embedding_line("embd-1", [1, 2, 3])]
+    + [completion_line("beams", "The capital of France is", n=2, use_beam_search=True)]
 )
 
 
@@ -50,7 +52,7 @@ def uninterrupted(tmp_path_factory, engine, smollm2_gguf_path):
     """custom_id -> (status, body minus id/created) of the whole job run in one go."""
     job = job_in(tmp_path_factory.mktemp("uninterrupted") / "job", smollm2_gguf_path)
     summary = run_job(job, engine=engine, show_progress=False)
-    assert (summary.total, summary.totals.succeeded, summary.totals.failed) == (58, 56, 2)
+    assert (summary.total, summary.totals.succeeded, summary.totals.failed) == (59, 57, 2)
     return results_by_custom_id(job.parent / "out.jsonl")
 
 
@@ -84,9 +86,9 @@ def test_killed_and_rerun_job_equals_an_uninterrupted_one(tmp_path, smollm2_gguf
     rerun = start_batch(job)
     log = rerun.communicate(timeout=600)[0]
     assert rerun.returncode == 0, log[-3000:]
-    assert f"resuming: {lines_at_kill} of 58 lines already have results" in log and "torn line" in log
+    assert f"resuming: {lines_at_kill} of 59 lines already have results" in log and "torn line" in log
     assert done_at_kill >= 6 and results_by_custom_id(output) == uninterrupted
-    assert len(read_jsonl(output)) == 58
+    assert len(read_jsonl(output)) == 59
 
 
 def test_refused_and_malformed_lines_become_error_records(uninterrupted):
@@ -97,9 +99,13 @@ def test_refused_and_malformed_lines_become_error_records(uninterrupted):
 
 
 def test_same_body_as_the_http_api(engine, uninterrupted):
-    lines = [LINES[0], LINES[30], LINES[55], LINES[56]]  # a completion, a chat, a refusal, embeddings
+    lines = [LINES[0], LINES[30], LINES[55], LINES[56], LINES[58]]  # completion, chat, refusal, embeddings, beams
     http = answers_over_http(engine, lines, SAMPLING, [engine.model_name])
     assert http == {line["custom_id"]: uninterrupted[line["custom_id"]] for line in lines}
     assert http["cmpl-0"][1]["choices"][0]["text"] and http["chat-2"][1]["choices"][0]["message"]["content"]
     expected = engine.embed(LINES[56]["body"]["input"], use_tqdm=False)
     assert [d["embedding"] for d in http["embd-0"][1]["data"]] == [e.outputs.embedding for e in expected]
+    [beams] = engine.beam_search(["The capital of France is"], BeamSearchParams(beam_width=2, max_tokens=8),
+                                 use_tqdm=False)
+    assert [choice["text"] for choice in http["beams"][1]["choices"]] == \
+        [engine.tokenizer.decode(seq.generated_ids, skip_special_tokens=True) for seq in beams.sequences]

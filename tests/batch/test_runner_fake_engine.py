@@ -31,24 +31,29 @@ LINES = [
     completion_line("bad-type", "x", max_tokens="many"),
     chat_line("unknown-model", "x", model="gpt-4o"),
     {"custom_id": "no-messages", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "fake-model"}},
+    completion_line("beams", ["Hello there", "Second"], n=2, use_beam_search=True, max_tokens=3),
+    chat_line("chat-beams", "Hi!", n=3, use_beam_search=True),
+    completion_line("beams-stop", "x", n=2, use_beam_search=True, stop=["a"]),
 ]
 
 
 def test_every_line_answers_as_the_http_api_does(tmp_path, fake_engine):
     summary = run_job(write_job(tmp_path, LINES, sampling=SAMPLING), engine=fake_engine, show_progress=False)
-    assert (summary.total, summary.totals.succeeded, summary.totals.failed) == (11, 6, 5)
+    assert (summary.total, summary.totals.succeeded, summary.totals.failed) == (14, 8, 6)
     batch = results_by_custom_id(tmp_path / "out.jsonl")
     http = answers_over_http(fake_engine, LINES, SAMPLING, ["fake-model"])
     assert batch == http
     assert {custom_id: status for custom_id, (status, _) in batch.items() if status != 200} == {
-        "too-long": 400, "bad-value": 400, "bad-type": 400, "unknown-model": 404, "no-messages": 400}
+        "too-long": 400, "bad-value": 400, "bad-type": 400, "unknown-model": 404, "no-messages": 400,
+        "beams-stop": 400}
     assert [choice["index"] for choice in batch["two-prompts"][1]["choices"]] == [0, 1, 2, 3]
+    assert [choice["index"] for choice in batch["beams"][1]["choices"]] == [0, 1, 2, 3]  # 2 prompts x 2 beams
+    assert len(batch["chat-beams"][1]["choices"]) == 3
 
 
 def test_error_records_carry_the_message_and_the_job_goes_on(tmp_path, fake_engine):
     lines = [completion_line("ok", "Hello"), "{broken", completion_line("long", "word " * 300, max_tokens=100),
              {**completion_line("streamed", "x"), "body": {"prompt": "x", "stream": True}},
-             {**completion_line("beams", "x"), "body": {"prompt": "x", "use_beam_search": True, "n": 2}},
              chat_line("last", "Hi")]
     run_job(write_job(tmp_path, lines, sampling=SAMPLING, errors="errors.jsonl"), engine=fake_engine,
             show_progress=False)
@@ -62,7 +67,6 @@ def test_error_records_carry_the_message_and_the_job_goes_on(tmp_path, fake_engi
     assert long["response"]["body"]["error"]["message"] == long["error"]["message"]
     assert long["response"]["request_id"].startswith("cmpl-")
     assert "stream is not supported" in errors["streamed"]["error"]["message"]
-    assert "use_beam_search is not supported" in errors["beams"]["error"]["message"]
 
 
 def test_max_concurrency_bounds_the_lines_in_the_engine(tmp_path, fake_engine):

@@ -6,7 +6,7 @@ import pytest
 
 from jaxserve import BeamSearchParams
 from jaxserve.beam_search import BeamSearch
-from jaxserve.engine_beam_search import check_beam_width
+from jaxserve.beam_search_params import check_beam_width
 from jaxserve.outputs import Logprob
 
 EOS = 2

@@ -17,8 +17,14 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from jaxserve.beam_search import BeamSearch
-from jaxserve.engine_beam_search import check_beam_width
-from jaxserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from jaxserve.beam_search_params import check_beam_width
+from jaxserve.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+)
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 

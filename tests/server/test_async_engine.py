@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve.async_engine import AsyncEngine, EngineDeadError, QueueFull
 from jaxserve.request_errors import RequestTimedOut
-from jaxserve.beam_search import BeamSearchParams
+from jaxserve.beam_search_params import BeamSearchParams
 from jaxserve.sampling_params import SamplingParams
 from tests.server.fake_engine import FakeEngine
 
