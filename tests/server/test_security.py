@@ -1,6 +1,7 @@
 """Security: the API key guards every /v1 route (compared in constant time), the server binds loopback by default,
 checkpoints load without pickle, chat templates render in a sandbox, and prompts stay out of the logs."""
 
+import asyncio
 import copy
 import fnmatch
 import hmac
@@ -181,11 +182,23 @@ def test_prompts_are_logged_only_when_asked(tokenizer, caplog, log_prompts):
 
 
 def test_serve_options_reach_the_server(tokenizer_dir, tmp_path):  # noqa: F811 - the fixture
-    """--log-prompts, --request-timeout and --max-request-body-bytes, through the real `serve` command line."""
-    args = ["--log-prompts", "--request-timeout", "0.5", "--max-request-body-bytes", "2000"]
+    """--log-prompts, --request-timeout, --max-request-body-bytes and --max-waiting-requests, through the real
+    `serve` command line."""
+    args = ["--log-prompts", "--request-timeout", "0.5", "--max-request-body-bytes", "2000",
+            "--max-waiting-requests", "1"]
     with fake_server_process(tokenizer_dir, args, tmp_path / "serve.log", step_delay=0.02) as server:
         send_prompts_everywhere(server.url)
         slow = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 200}, timeout=10)
         big = httpx.post(server.url + "/v1/completions", json={"prompt": "x" * 3000}, timeout=10)
+        burst = asyncio.run(_burst(server.url, 12))
     assert slow.status_code == 504 and big.status_code == 413
+    assert {response.status_code for response in burst} == {200, 503}  # one may wait for its first token
+    rejected = next(response for response in burst if response.status_code == 503)
+    assert rejected.json()["error"]["code"] == "queue_full" and rejected.headers["retry-after"].isdigit()
     assert SECRET in server.log()
+
+
+async def _burst(url: str, count: int) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        body = {"prompt": "Hello", "max_tokens": 2}
+        return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(count)))

@@ -1,12 +1,11 @@
 """Acceptance: every error case of the real server returns its status and an OpenAI error body."""
 
-import asyncio
 import json
 
 import httpx
 import pytest
 
-from tests.server.helpers import API_KEY, REAL_MODEL, server_process
+from tests.server.helpers import API_KEY, REAL_MODEL
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -62,23 +61,3 @@ def test_unknown_model_is_404(real_server):
     assert error_of(httpx.get(f"{real_server.url}/v1/nothing-here", headers=AUTH), 404)
 
 
-@pytest.fixture(scope="module")
-def tiny_queue_server(tmp_path_factory, tokenizer):
-    """A second server that lets only one request wait for its first token."""
-    args = ["--max-model-len", "256", "--num-kv-blocks", "64", "--max-waiting-requests", "1"]
-    with server_process(args, tmp_path_factory.mktemp("tiny") / "serve.log") as server:
-        yield server
-
-
-def test_full_queue_is_503_with_retry_after(tiny_queue_server):
-    async def burst():
-        async with httpx.AsyncClient(base_url=tiny_queue_server.url, timeout=120) as client:
-            body = {"prompt": "Hello", "max_tokens": 2}
-            return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(12)))
-
-    responses = asyncio.run(burst())
-    statuses = sorted(response.status_code for response in responses)
-    assert statuses.count(200) >= 1 and statuses.count(503) >= 1 and set(statuses) == {200, 503}
-    rejected = next(response for response in responses if response.status_code == 503)
-    error = error_of(rejected, 503)
-    assert error["code"] == "queue_full" and rejected.headers["retry-after"].isdigit()
