@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.outputs import CompletionOutput
+from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.request_stream import RequestStream
 from jaxserve.server.chat_protocol import (
     ChatCompletionRequest,
@@ -73,10 +73,15 @@ async def _stream_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionStreamResp
             for completion in output.outputs:
                 choice = delta_choice(job, completion, progress)
                 if choice is not None:
-                    yield ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[choice])
+                    usage = _usage(output) if job.request.usage_in_every_chunk else None
+                    yield ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[choice],
+                                                       usage=usage)
     if job.request.include_usage_chunk and last_output is not None:
-        usage = UsageInfo.of(len(last_output.prompt_token_ids), completion_token_count([last_output]))
-        yield ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[], usage=usage)
+        yield ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[], usage=_usage(last_output))
+
+
+def _usage(output: RequestOutput) -> UsageInfo:
+    return UsageInfo.of(len(output.prompt_token_ids), completion_token_count([output]))
 
 
 @dataclass

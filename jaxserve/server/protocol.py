@@ -38,6 +38,7 @@ class ErrorResponse(OpenAIModel):
 # --- shared -------------------------------------------------------------------------------------------------
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class UsageInfo(OpenAIModel):
@@ -92,6 +93,10 @@ class SamplingFields(OpenAIModel):
     @property
     def include_usage_chunk(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def usage_in_every_chunk(self) -> bool:
+        return self.include_usage_chunk and self.stream_options.continuous_usage_stats
 
     def _sampling_params(self, model_defaults: dict[str, Any] | None, **specific: Any) -> SamplingParams:
         """Build SamplingParams; invalid values raise ValueError naming the field.

@@ -91,6 +91,24 @@ def test_streaming_multiple_prompts_with_usage_chunk(server):
     assert texts == {0: " one two three", 1: " one two three"}
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": ["a", "b c"]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, path, body):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {**body, "max_tokens": 3, "temperature": 0, "stream": True, "stream_options": options}
+    with httpx.stream("POST", server[0] + path, json=body, headers=AUTH) as response:
+        payloads = sse_payloads(response)
+    assert all(payload["usage"] is not None for payload in payloads)
+    generated = [payload["usage"]["completion_tokens"] for payload in payloads]
+    assert generated == sorted(generated) and generated[0] < generated[-1] == 3 * len(body.get("prompt", [0]))
+    assert {payload["usage"]["prompt_tokens"] for payload in payloads[-2:]} == {payloads[-1]["usage"]["prompt_tokens"]}
+    plain = {**body, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server[0] + path, json=plain, headers=AUTH) as response:
+        assert all(payload["usage"] is None for payload in sse_payloads(response)[:-1])
+
+
 def test_echo_with_logprobs(client, tokenizer):
     result = client.completions.create(model="fake", prompt="Hello there", max_tokens=2, echo=True, logprobs=2,
                                        temperature=0)
