@@ -136,15 +136,16 @@ class AsyncEngine:
     # --- requests ---------------------------------------------------------------------------------------------
     async def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | None = None, continuing: bool = False,
     ) -> RequestStream:
         """Validate and queue a request; its outputs arrive on the returned stream.
 
         Raises ValueError for a bad request, QueueFull when too many are waiting, EngineDeadError when the engine
-        loop has stopped: all before anything is queued.
+        loop has stopped: all before anything is queued. `continuing`: a later part of work already admitted (a
+        beam search's next round), which neither a full queue nor a graceful shutdown's drain refuses.
         """
-        self._raise_if_dead()
-        self._admit(request_id)
+        self._raise_if_dead(draining_refuses=not continuing)
+        self._admit(request_id, bounded=not continuing)
         try:
             request = await asyncio.to_thread(
                 self.engine.prepare_request, request_id, prompt, params, priority=priority, lora_request=lora_request
@@ -209,11 +210,23 @@ class AsyncEngine:
             self._watchdog.join()  # returns at once: it wakes on _loop_done
 
     # --- admission bookkeeping (both sides) -------------------------------------------------------------------
-    def _admit(self, request_id: str) -> None:
+    def track(self, request_id: str) -> None:
+        """Count work made of several requests (a beam search) in flight from start to end, so that a graceful
+        shutdown waits for it between its requests too; `untrack` when it ends."""
         with self._lock:
             if request_id in self._active_ids:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            if self._num_waiting >= self.max_waiting_requests:
+            self._active_ids.add(request_id)
+
+    def untrack(self, request_id: str) -> None:
+        with self._lock:
+            self._active_ids.discard(request_id)
+
+    def _admit(self, request_id: str, bounded: bool = True) -> None:
+        with self._lock:
+            if request_id in self._active_ids:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            if bounded and self._num_waiting >= self.max_waiting_requests:
                 raise QueueFull(self._num_waiting, self.max_waiting_requests)
             self._active_ids.add(request_id)
             self._num_waiting += 1
@@ -264,10 +277,10 @@ class AsyncEngine:
             self._raise_if_dead()
             raise EngineShuttingDown("the engine loop has stopped")
 
-    def _raise_if_dead(self) -> None:
+    def _raise_if_dead(self, draining_refuses: bool = True) -> None:
         if self._error is not None:
             raise EngineDeadError(f"the engine stopped after a failed step: {self._error!r}")
-        if self._stopped or self._draining:
+        if self._stopped or (self._draining and draining_refuses):
             raise EngineShuttingDown("the server is shutting down")
 
     # --- the loop thread --------------------------------------------------------------------------------------

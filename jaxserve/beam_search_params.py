@@ -19,7 +19,8 @@ class BeamSearchParams:
     ignore_eos: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True: stop once beam_width hypotheses finished; "never": the exact bound
-    include_stop_str_in_output: bool = False  # kept for vLLM's signature; EOS is the only stop
+    temperature: float = 0.0  # vLLM's signature; as there, beams are ranked by the raw logprobs whatever it is
+    include_stop_str_in_output: bool = False  # vLLM's signature; EOS is the only stop
     skip_special_tokens: bool = True
 
     def __post_init__(self):

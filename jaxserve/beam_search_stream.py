@@ -28,6 +28,7 @@ class BeamSearchStream:
         self._priority, self._lora = priority, lora_request
         self._round_streams: list[RequestStream] = round_streams
         self._task = asyncio.ensure_future(self._run())
+        self._task.add_done_callback(lambda _: engine.untrack(request_id))
         self._returned = False
         # The engine's request timeout bounds the whole search (each round request also has it, but is short).
         self._timed_out: RequestTimedOut | None = None
@@ -41,7 +42,12 @@ class BeamSearchStream:
         """`engine`: an AsyncEngine. The first round is queued here, so its refusals (prompt too long, queue
         full, unknown adapter) reach the caller."""
         search = await asyncio.to_thread(engine.engine.prepare_beam_search, prompt, params)
-        first = await _start_round(engine, search, request_id, 0, priority, lora_request)
+        engine.track(request_id)  # in flight between rounds too, so a graceful shutdown lets it finish
+        try:
+            first = await _start_round(engine, search, request_id, 0, priority, lora_request)
+        except BaseException:
+            engine.untrack(request_id)
+            raise
         return cls(engine, search, request_id, prompt if isinstance(prompt, str) else None, first, priority,
                    lora_request)
 
@@ -71,8 +77,9 @@ class BeamSearchStream:
             self._deadline.cancel()
         if not self._task.done():
             self._task.cancel()
-        for stream in self._round_streams:
-            stream.close()
+        elif not self._task.cancelled():
+            self._task.exception()  # a failure nobody will read now: retrieved, so asyncio does not log it
+        _close(self._round_streams)
 
     def _expire(self, timeout: float) -> None:
         if not self._task.done():
@@ -100,17 +107,24 @@ class BeamSearchStream:
 
 async def _start_round(engine, search: BeamSearch, request_id: str, round_index: int, priority: int,
                        lora_request: LoRARequest | None) -> list[RequestStream]:
+    """Queue a round's requests. Rounds after the first continue a search already admitted: a full queue or a
+    graceful shutdown's drain does not refuse them."""
     round_params = search.params.step_params(len(engine.engine.eos_token_ids()))
     streams: list[RequestStream] = []
     try:
         for beam, prompt in enumerate(search.prompts()):
             streams.append(await engine.add_request(prompt, round_params, f"{request_id}-r{round_index}-b{beam}",
-                                                    priority=priority, lora_request=lora_request))
+                                                    priority=priority, lora_request=lora_request,
+                                                    continuing=round_index > 0))
     except BaseException:
-        for stream in streams:
-            stream.close()
+        _close(streams)
         raise
     return streams
+
+
+def _close(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.close()
 
 
 async def _finals(streams: list[RequestStream]) -> list[RequestOutput] | None:
@@ -126,5 +140,4 @@ async def _finals(streams: list[RequestStream]) -> list[RequestOutput] | None:
         finals = await asyncio.gather(*(final(stream) for stream in streams))
         return None if any(output is None for output in finals) else list(finals)
     finally:
-        for stream in streams:
-            stream.close()
+        _close(streams)

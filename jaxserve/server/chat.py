@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput
 from jaxserve.request_stream import RequestStream
 from jaxserve.server.chat_protocol import (
     ChatCompletionRequest,
@@ -21,7 +21,7 @@ from jaxserve.server.chat_protocol import (
     DeltaMessage,
 )
 from jaxserve.server.errors import parse_json
-from jaxserve.server.protocol import UsageInfo
+from jaxserve.server.protocol import UsageInfo, choice_usage
 from jaxserve.server.request_bodies import chat_inputs, parse_request
 from jaxserve.server.response_bodies import ChatRendering, completion_token_count
 from jaxserve.server.serving import ServerState, close_all, collect_final_outputs, observed, start_requests
@@ -73,15 +73,12 @@ async def _stream_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionStreamResp
             for completion in output.outputs:
                 choice = delta_choice(job, completion, progress)
                 if choice is not None:
-                    usage = _usage(output) if job.request.usage_in_every_chunk else None
+                    usage = choice_usage(output, completion) if job.request.usage_in_every_chunk else None
                     yield ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[choice],
                                                        usage=usage)
     if job.request.include_usage_chunk and last_output is not None:
-        yield ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[], usage=_usage(last_output))
-
-
-def _usage(output: RequestOutput) -> UsageInfo:
-    return UsageInfo.of(len(output.prompt_token_ids), completion_token_count([output]))
+        usage = UsageInfo.of(len(last_output.prompt_token_ids), completion_token_count([last_output]))
+        yield ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[], usage=usage)
 
 
 @dataclass

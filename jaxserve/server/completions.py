@@ -14,7 +14,13 @@ from starlette.responses import JSONResponse, Response
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.request_stream import RequestStream
 from jaxserve.server.errors import parse_json
-from jaxserve.server.protocol import CompletionChoice, CompletionRequest, CompletionStreamResponse, UsageInfo
+from jaxserve.server.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionStreamResponse,
+    UsageInfo,
+    choice_usage,
+)
 from jaxserve.server.request_bodies import completion_inputs, parse_request
 from jaxserve.server.response_bodies import (
     CompletionRendering,
@@ -72,16 +78,12 @@ async def _stream_chunks(job: CompletionJob) -> AsyncIterator[CompletionStreamRe
             for completion in output.outputs:
                 choice = _delta_choice(job, prompt_index, output, completion, progress)
                 if choice is not None:
-                    usage = _usage(last_outputs) if job.request.usage_in_every_chunk else None
+                    usage = choice_usage(output, completion) if job.request.usage_in_every_chunk else None
                     yield CompletionStreamResponse(id=job.request_id, model=job.model, choices=[choice], usage=usage)
     if job.request.include_usage_chunk:
-        yield CompletionStreamResponse(id=job.request_id, model=job.model, choices=[], usage=_usage(last_outputs))
-
-
-def _usage(outputs_by_prompt: dict[int, RequestOutput]) -> UsageInfo:
-    """Usage of the outputs so far (every prompt's latest)."""
-    outputs = list(outputs_by_prompt.values())
-    return UsageInfo.of(prompt_token_count(outputs), completion_token_count(outputs))
+        finals = list(last_outputs.values())
+        usage = UsageInfo.of(prompt_token_count(finals), completion_token_count(finals))
+        yield CompletionStreamResponse(id=job.request_id, model=job.model, choices=[], usage=usage)
 
 
 def _delta_choice(job: CompletionJob, prompt_index: int, output: RequestOutput, completion: CompletionOutput,

@@ -52,6 +52,12 @@ class UsageInfo(OpenAIModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+def choice_usage(output, completion) -> UsageInfo:
+    """A streamed chunk's usage under continuous_usage_stats, as vLLM reports it: the chunk's prompt and the tokens
+    its choice has generated so far."""
+    return UsageInfo.of(len(output.prompt_token_ids), len(completion.token_ids))
+
+
 class SamplingFields(OpenAIModel):
     """Sampling fields common to completions and chat (OpenAI's, then vLLM's extras)."""
 
@@ -144,7 +150,8 @@ class SamplingFields(OpenAIModel):
                      "min_tokens": params.min_tokens > 0, "presence_penalty": self.presence_penalty != 0,
                      "frequency_penalty": self.frequency_penalty != 0,
                      "repetition_penalty": self.repetition_penalty not in (None, 1.0),
-                     "logit_bias": bool(self.logit_bias)}
+                     "logit_bias": bool(self.logit_bias),
+                     "truncate_prompt_tokens": params.truncate_prompt_tokens is not None}
         if params.constrained:
             source = params.structured_outputs.source or "structured_outputs"
             conflicts["tool_choice" if source.startswith("tools") else source] = True

@@ -101,9 +101,12 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, path
     with httpx.stream("POST", server[0] + path, json=body, headers=AUTH) as response:
         payloads = sse_payloads(response)
     assert all(payload["usage"] is not None for payload in payloads)
-    generated = [payload["usage"]["completion_tokens"] for payload in payloads]
-    assert generated == sorted(generated) and generated[0] < generated[-1] == 3 * len(body.get("prompt", [0]))
-    assert {payload["usage"]["prompt_tokens"] for payload in payloads[-2:]} == {payloads[-1]["usage"]["prompt_tokens"]}
+    *chunks, last = payloads
+    generated: dict[int, list[int]] = {}  # as vLLM: each chunk counts its own choice's tokens so far
+    for chunk in chunks:
+        generated.setdefault(chunk["choices"][0]["index"], []).append(chunk["usage"]["completion_tokens"])
+    assert all(counts == sorted(counts) and counts[-1] == 3 for counts in generated.values())
+    assert len(generated) == len(body.get("prompt", [0])) and last["usage"]["completion_tokens"] == 3 * len(generated)
     plain = {**body, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", server[0] + path, json=plain, headers=AUTH) as response:
         assert all(payload["usage"] is None for payload in sse_payloads(response)[:-1])
@@ -388,6 +391,7 @@ def test_tools_reach_the_template_in_chat_and_tokenize_alike(tokenizer):
 
 BEAM_REFUSALS = [({"stop": ["x"]}, "stop"), ({"logprobs": 2}, "logprobs"), ({"best_of": 4}, "best_of"),
                  ({"presence_penalty": 0.5}, "presence_penalty"), ({"min_tokens": 2}, "min_tokens"),
+                 ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
                  ({"response_format": {"type": "json_object"}}, "response_format")]
 
 

@@ -190,6 +190,29 @@ def test_the_request_timeout_bounds_the_whole_beam_search(fake):
     assert not fake.has_unfinished_requests()
 
 
+def test_a_beam_search_under_way_finishes_through_a_drain_and_a_small_queue(fake):
+    from jaxserve.request_errors import EngineShuttingDown
+
+    fake.step_delay = 0.01
+    engine = AsyncEngine(fake, max_waiting_requests=1)  # each later round queues 3 requests at once
+
+    async def run():
+        stream = await engine.beam_search("Hello", BeamSearchParams(beam_width=3, max_tokens=12), "beams")
+        await asyncio.sleep(0.05)
+        engine.stop_admitting()  # a graceful shutdown begins: in flight between its rounds, the search goes on
+        in_flight = engine.num_in_flight
+        with pytest.raises(EngineShuttingDown):
+            await engine.beam_search("Hello", BeamSearchParams(beam_width=2), "late")
+        return in_flight, [output async for output in stream]
+
+    try:
+        in_flight, [output] = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert in_flight >= 1 and engine.num_in_flight == 0
+    assert output.finished and [len(choice.token_ids) for choice in output.outputs] == [12, 12, 12]
+
+
 def test_beam_search_refusals_come_before_anything_runs(engine, fake):
     async def run():
         with pytest.raises(ValueError, match="maximum context length"):
