@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxserve.beam_search_params import BeamSearchParams
 from jaxserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from jaxserve.sampling_params import SamplingParams
 
 
 @dataclass
@@ -80,6 +81,15 @@ class BeamSearch:
 
     def prompts(self) -> list[list[int]]:
         return [self.prompt_ids + beam.generated for beam in self.running]
+
+    def round_requests(self, request_id: str, round_index: int) -> list[tuple[str, list[int]]]:
+        """A round's engine requests, (id, prompt) per live beam: every driver names them alike."""
+        return [(f"{request_id}-r{round_index}-b{beam}", prompt) for beam, prompt in enumerate(self.prompts())]
+
+    @property
+    def round_params(self) -> SamplingParams:
+        """Each round request's params: one greedy token and the `keep` top logprobs the round ranks."""
+        return self.params.step_params(len(self.eos_ids))
 
     def advance(self, top_logprobs: list[PositionLogprobs]) -> None:
         """One round: `top_logprobs[i]` holds the next-token logprobs (at least `keep` of them) of running[i]."""

@@ -109,13 +109,11 @@ async def _start_round(engine, search: BeamSearch, request_id: str, round_index:
                        lora_request: LoRARequest | None) -> list[RequestStream]:
     """Queue a round's requests. Rounds after the first continue a search already admitted: a full queue or a
     graceful shutdown's drain does not refuse them."""
-    round_params = search.params.step_params(len(engine.engine.eos_token_ids()))
     streams: list[RequestStream] = []
     try:
-        for beam, prompt in enumerate(search.prompts()):
-            streams.append(await engine.add_request(prompt, round_params, f"{request_id}-r{round_index}-b{beam}",
-                                                    priority=priority, lora_request=lora_request,
-                                                    continuing=round_index > 0))
+        for round_id, prompt in search.round_requests(request_id, round_index):
+            streams.append(await engine.add_request(prompt, search.round_params, round_id, priority=priority,
+                                                    lora_request=lora_request, continuing=round_index > 0))
     except BaseException:
         _close(streams)
         raise

@@ -35,7 +35,7 @@ class BeamSearchAPI:
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts; give one or one each")
         searches = [self.prepare_beam_search(prompt, params) for prompt in prompts]  # all checked before any runs
-        round_params = params.step_params(len(self.eos_token_ids()))
+        round_params = searches[0].round_params  # the same for every search: they share params
         with tqdm(total=max(s.max_new_tokens for s in searches), desc="Beam search", disable=not use_tqdm) as bar:
             while live := [(search, lora) for search, lora in zip(searches, loras) if not search.done]:
                 beams = [(prompt, lora) for search, lora in live for prompt in search.prompts()]

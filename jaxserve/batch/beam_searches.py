@@ -63,10 +63,9 @@ class BeamSearches:
                                  search.search.params.skip_special_tokens)
 
     def _prepare_round(self, search: _Search) -> list:
-        params = search.search.params.step_params(len(self.engine.eos_token_ids()))
-        return [self.engine.prepare_request(f"{search.engine_id}-r{search.round}-b{beam}", prompt, params,
-                                            priority=search.priority, lora_request=search.lora_request)
-                for beam, prompt in enumerate(search.search.prompts())]
+        return [self.engine.prepare_request(round_id, prompt, search.search.round_params, priority=search.priority,
+                                            lora_request=search.lora_request)
+                for round_id, prompt in search.search.round_requests(search.engine_id, search.round)]
 
     def _queue(self, search: _Search, requests: list) -> None:
         search.logprobs = [None] * len(requests)
