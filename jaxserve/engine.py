@@ -27,7 +27,8 @@ from jaxserve.engine_pooling import check_pooling, embedding_output
 from jaxserve.engine_beam_search import BeamSearchAPI
 from jaxserve.engine_offline import OfflineAPI
 from jaxserve.engine_inputs import (check_engine_options, check_max_model_len, fit_context_to_cache,
-                                   model_for_context, prompt_token_ids, truncate_prompt, validate_lengths)
+                                   model_for_context, prompt_token_ids, resolve_token_rules, truncate_prompt,
+                                   validate_lengths)
 from jaxserve.grammar import GrammarCompiler, grammar_ended
 from jaxserve.loader.checkpoint import open_checkpoint
 from jaxserve.loader.tokenizer import read_chat_template
@@ -195,9 +196,11 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
             params = check_pooling(pooling, self.config.model.hidden_size, self.declared_pooling)
         params = validate_lengths(params, len(ids), self.max_model_len, self.config)
         lora_request = self.adapters.check(lora_request)
+        allowed_mask, bad_words = resolve_token_rules(params, self.tokenizer, self.config)
         seqs = [self._new_sequence(request_id, i, ids, params, priority) for i in range(params.num_sequences)]
         for seq in seqs:
             seq.lora_request, seq.pooling = lora_request, pooling
+            seq.allowed_mask, seq.bad_words = allowed_mask, bad_words
         if params.constrained:  # compiled here, off the engine thread; an invalid grammar is a ValueError
             matcher = self.grammars.matcher(params.structured_outputs)
             for i, seq in enumerate(seqs):

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models.layers import QUANTIZATIONS
 from jaxserve.runner.sampler import BIAS_SLOTS
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.token_rules import allowed_bitmask, bad_words_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +84,6 @@ def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"{field} has token id {bad[0]}, outside the vocabulary (0..{vocab - 1})")
-    bias_entries = len(params.logit_bias or {}) + len(params.stop_token_ids or []) + len(config.model.eos_token_ids)
-    if bias_entries > BIAS_SLOTS:
-        raise ValueError(f"logit_bias and stop_token_ids together have {bias_entries} entries; at most {BIAS_SLOTS} fit")
     capacity = (config.cache.num_blocks - 1) * config.cache.block_size
     # Every sequence (n, or best_of) may grow to prompt + max_tokens. Checked before the sequences are made, so a
     # request for a billion of them is refused at once rather than exhausting host memory.
@@ -95,6 +95,20 @@ def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int
             f"max_tokens) but the whole cache holds {capacity}; lower n or max_tokens, or raise num_kv_blocks"
         )
     return params
+
+
+def resolve_token_rules(params: SamplingParams, tokenizer, config: EngineConfig) -> tuple[np.ndarray | None, tuple]:
+    """allowed_token_ids as a bitmask and bad_words as token ids (token_rules.py); the bias slots that logit_bias,
+    the min_tokens bans and the bad words share must hold them all."""
+    vocab = config.model.vocab_size
+    mask = None if params.allowed_token_ids is None else allowed_bitmask(params.allowed_token_ids, vocab)
+    bad_words = bad_words_token_ids(tokenizer, params.bad_words or [], vocab)
+    entries = (len(params.logit_bias or {}) + len(params.stop_token_ids or []) + len(config.model.eos_token_ids)
+               + len(bad_words))
+    if entries > BIAS_SLOTS:
+        raise ValueError(f"logit_bias, stop_token_ids and bad_words together need {entries} token entries (bad words "
+                         f"count once per spelling); at most {BIAS_SLOTS} fit")
+    return mask, bad_words
 
 
 def check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, memory_fraction, recompile_guard,

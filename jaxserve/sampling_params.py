@@ -91,6 +91,24 @@ def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
     return normalised
 
 
+def _normalise_allowed_token_ids(ids: Any) -> list[int] | None:
+    if ids is None:
+        return None
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+        raise ValueError(f"allowed_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
+    if not ids:
+        raise ValueError("allowed_token_ids is empty: no token could be sampled; leave it out to allow every token")
+    return [int(i) for i in ids]
+
+
+def _normalise_bad_words(words: Any) -> list[str]:
+    if words is None:
+        return []
+    if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+        raise ValueError(f"bad_words must be a list of non-empty strings, got {words!r}")
+    return list(words)
+
+
 def _logit_bias_token_id(key: Any) -> int:
     # OpenAI JSON sends token ids as string keys ("50256").
     if _is_int(key) or (isinstance(key, str) and key.strip().isdigit()):
@@ -129,6 +147,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled (None: any).
+    allowed_token_ids: list[int] | None = None
+    # Words never generated, at the start of the text or after a space (token_rules.py).
+    bad_words: list[str] | None = None  # normalised to a list
     # Keep only the prompt's last k tokens (-1: the most the context holds beside one generated token).
     truncate_prompt_tokens: int | None = None
     # Constrain the output to a JSON schema, regex, choice or grammar (a dict of its fields is accepted too).
@@ -143,6 +165,8 @@ class SamplingParams:
         self.stop = _normalise_stop(self.stop)
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
         self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        self.allowed_token_ids = _normalise_allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = _normalise_bad_words(self.bad_words)
         self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
 
     def _check_counts(self) -> None:
@@ -239,5 +263,5 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
     def clone(self) -> SamplingParams:
-        """An independent copy: normalisation rebuilds the mutable fields (stop lists, logit_bias)."""
+        """An independent copy: normalisation rebuilds the mutable fields (lists, logit_bias)."""
         return self.replace()

@@ -12,6 +12,7 @@ def test_defaults_match_vllm():
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
     assert (p.max_tokens, p.min_tokens, p.logprobs, p.prompt_logprobs, p.seed) == (16, 0, None, None, None)
     assert p.stop == [] and p.stop_token_ids == [] and p.logit_bias is None
+    assert p.allowed_token_ids is None and p.bad_words == []
     assert p.skip_special_tokens and p.spaces_between_special_tokens
     assert not p.ignore_eos and not p.include_stop_str_in_output
 
@@ -95,6 +96,12 @@ def test_replace_validates_and_clone_is_independent():
         ("logit_bias", {"abc": 1.0}),
         ("logit_bias", {-1: 1.0}),
         ("logit_bias", {1: "big"}),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [1, -2]),
+        ("allowed_token_ids", "1,2"),
+        ("bad_words", "word"),
+        ("bad_words", ["ok", " "]),
+        ("bad_words", [3]),
         ("truncate_prompt_tokens", 0),
         ("truncate_prompt_tokens", -2),
         ("truncate_prompt_tokens", "8"),

@@ -48,6 +48,9 @@ class Sequence:
     # and, for a grammar that starts after a token (reasoning), that token until it is sampled.
     matcher: object | None = None
     grammar_waits_for: int | None = None
+    # vLLM's allowed_token_ids as a grammar-style bitmask, and its bad_words as token sequences (token_rules.py).
+    allowed_mask: object | None = None
+    bad_words: tuple[tuple[int, ...], ...] = ()
     # The LoRA adapter it runs with (None: the base model), and the device slot holding it once admitted (-1:
     # none yet; core/adapter_slots.py).
     lora_request: LoRARequest | None = None

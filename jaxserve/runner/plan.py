@@ -10,14 +10,15 @@ import numpy as np
 
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.grammar import bitmask_width, fill_masks
-from jaxserve.core.request import PLACEHOLDER
+from jaxserve.core.request import PLACEHOLDER, Sequence
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.runner.attention import AttentionMetadata
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.sampler import BIAS_SLOTS, SamplerFlags, SamplingTensors
 from jaxserve.runner.step import StepInputs, StepStatics
+from jaxserve.token_rules import ALWAYS, bad_word_bans
 
-BAN = -1e9  # additive bias that rules a token out (min_tokens bans EOS and stop tokens)
+BAN = -1e9  # additive bias that rules a token out (min_tokens' EOS and stop tokens, bad words)
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,10 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanSha
     constrained = [(row, c) for row, c in zip(first_rows, chunks) if c.samples and c.seq.grammar_active]
     # (first sampler row, matcher, draft): a chunk's rows are masked by its grammar after the drafts before each
     grammar_rows = [(row, c.seq.matcher, c.draft) for row, c in constrained]
+    allowed_rows = [(row, c) for row, c in zip(first_rows, chunks) if c.samples and c.seq.allowed_mask is not None]
+    masked = bool(grammar_rows or allowed_rows)
     inputs = empty_inputs(T, B, shape, penalties=any(c.seq.params.needs_penalties for c in chunks),
-                          decode_only=decode_only, constrained=bool(grammar_rows))
+                          decode_only=decode_only, constrained=masked)
     meta, bs = inputs.meta, blocks.block_size
     fed_rows, fed_from = [], []  # rows whose last token is a placeholder, sampled by the step in flight
     for row, chunk in enumerate(chunks):
@@ -89,7 +92,9 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanSha
         assert all(c.seq.pending_index is None for _, c in constrained), \
             "a grammar mask planned before the token it follows was read back"
         fill_masks(grammar_rows, inputs.sampling.allowed)
-    return inputs, _statics(chunks, shape.max_logprobs, decode_only, constrained=bool(grammar_rows))
+    for row, chunk in allowed_rows:  # after the grammar's masks: a token must pass both
+        inputs.sampling.allowed[row : row + chunk.num_rows] &= chunk.seq.allowed_mask
+    return inputs, _statics(chunks, shape.max_logprobs, decode_only, constrained=masked)
 
 
 def _next_tokens(chunk: ScheduledChunk) -> list[int]:
@@ -108,8 +113,9 @@ def empty_inputs(T: int, B: int, shape: PlanShape, penalties: bool = False, deco
         temperature=f32(0.0), top_k=np.zeros(B, np.int32), top_p=f32(1.0), min_p=f32(0.0),
         seeds=np.zeros(B, np.uint32), counters=np.zeros(B, np.int32),
         bias_ids=np.full((B, BIAS_SLOTS), V, np.int32), bias_values=np.zeros((B, BIAS_SLOTS), np.float32),
+        bias_after=np.full((B, BIAS_SLOTS), ALWAYS, np.int32),
         history=np.full((B, P), V, np.int32), history_is_output=np.zeros((B, P), bool),
-        history_fed_pos=np.full(B, -1, np.int32), history_fed_row=np.zeros(B, np.int32),
+        history_fed_pos=np.full(B, -1, np.int32), fed_row=np.zeros(B, np.int32),
         presence=f32(0.0), frequency=f32(0.0), repetition=f32(1.0), allowed=np.full((B, W), -1, np.int32),
     )
     meta = AttentionMetadata(np.zeros(T, np.int32), np.zeros(T, np.int32), np.zeros(T, np.int32),
@@ -124,14 +130,28 @@ def inputs_treedef(shape: PlanShape, decode_only: bool):
     return jax.tree_util.tree_structure(empty_inputs(1, 1, shape, decode_only=decode_only))
 
 
-def bias_entries(chunk: ScheduledChunk, offset: int = 0) -> dict[int, float]:
-    """The row's additive biases; `offset`: how many draft tokens precede the position it samples."""
+def needs_bias(seq: Sequence, offset: int = 0) -> bool:
+    p = seq.params
+    return bool(p.logit_bias or seq.bad_words) or seq.num_output_tokens + offset < p.min_tokens
+
+
+def bias_entries(chunk: ScheduledChunk, offset: int = 0) -> list[tuple[int, float, int]]:
+    """The row's additive biases as (token, value, after): see SamplingTensors.bias_after. `offset`: how many draft
+    tokens precede the position it samples."""
     seq, p = chunk.seq, chunk.seq.params
     bias = dict(p.logit_bias or {})
     if seq.num_output_tokens + offset < p.min_tokens:
         banned = list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(seq.eos_token_ids))
         bias.update({t: BAN for t in banned})
-    return bias
+    in_flight = []  # bans that hold only if the token in flight is `after`; a token may have a bias too
+    if seq.bad_words:
+        outputs = seq.output_token_ids + chunk.draft[:offset]
+        for token, after in bad_word_bans(seq.bad_words, outputs, in_flight=seq.pending_index is not None):
+            if after == ALWAYS:
+                bias[token] = BAN
+            else:
+                in_flight.append((token, BAN, after))
+    return [(token, value, ALWAYS) for token, value in bias.items()] + in_flight
 
 
 def _fill_sampling(t: SamplingTensors, row_chunks: list[ScheduledChunk], offsets: list[int]) -> None:
@@ -148,16 +168,18 @@ def _fill_sampling(t: SamplingTensors, row_chunks: list[ScheduledChunk], offsets
     t.counters[:n] = [c.seq.num_output_tokens + j for c, j in zip(row_chunks, offsets)]
     for row, (chunk, j) in enumerate(zip(row_chunks, offsets)):
         seq, p = chunk.seq, params[row]
-        if p.logit_bias or p.min_tokens > seq.num_output_tokens + j:
-            for slot, (token, value) in enumerate(bias_entries(chunk, j).items()):
-                t.bias_ids[row, slot], t.bias_values[row, slot] = token, value
+        if seq.pending_index is not None:  # sampled by the step in flight: the sampler reads it on the device
+            t.fed_row[row] = seq.pending_row
+        if needs_bias(seq, j):
+            for slot, entry in enumerate(bias_entries(chunk, j)):
+                t.bias_ids[row, slot], t.bias_values[row, slot], t.bias_after[row, slot] = entry
         if p.needs_penalties:  # over the tokens before the position it samples: the drafts before it count
             t.presence[row], t.frequency[row], t.repetition[row] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             length = seq.num_tokens + j
             t.history[row, :length] = seq.token_ids + chunk.draft[:j] if j else seq.token_ids
             t.history_is_output[row, seq.num_prompt_tokens : length] = True
-            if seq.pending_index is not None:  # sampled by the step in flight: the sampler reads it on the device
-                t.history_fed_pos[row], t.history_fed_row[row] = seq.pending_index, seq.pending_row
+            if seq.pending_index is not None:
+                t.history_fed_pos[row] = seq.pending_index
             holes = np.flatnonzero(t.history[row, :length] == PLACEHOLDER)
             assert list(holes) in ([], [seq.pending_index]), "a token the penalties cannot see (two steps in flight)"
 

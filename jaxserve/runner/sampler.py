@@ -27,14 +27,17 @@ class SamplingTensors:
     min_p: jax.Array  # [B] f32
     seeds: jax.Array  # [B] u32
     counters: jax.Array  # [B] i32, tokens generated so far by the row's sequence
-    bias_ids: jax.Array  # [B, BIAS_SLOTS] i32, padded with V (dropped); logit_bias and min_tokens bans
-    bias_values: jax.Array  # [B, W] f32
+    bias_ids: jax.Array  # [B, BIAS_SLOTS] i32, padded with V (dropped); logit_bias, min_tokens and bad-word bans
+    bias_values: jax.Array  # [B, BIAS_SLOTS] f32
+    # -1: the bias applies; else only if the row's token sampled by the previous step (`fed_row`) is this one: a
+    # bad word whose next-to-last token is still in flight (async scheduling, token_rules.py).
+    bias_after: jax.Array  # [B, BIAS_SLOTS] i32
     history: jax.Array  # [B, P] i32 prompt+output ids for penalties, padded with V; P = max_model_len, or 0 when unused
     history_is_output: jax.Array  # [B, P] bool
     # Async scheduling: the history position (-1: none) whose id is still a placeholder on the host, and the row
-    # of the previous step's sampled tokens that holds it on the device.
+    # of the previous step's sampled tokens that holds the row's last token on the device.
     history_fed_pos: jax.Array  # [B] i32
-    history_fed_row: jax.Array  # [B] i32
+    fed_row: jax.Array  # [B] i32
     presence: jax.Array  # [B] f32
     frequency: jax.Array  # [B] f32
     repetition: jax.Array  # [B] f32
@@ -93,17 +96,23 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
 
 
-def _apply_bias(logits, t: SamplingTensors):
+def _fed(t: SamplingTensors, fed_tokens: jax.Array) -> jax.Array:
+    """[B, 1] each row's last token as the previous step sampled it (meaningful where the host has a placeholder)."""
+    return fed_tokens[jnp.maximum(t.fed_row, 0)][:, None]
+
+
+def _apply_bias(logits, t: SamplingTensors, fed_tokens: jax.Array):
     rows = jnp.arange(logits.shape[0])[:, None]
-    return logits.at[rows, t.bias_ids].add(t.bias_values, mode="drop")
+    values = jnp.where((t.bias_after < 0) | (t.bias_after == _fed(t, fed_tokens)), t.bias_values, 0.0)
+    return logits.at[rows, t.bias_ids].add(values, mode="drop")
 
 
 def _apply_penalties(logits, t: SamplingTensors, fed_tokens: jax.Array):
     B, V = logits.shape
     rows = jnp.arange(B)[:, None]
     # The token the previous step sampled is on the device only: put it where the host holds its placeholder.
-    fed = fed_tokens[jnp.maximum(t.history_fed_row, 0)][:, None]
-    history = jnp.where(jnp.arange(t.history.shape[1])[None, :] == t.history_fed_pos[:, None], fed, t.history)
+    history = jnp.where(jnp.arange(t.history.shape[1])[None, :] == t.history_fed_pos[:, None], _fed(t, fed_tokens),
+                        t.history)
     out_counts = jnp.zeros((B, V), jnp.float32).at[rows, history].add(t.history_is_output.astype(jnp.float32), mode="drop")
     seen = jnp.zeros((B, V), bool).at[rows, history].set(True, mode="drop")
     rep = t.repetition[:, None]
@@ -112,7 +121,7 @@ def _apply_penalties(logits, t: SamplingTensors, fed_tokens: jax.Array):
 
 
 def _apply_allowed(logits, t: SamplingTensors):
-    """Rule out every token the row's grammar does not allow next."""
+    """Rule out every token the row's grammar (or allowed_token_ids) does not allow next."""
     B, V = logits.shape
     bits = jnp.arange(32, dtype=jnp.int32)
     allowed = (t.allowed[:, :, None] >> bits[None, None, :]) & 1  # [B, W, 32]; the arithmetic shift keeps bit 31
@@ -128,8 +137,8 @@ def _gumbel(t: SamplingTensors, vocab: int):
 
 
 def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, fed_tokens: jax.Array) -> SamplerOutput:
-    """`fed_tokens`: the previous step's sampled tokens (async scheduling), which penalties may need."""
-    x = _apply_bias(logits, t)
+    """`fed_tokens`: the previous step's sampled tokens (async scheduling), which penalties and bad words may need."""
+    x = _apply_bias(logits, t, fed_tokens)
     if flags.penalties:
         x = _apply_penalties(x, t, fed_tokens)
     if flags.constrained:

@@ -93,6 +93,8 @@ class SamplingFields(OpenAIModel):
     spaces_between_special_tokens: bool = True
     priority: int = 0
     truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     use_beam_search: bool = False  # vLLM's: `n` beams, all returned, best first
     length_penalty: float = 1.0  # beam search: scores are cumulative logprob / length ** length_penalty
 
@@ -134,14 +136,16 @@ class SamplingFields(OpenAIModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             structured_outputs=self._structured_outputs(),
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             **specific,
         )
 
     def beam_search_params(self, params: SamplingParams) -> BeamSearchParams | SamplingParams:
         """With use_beam_search, the search the body asks for (n beams; `params`' length and EOS settings);
         otherwise `params`. A ValueError names a field the search cannot honour: beams are ranked by the model's
-        own logprobs, so penalties, biases and grammars would be ignored (temperature, top_p, top_k, min_p and
-        seed do not apply: the search is deterministic)."""
+        own logprobs, so penalties, biases, token rules and grammars would be ignored (temperature, top_p, top_k,
+        min_p and         seed do not apply: the search is deterministic)."""
         if not self.use_beam_search:
             return params
         conflicts = {"best_of": getattr(self, "best_of", None) not in (None, self.n),
@@ -150,7 +154,8 @@ class SamplingFields(OpenAIModel):
                      "min_tokens": params.min_tokens > 0, "presence_penalty": self.presence_penalty != 0,
                      "frequency_penalty": self.frequency_penalty != 0,
                      "repetition_penalty": self.repetition_penalty not in (None, 1.0),
-                     "logit_bias": bool(self.logit_bias),
+                     "logit_bias": bool(self.logit_bias), "allowed_token_ids": params.allowed_token_ids is not None,
+                     "bad_words": bool(params.bad_words),
                      "truncate_prompt_tokens": params.truncate_prompt_tokens is not None}
         if params.constrained:
             source = params.structured_outputs.source or "structured_outputs"

@@ -82,6 +82,20 @@ def test_penalties_count_the_token_still_on_the_device(engines, monkeypatch, tem
     assert any(fed for fed, _ in sources)  # decode steps were dispatched before the host knew their input
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_bad_words_check_the_token_still_on_the_device(engines, monkeypatch, temperature):
+    """A multi-token bad word's ban depends on the token before its last, which may still be on the device."""
+    fast, slow = engines
+    params = SamplingParams(temperature=temperature, seed=7, max_tokens=16, ignore_eos=True)
+    plain = run(slow, PROMPTS, params)
+    encode = lambda word: slow.tokenizer.encode(" " + word, add_special_tokens=False)  # noqa: E731
+    words = [w for out in plain for w in out[0][1].split() if len(encode(w)) > 1]
+    assert words, "the outputs hold no multi-token word to ban"
+    sources = spy_token_sources(monkeypatch)
+    assert both(engines, PROMPTS, params.replace(bad_words=words)) != plain
+    assert any(fed for fed, _ in sources)
+
+
 def test_decode_inputs_come_from_the_device_while_the_host_catches_up(engines, monkeypatch):
     fast, _ = engines
     sources = spy_token_sources(monkeypatch)

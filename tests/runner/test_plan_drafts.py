@@ -9,19 +9,20 @@ from jaxserve.core.request import Sequence
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.plan import BAN, PlanShape, build_step_inputs
+from jaxserve.token_rules import ALWAYS, allowed_bitmask
 from tests.core.test_speculative_scheduling import FixedProposer
 
 V = 1000
 
 
-def drafted_step(**params):
+def drafted_step(bad_words=(), allowed_mask=None, **params):
     from jaxserve.sampling_params import SamplingParams
 
     blocks = BlockManager(64, 4)
     s = Scheduler(SchedulerConfig(8, 64, 64), blocks, proposer=FixedProposer([60, 61, 62]))
     other = Sequence(1, "b", 0, [7, 8], 2, SamplingParams(max_tokens=10), seed=9, arrival=0, max_model_len=64)
     seq = Sequence(0, "a", 0, [1, 2, 3, 4, 5], 5, SamplingParams(max_tokens=10, **params), seed=5, arrival=1,
-                   max_model_len=64, eos_token_ids=(2,))
+                   max_model_len=64, eos_token_ids=(2,), bad_words=bad_words, allowed_mask=allowed_mask)
     for q in (other, seq):
         s.add(q)
     s.update(s.schedule(), [40, 50])  # both prompts' steps: other samples 40, seq samples 50
@@ -47,6 +48,16 @@ def test_rows_sample_after_each_draft_with_their_own_position():
         assert t.history[4 + j, :length].tolist() == [1, 2, 3, 4, 5, 50, 60, 61, 62][:length]
         assert (t.history[4 + j, length:] == V).all()
         assert t.history_is_output[4 + j].tolist() == [False] * 5 + [True] * (1 + j) + [False] * (64 - 6 - j)
+
+
+def test_bad_words_and_allowed_tokens_follow_the_drafts_before_each_row():
+    mask = allowed_bitmask([60, 61, 62, 99], V)
+    t = drafted_step(bad_words=((50, 60, 99), (61, 98)), allowed_mask=mask).sampling
+    bans = [t.bias_ids[r][t.bias_values[r] == BAN].tolist() for r in range(4, 8)]
+    # seq's rows sample after 50 | 50 60 (bans 99) | 50 60 61 (bans 98) | 50 60 61 62; nothing is in flight.
+    assert bans == [[], [99], [98], []]
+    assert (t.bias_after[4:8] == ALWAYS).all()
+    assert (t.allowed[4:8] == mask).all() and (t.allowed[:4] == -1).all()
 
 
 def test_a_constrained_rows_masks_follow_the_drafts_before_them(smol_tokenizer):

@@ -39,8 +39,9 @@ def _tensors(B: int, temperature: float, allowed: np.ndarray | None = None) -> S
         top_p=jnp.ones(B, jnp.float32), min_p=jnp.zeros(B, jnp.float32),
         seeds=jnp.arange(B, dtype=jnp.uint32), counters=jnp.zeros(B, jnp.int32),
         bias_ids=jnp.full((B, BIAS_SLOTS), V, jnp.int32), bias_values=jnp.zeros((B, BIAS_SLOTS), jnp.float32),
+        bias_after=jnp.full((B, BIAS_SLOTS), -1, jnp.int32),
         history=jnp.zeros((B, 0), jnp.int32), history_is_output=jnp.zeros((B, 0), bool),
-        history_fed_pos=jnp.full(B, -1, jnp.int32), history_fed_row=jnp.zeros(B, jnp.int32),
+        history_fed_pos=jnp.full(B, -1, jnp.int32), fed_row=jnp.zeros(B, jnp.int32),
         presence=jnp.zeros(B, jnp.float32), frequency=jnp.zeros(B, jnp.float32), repetition=jnp.ones(B, jnp.float32),
         allowed=jnp.asarray(allowed if allowed is not None else np.zeros((B, 0), np.int32)))
 
@@ -98,6 +99,21 @@ def test_a_grammar_mask_allows_exactly_its_tokens(temperature):
     if temperature == 0.0:
         expected = np.argmax(np.where(allowed, np.asarray(logits), -np.inf), axis=-1)
         np.testing.assert_array_equal(tokens, expected)
+
+
+def test_a_ban_after_a_token_in_flight_holds_only_when_that_token_came():
+    """A bad word whose next-to-last token is still on the device: its ban waits for the sampled token."""
+    B = 3
+    logits = np.zeros((B, V), np.float32)
+    logits[:, 5] = 10.0
+    t = _tensors(B, 0.0)
+    t.bias_ids = t.bias_ids.at[:, 0].set(5)
+    t.bias_values = t.bias_values.at[:, 0].set(-1e9)
+    t.bias_after = t.bias_after.at[:, 0].set(jnp.asarray([7, 7, -1]))  # row 2's ban holds whatever came
+    t.fed_row = jnp.asarray([2, 0, 1], jnp.int32)  # rows of the previous step's tokens
+    fed_tokens = jnp.asarray([8, 9, 7], jnp.int32)  # row 0 was fed 7 (banned), row 1 was fed 8 (not)
+    tokens = np.asarray(sample(jnp.asarray(logits), t, SamplerFlags(), fed_tokens).tokens)
+    assert tokens[1] == 5 and tokens[0] != 5 and tokens[2] != 5, tokens
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])

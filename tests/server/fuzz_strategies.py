@@ -54,6 +54,7 @@ NASTY_SAMPLING = {
     "priority": ints, "temperature": numbers, "top_p": numbers, "min_p": numbers, "presence_penalty": numbers,
     "frequency_penalty": numbers, "repetition_penalty": numbers, "stop": stops,
     "stop_token_ids": st.lists(token_ids, max_size=4), "logit_bias": logit_bias,
+    "allowed_token_ids": st.lists(token_ids, max_size=4) | strings, "bad_words": stops,
     "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "ignore_eos": st.booleans(), "model": st.sampled_from(["fake", "gpt-4"]) | strings, "user": strings,
 }
@@ -68,6 +69,7 @@ VALID_SAMPLING = {
     "repetition_penalty": st.floats(0.5, 2), "stop": st.lists(valid_text, max_size=2),
     "stop_token_ids": st.lists(valid_ids, max_size=2),
     "logit_bias": st.dictionaries(valid_ids.map(str), st.floats(-100, 100), max_size=2),
+    "allowed_token_ids": st.lists(valid_ids, min_size=1, max_size=3), "bad_words": st.lists(valid_text, max_size=2),
     "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "ignore_eos": st.booleans(), "model": st.just("fake"),
 }

@@ -130,6 +130,10 @@ REAL_BAD_BODIES = [
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**12]}, "vocabulary"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"49152": 1}}, "vocabulary"),
     ("/v1/completions", {"prompt": "x", "top_k": 10**30}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [49152]}, "allowed_token_ids has token id 49152"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids is empty"),
+    ("/v1/completions", {"prompt": "x", "bad_words": [f"w{i}" for i in range(200)]}, "bad_words"),
+    ("/v1/completions", {"prompt": "x", "bad_words": ["no"], "use_beam_search": True, "n": 2}, "bad_words"),
 ]
 
 
@@ -144,7 +148,8 @@ def test_real_engine_refuses_what_it_cannot_serve_with_400(real_server, path, bo
 REAL_EXTREME_PARAMS = [{"temperature": 1e300}, {"temperature": 2e-5}, {"repetition_penalty": 1e300},
                        {"repetition_penalty": 1e-300}, {"top_p": 1e-300}, {"min_p": 1.0}, {"top_k": 2**31 - 1},
                        {"seed": -(2**63)}, {"seed": 10**30}, {"priority": -(10**30)},
-                       {"presence_penalty": 2, "frequency_penalty": -2}, {"logit_bias": {"5": 1e9}}]
+                       {"presence_penalty": 2, "frequency_penalty": -2}, {"logit_bias": {"5": 1e9}},
+                       {"allowed_token_ids": [0]}, {"bad_words": ["a" * 5000]}]
 
 
 def test_real_engine_survives_extreme_sampling_values(real_server):

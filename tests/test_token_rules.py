@@ -1,0 +1,40 @@
+"""token_rules.py on its own: the bans a bad word asks for, with and without a token in flight, and the bitmask of
+allowed tokens."""
+
+import numpy as np
+import pytest
+
+from jaxserve.token_rules import ALWAYS, allowed_bitmask, bad_word_bans
+
+WORDS = ((5,), (1, 2), (1, 2, 3))
+
+
+@pytest.mark.parametrize("outputs, expected", [
+    ([], [(5, ALWAYS)]),
+    ([9, 1], [(5, ALWAYS), (2, ALWAYS)]),
+    ([1, 2], [(5, ALWAYS), (3, ALWAYS)]),
+    ([1], [(5, ALWAYS), (2, ALWAYS)]),
+    ([2, 1], [(5, ALWAYS), (2, ALWAYS)]),
+])
+def test_bans_when_every_token_is_known(outputs, expected):
+    assert bad_word_bans(WORDS, outputs, in_flight=False) == expected
+
+
+@pytest.mark.parametrize("outputs, expected", [
+    ([], [(5, ALWAYS), (2, 1)]),  # the in-flight token may be a word's first
+    ([1], [(5, ALWAYS), (2, 1), (3, 2)]),  # "1 ?": the three-token word if ? is 2
+    ([7], [(5, ALWAYS), (2, 1)]),
+])
+def test_bans_that_depend_on_the_token_in_flight(outputs, expected):
+    assert bad_word_bans(WORDS, outputs, in_flight=True) == expected
+
+
+def test_allowed_bitmask_sets_exactly_the_allowed_bits():
+    vocab = 70
+    ids = [0, 31, 32, 69, 31]
+    mask = allowed_bitmask(ids, vocab)
+    assert mask.shape == (3,) and mask.dtype == np.int32
+    bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab]
+    assert np.flatnonzero(bits).tolist() == [0, 31, 32, 69]
+    with pytest.raises(ValueError, match="token id 70, outside the vocabulary"):
+        allowed_bitmask([70], vocab)
