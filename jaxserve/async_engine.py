@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+from jaxserve.admission import Admission
 from jaxserve.beam_search_params import BeamSearchParams
 from jaxserve.beam_search_stream import BeamSearchStream
 from jaxserve.lora_request import LoRARequest
@@ -53,21 +54,17 @@ class AsyncEngine:
         `log_prompts`: log each request's prompt; off by default, since prompts may hold private data.
         `step_timeout`: a step running longer reports the engine unhealthy, so a hung device (which neither
         fails nor returns) takes the server out of a load balancer's rotation (None: never)."""
-        if max_waiting_requests < 1:
-            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        self.admission = Admission(max_waiting_requests)
         for name, value in (("request_timeout", request_timeout), ("step_timeout", step_timeout)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds or None, got {value}")
         self.step_timeout = step_timeout
         self._step_started: float | None = None  # monotonic start of the step running now, if any
         self.engine = engine
-        self.max_waiting_requests = max_waiting_requests
         self.request_timeout = request_timeout
         self.log_prompts = log_prompts
         self._commands: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()  # guards the counters and id set below, shared by both sides
-        self._active_ids: set[str] = set()
-        self._num_waiting = 0
+        self._lock = threading.Lock()  # guards _stats and _loop_exited, shared by both sides
         self._streams: dict[str, RequestStream] = {}  # owned by the loop thread
         self._error: BaseException | None = None
         self._stopped = False
@@ -125,13 +122,13 @@ class AsyncEngine:
     @property
     def num_in_flight(self) -> int:
         """Requests admitted whose consumer has not yet seen their end."""
-        with self._lock:
-            return len(self._active_ids)
+        return self.admission.num_in_flight
 
     def stats(self) -> dict:
         """The engine's counters as of its last step, plus requests admitted but not yet producing output."""
         with self._lock:
-            return {**self._stats, "num_waiting_for_first_output": self._num_waiting}
+            stats = self._stats
+        return {**stats, "num_waiting_for_first_output": self.admission.num_waiting}
 
     # --- requests ---------------------------------------------------------------------------------------------
     async def add_request(
@@ -145,7 +142,7 @@ class AsyncEngine:
         beam search's next round), which neither a full queue nor a graceful shutdown's drain refuses.
         """
         self._raise_if_dead(draining_refuses=not continuing)
-        self._admit(request_id, bounded=not continuing)
+        self.admission.admit(request_id, bounded=not continuing)
         try:
             request = await asyncio.to_thread(
                 self.engine.prepare_request, request_id, prompt, params, priority=priority, lora_request=lora_request
@@ -153,7 +150,7 @@ class AsyncEngine:
             stream = RequestStream(request_id, self._stream_done)
             self._submit((_ADD, request, stream))
         except BaseException:
-            self._release_admission(request_id)
+            self.admission.withdraw(request_id)
             raise
         self._log_admission(request_id, prompt, params)
         if self.request_timeout is not None:
@@ -209,44 +206,11 @@ class AsyncEngine:
         if self._watchdog is not None and self._loop_done.is_set():
             self._watchdog.join()  # returns at once: it wakes on _loop_done
 
-    # --- admission bookkeeping (both sides) -------------------------------------------------------------------
-    def track(self, request_id: str) -> None:
-        """Count work made of several requests (a beam search) in flight from start to end, so that a graceful
-        shutdown waits for it between its requests too; `untrack` when it ends."""
-        with self._lock:
-            if request_id in self._active_ids:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._active_ids.add(request_id)
-
-    def untrack(self, request_id: str) -> None:
-        with self._lock:
-            self._active_ids.discard(request_id)
-
-    def _admit(self, request_id: str, bounded: bool = True) -> None:
-        with self._lock:
-            if request_id in self._active_ids:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            if bounded and self._num_waiting >= self.max_waiting_requests:
-                raise QueueFull(self._num_waiting, self.max_waiting_requests)
-            self._active_ids.add(request_id)
-            self._num_waiting += 1
-
-    def _release_admission(self, request_id: str) -> None:
-        with self._lock:
-            self._active_ids.discard(request_id)
-            self._num_waiting -= 1
-
+    # --- both sides -------------------------------------------------------------------------------------------
     def _stream_done(self, request_id: str, still_running: bool) -> None:
-        with self._lock:
-            self._active_ids.discard(request_id)
+        self.admission.done(request_id)
         if still_running:
             self._submit_abort(request_id)
-
-    def _mark_started(self, stream: RequestStream) -> None:
-        with self._lock:
-            if stream.waiting_for_first_output:
-                stream.waiting_for_first_output = False
-                self._num_waiting -= 1
 
     def _submit_abort(self, request_id: str, error: Exception | None = None) -> None:
         """Abort a request; its stream ends with `error`, or quietly when None."""
@@ -346,7 +310,7 @@ class AsyncEngine:
             try:
                 self.engine.add_prepared_request(request)
             except Exception as exc:  # noqa: BLE001 - a rejected request fails alone, the engine is fine
-                self._mark_started(stream)
+                self.admission.started(stream)
                 stream.push(exc)
                 return
             self._streams[stream.request_id] = stream
@@ -357,7 +321,7 @@ class AsyncEngine:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 self.engine.abort_request(request_id)
-                self._mark_started(stream)
+                self.admission.started(stream)
                 stream.push(END_OF_STREAM if error is None else error)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -365,7 +329,7 @@ class AsyncEngine:
             stream = self._streams.get(output.request_id)
             if stream is None:  # aborted while this step ran
                 continue
-            self._mark_started(stream)
+            self.admission.started(stream)
             if output.finished:
                 del self._streams[output.request_id]
             stream.push(output)  # Engine.step builds fresh outputs: nothing is shared with the loop thread
@@ -389,7 +353,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == _ADD:
-                self._mark_started(command[2])
+                self.admission.started(command[2])
                 command[2].push(error)
 
     def _end_all_streams(self, error: Exception, abort: bool) -> None:
@@ -399,7 +363,7 @@ class AsyncEngine:
                     self.engine.abort_request(request_id)
                 except Exception:  # noqa: BLE001 - shutting down anyway; freeing blocks is best effort
                     logger.exception("could not abort request %s during shutdown", request_id)
-            self._mark_started(stream)
+            self.admission.started(stream)
             stream.push(error)
         self._streams.clear()
 

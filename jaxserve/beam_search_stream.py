@@ -28,7 +28,7 @@ class BeamSearchStream:
         self._priority, self._lora = priority, lora_request
         self._round_streams: list[RequestStream] = round_streams
         self._task = asyncio.ensure_future(self._run())
-        self._task.add_done_callback(lambda _: engine.untrack(request_id))
+        self._task.add_done_callback(lambda _: engine.admission.done(request_id))
         self._returned = False
         # The engine's request timeout bounds the whole search (each round request also has it, but is short).
         self._timed_out: RequestTimedOut | None = None
@@ -42,11 +42,11 @@ class BeamSearchStream:
         """`engine`: an AsyncEngine. The first round is queued here, so its refusals (prompt too long, queue
         full, unknown adapter) reach the caller."""
         search = await asyncio.to_thread(engine.engine.prepare_beam_search, prompt, params)
-        engine.track(request_id)  # in flight between rounds too, so a graceful shutdown lets it finish
+        engine.admission.track(request_id)  # in flight between rounds too, so a graceful shutdown lets it finish
         try:
             first = await _start_round(engine, search, request_id, 0, priority, lora_request)
         except BaseException:
-            engine.untrack(request_id)
+            engine.admission.done(request_id)
             raise
         return cls(engine, search, request_id, prompt if isinstance(prompt, str) else None, first, priority,
                    lora_request)
