@@ -66,6 +66,7 @@ class AsyncEngine:
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # guards _stats and _loop_exited, shared by both sides
         self._streams: dict[str, RequestStream] = {}  # owned by the loop thread
+        self._searches: dict[str, BeamSearchStream] = {}  # owned by the asyncio side
         self._error: BaseException | None = None
         self._stopped = False
         self._draining = False  # set by stop_admitting(): new requests are refused, admitted ones run on
@@ -173,10 +174,18 @@ class AsyncEngine:
                           priority: int = 0, lora_request: LoRARequest | None = None) -> BeamSearchStream:
         """Start a beam search (engine_beam_search.py); its one finished output, a choice per beam, arrives on
         the returned stream. Raises as `add_request` does, before anything runs."""
-        return await BeamSearchStream.start(self, prompt, params, request_id, priority, lora_request)
+        search = await BeamSearchStream.start(self, prompt, params, request_id, priority, lora_request)
+        self._searches[request_id] = search
+        search.add_done_callback(lambda: self._searches.pop(request_id, None))
+        return search
 
     async def abort(self, request_id: str) -> None:
-        self._submit_abort(request_id)
+        """Stop a request (or a beam search): its stream ends without a further output."""
+        search = self._searches.pop(request_id, None)
+        if search is not None:
+            search.abort()
+        else:
+            self._submit_abort(request_id)
 
     # --- LoRA adapters ----------------------------------------------------------------------------------------
     async def add_lora(self, lora_request: LoRARequest, load_inplace: bool = False) -> LoRARequest:

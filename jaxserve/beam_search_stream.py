@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 class BeamSearchStream:
     """One prompt's beam search on an AsyncEngine. Iterate with `async for` (one finished RequestOutput);
     `close()` stops it and aborts the round in flight. Start it with `BeamSearchStream.start`, which raises
-    ValueError for bad input before anything runs."""
+    ValueError for bad input before anything runs. `abort()` stops it as an aborted request ends: the consumer's
+    iteration ends without an output."""
 
     def __init__(self, engine, search: BeamSearch, request_id: str, prompt: str | None, round_streams,
                  priority: int, lora_request: LoRARequest | None):
@@ -30,6 +31,7 @@ class BeamSearchStream:
         self._task = asyncio.ensure_future(self._run())
         self._task.add_done_callback(lambda _: engine.admission.done(request_id))
         self._returned = False
+        self._aborted = False
         # The engine's request timeout bounds the whole search (each round request also has it, but is short).
         self._timed_out: RequestTimedOut | None = None
         timeout = engine.request_timeout
@@ -63,6 +65,8 @@ class BeamSearchStream:
         except asyncio.CancelledError:
             if self._timed_out is not None and self._task.cancelled():
                 raise self._timed_out from None
+            if self._aborted and self._task.cancelled():
+                raise StopAsyncIteration from None
             raise
         if output is None:  # a round was aborted (a shutdown): end like an aborted RequestStream
             raise StopAsyncIteration
@@ -80,6 +84,14 @@ class BeamSearchStream:
         elif not self._task.cancelled():
             self._task.exception()  # a failure nobody will read now: retrieved, so asyncio does not log it
         _close(self._round_streams)
+
+    def abort(self) -> None:
+        self._aborted = True
+        self.close()
+
+    def add_done_callback(self, callback) -> None:
+        """`callback()` once the search has ended, however it ended."""
+        self._task.add_done_callback(lambda _: callback())
 
     def _expire(self, timeout: float) -> None:
         if not self._task.done():

@@ -173,6 +173,23 @@ def test_closing_a_beam_search_stops_its_rounds(engine, fake):
     assert not fake.has_unfinished_requests()
 
 
+def test_aborting_a_beam_search_by_its_id_ends_its_stream_quietly(engine, fake):
+    fake.step_delay = 0.02
+
+    async def run():
+        stream = await engine.beam_search("Hello", BeamSearchParams(beam_width=2, max_tokens=200), "beam")
+        await asyncio.sleep(0.1)
+        await engine.abort("beam")
+        outputs = [output async for output in stream]
+        rounds_at_abort = len(fake.prompts)
+        await asyncio.sleep(0.2)
+        return outputs, rounds_at_abort
+
+    outputs, rounds_at_abort = asyncio.run(run())
+    assert outputs == [] and 1 < rounds_at_abort < 400 and len(fake.prompts) == rounds_at_abort
+    assert not fake.has_unfinished_requests() and engine.num_in_flight == 0 and not engine._searches
+
+
 def test_the_request_timeout_bounds_the_whole_beam_search(fake):
     fake.step_delay = 0.02
     engine = AsyncEngine(fake, request_timeout=0.3)
