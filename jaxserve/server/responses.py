@@ -99,7 +99,8 @@ async def create_response(request: Request) -> Response:
 
 async def _events(job: ResponseJob, state: ServerState) -> AsyncIterator[dict[str, Any]]:
     """The stream's events; a failure once it has begun (a timeout, an engine failure, an abort) ends it with
-    `response.failed`, the response so far with status "failed" and the error, as OpenAI ends a failed one."""
+    `response.failed`, the response so far (the item cut short closed as incomplete) with status "failed" and the
+    error, as OpenAI ends a failed one (and keeps it, when stored)."""
     events = ResponseEvents()
     yield events.event("response.created", response=job.body([], "in_progress"))
     try:
@@ -107,8 +108,12 @@ async def _events(job: ResponseJob, state: ServerState) -> AsyncIterator[dict[st
             yield event
     except Exception as exc:  # noqa: BLE001 - headers are sent: the stream is the only way left to report it
         error = from_exception(exc).body()["error"]
+        for event in events.close("incomplete"):  # the item cut short, done with its text so far
+            yield event
         failed = {**job.body(events.items, "failed"),
                   "error": {"code": error.get("code") or "server_error", "message": error["message"]}}
+        if job.request.stored:  # the client has its id from response.created: GET answers with the failure
+            state.responses.put(failed, job.conversation + (input_messages(events.items) if events.items else []))
         yield events.event("response.failed", response=failed)
 
 

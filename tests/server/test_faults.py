@@ -97,6 +97,14 @@ def test_request_timeout_mid_stream_fails_a_response_with_response_failed(serve)
     assert failed["response"]["error"]["code"] == "request_timeout"
     assert failed["sequence_number"] == len(events) - 1
     assert wait_until(lambda: engine.stats()["free_blocks"] == fake.total_blocks and engine.num_in_flight == 0)
+    # Stored (OpenAI's default), as OpenAI keeps a failed response: GET answers with the failure.
+    kept = httpx.get(f"{url}/v1/responses/{failed['response']['id']}").json()
+    assert kept["status"] == "failed" and kept["error"]["code"] == "request_timeout"
+    [message] = kept["output"]
+    assert kept["output"] == failed["response"]["output"] and message["status"] == "incomplete"
+    streamed = "".join(event["delta"] for event in events if event["type"] == "response.output_text.delta")
+    assert streamed and message["content"][0]["text"] == streamed
+    assert events[-2]["type"] == "response.output_item.done" and events[-2]["item"] == message
 
 
 # --- a failing step ---------------------------------------------------------------------------------------------
