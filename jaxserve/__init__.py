@@ -2,7 +2,8 @@
 
 from jaxserve.beam_search_params import BeamSearchParams
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from jaxserve.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput,
+                              ScoringOutput, ScoringRequestOutput)
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
@@ -23,4 +24,5 @@ def __getattr__(name):
 
 
 __all__ = ["Engine", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "LoRARequest",
-           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput", "BeamSearchParams"]
+           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput", "BeamSearchParams",
+           "ScoringRequestOutput", "ScoringOutput"]

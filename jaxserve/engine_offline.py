@@ -1,6 +1,6 @@
-"""The synchronous Python API (vLLM's `LLM`): `generate`, `chat`, `stream`, built on the engine's request and
-step methods (`prepare_request`, `add_prepared_request`, `add_request`, `step`, `abort_request`), which the
-Engine class provides; kept apart from the step machinery in engine.py."""
+"""The synchronous Python API (vLLM's `LLM`): `generate`, `embed`, `score`, `chat`, `stream`, built on the
+engine's request and step methods (`prepare_request`, `add_prepared_request`, `add_request`, `step`,
+`abort_request`), which the Engine class provides; kept apart from the step machinery in engine.py."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from collections.abc import Iterator
 
 from jaxserve.engine_inputs import normalise_conversations, normalise_prompts
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput
+from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.scoring import as_prompts, cosine_similarity, score_pairs
 
 
 class OfflineAPI:
@@ -31,6 +32,20 @@ class OfflineAPI:
         """Embed prompts (as `generate` takes them), in input order: `output.outputs.embedding` is the final hidden
         state at the prompt's last token, normalized unless `PoolingParams(normalize=False)` (vLLM's `LLM.embed`)."""
         return self._run_all(normalise_prompts(prompts), pooling_params or PoolingParams(), use_tqdm, lora_request)
+
+    def score(self, text_1, text_2, use_tqdm: bool = True,
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+        """Score text pairs by the cosine similarity of their embeddings (vLLM's `LLM.score` for an embedding
+        model): one `text_1` against each of `text_2`, or the two lists pairwise; a text may be a str or token ids."""
+        first, second = as_prompts(text_1), as_prompts(text_2)
+        pairs = score_pairs(len(first), len(second))
+        embedded = self.embed(first + second, use_tqdm=use_tqdm, lora_request=lora_request)
+        firsts, seconds = embedded[: len(first)], embedded[len(first):]
+        return [ScoringRequestOutput(f"score-{next(self._request_ids)}",
+                                     ScoringOutput(cosine_similarity(firsts[i].outputs.embedding,
+                                                                     seconds[j].outputs.embedding)),
+                                     firsts[i].prompt_token_ids + seconds[j].prompt_token_ids)
+                for i, j in pairs]
 
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,

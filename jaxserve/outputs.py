@@ -57,3 +57,19 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     num_cached_tokens: int = 0
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One pair's score (vLLM's `ScoringRequestOutput`): the cosine similarity of the two texts' embeddings;
+    `prompt_token_ids` are the first text's then the second's."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

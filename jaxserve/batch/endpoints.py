@@ -28,6 +28,7 @@ from jaxserve.server.request_bodies import (
     resolve_model_name,
 )
 from jaxserve.server.response_bodies import ChatRendering, CompletionRendering, OutputParsers
+from jaxserve.server.scores import RerankRendering, RerankRequest, ScoreRendering, ScoreRequest
 
 # Body fields that make no sense as job-wide defaults (each request has its own prompt) or in a batch at all.
 NOT_DEFAULTS = {"prompt", "messages", "stream", "stream_options"}
@@ -47,6 +48,14 @@ class Endpoint:
     example_body: dict  # the smallest valid body, to check sampling defaults against
 
 
+def _pooled(schema: type, id_prefix: str, rendering_class: type, example_body: dict) -> Endpoint:
+    """An endpoint that embeds its body's `prompts()` and renders the embeddings (embeddings, scores, a ranking)."""
+    return Endpoint(schema=schema, id_prefix=id_prefix,
+                    inputs=lambda request, engine, _: (request.prompts(), request.pooling_params()),
+                    rendering=lambda request, model, response_id, *_: rendering_class(request, model, response_id),
+                    render=lambda rendering, finals: rendering.full_response(finals), example_body=example_body)
+
+
 ENDPOINTS: dict[str, Endpoint] = {
     "/v1/completions": Endpoint(
         schema=CompletionRequest, id_prefix="cmpl",
@@ -63,12 +72,9 @@ ENDPOINTS: dict[str, Endpoint] = {
             request, model, response_id, tokenizer, parsers.tool, parsers.bind_reasoning(prompts[0], params)),
         render=lambda rendering, finals: rendering.full_response(finals[0]),
         example_body={"messages": [{"role": "user", "content": "x"}]}),
-    "/v1/embeddings": Endpoint(
-        schema=EmbeddingRequest, id_prefix="embd",
-        inputs=lambda request, engine, _: (request.prompts(), request.pooling_params()),
-        rendering=lambda request, model, response_id, *_: EmbeddingRendering(request, model, response_id),
-        render=lambda rendering, finals: rendering.full_response(finals),
-        example_body={"input": "x"}),
+    "/v1/embeddings": _pooled(EmbeddingRequest, "embd", EmbeddingRendering, {"input": "x"}),
+    "/v1/score": _pooled(ScoreRequest, "score", ScoreRendering, {"text_1": "x", "text_2": "y"}),
+    "/v1/rerank": _pooled(RerankRequest, "rerank", RerankRendering, {"query": "x", "documents": ["y"]}),
 }
 
 

@@ -46,10 +46,12 @@ from jaxserve.server.protocol import (
 )
 from jaxserve.server.request_bodies import parse_request
 from jaxserve.server.responses import create_response, delete_response, retrieve_response
+from jaxserve.server.scores import create_rerank, create_score
 from jaxserve.server.serving import ServerState
 
-# Only the OpenAI routes need a key; health, metrics and tokenisation stay open, as in vLLM.
-PROTECTED_PREFIX = "/v1/"
+# Only the API routes need a key; health, metrics and tokenisation stay open, as in vLLM.
+PROTECTED_PREFIXES = ("/v1/", "/v2/")
+PROTECTED_PATHS = {"/score", "/rerank"}
 
 
 class APIKeyMiddleware:
@@ -67,7 +69,7 @@ class APIKeyMiddleware:
 
     def _needs_key(self, scope) -> bool:
         return (self.expected is not None and scope["type"] == "http" and scope["method"] != "OPTIONS"
-                and scope["path"].startswith(PROTECTED_PREFIX))
+                and (scope["path"].startswith(PROTECTED_PREFIXES) or scope["path"] in PROTECTED_PATHS))
 
     def _authorised(self, headers: Headers) -> bool:
         given = headers.get("authorization", "").encode()
@@ -148,6 +150,8 @@ ROUTES = [
     Route("/v1/completions", create_completion, methods=["POST"]),
     Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
     Route("/v1/embeddings", create_embedding, methods=["POST"]),
+    *(Route(path, create_score, methods=["POST"]) for path in ("/score", "/v1/score")),
+    *(Route(path, create_rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
     Route("/v1/responses", create_response, methods=["POST"]),
     Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),

@@ -84,10 +84,16 @@ class EmbeddingRendering:
 
 
 async def create_embedding(request: Request) -> Response:
+    return await serve_pooled(request, EmbeddingRequest, EmbeddingRendering, "embd")
+
+
+async def serve_pooled(request: Request, schema: type, rendering_class: type, id_prefix: str) -> Response:
+    """Embed the body's `prompts()` with its `pooling_params()` and answer with what `rendering_class` makes of
+    the embeddings (embeddings, scores, a ranking)."""
     state: ServerState = request.app.state.server
-    body = parse_request(EmbeddingRequest, await parse_json(request))
+    body = parse_request(schema, await parse_json(request))
     model = state.resolve_model(body.model)
-    rendering = EmbeddingRendering(body, model, f"embd-{uuid.uuid4().hex}")
+    rendering = rendering_class(body, model, f"{id_prefix}-{uuid.uuid4().hex}")
     params = checked_params(body, body.pooling_params)
     streams = await start_requests(state, body.prompts(), params, rendering.request_id, body.priority, model)
     completed, finals = await cancel_on_disconnect(request, collect_final_outputs(state, streams, time.monotonic()))

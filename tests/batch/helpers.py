@@ -22,6 +22,11 @@ def embedding_line(custom_id: str, input, **body) -> dict:
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings", "body": {"input": input, **body}}
 
 
+def pooled_line(custom_id: str, url: str, **body) -> dict:
+    """A /v1/score or /v1/rerank line."""
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
 def chat_line(custom_id: str, content: str, **body) -> dict:
     messages = [{"role": "user", "content": content}]
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
@@ -57,8 +62,11 @@ class Close(list):
 def comparable_body(body: dict) -> dict:
     """A response body without what differs between two runs of the same request (its id and time)."""
     body = {key: value for key, value in body.items() if key not in ("id", "created")}
-    if body.get("object") == "list":  # embeddings
-        body["data"] = [{**d, "embedding": Close(d["embedding"])} for d in body["data"]]
+    if body.get("object") == "list":  # embeddings, scores
+        body["data"] = [{**d, **{key: Close(d[key] if key == "embedding" else [d[key]])
+                                 for key in ("embedding", "score") if key in d}} for d in body["data"]]
+    if "results" in body:  # a ranking
+        body["results"] = [{**r, "relevance_score": Close([r["relevance_score"]])} for r in body["results"]]
     return body
 
 

@@ -17,6 +17,7 @@ from tests.batch.helpers import (
     chat_line,
     completion_line,
     embedding_line,
+    pooled_line,
     read_jsonl,
     results_by_custom_id,
     write_job,
@@ -31,6 +32,8 @@ LINES = (
     + ["{this line is not JSON", completion_line("too-long", "word " * 600)]
     + [embedding_line("embd-0", ["The ocean is deep.", "Numbers are fun."]), embedding_line("embd-1", [1, 2, 3])]
     + [completion_line("beams", "The capital of France is", n=2, use_beam_search=True)]
+    + [pooled_line("score", "/v1/score", text_1="The ocean is deep.", text_2=["The sea is deep.", "I like tea."]),
+       pooled_line("rerank", "/v1/rerank", query="deep water", documents=["A cup of tea.", "The deep ocean."])]
 )
 
 
@@ -52,7 +55,7 @@ def uninterrupted(tmp_path_factory, engine, smollm2_gguf_path):
     """custom_id -> (status, body minus id/created) of the whole job run in one go."""
     job = job_in(tmp_path_factory.mktemp("uninterrupted") / "job", smollm2_gguf_path)
     summary = run_job(job, engine=engine, show_progress=False)
-    assert (summary.total, summary.totals.succeeded, summary.totals.failed) == (59, 57, 2)
+    assert (summary.total, summary.totals.succeeded, summary.totals.failed) == (61, 59, 2)
     return results_by_custom_id(job.parent / "out.jsonl")
 
 
@@ -86,9 +89,9 @@ def test_killed_and_rerun_job_equals_an_uninterrupted_one(tmp_path, smollm2_gguf
     rerun = start_batch(job)
     log = rerun.communicate(timeout=600)[0]
     assert rerun.returncode == 0, log[-3000:]
-    assert f"resuming: {lines_at_kill} of 59 lines already have results" in log and "torn line" in log
+    assert f"resuming: {lines_at_kill} of 61 lines already have results" in log and "torn line" in log
     assert done_at_kill >= 6 and results_by_custom_id(output) == uninterrupted
-    assert len(read_jsonl(output)) == 59
+    assert len(read_jsonl(output)) == 61
 
 
 def test_refused_and_malformed_lines_become_error_records(uninterrupted):
@@ -99,7 +102,8 @@ def test_refused_and_malformed_lines_become_error_records(uninterrupted):
 
 
 def test_same_body_as_the_http_api(engine, uninterrupted):
-    lines = [LINES[0], LINES[30], LINES[55], LINES[56], LINES[58]]  # completion, chat, refusal, embeddings, beams
+    # completion, chat, refusal, embeddings, beams, score, rerank
+    lines = [LINES[0], LINES[30], LINES[55], LINES[56], LINES[58], LINES[59], LINES[60]]
     http = answers_over_http(engine, lines, SAMPLING, [engine.model_name])
     assert http == {line["custom_id"]: uninterrupted[line["custom_id"]] for line in lines}
     assert http["cmpl-0"][1]["choices"][0]["text"] and http["chat-2"][1]["choices"][0]["message"]["content"]
@@ -109,3 +113,11 @@ def test_same_body_as_the_http_api(engine, uninterrupted):
                                  use_tqdm=False)
     assert [choice["text"] for choice in http["beams"][1]["choices"]] == \
         [engine.tokenizer.decode(seq.generated_ids, skip_special_tokens=True) for seq in beams.sequences]
+    scores = engine.score("The ocean is deep.", ["The sea is deep.", "I like tea."], use_tqdm=False)
+    assert [d["score"] for d in http["score"][1]["data"]] == [[s.outputs.score] for s in scores]
+    documents = LINES[60]["body"]["documents"]
+    relevance = [s.outputs.score for s in engine.score("deep water", documents, use_tqdm=False)]
+    ranked = http["rerank"][1]["results"]
+    assert [r["index"] for r in ranked] == sorted(range(2), key=lambda i: -relevance[i])
+    assert [r["relevance_score"] for r in ranked] == [[relevance[r["index"]]] for r in ranked]
+    assert [r["document"]["text"] for r in ranked] == [documents[r["index"]] for r in ranked]

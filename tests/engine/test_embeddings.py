@@ -89,3 +89,23 @@ def test_a_model_that_declares_another_pooling_is_refused_by_name(qwen3, tmp_pat
         assert engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished  # still generates
     else:
         assert len(engine.embed(PROMPTS[:1], use_tqdm=False)[0].outputs.embedding) == 64
+
+
+def test_score_is_the_cosine_of_transformers_embeddings(qwen3):
+    """Engine.score (vLLM's LLM.score for an embedding model): one text against each of the others, or pairwise."""
+    path, references = qwen3
+    engine = Engine(path, max_model_len=128, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=16,
+                    warmup=False)
+
+    def cosine(a, b):
+        return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+    one_to_many = engine.score(PROMPTS[0], PROMPTS[1:], use_tqdm=False)
+    want = [cosine(references[0], references[k]) for k in (1, 2)]
+    np.testing.assert_allclose([out.outputs.score for out in one_to_many], want, atol=1e-5)
+    assert one_to_many[1].prompt_token_ids == PROMPTS[0] + PROMPTS[2]
+    pairwise = engine.score(PROMPTS[:2], PROMPTS[1:], use_tqdm=False)
+    want = [cosine(references[0], references[1]), cosine(references[1], references[2])]
+    np.testing.assert_allclose([out.outputs.score for out in pairwise], want, atol=1e-5)
+    with pytest.raises(ValueError, match="text_1 has 2 texts and text_2 3"):
+        engine.score(PROMPTS[:2], PROMPTS, use_tqdm=False)

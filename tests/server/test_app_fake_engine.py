@@ -202,7 +202,8 @@ def test_unknown_model_and_route_are_404(server, client):
                  contains="gpt-9")
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
-    assert_error(httpx.get(server[0] + "/v2/nothing"), 404, error_type="not_found_error")
+    assert_error(httpx.get(server[0] + "/v2/nothing", headers=AUTH), 404, error_type="not_found_error")
+    assert_error(httpx.get(server[0] + "/nothing"), 404, error_type="not_found_error")
 
 
 def test_models_tokenize_detokenize_version(server, tokenizer):

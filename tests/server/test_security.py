@@ -19,14 +19,15 @@ from jaxserve.async_engine import AsyncEngine
 from jaxserve.cli import build_parser
 from jaxserve.loader import checkpoint
 from jaxserve.loader.tokenizer import apply_chat_template
-from jaxserve.server.app import ROUTES, build_app
+from jaxserve.server.app import PROTECTED_PATHS, PROTECTED_PREFIXES, ROUTES, build_app
 from tests.server.fake_engine import FakeEngine
 from tests.server.fake_serve import fake_server_process
 from tests.server.helpers import API_KEY, serve_in_thread
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-V1_ROUTES = [(route.path, method) for route in ROUTES if route.path.startswith("/v1/")
-             for method in sorted(route.methods - {"HEAD"})]
+API_ROUTES = [(route.path, method) for route in ROUTES
+              if route.path.startswith(PROTECTED_PREFIXES) or route.path in PROTECTED_PATHS
+              for method in sorted(route.methods - {"HEAD"})]
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +45,11 @@ def adapter_dir(tmp_path_factory):
 
 
 # --- API key ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("path, method", V1_ROUTES)  # in ROUTES' order: the adapter is loaded, then unloaded
-def test_every_v1_route_needs_the_key(keyed_server, adapter_dir, path, method):
+@pytest.mark.parametrize("path, method", API_ROUTES)  # in ROUTES' order: the adapter is loaded, then unloaded
+def test_every_api_route_needs_the_key(keyed_server, adapter_dir, path, method):
     body = {"prompt": "x", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
-            "lora_name": "x", "lora_path": adapter_dir, "input": "x"}
+            "lora_name": "x", "lora_path": adapter_dir, "input": "x", "text_1": "x", "text_2": "y", "query": "x",
+            "documents": ["y"]}
     if path.startswith("/v1/responses"):
         body = {"input": "x", "max_output_tokens": 1}  # chat's fields are refused there by name
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},

@@ -65,3 +65,65 @@ def test_bad_embedding_requests_are_400_naming_the_problem(real_server, body, pa
     assert reply.status_code in (400, 404), reply.text
     error = reply.json()["error"]
     assert message in error["message"] and (param is None or error["param"] == param)
+
+
+def post(url, path, headers=AUTH, **body):
+    return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=120)
+
+
+@pytest.mark.parametrize("path", ["/score", "/v1/score"])
+def test_scores_are_the_engines_cosine_similarities(real_server, smol_engine, path):
+    query, passages = "Where do cats sleep?", ["Cats sleep on mats.", "The stock market fell."]
+    reply = post(real_server.url, path, model=REAL_MODEL, text_1=query, text_2=passages)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    expected = [out.outputs.score for out in smol_engine.score(query, passages, use_tqdm=False)]
+    assert body["object"] == "list" and body["id"].startswith("score-") and body["model"] == REAL_MODEL
+    assert [(d["index"], d["object"]) for d in body["data"]] == [(0, "score"), (1, "score")]
+    np.testing.assert_allclose([d["score"] for d in body["data"]], expected, atol=1e-4)
+    tokens = sum(len(smol_engine.tokenizer(t)["input_ids"]) for t in [query, *passages])
+    assert body["usage"]["prompt_tokens"] == tokens
+    pairwise = post(real_server.url, path, text_1=passages, text_2=[query, query]).json()
+    np.testing.assert_allclose([d["score"] for d in pairwise["data"]], expected, atol=1e-4)  # cosine is symmetric
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/v2/rerank"])
+def test_rerank_orders_documents_by_score(real_server, smol_engine, path):
+    query = "Where do cats sleep?"
+    documents = ["The stock market fell.", "Cats sleep on mats.", "Dogs bark at night."]
+    scores = [out.outputs.score for out in smol_engine.score(query, documents, use_tqdm=False)]
+    order = sorted(range(3), key=lambda i: -scores[i])
+    reply = post(real_server.url, path, query=query, documents=[documents[0], {"text": documents[1]}, documents[2]],
+                 top_n=2)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert [r["index"] for r in body["results"]] == order[:2] and body["id"].startswith("rerank-")
+    assert [r["document"]["text"] for r in body["results"]] == [documents[i] for i in order[:2]]
+    np.testing.assert_allclose([r["relevance_score"] for r in body["results"]], [scores[i] for i in order[:2]],
+                               atol=1e-4)
+    assert body["usage"]["total_tokens"] == sum(len(smol_engine.tokenizer(t)["input_ids"]) for t in [query, *documents])
+    bare = post(real_server.url, path, query=query, documents=documents, return_documents=False).json()
+    assert [r["index"] for r in bare["results"]] == order and all(r["document"] is None for r in bare["results"])
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/score", {"text_1": [], "text_2": "x"}, "text_1", "must not be empty"),
+    ("/score", {"text_1": ["a", "b"], "text_2": ["x", "y", "z"]}, "text_2", "text_1 has 2 texts and text_2 3"),
+    ("/score", {"text_1": "a"}, "text_2", "Field required"),
+    ("/v1/score", {"text_1": "a", "text_2": ["x", ""]}, "text_2", "empty string"),
+    ("/rerank", {"query": "q", "documents": []}, "documents", "must not be empty"),
+    ("/rerank", {"query": "", "documents": ["x"]}, "query", "empty string"),
+    ("/v1/rerank", {"query": "q", "documents": ["x"], "top_n": -1}, "top_n", "greater than or equal to 0"),
+    ("/v2/rerank", {"query": "q", "documents": ["x"], "truncate_prompt_tokens": 0}, "truncate_prompt_tokens",
+     "positive integer"),
+])
+def test_bad_score_and_rerank_requests_are_400_naming_the_problem(real_server, path, body, param, message):
+    reply = post(real_server.url, path, **body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert message in error["message"] and error["param"] == param
+
+
+def test_score_and_rerank_need_the_api_key(real_server):
+    for path in ("/score", "/rerank", "/v2/rerank"):
+        assert post(real_server.url, path, headers={}, text_1="a", text_2="b").status_code == 401, path
