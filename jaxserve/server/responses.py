@@ -7,7 +7,6 @@ conversations and retrieval.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -38,7 +37,7 @@ from jaxserve.server.serving import (
     collect_final_outputs,
     observed,
 )
-from jaxserve.server.streaming import EventStreamResponse, cancel_on_disconnect
+from jaxserve.server.streaming import EventStreamResponse, cancel_on_disconnect, sse_json
 
 
 @dataclass
@@ -143,12 +142,12 @@ async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
     try:
         async for event in events:
             sequence_number = event["sequence_number"] + 1
-            yield f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+            yield f"event: {event['type']}\ndata: {sse_json(event)}\n\n"
     except Exception as exc:  # noqa: BLE001 - headers are sent: the only way left to report is in the stream
         error = from_exception(exc).body()["error"]
         event = {"type": "error", "sequence_number": sequence_number, "code": error.get("code"),
                  "message": error["message"], "param": error.get("param")}
-        yield f"event: error\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+        yield f"event: error\ndata: {sse_json(event)}\n\n"
     finally:
         await events.aclose()
 

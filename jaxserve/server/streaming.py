@@ -18,9 +18,19 @@ DONE_EVENT = "data: [DONE]\n\n"
 _PUMP_FINISHED = object()
 
 
+# Characters that str.splitlines() breaks lines at besides CR and LF (JSON escapes the other ones, below U+0020):
+# left raw in generated text they would split an event for a client that reads the stream that way.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_json(data: Any) -> str:
+    """JSON for one `data:` line: UTF-8 as it is, but never a character any client could read as a line break."""
+    return json.dumps(data, ensure_ascii=False).translate(_LINE_BREAKS)
+
+
 def sse_event(payload: BaseModel | dict) -> str:
     data = payload.model_dump() if isinstance(payload, BaseModel) else payload
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {sse_json(data)}\n\n"
 
 
 async def sse_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:

@@ -92,6 +92,22 @@ def test_streaming_multiple_prompts_with_usage_chunk(server):
 
 
 @pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "a\x85b\u2028c\u2029d", "echo": True, "max_tokens": 2}),
+    ("/v1/responses", {"input": "x", "instructions": "a\x85b\u2028c\u2029d", "max_output_tokens": 2}),  # echoed
+])
+def test_streamed_text_never_holds_a_line_break_other_than_the_events(server, path, body):
+    """U+0085, U+2028 and U+2029 are line breaks to str.splitlines(): a client reading the stream by lines must not
+    see an event cut in two."""
+    response = post(server, path, {**body, "stream": True})
+    assert response.status_code == 200, response.text
+    lines = [line for line in response.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+    events = [json.loads(line.removeprefix("data: ")) for line in lines]
+    assert len(events) == response.text.count("data: ") - (path == "/v1/completions")
+    if path == "/v1/completions":
+        assert events[0]["choices"][0]["text"].startswith(body["prompt"])
+
+
+@pytest.mark.parametrize("path, body", [
     ("/v1/completions", {"prompt": ["a", "b c"]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
 ])
