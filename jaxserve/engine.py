@@ -196,7 +196,7 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
             params = check_pooling(pooling, self.config.model.hidden_size, self.declared_pooling)
         params = validate_lengths(params, len(ids), self.max_model_len, self.config)
         lora_request = self.adapters.check(lora_request)
-        allowed_mask, bad_words = resolve_token_rules(params, self.tokenizer, self.config)
+        allowed_mask, bad_words = resolve_token_rules(params, self.tokenizer, self.config, self.eos_token_ids())
         seqs = [self._new_sequence(request_id, i, ids, params, priority) for i in range(params.num_sequences)]
         for seq in seqs:
             seq.lora_request, seq.pooling = lora_request, pooling

@@ -97,14 +97,15 @@ def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int
     return params
 
 
-def resolve_token_rules(params: SamplingParams, tokenizer, config: EngineConfig) -> tuple[np.ndarray | None, tuple]:
+def resolve_token_rules(params: SamplingParams, tokenizer, config: EngineConfig,
+                        eos_token_ids: tuple[int, ...]) -> tuple[np.ndarray | None, tuple]:
     """allowed_token_ids as a bitmask and bad_words as token ids (token_rules.py); the bias slots that logit_bias,
-    the min_tokens bans and the bad words share must hold them all."""
+    the min_tokens bans (stop tokens and `eos_token_ids`, the sequence's) and the bad words share must hold them
+    all: a row that overflowed them would fail the step, and every request with it."""
     vocab = config.model.vocab_size
     mask = None if params.allowed_token_ids is None else allowed_bitmask(params.allowed_token_ids, vocab)
     bad_words = bad_words_token_ids(tokenizer, params.bad_words or [], vocab)
-    entries = (len(params.logit_bias or {}) + len(params.stop_token_ids or []) + len(config.model.eos_token_ids)
-               + len(bad_words))
+    entries = len(params.logit_bias or {}) + len(params.stop_token_ids or []) + len(eos_token_ids) + len(bad_words)
     if entries > BIAS_SLOTS:
         raise ValueError(f"logit_bias, stop_token_ids and bad_words together need {entries} token entries (bad words "
                          f"count once per spelling); at most {BIAS_SLOTS} fit")

@@ -38,3 +38,18 @@ def test_allowed_bitmask_sets_exactly_the_allowed_bits():
     assert np.flatnonzero(bits).tolist() == [0, 31, 32, 69]
     with pytest.raises(ValueError, match="token id 70, outside the vocabulary"):
         allowed_bitmask([70], vocab)
+
+
+def test_the_bias_slots_count_the_sequences_eos_ids():
+    """A model whose config names no EOS bans the tokenizer's under min_tokens: that slot counts too."""
+    from types import SimpleNamespace
+
+    from jaxserve.engine_inputs import resolve_token_rules
+    from jaxserve.runner.sampler import BIAS_SLOTS
+    from jaxserve.sampling_params import SamplingParams
+
+    config = SimpleNamespace(model=SimpleNamespace(vocab_size=1000, eos_token_ids=()))
+    full = SamplingParams(logit_bias={t: 1.0 for t in range(300)}, stop_token_ids=list(range(300, BIAS_SLOTS - 1)))
+    assert resolve_token_rules(full, None, config, eos_token_ids=(999,)) == (None, ())
+    with pytest.raises(ValueError, match=f"need {BIAS_SLOTS + 1} token entries"):
+        resolve_token_rules(full, None, config, eos_token_ids=(998, 999))

@@ -18,7 +18,9 @@ from jaxserve.runner.sampler import BIAS_SLOTS, SamplerFlags, SamplingTensors
 from jaxserve.runner.step import StepInputs, StepStatics
 from jaxserve.token_rules import ALWAYS, bad_word_bans
 
-BAN = -1e9  # additive bias that rules a token out (min_tokens' EOS and stop tokens, bad words)
+# The additive bias that rules a token out (min_tokens' EOS and stop tokens, bad words): -inf, so that no penalty
+# brings it back (a repetition penalty multiplies a seen token's negative logit by a factor that may be tiny).
+BAN = float("-inf")
 
 
 @dataclass(frozen=True)
@@ -145,13 +147,22 @@ def bias_entries(chunk: ScheduledChunk, offset: int = 0) -> list[tuple[int, floa
         bias.update({t: BAN for t in banned})
     in_flight = []  # bans that hold only if the token in flight is `after`; a token may have a bias too
     if seq.bad_words:
-        outputs = seq.output_token_ids + chunk.draft[:offset]
-        for token, after in bad_word_bans(seq.bad_words, outputs, in_flight=seq.pending_index is not None):
+        in_flight_token = seq.pending_index is not None
+        for token, after in bad_word_bans(seq.bad_words, _output_tail(chunk, offset), in_flight_token):
             if after == ALWAYS:
                 bias[token] = BAN
             else:
                 in_flight.append((token, BAN, after))
     return [(token, value, ALWAYS) for token, value in bias.items()] + in_flight
+
+
+def _output_tail(chunk: ScheduledChunk, offset: int) -> list[int]:
+    """The generated tokens (and drafts before the sampled position) a bad word's prefix could match: the last
+    ones only, not a copy of the whole output every step."""
+    seq = chunk.seq
+    end = seq.num_tokens if seq.pending_index is None else seq.pending_index
+    start = max(seq.num_prompt_tokens, end - max(map(len, seq.bad_words)))
+    return seq.token_ids[start:end] + chunk.draft[:offset]
 
 
 def _fill_sampling(t: SamplingTensors, row_chunks: list[ScheduledChunk], offsets: list[int]) -> None:
@@ -170,7 +181,7 @@ def _fill_sampling(t: SamplingTensors, row_chunks: list[ScheduledChunk], offsets
         seq, p = chunk.seq, params[row]
         if seq.pending_index is not None:  # sampled by the step in flight: the sampler reads it on the device
             t.fed_row[row] = seq.pending_row
-        if needs_bias(seq, j):
+        if chunk.samples and needs_bias(seq, j):
             for slot, entry in enumerate(bias_entries(chunk, j)):
                 t.bias_ids[row, slot], t.bias_values[row, slot], t.bias_after[row, slot] = entry
         if p.needs_penalties:  # over the tokens before the position it samples: the drafts before it count

@@ -41,8 +41,8 @@ class SamplingTensors:
     presence: jax.Array  # [B] f32
     frequency: jax.Array  # [B] f32
     repetition: jax.Array  # [B] f32
-    # Structured outputs: bit t % 32 of word t // 32 says whether token t may come next (all ones in rows that are
-    # not constrained); [B, ceil(V / 32)] i32, or [B, 0] when no row is.
+    # Structured outputs and allowed_token_ids: bit t % 32 of word t // 32 says whether token t may come next (all
+    # ones in rows that are not constrained); [B, ceil(V / 32)] i32, or [B, 0] when no row is.
     allowed: jax.Array
 
 

@@ -96,3 +96,25 @@ def grammar_mask(matcher, out: np.ndarray) -> None:
     import llguidance.numpy
 
     llguidance.numpy.fill_next_token_bitmask(matcher, out, 0)
+
+
+def test_a_ban_that_depends_on_the_token_in_flight_names_it_and_where_it_is():
+    """Async scheduling: the next step is planned while the token before it is on the device (row 1 of the
+    step in flight); a bad word that token may begin is banned only if it does (SamplingTensors.bias_after)."""
+    from jaxserve.sampling_params import SamplingParams
+
+    blocks = BlockManager(64, 4)
+    s = Scheduler(SchedulerConfig(8, 64, 64), blocks)
+    other = Sequence(1, "b", 0, [7, 8], 2, SamplingParams(max_tokens=10), seed=9, arrival=0, max_model_len=64)
+    seq = Sequence(0, "a", 0, [1, 2, 3], 3, SamplingParams(max_tokens=10), seed=5, arrival=1, max_model_len=64,
+                   bad_words=((5,), (50, 99), (40, 50, 98)))
+    for q in (other, seq):
+        s.add(q)
+    s.advance(s.schedule())  # both prompts dispatched: seq's first token is in flight, in row 1
+    assert seq.pending_row == 1
+    t = build_step_inputs(s.schedule(), blocks, PlanShape(Buckets.for_limits(64, 8), 4, V, 64, 5))[0].sampling
+    row = 1
+    bans = {(int(token), int(after)) for token, value, after in zip(t.bias_ids[row], t.bias_values[row],
+                                                                     t.bias_after[row]) if value == BAN}
+    assert bans == {(5, ALWAYS), (99, 50)} and t.fed_row[row] == 1
+    assert not (t.bias_values[0] == BAN).any()  # the other sequence has no bad words

@@ -116,6 +116,21 @@ def test_a_ban_after_a_token_in_flight_holds_only_when_that_token_came():
     assert tokens[1] == 5 and tokens[0] != 5 and tokens[2] != 5, tokens
 
 
+def test_a_ban_survives_a_repetition_penalty_that_shrinks_negative_logits():
+    from jaxserve.runner.plan import BAN
+
+    B = 1
+    logits = np.full((B, V), -5.0, np.float32)
+    logits[0, 5] = -3.0  # the best token, banned, and seen: a tiny penalty would lift a finite ban to about 0
+    t = _tensors(B, 0.0)
+    t.history, t.history_is_output = jnp.asarray([[5]], jnp.int32), jnp.asarray([[True]])
+    t.repetition = jnp.asarray([1e-30], jnp.float32)
+    t.bias_ids = t.bias_ids.at[0, 0].set(5)
+    t.bias_values = t.bias_values.at[0, 0].set(BAN)
+    flags = SamplerFlags(all_greedy=True, penalties=True)
+    assert int(sample(jnp.asarray(logits), t, flags, jnp.zeros(B, jnp.int32)).tokens[0]) != 5
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_the_constrained_variant_samples_unconstrained_rows_as_the_plain_one(temperature):
     """A constrained step runs every sampler extra: rows that use none must get the very same tokens."""
