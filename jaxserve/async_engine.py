@@ -66,7 +66,8 @@ class AsyncEngine:
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # guards _stats and _loop_exited, shared by both sides
         self._streams: dict[str, RequestStream] = {}  # owned by the loop thread
-        self._searches: dict[str, BeamSearchStream] = {}  # owned by the asyncio side
+        # Beam searches by id (None: starting), owned by the asyncio side.
+        self._searches: dict[str, BeamSearchStream | None] = {}
         self._error: BaseException | None = None
         self._stopped = False
         self._draining = False  # set by stop_admitting(): new requests are refused, admitted ones run on
@@ -174,18 +175,27 @@ class AsyncEngine:
                           priority: int = 0, lora_request: LoRARequest | None = None) -> BeamSearchStream:
         """Start a beam search (engine_beam_search.py); its one finished output, a choice per beam, arrives on
         the returned stream. Raises as `add_request` does, before anything runs."""
-        search = await BeamSearchStream.start(self, prompt, params, request_id, priority, lora_request)
+        if request_id in self._searches:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._searches[request_id] = None  # starting: an abort meanwhile takes this entry, and is applied below
+        try:
+            search = await BeamSearchStream.start(self, prompt, params, request_id, priority, lora_request)
+        except BaseException:
+            self._searches.pop(request_id, None)
+            raise
+        if request_id not in self._searches:
+            search.abort()
+            return search
         self._searches[request_id] = search
         search.add_done_callback(lambda: self._searches.pop(request_id, None))
         return search
 
     async def abort(self, request_id: str) -> None:
         """Stop a request (or a beam search): its stream ends without a further output."""
-        search = self._searches.pop(request_id, None)
-        if search is not None:
-            search.abort()
-        else:
+        if request_id not in self._searches:
             self._submit_abort(request_id)
+        elif (search := self._searches.pop(request_id)) is not None:
+            search.abort()
 
     # --- LoRA adapters ----------------------------------------------------------------------------------------
     async def add_lora(self, lora_request: LoRARequest, load_inplace: bool = False) -> LoRARequest:

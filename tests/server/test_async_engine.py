@@ -190,6 +190,19 @@ def test_aborting_a_beam_search_by_its_id_ends_its_stream_quietly(engine, fake):
     assert not fake.has_unfinished_requests() and engine.num_in_flight == 0 and not engine._searches
 
 
+def test_an_abort_while_a_beam_search_starts_stops_it(engine, fake):
+    async def run():
+        starting = asyncio.ensure_future(engine.beam_search("Hello", BeamSearchParams(beam_width=2, max_tokens=200),
+                                                            "beam"))
+        await asyncio.sleep(0)  # it is preparing the search on a worker thread
+        await engine.abort("beam")
+        stream = await starting
+        return [output async for output in stream]
+
+    assert asyncio.run(run()) == []
+    assert not fake.has_unfinished_requests() and engine.num_in_flight == 0 and not engine._searches
+
+
 def test_the_request_timeout_bounds_the_whole_beam_search(fake):
     fake.step_delay = 0.02
     engine = AsyncEngine(fake, request_timeout=0.3)
