@@ -89,7 +89,7 @@ class ResponseEvents:
             return []
         where = item.where()
         if item.kind == "reasoning":
-            done = reasoning_item(item.item["id"], item.text)
+            done = reasoning_item(item.item["id"], item.text, status)
             events = [self.event("response.reasoning_text.done", **where, content_index=0, text=item.text),
                       self.event("response.content_part.done", **where, content_index=0,
                                  part={"type": "reasoning_text", "text": item.text})]

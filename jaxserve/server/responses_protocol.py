@@ -223,7 +223,7 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 # --- output -------------------------------------------------------------------------------------------------
 def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
     return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
-            "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
+            "content": [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []}
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
