@@ -33,13 +33,14 @@ class OfflineAPI:
         state at the prompt's last token, normalized unless `PoolingParams(normalize=False)` (vLLM's `LLM.embed`)."""
         return self._run_all(normalise_prompts(prompts), pooling_params or PoolingParams(), use_tqdm, lora_request)
 
-    def score(self, text_1, text_2, use_tqdm: bool = True,
+    def score(self, text_1, text_2, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
               lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
         """Score text pairs by the cosine similarity of their embeddings (vLLM's `LLM.score` for an embedding
         model): one `text_1` against each of `text_2`, or the two lists pairwise; a text may be a str or token ids."""
         first, second = as_prompts(text_1), as_prompts(text_2)
         pairs = score_pairs(len(first), len(second))
-        embedded = self.embed(first + second, use_tqdm=use_tqdm, lora_request=lora_request)
+        embedded = self.embed(first + second, PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens),
+                              use_tqdm=use_tqdm, lora_request=lora_request)
         firsts, seconds = embedded[: len(first)], embedded[len(first):]
         return [ScoringRequestOutput(f"score-{next(self._request_ids)}",
                                      ScoringOutput(cosine_similarity(firsts[i].outputs.embedding,

@@ -30,6 +30,8 @@ from jaxserve.server.request_bodies import (
 from jaxserve.server.response_bodies import ChatRendering, CompletionRendering, OutputParsers
 from jaxserve.server.scores import RerankRendering, RerankRequest, ScoreRendering, ScoreRequest
 
+Rendering = CompletionRendering | ChatRendering | EmbeddingRendering | ScoreRendering | RerankRendering
+
 # Body fields that make no sense as job-wide defaults (each request has its own prompt) or in a batch at all.
 NOT_DEFAULTS = {"prompt", "messages", "stream", "stream_options"}
 
@@ -43,7 +45,7 @@ class Endpoint:
     # (request, model name, response id, tokenizer, output parsers, prompts, params) -> how outputs become the
     # response body
     rendering: Callable[[Any, str, str, Any, OutputParsers, list[Prompt], SamplingParams],
-                        CompletionRendering | ChatRendering]
+                        Rendering]
     render: Callable[[Any, list[RequestOutput]], Any]  # (rendering, finals in prompt order) -> response model
     example_body: dict  # the smallest valid body, to check sampling defaults against
 
@@ -83,7 +85,7 @@ class PreparedRequest:
     """One batch line ready for the engine: its prompts and params, and how to render the finished outputs."""
 
     endpoint: Endpoint
-    rendering: CompletionRendering | ChatRendering
+    rendering: Rendering
     prompts: list[Prompt]
     params: SamplingParams | PoolingParams
     priority: int

@@ -145,7 +145,7 @@ class SamplingFields(OpenAIModel):
         """With use_beam_search, the search the body asks for (n beams; `params`' length and EOS settings);
         otherwise `params`. A ValueError names a field the search cannot honour: beams are ranked by the model's
         own logprobs, so penalties, biases, token rules and grammars would be ignored (temperature, top_p, top_k,
-        min_p and         seed do not apply: the search is deterministic)."""
+        min_p and seed do not apply: the search is deterministic)."""
         if not self.use_beam_search:
             return params
         conflicts = {"best_of": getattr(self, "best_of", None) not in (None, self.n),
