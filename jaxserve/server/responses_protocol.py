@@ -247,7 +247,9 @@ def output_items(message: ChatMessage, finish_reason: str | None, named_call: st
     them is one empty message, as when streamed). `named_call`: the function tool_choice named, whose call
     max_output_tokens cut short (chat leaves the partial arguments as text): an incomplete call, as streamed."""
     status = "incomplete" if finish_reason == "length" else "completed"
-    items = [reasoning_item(new_id("rs"), message.reasoning)] if message.reasoning else []
+    thinking_cut = status == "incomplete" and not (message.content or message.tool_calls)  # as streamed
+    items = [reasoning_item(new_id("rs"), message.reasoning, "incomplete" if thinking_cut else "completed")
+             ] if message.reasoning else []
     if named_call is not None and status == "incomplete" and not message.tool_calls and message.content:
         return [*items, function_call_item(new_id("fc"), new_id("call"), named_call, message.content, status)]
     if message.content or not (items or message.tool_calls):

@@ -90,9 +90,11 @@ def test_max_output_tokens_makes_it_incomplete(served):
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
     assert response.usage.output_tokens == 6 and [item.type for item in response.output] == ["reasoning"]
     assert THOUGHT.startswith(response.output[0].content[0].text) and response.output_text == ""
+    assert response.output[0].status == "incomplete"
     events = list(create(client, max_output_tokens=6, stream=True))
     assert events[-1].type == "response.incomplete" and events[-1].response.status == "incomplete"
-    assert [item.type for item in events[-1].response.output] == ["reasoning"]
+    assert [(item.type, item.status) for item in events[-1].response.output] == [("reasoning", "incomplete")]
+    assert events[-1].response.output[0].content[0].text == response.output[0].content[0].text
     cut_answer = create(client, max_output_tokens=len(client_tokens(served, f"<think>{THOUGHT}</think>Let")))
     assert cut_answer.output[1].status == "incomplete" and cut_answer.output_text == "Let"
 
