@@ -18,6 +18,7 @@ from jaxserve.scoring import as_prompts, cosine_similarity, score_pairs
 from jaxserve.server.embeddings import serve_pooled
 from jaxserve.server.errors import bad_request
 from jaxserve.server.protocol import OpenAIModel, UsageInfo
+from jaxserve.server.response_bodies import prompt_token_count
 
 
 class _PooledTexts(OpenAIModel):
@@ -105,10 +106,6 @@ class RerankResponse(OpenAIModel):
     results: list[RerankResult]
 
 
-def _num_tokens(finals: list[EmbeddingRequestOutput]) -> int:
-    return sum(len(out.prompt_token_ids) for out in finals)
-
-
 @dataclass
 class ScoreRendering:
     """How one /score request's embeddings (text_1's, then text_2's) become its response."""
@@ -122,7 +119,7 @@ class ScoreRendering:
         vectors = [out.outputs.embedding for out in finals]
         data = [ScoreData(index=k, score=cosine_similarity(vectors[i], vectors[len(first) + j]))
                 for k, (i, j) in enumerate(score_pairs(len(first), len(second)))]
-        tokens = _num_tokens(finals)
+        tokens = prompt_token_count(finals)
         return ScoreResponse(id=self.request_id, model=self.model, data=data,
                              usage=UsageInfo(prompt_tokens=tokens, total_tokens=tokens))
 
@@ -143,8 +140,8 @@ class RerankRendering:
                    for i, document in enumerate(documents)]
         results.sort(key=lambda result: -result.relevance_score)  # stable: equal scores keep the documents' order
         top_n = self.request.top_n or len(results)
-        return RerankResponse(id=self.request_id, model=self.model, usage=RerankUsage(total_tokens=_num_tokens(finals)),
-                              results=results[:top_n])
+        return RerankResponse(id=self.request_id, model=self.model, results=results[:top_n],
+                              usage=RerankUsage(total_tokens=prompt_token_count(finals)))
 
 
 async def create_score(request: Request) -> Response:
