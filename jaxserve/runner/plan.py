@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.grammar import bitmask_width, fill_masks
-from jaxserve.core.request import PLACEHOLDER, Sequence
+from jaxserve.core.request import PLACEHOLDER
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.runner.attention import AttentionMetadata
 from jaxserve.runner.buckets import Buckets
@@ -132,11 +132,6 @@ def inputs_treedef(shape: PlanShape, decode_only: bool):
     return jax.tree_util.tree_structure(empty_inputs(1, 1, shape, decode_only=decode_only))
 
 
-def needs_bias(seq: Sequence, offset: int = 0) -> bool:
-    p = seq.params
-    return bool(p.logit_bias or seq.bad_words) or seq.num_output_tokens + offset < p.min_tokens
-
-
 def bias_entries(chunk: ScheduledChunk, offset: int = 0) -> list[tuple[int, float, int]]:
     """The row's additive biases as (token, value, after): see SamplingTensors.bias_after. `offset`: how many draft
     tokens precede the position it samples."""
@@ -181,7 +176,7 @@ def _fill_sampling(t: SamplingTensors, row_chunks: list[ScheduledChunk], offsets
         seq, p = chunk.seq, params[row]
         if seq.pending_index is not None:  # sampled by the step in flight: the sampler reads it on the device
             t.fed_row[row] = seq.pending_row
-        if chunk.samples and needs_bias(seq, j):
+        if chunk.samples and (p.logit_bias or seq.bad_words or p.min_tokens > seq.num_output_tokens + j):
             for slot, entry in enumerate(bias_entries(chunk, j)):
                 t.bias_ids[row, slot], t.bias_values[row, slot], t.bias_after[row, slot] = entry
         if p.needs_penalties:  # over the tokens before the position it samples: the drafts before it count
