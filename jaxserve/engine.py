@@ -197,10 +197,8 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         params = validate_lengths(params, len(ids), self.max_model_len, self.config)
         lora_request = self.adapters.check(lora_request)
         allowed_mask, bad_words = resolve_token_rules(params, self.tokenizer, self.config, self.eos_token_ids())
-        seqs = [self._new_sequence(request_id, i, ids, params, priority) for i in range(params.num_sequences)]
-        for seq in seqs:
-            seq.lora_request, seq.pooling = lora_request, pooling
-            seq.allowed_mask, seq.bad_words = allowed_mask, bad_words
+        shared = dict(lora_request=lora_request, pooling=pooling, allowed_mask=allowed_mask, bad_words=bad_words)
+        seqs = [self._new_sequence(request_id, i, ids, params, priority, **shared) for i in range(params.num_sequences)]
         if params.constrained:  # compiled here, off the engine thread; an invalid grammar is a ValueError
             matcher = self.grammars.matcher(params.structured_outputs)
             for i, seq in enumerate(seqs):
@@ -209,12 +207,13 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         text = prompt if isinstance(prompt, str) and len(ids) == len(given) else None  # None: decoded when needed
         return Request(request_id, text, seqs, params, pooling)
 
-    def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
-                      priority: int) -> Sequence:
+    def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams, priority: int,
+                      **shared) -> Sequence:
+        """`shared`: Sequence fields every sequence of the request has alike (adapter, pooling, token rules)."""
         seed = self._rng.getrandbits(32) if params.seed is None else (params.seed + index * 0x9E3779B9) & 0xFFFFFFFF
         seq = Sequence(next(self._seq_ids), request_id, index, list(ids), len(ids), params, seed,
                        arrival=next(self._arrivals), priority=priority, eos_token_ids=self.eos_token_ids(),
-                       max_model_len=self.max_model_len)
+                       max_model_len=self.max_model_len, **shared)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs.append(None)  # the first prompt token has no context to be predicted from
         return seq
