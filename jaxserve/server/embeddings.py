@@ -26,14 +26,23 @@ from jaxserve.server.streaming import cancel_on_disconnect
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
 
 
-class EmbeddingRequest(OpenAIModel):
-    input: EmbeddingInput
+class PooledRequest(OpenAIModel):
+    """What `serve_pooled` reads from a body that embeds texts: its fields below, `prompts()` and
+    `pooling_params()`."""
+
     model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
     priority: int = 0
     truncate_prompt_tokens: int | None = None
+
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens)
+
+
+class EmbeddingRequest(PooledRequest):
+    input: EmbeddingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
 
     def prompts(self) -> list[str | list[int]]:
         """One engine prompt per input: a string, or a list of token ids."""
@@ -87,7 +96,8 @@ async def create_embedding(request: Request) -> Response:
     return await serve_pooled(request, EmbeddingRequest, EmbeddingRendering, "embd")
 
 
-async def serve_pooled(request: Request, schema: type, rendering_class: type, id_prefix: str) -> Response:
+async def serve_pooled(request: Request, schema: type[PooledRequest], rendering_class: type, id_prefix: str
+                       ) -> Response:
     """Embed the body's `prompts()` with its `pooling_params()` and answer with what `rendering_class` makes of
     the embeddings (embeddings, scores, a ranking)."""
     state: ServerState = request.app.state.server

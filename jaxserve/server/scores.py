@@ -13,22 +13,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jaxserve.outputs import EmbeddingRequestOutput
-from jaxserve.pooling_params import PoolingParams
 from jaxserve.scoring import as_prompts, cosine_similarity, score_pairs
-from jaxserve.server.embeddings import serve_pooled
+from jaxserve.server.embeddings import PooledRequest, serve_pooled
 from jaxserve.server.errors import bad_request
 from jaxserve.server.protocol import OpenAIModel, UsageInfo
 from jaxserve.server.response_bodies import prompt_token_count
-
-
-class _PooledTexts(OpenAIModel):
-    model: str | None = None
-    user: str | None = None
-    priority: int = 0
-    truncate_prompt_tokens: int | None = None
-
-    def pooling_params(self) -> PoolingParams:
-        return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens)
 
 
 def _check_texts(texts: list[str], param: str) -> list[str]:
@@ -39,7 +28,7 @@ def _check_texts(texts: list[str], param: str) -> list[str]:
     return texts
 
 
-class ScoreRequest(_PooledTexts):
+class ScoreRequest(PooledRequest):
     text_1: str | list[str]
     text_2: str | list[str]
 
@@ -60,7 +49,7 @@ class RerankDocument(OpenAIModel):
     text: str
 
 
-class RerankRequest(_PooledTexts):
+class RerankRequest(PooledRequest):
     query: str
     documents: list[str | RerankDocument]
     top_n: int = Field(default=0, ge=0)  # 0: every document
