@@ -23,7 +23,7 @@ from jaxserve.core.output_processor import SequenceText, position_logprobs, reco
 from jaxserve.core.request import Request, Sequence
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine_lora import EngineAdapters, LoRAAPI, check_lora_options
-from jaxserve.engine_pooling import check_pooling, embedding_output
+from jaxserve.engine_pooling import pool, pooling_output, step_params
 from jaxserve.engine_beam_search import BeamSearchAPI
 from jaxserve.engine_offline import OfflineAPI
 from jaxserve.engine_inputs import (check_engine_options, check_max_model_len, fit_context_to_cache,
@@ -33,7 +33,7 @@ from jaxserve.grammar import GrammarCompiler, grammar_ended
 from jaxserve.loader.checkpoint import open_checkpoint
 from jaxserve.loader.tokenizer import read_chat_template
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput
+from jaxserve.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput
 from jaxserve.parallel.multihost import agree_on_min
 from jaxserve.parallel.sharding import resolve_mesh
 from jaxserve.pooling_params import PoolingParams
@@ -91,6 +91,7 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
             self.tokenizer.chat_template = template
         self.generation_defaults = ckpt.generation_defaults
         self.declared_pooling = ckpt.pooling
+        self.head = ckpt.head  # an LM head, none (embeddings only) or a classifier (loader/heads.py)
         requested_len, max_model_len = max_model_len, check_max_model_len(max_model_len, cfg.max_position_embeddings)
         cfg = model_for_context(cfg, max_model_len)
         dtype = resolve_dtype(dtype, jax.devices()[0].platform)
@@ -186,14 +187,11 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
     def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams, *,
                         priority: int = 0, lora_request: LoRARequest | None = None) -> Request:
         """Tokenize and validate (no device work, safe from any thread). Raises ValueError for bad input.
-        PoolingParams make it an embedding request (engine_pooling.py)."""
-        if not isinstance(params, (SamplingParams, PoolingParams)):
-            raise ValueError(f"params must be a SamplingParams or PoolingParams, got {type(params).__name__}")
+        PoolingParams make it a pooling request: an embedding or a classification (engine_pooling.py)."""
         pooling = params if isinstance(params, PoolingParams) else None
+        params = step_params(params, self.head, self.model_name, self.config.model.hidden_size, self.declared_pooling)
         given = prompt_token_ids(self.tokenizer, prompt, self.config.model.vocab_size)
-        ids = truncate_prompt(given, params.truncate_prompt_tokens, self.max_model_len)
-        if pooling is not None:
-            params = check_pooling(pooling, self.config.model.hidden_size, self.declared_pooling)
+        ids = truncate_prompt(given, (pooling or params).truncate_prompt_tokens, self.max_model_len)
         params = validate_lengths(params, len(ids), self.max_model_len, self.config)
         lora_request = self.adapters.check(lora_request)
         allowed_mask, bad_words = resolve_token_rules(params, self.tokenizer, self.config, self.eos_token_ids())
@@ -342,8 +340,8 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         self._num_steps += 1
 
     def _on_token(self, seq: Sequence, token: int, result: StepResult, row: int) -> None:
-        if seq.pooling is not None:  # an embedding: its one-token budget ended it; the token itself is not used
-            seq.embedding = seq.pooling.pool(result.hidden[row])
+        if seq.pooling is not None:  # its one-token budget ended it; the token itself is not used
+            seq.pooled = pool(seq.pooling, result.hidden[row], self.head)
             return
         if seq.params.needs_logprobs:  # else the step skipped them
             seq.cumulative_logprob += float(result.logprobs[row])
@@ -362,8 +360,8 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         if seq.finished:
             text.finish(seq)
 
-    def _emit(self, request: Request) -> RequestOutput | EmbeddingRequestOutput:
-        output = request_output(request, self._texts) if request.pooling is None else embedding_output(request)
+    def _emit(self, request: Request) -> RequestOutput | EmbeddingRequestOutput | ClassificationRequestOutput:
+        output = request_output(request, self._texts) if request.pooling is None else pooling_output(request, self.head)
         if request.finished:
             del self._requests[request.request_id]
             for seq in request.sequences:

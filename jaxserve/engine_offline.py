@@ -1,4 +1,4 @@
-"""The synchronous Python API (vLLM's `LLM`): `generate`, `embed`, `score`, `chat`, `stream`, built on the
+"""The synchronous Python API (vLLM's `LLM`): `generate`, `embed`, `classify`, `score`, `chat`, `stream`, built on the
 engine's request and step methods (`prepare_request`, `add_prepared_request`, `add_request`, `step`,
 `abort_request`), which the Engine class provides; kept apart from the step machinery in engine.py."""
 
@@ -8,14 +8,15 @@ from collections.abc import Iterator
 
 from jaxserve.engine_inputs import normalise_conversations, normalise_prompts
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
+from jaxserve.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
+                              ScoringRequestOutput)
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scoring import as_prompts, cosine_similarity, score_pairs
+from jaxserve.scoring import as_prompts, check_cross_encoder, cosine_similarity, pair_prompt, score_pairs
 
 
 class OfflineAPI:
-    """Mixed into Engine. Needs: tokenizer, generation_defaults, _request_ids (a counter), prepare_request,
+    """Mixed into Engine. Needs: tokenizer, generation_defaults, head, _request_ids (a counter), prepare_request,
     add_prepared_request, add_request, step, abort_request."""
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
@@ -33,12 +34,23 @@ class OfflineAPI:
         state at the prompt's last token, normalized unless `PoolingParams(normalize=False)` (vLLM's `LLM.embed`)."""
         return self._run_all(normalise_prompts(prompts), pooling_params or PoolingParams(), use_tqdm, lora_request)
 
+    def classify(self, prompts, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """The class probabilities a sequence classifier gives each prompt, in input order (vLLM's
+        `LLM.classify`): `output.outputs.probs`, and `.label`, the most probable class's."""
+        params = PoolingParams(task="classify", truncate_prompt_tokens=truncate_prompt_tokens)
+        return self._run_all(normalise_prompts(prompts), params, use_tqdm, lora_request)
+
     def score(self, text_1, text_2, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
               lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
-        """Score text pairs by the cosine similarity of their embeddings (vLLM's `LLM.score` for an embedding
-        model): one `text_1` against each of `text_2`, or the two lists pairwise; a text may be a str or token ids."""
+        """Score text pairs (vLLM's `LLM.score`): one `text_1` against each of `text_2`, or the two lists pairwise;
+        a text may be a str or token ids. An embedding model scores the cosine similarity of the two embeddings; a
+        cross-encoder (a classifier with one label) reads each pair as one prompt and scores its relevance."""
         first, second = as_prompts(text_1), as_prompts(text_2)
         pairs = score_pairs(len(first), len(second))
+        if self.head.classifier is not None:
+            return self._cross_encode(first, second, pairs, truncate_prompt_tokens, use_tqdm, lora_request)
         embedded = self.embed(first + second, PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens),
                               use_tqdm=use_tqdm, lora_request=lora_request)
         firsts, seconds = embedded[: len(first)], embedded[len(first):]
@@ -47,6 +59,15 @@ class OfflineAPI:
                                                                      seconds[j].outputs.embedding)),
                                      firsts[i].prompt_token_ids + seconds[j].prompt_token_ids)
                 for i, j in pairs]
+
+    def _cross_encode(self, first: list, second: list, pairs: list[tuple[int, int]],
+                      truncate_prompt_tokens: int | None, use_tqdm: bool, lora_request) -> list[ScoringRequestOutput]:
+        check_cross_encoder(self.head.classifier)
+        prompts = [pair_prompt(self.tokenizer, first[i], second[j]) for i, j in pairs]
+        outs = self.classify(prompts, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
+        return [ScoringRequestOutput(f"score-{next(self._request_ids)}", ScoringOutput(out.outputs.probs[0]),
+                                     out.prompt_token_ids) for out in outs]
 
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,

@@ -60,14 +60,40 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per class: a softmax, or a sigmoid where the classifier has one label
+    label: str  # the most probable class's label (config.json's id2label)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """A classification request's result (vLLM's `ClassificationRequestOutput`); it arrives once, finished."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+# What a pooling request (PoolingParams) answers with: no generated tokens.
+POOLING_OUTPUTS = (EmbeddingRequestOutput, ClassificationRequestOutput)
+
+
+@dataclass
 class ScoringOutput:
     score: float
 
 
 @dataclass
 class ScoringRequestOutput:
-    """One pair's score (vLLM's `ScoringRequestOutput`): the cosine similarity of the two texts' embeddings;
-    `prompt_token_ids` are the first text's then the second's."""
+    """One pair's score (vLLM's `ScoringRequestOutput`): the cosine similarity of the two texts' embeddings, or a
+    cross-encoder's relevance of the pair; `prompt_token_ids` are the first text's then the second's (a
+    cross-encoder's: the pair as it read it)."""
 
     request_id: str
     outputs: ScoringOutput

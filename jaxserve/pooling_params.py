@@ -1,4 +1,5 @@
-"""`PoolingParams`: what an embedding request asks for (vLLM's `vllm.PoolingParams`, the fields embeddings use)."""
+"""`PoolingParams`: what a pooling request asks for (vLLM's `vllm.PoolingParams`, the fields embedding and
+classification use)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import numpy as np
 
 from jaxserve.sampling_params import check_truncate_prompt_tokens
 
+TASKS = ("embed", "classify")
+
 
 @dataclass(frozen=True)
 class PoolingParams:
@@ -16,15 +19,23 @@ class PoolingParams:
 
     `dimensions`: keep the first `dimensions` values (Matryoshka models such as Qwen3-Embedding are trained so
     that a prefix is itself an embedding; None keeps all). `normalize`: scale to unit length (after truncating),
-    so a dot product is the cosine similarity."""
+    so a dot product is the cosine similarity.
+
+    `task="classify"` asks a sequence classifier for its class probabilities instead (`Engine.classify`; the
+    last token's hidden state through the checkpoint's classification head, loader/heads.py)."""
 
     dimensions: int | None = None
     normalize: bool = True
     # Embed only the prompt's last k tokens (-1: the most the context holds), as in SamplingParams.
     truncate_prompt_tokens: int | None = None
+    task: str = "embed"
 
     def __post_init__(self):
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(map(repr, TASKS))}, got {self.task!r}")
+        if self.task == "classify" and self.dimensions is not None:
+            raise ValueError("dimensions applies to embeddings; a classification returns every class")
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
                                             or self.dimensions < 1):
             raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")

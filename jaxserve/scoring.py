@@ -1,5 +1,8 @@
-"""Scoring text pairs with an embedding model, as vLLM scores them for one (`LLM.score`, `/score`, `/rerank`):
-each text is embedded (engine_pooling.py) and a pair's score is the cosine similarity of its two embeddings.
+"""Scoring text pairs, as vLLM scores them (`LLM.score`, `/score`, `/rerank`):
+- with an embedding model, each text is embedded (engine_pooling.py) and a pair's score is the cosine similarity
+  of its two embeddings;
+- with a cross-encoder (a sequence classifier with one label, loader/heads.py), each pair is one prompt, the
+  tokenizer's pair encoding, and its score is the classifier's probability of relevance.
 Host side, no jax: the servers import it."""
 
 from __future__ import annotations
@@ -29,3 +32,19 @@ def as_prompts(given) -> list:
     """One prompt (a str, or a list of token ids) or a list of them -> a list of prompts."""
     one_token_list = isinstance(given, list) and given and all(isinstance(t, int) for t in given)
     return [given] if isinstance(given, str) or one_token_list else list(given)
+
+
+def pair_prompt(tokenizer, first: str | list[int], second: str | list[int]) -> list[int]:
+    """A cross-encoder's prompt for a pair: two texts as the tokenizer encodes a pair (its special tokens around
+    and between them, as sentence-transformers' CrossEncoder and vLLM build it), or two token-id lists joined."""
+    if isinstance(first, str) and isinstance(second, str):
+        return list(tokenizer(first, second)["input_ids"])
+    if isinstance(first, list) and isinstance(second, list):
+        return first + second
+    raise ValueError("a pair must be two texts or two token-id lists, not one of each")
+
+
+def check_cross_encoder(classifier) -> None:
+    if classifier.num_labels != 1:
+        raise ValueError(f"scoring pairs with a classifier needs a cross-encoder (one label, the pair's relevance); "
+                         f"this {classifier.architecture} has {classifier.num_labels} labels: classify instead")

@@ -55,10 +55,10 @@ class Sequence:
     # none yet; core/adapter_slots.py).
     lora_request: LoRARequest | None = None
     lora_slot: int = -1
-    # An embedding request (PoolingParams) ends at its prompt's last token: its embedding is taken from the hidden
-    # state there, and no token is generated.
+    # A pooling request (PoolingParams: embed, classify) ends at its prompt's last token: its embedding or class
+    # probabilities are taken from the hidden state there, and no token is generated.
     pooling: object | None = None
-    embedding: list[float] | None = None
+    pooled: list[float] | None = None
 
     @property
     def cache_root(self) -> bytes:
@@ -123,7 +123,7 @@ class Request:
     prompt: str | None
     sequences: list[Sequence]
     params: SamplingParams
-    pooling: object | None = None  # PoolingParams: an embedding request (one sequence)
+    pooling: object | None = None  # PoolingParams: a pooling request (one sequence)
 
     @property
     def finished(self) -> bool:

@@ -13,6 +13,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from jaxserve.loader.fused import FUSED_ARCHITECTURES, SplitFusedSource
 from jaxserve.loader.gguf import GGUFFile
+from jaxserve.loader.heads import ModelHead, causal_config, open_head
 from jaxserve.loader.hf_config import model_config_from_hf
 from jaxserve.loader.orbax_checkpoint import is_orbax_checkpoint, open_orbax_checkpoint
 from jaxserve.loader.random_weights import RandomWeights
@@ -32,6 +33,7 @@ class Checkpoint:
     tokenizer: Any
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     pooling: str | None = None  # what its sentence-transformers config declares (loader/pooling.py)
+    head: ModelHead = field(default_factory=ModelHead)  # an LM head, none, or a classifier (loader/heads.py)
 
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -120,12 +122,14 @@ def _open_hf_dir(directory: Path, name: str, weights: bool = True) -> Checkpoint
     gen_path = directory / "generation_config.json"
     generation = _read_json(gen_path) if gen_path.exists() else {}
     raw = _read_json(config_path)
-    config = model_config_from_hf(text_model_config(raw), generation)
-    tensors = _split_fused(text_model_tensors(raw, SafetensorsSource(directory)), config) if weights else None
+    config = model_config_from_hf(causal_config(text_model_config(raw)), generation)
+    tensors = text_model_tensors(raw, SafetensorsSource(directory)) if weights else None
+    config, tensors, head = open_head(raw, config, tensors)
+    tensors = None if tensors is None else _split_fused(tensors, config)
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
     defaults = sampling_defaults(generation, gen_path)
     return Checkpoint(name=name, config=config, tensors=tensors, tokenizer=tokenizer, generation_defaults=defaults,
-                      pooling=declared_pooling(directory))
+                      pooling=declared_pooling(directory), head=head)
 
 
 def _download_from_hub(repo_id: str, weights: bool = True) -> Path:

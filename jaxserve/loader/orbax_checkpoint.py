@@ -66,6 +66,9 @@ def convert(model: str, out: str, mesh_shape: tuple[int, int], dtype: str, parti
     from jaxserve.runner.weights import load_weights
 
     ckpt = open_checkpoint(model)
+    if not ckpt.head.generates:  # what the checkpoint holds besides a causal LM is not written
+        raise ValueError(f"{model} is not a causal language model (it has no LM head), and jaxserve convert writes "
+                         "those only: serve the checkpoint directly")
     layout = plan_layout(ckpt.config, *mesh_shape, partition)
     _, params = load_weights(ckpt.config, ckpt.tensors, jnp.dtype(dtype), make_mesh(*mesh_shape), layout)
     arrays = {path: var.get_value() for path, var in nnx.to_flat_state(params)}

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput
+from jaxserve.outputs import POOLING_OUTPUTS, RequestOutput
 
 PREFIX = "jaxserve:"
 # Seconds; chosen to resolve both fast GPU steps and slow CPU ones.
@@ -107,8 +107,8 @@ class ServerMetrics:
 
     async def observe(self, outputs: AsyncIterator[RequestOutput], arrival_time: float
                       ) -> AsyncIterator[RequestOutput]:
-        """Pass outputs through, recording token counts and latencies of this request (an embedding request
-        generates no tokens and finishes as "stop")."""
+        """Pass outputs through, recording token counts and latencies of this request (a pooling request, an
+        embedding or a classification, generates no tokens and finishes as "stop")."""
         label = self.model_name
         tokens_seen = 0
         last_time = None
@@ -116,8 +116,8 @@ class ServerMetrics:
         try:
             async for output in outputs:
                 now = time.monotonic()
-                embedding = isinstance(output, EmbeddingRequestOutput)
-                tokens = 0 if embedding else sum(len(completion.token_ids) for completion in output.outputs)
+                pooled = isinstance(output, POOLING_OUTPUTS)
+                tokens = 0 if pooled else sum(len(completion.token_ids) for completion in output.outputs)
                 if last_time is None:
                     self.prompt_tokens.labels(label).inc(len(output.prompt_token_ids))
                     self.time_to_first_token.labels(label).observe(now - arrival_time)
@@ -128,7 +128,7 @@ class ServerMetrics:
                 if output.finished:
                     finished = True
                     self.e2e_latency.labels(label).observe(now - arrival_time)
-                    reason = "stop" if embedding else output.outputs[0].finish_reason if output.outputs else None
+                    reason = "stop" if pooled else output.outputs[0].finish_reason if output.outputs else None
                     self.request_success.labels(label, reason or "abort").inc()
                 yield output
         finally:

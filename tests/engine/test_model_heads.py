@@ -1,0 +1,155 @@
+"""Checkpoints whose decoder feeds no LM head (loader/heads.py), each against transformers on the same weights:
+- base models saved by `AutoModel` (e5-mistral's and Qwen3-Embedding's layout: no "model." prefix) embed;
+- a config that is not tied but ships no lm_head.weight embeds and refuses generation;
+- sequence classifiers classify (`Engine.classify`), and a one-label classifier scores pairs as a cross-encoder.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+
+from jaxserve import Engine, PoolingParams, SamplingParams
+
+PROMPTS = [list(range(300, 341)), list(range(100, 105)), [7]]  # the first runs in three chunks of 16
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+
+
+def _engine(path, **options) -> Engine:
+    return Engine(str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=4,
+                  warmup=False, **options)
+
+
+def _rewrite_config(path, **fields) -> None:
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | fields))
+
+
+@pytest.fixture(scope="module")
+def causal(tiny_checkpoint):
+    return tiny_checkpoint("qwen3")
+
+
+@pytest.fixture(scope="module")
+def base_model(causal, tmp_path_factory):
+    """The causal checkpoint's decoder saved as transformers' `Qwen3Model` (no LM head, no "model." prefix)."""
+    out = tmp_path_factory.mktemp("base")
+    model = AutoModel.from_pretrained(causal, dtype=torch.float32).eval()
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(causal).save_pretrained(out)
+    with torch.no_grad():
+        hidden = [model(torch.tensor([p])).last_hidden_state[0, -1].numpy() for p in PROMPTS]
+    return out, model, [h / np.linalg.norm(h) for h in hidden]
+
+
+def _classifier(causal, out, num_labels: int, **config):
+    torch.manual_seed(1)
+    model = AutoModelForSequenceClassification.from_pretrained(causal, num_labels=num_labels, dtype=torch.float32,
+                                                               **config).eval()
+    with torch.no_grad():  # transformers starts the head small; a larger one spreads the probabilities
+        model.score.weight.normal_(0, 1.0)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(causal).save_pretrained(out)
+    return model
+
+
+def _hf_logits(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def test_a_base_model_checkpoint_embeds_as_transformers_and_does_not_generate(base_model, tmp_path):
+    path, _, references = base_model
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["Qwen3Model"]
+    with safe_open(path / "model.safetensors", "np") as f:
+        assert "embed_tokens.weight" in f.keys() and not any(name.startswith("lm_head") for name in f.keys())
+    engine = _engine(path)
+    for out, ref in zip(engine.embed(PROMPTS, use_tqdm=False), references):
+        np.testing.assert_allclose(out.outputs.embedding, ref, atol=1e-5)
+    with pytest.raises(ValueError, match="has no language-model head .* serves embeddings"):
+        engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="no classification head"):
+        engine.classify(PROMPTS[:1], use_tqdm=False)
+    from jaxserve.loader.orbax_checkpoint import convert
+
+    with pytest.raises(ValueError, match="not a causal language model"):  # what it would write could not embed
+        convert(str(path), str(tmp_path / "converted"), (1, 1), "float32")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_qwen3_embedding_layout_loads_under_its_causal_config(base_model, causal, tmp_path, tied):
+    """Qwen3-Embedding's files: a Qwen3Model's tensors under a Qwen3ForCausalLM config; the 0.6B ties the
+    embeddings (so it has an LM head), the 8B says untied and ships no lm_head.weight (so it has none)."""
+    path, _, references = base_model
+    for file in path.iterdir():
+        (tmp_path / file.name).symlink_to(file) if file.name != "config.json" else None
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    _rewrite_config(tmp_path, architectures=["Qwen3ForCausalLM"], tie_word_embeddings=tied)
+    engine = _engine(tmp_path)
+    np.testing.assert_allclose(engine.embed(PROMPTS[:1], use_tqdm=False)[0].outputs.embedding, references[0],
+                               atol=1e-5)
+    if tied:  # the tied embeddings are its LM head: it generates as transformers' causal model of those weights
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+        want = hf.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=4, do_sample=False)[0, 5:].tolist()
+        greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        assert engine.generate(PROMPTS[1:2], greedy, use_tqdm=False)[0].outputs[0].token_ids == want
+    else:
+        with pytest.raises(ValueError, match="no lm_head.weight"):
+            engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_a_sequence_classifier_classifies_as_transformers(causal, tmp_path):
+    hf = _classifier(causal, tmp_path, 3, id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
+    engine = _engine(tmp_path, mesh="2x2")
+    outs = engine.classify(PROMPTS, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        logits = _hf_logits(hf, prompt)
+        want = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+        assert out.finished and out.prompt_token_ids == prompt and out.outputs.num_classes == 3
+        np.testing.assert_allclose(out.outputs.probs, want, atol=1e-5)
+        assert out.outputs.label == LABELS[int(np.argmax(logits))]
+    assert len({out.outputs.label for out in outs}) > 1, "the head should not give every prompt the same class"
+    truncated = engine.classify(PROMPTS[:1], truncate_prompt_tokens=5, use_tqdm=False)[0]
+    assert truncated.prompt_token_ids == PROMPTS[0][-5:]
+    np.testing.assert_allclose(truncated.outputs.probs, engine.classify([PROMPTS[0][-5:]], use_tqdm=False)[0]
+                               .outputs.probs, atol=1e-6)
+    for refused, call in (("is a sequence classifier .* does not generate",
+                           lambda: engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)),
+                          ("does not embed", lambda: engine.embed(PROMPTS[:1], use_tqdm=False)),
+                          ("needs a cross-encoder .* has 3 labels", lambda: engine.score("a", "b", use_tqdm=False))):
+        with pytest.raises(ValueError, match=refused):
+            call()
+
+
+def test_a_one_label_classifier_scores_pairs_as_a_cross_encoder(causal, tmp_path):
+    """vLLM's cross-encoder scoring: each pair is one prompt (the tokenizer's pair encoding) and its score is the
+    sigmoid of the classifier's one logit."""
+    hf = _classifier(causal, tmp_path, 1)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    engine = _engine(tmp_path)
+    query, documents = "What is the capital of France?", ["Paris is its capital.", "Cats purr.", "A tall tree."]
+    scores = engine.score(query, documents, use_tqdm=False)
+    for out, document in zip(scores, documents):
+        ids = tokenizer(query, document)["input_ids"]
+        assert out.prompt_token_ids == ids
+        assert out.outputs.score == pytest.approx(float(torch.sigmoid(torch.tensor(_hf_logits(hf, ids)[0]))),
+                                                  abs=1e-5)
+    assert len({round(out.outputs.score, 4) for out in scores}) == 3
+    pairwise = engine.score([PROMPTS[1], PROMPTS[2]], [PROMPTS[2], PROMPTS[1]], use_tqdm=False)
+    assert [out.prompt_token_ids for out in pairwise] == [PROMPTS[1] + PROMPTS[2], PROMPTS[2] + PROMPTS[1]]
+    with pytest.raises(ValueError, match="two texts or two token-id lists"):
+        engine.score("a text", [PROMPTS[1]], use_tqdm=False)
+    probs = engine.classify([tokenizer(query, documents[0])["input_ids"]], use_tqdm=False)[0].outputs.probs
+    assert probs == [pytest.approx(scores[0].outputs.score, abs=1e-6)]
+
+
+def test_pooling_params_refuse_what_classification_cannot_do():
+    with pytest.raises(ValueError, match="dimensions applies to embeddings"):
+        PoolingParams(task="classify", dimensions=8)
+    with pytest.raises(ValueError, match="task must be one of 'embed', 'classify'"):
+        PoolingParams(task="generate")
