@@ -98,6 +98,10 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def head(self):  # what the model's final hidden state feeds (loader/heads.py): an LM head, a classifier
+        return self.engine.head
+
+    @property
     def generation_defaults(self) -> dict:
         """The model's generation_config.json sampling defaults, for request fields left unset."""
         return self.engine.generation_defaults

@@ -37,6 +37,22 @@ def make_tiny_checkpoint(arch: str, out: Path, gguf_path: str, **overrides) -> P
     return out
 
 
+def make_tiny_classifier(causal_dir: Path, out: Path, num_labels: int, **config):
+    """The causal checkpoint's decoder under a random classification head, saved as transformers'
+    *ForSequenceClassification; returns the transformers model (the reference)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(1)
+    model = AutoModelForSequenceClassification.from_pretrained(causal_dir, num_labels=num_labels, dtype=torch.float32,
+                                                               **config).eval()
+    with torch.no_grad():  # transformers starts the head small; a larger one spreads the probabilities
+        model.score.weight.normal_(0, 1.0)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(causal_dir).save_pretrained(out)
+    return model
+
+
 def hf_logits(model, token_ids: list[int]):
     """Reference logits [len, V] for one sequence."""
     import torch

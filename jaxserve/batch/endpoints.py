@@ -17,6 +17,7 @@ from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.chat_protocol import ChatCompletionRequest
 from jaxserve.server.errors import APIError, bad_request
+from jaxserve.server.classify import ClassificationRendering, ClassificationRequest
 from jaxserve.server.embeddings import EmbeddingRendering, EmbeddingRequest
 from jaxserve.server.protocol import CompletionRequest, SamplingFields
 from jaxserve.server.request_bodies import (
@@ -51,9 +52,10 @@ class Endpoint:
 
 
 def _pooled(schema: type, id_prefix: str, rendering_class: type, example_body: dict) -> Endpoint:
-    """An endpoint that embeds its body's `prompts()` and renders the embeddings (embeddings, scores, a ranking)."""
+    """An endpoint that runs its body's pooling requests (`engine_inputs`) and renders their outputs (embeddings,
+    class probabilities, scores, a ranking)."""
     return Endpoint(schema=schema, id_prefix=id_prefix,
-                    inputs=lambda request, engine, _: (request.prompts(), request.pooling_params()),
+                    inputs=lambda request, engine, _: request.engine_inputs(engine),
                     rendering=lambda request, model, response_id, *_: rendering_class(request, model, response_id),
                     render=lambda rendering, finals: rendering.full_response(finals), example_body=example_body)
 
@@ -77,7 +79,11 @@ ENDPOINTS: dict[str, Endpoint] = {
     "/v1/embeddings": _pooled(EmbeddingRequest, "embd", EmbeddingRendering, {"input": "x"}),
     "/v1/score": _pooled(ScoreRequest, "score", ScoreRendering, {"text_1": "x", "text_2": "y"}),
     "/v1/rerank": _pooled(RerankRequest, "rerank", RerankRendering, {"query": "x", "documents": ["y"]}),
+    "/v1/classify": _pooled(ClassificationRequest, "classify", ClassificationRendering, {"input": "x"}),
 }
+# The other spellings the server answers at (and vLLM's batch runner takes).
+ENDPOINTS |= {"/score": ENDPOINTS["/v1/score"], "/rerank": ENDPOINTS["/v1/rerank"],
+              "/v2/rerank": ENDPOINTS["/v1/rerank"], "/classify": ENDPOINTS["/v1/classify"]}
 
 
 @dataclass

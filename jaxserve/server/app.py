@@ -23,6 +23,7 @@ from jaxserve.async_engine import AsyncEngine, EngineDeadError, QueueFull, Reque
 from jaxserve.server.chat import create_chat_completion
 from jaxserve.server.chat_protocol import ChatMessageParam, template_kwargs
 from jaxserve.server.completions import create_completion
+from jaxserve.server.classify import create_classification
 from jaxserve.server.embeddings import create_embedding
 from jaxserve.server.errors import (
     APIError,
@@ -51,7 +52,7 @@ from jaxserve.server.serving import ServerState
 
 # Only the API routes need a key; health, metrics and tokenisation stay open, as in vLLM.
 PROTECTED_PREFIXES = ("/v1/", "/v2/")
-PROTECTED_PATHS = {"/score", "/rerank"}
+PROTECTED_PATHS = {"/score", "/rerank", "/classify"}
 
 
 class APIKeyMiddleware:
@@ -150,6 +151,7 @@ ROUTES = [
     Route("/v1/completions", create_completion, methods=["POST"]),
     Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
     Route("/v1/embeddings", create_embedding, methods=["POST"]),
+    *(Route(path, create_classification, methods=["POST"]) for path in ("/classify", "/v1/classify")),
     *(Route(path, create_score, methods=["POST"]) for path in ("/score", "/v1/score")),
     *(Route(path, create_rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
     Route("/v1/responses", create_response, methods=["POST"]),

@@ -27,8 +27,8 @@ EmbeddingInput = str | list[str] | list[int] | list[list[int]]
 
 
 class PooledRequest(OpenAIModel):
-    """What `serve_pooled` reads from a body that embeds texts: its fields below, `prompts()` and
-    `pooling_params()`."""
+    """What `serve_pooled` reads from a body that pools texts: its fields below and `engine_inputs()` (by default
+    its `prompts()` with its `pooling_params()`)."""
 
     model: str | None = None
     user: str | None = None
@@ -38,11 +38,16 @@ class PooledRequest(OpenAIModel):
     def pooling_params(self) -> PoolingParams:
         return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens)
 
+    def engine_inputs(self, engine) -> tuple[list[str | list[int]], PoolingParams]:
+        """The engine's prompts and params for this body, given the model it runs on (`engine.head`: what the
+        model's final hidden state feeds, loader/heads.py)."""
+        return self.prompts(), self.pooling_params()
 
-class EmbeddingRequest(PooledRequest):
+
+class InputRequest(PooledRequest):
+    """A body whose `input` holds the texts (a string, strings, token ids or lists of them): one prompt each."""
+
     input: EmbeddingInput
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
 
     def prompts(self) -> list[str | list[int]]:
         """One engine prompt per input: a string, or a list of token ids."""
@@ -56,6 +61,11 @@ class EmbeddingRequest(PooledRequest):
                 raise bad_request("input has an empty string or token list; every input needs at least one token",
                                   param="input")
         return list(given)
+
+
+class EmbeddingRequest(InputRequest):
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
 
     def pooling_params(self) -> PoolingParams:
         return PoolingParams(dimensions=self.dimensions, truncate_prompt_tokens=self.truncate_prompt_tokens)
@@ -98,14 +108,14 @@ async def create_embedding(request: Request) -> Response:
 
 async def serve_pooled(request: Request, schema: type[PooledRequest], rendering_class: type, id_prefix: str
                        ) -> Response:
-    """Embed the body's `prompts()` with its `pooling_params()` and answer with what `rendering_class` makes of
-    the embeddings (embeddings, scores, a ranking)."""
+    """Run the body's pooling requests (`engine_inputs()`) and answer with what `rendering_class` makes of their
+    outputs (embeddings, class probabilities, scores, a ranking)."""
     state: ServerState = request.app.state.server
     body = parse_request(schema, await parse_json(request))
     model = state.resolve_model(body.model)
     rendering = rendering_class(body, model, f"{id_prefix}-{uuid.uuid4().hex}")
-    params = checked_params(body, body.pooling_params)
-    streams = await start_requests(state, body.prompts(), params, rendering.request_id, body.priority, model)
+    prompts, params = checked_params(body, lambda: body.engine_inputs(state.engine))
+    streams = await start_requests(state, prompts, params, rendering.request_id, body.priority, model)
     completed, finals = await cancel_on_disconnect(request, collect_final_outputs(state, streams, time.monotonic()))
     if not completed:
         return Response(status_code=499)  # the client left; nobody reads this

@@ -1,6 +1,7 @@
-"""POST /score and /rerank, as vLLM serves them for embedding models: every text is embedded as /v1/embeddings
-embeds it, and a pair's score is the cosine similarity of the two embeddings (scoring.py). /rerank is the
-Jina/Cohere shape: one query against documents, answered most relevant first."""
+"""POST /score and /rerank, as vLLM serves them (scoring.py): with an embedding model every text is embedded as
+/v1/embeddings embeds it, and a pair's score is the cosine similarity of the two embeddings; with a cross-encoder
+(a one-label sequence classifier) each pair is one prompt, scored by the classifier. /rerank is the Jina/Cohere
+shape: one query against documents, answered most relevant first."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from jaxserve.outputs import EmbeddingRequestOutput
-from jaxserve.scoring import as_prompts, cosine_similarity, score_pairs
+from jaxserve.outputs import ClassificationRequestOutput, EmbeddingRequestOutput
+from jaxserve.pooling_params import PoolingParams
+from jaxserve.scoring import as_prompts, check_cross_encoder, cosine_similarity, pair_prompt, score_pairs
 from jaxserve.server.embeddings import PooledRequest, serve_pooled
 from jaxserve.server.errors import bad_request
 from jaxserve.server.protocol import OpenAIModel, UsageInfo
@@ -28,6 +30,26 @@ def _check_texts(texts: list[str], param: str) -> list[str]:
     return texts
 
 
+def _pair_inputs(request: PooledRequest, engine, first: list[str], second: list[str], pairs: list[tuple[int, int]]
+                 ) -> tuple[list, PoolingParams]:
+    """The engine's prompts and params for scoring `pairs` of the texts: each text, then a pair's score the
+    cosine of two embeddings; or, on a cross-encoder, one prompt per pair."""
+    if engine.head.classifier is None:
+        return first + second, request.pooling_params()
+    check_cross_encoder(engine.head.classifier)  # a ValueError: a 400
+    prompts = [pair_prompt(engine.tokenizer, first[i], second[j]) for i, j in pairs]
+    return prompts, PoolingParams(task="classify", truncate_prompt_tokens=request.truncate_prompt_tokens)
+
+
+def pair_scores(finals: list[EmbeddingRequestOutput | ClassificationRequestOutput], num_first: int,
+                pairs: list[tuple[int, int]]) -> list[float]:
+    """Each pair's score from the outputs of `_pair_inputs`' prompts."""
+    if finals and isinstance(finals[0], ClassificationRequestOutput):
+        return [out.outputs.probs[0] for out in finals]
+    vectors = [out.outputs.embedding for out in finals]
+    return [cosine_similarity(vectors[i], vectors[num_first + j]) for i, j in pairs]
+
+
 class ScoreRequest(PooledRequest):
     text_1: str | list[str]
     text_2: str | list[str]
@@ -35,14 +57,15 @@ class ScoreRequest(PooledRequest):
     def texts(self) -> tuple[list[str], list[str]]:
         return _check_texts(as_prompts(self.text_1), "text_1"), _check_texts(as_prompts(self.text_2), "text_2")
 
-    def prompts(self) -> list[str]:
-        """What is embedded: text_1's texts, then text_2's."""
+    def pairs(self) -> list[tuple[int, int]]:
         first, second = self.texts()
         try:
-            score_pairs(len(first), len(second))
+            return score_pairs(len(first), len(second))
         except ValueError as exc:
             raise bad_request(str(exc), param="text_2") from None
-        return first + second
+
+    def engine_inputs(self, engine) -> tuple[list, PoolingParams]:
+        return _pair_inputs(self, engine, *self.texts(), self.pairs())
 
 
 class RerankDocument(OpenAIModel):
@@ -58,9 +81,12 @@ class RerankRequest(PooledRequest):
     def document_texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]
 
-    def prompts(self) -> list[str]:
-        """What is embedded: the query, then each document."""
-        return _check_texts([self.query], "query") + _check_texts(self.document_texts(), "documents")
+    def pairs(self) -> list[tuple[int, int]]:
+        return [(0, j) for j in range(len(self.documents))]
+
+    def engine_inputs(self, engine) -> tuple[list, PoolingParams]:
+        query, documents = _check_texts([self.query], "query"), _check_texts(self.document_texts(), "documents")
+        return _pair_inputs(self, engine, query, documents, self.pairs())
 
 
 class ScoreData(OpenAIModel):
@@ -97,17 +123,15 @@ class RerankResponse(OpenAIModel):
 
 @dataclass
 class ScoreRendering:
-    """How one /score request's embeddings (text_1's, then text_2's) become its response."""
+    """How one /score request's outputs (`_pair_inputs`' prompts) become its response."""
 
     request: ScoreRequest
     model: str
     request_id: str
 
-    def full_response(self, finals: list[EmbeddingRequestOutput]) -> ScoreResponse:
-        first, second = self.request.texts()
-        vectors = [out.outputs.embedding for out in finals]
-        data = [ScoreData(index=k, score=cosine_similarity(vectors[i], vectors[len(first) + j]))
-                for k, (i, j) in enumerate(score_pairs(len(first), len(second)))]
+    def full_response(self, finals: list[EmbeddingRequestOutput | ClassificationRequestOutput]) -> ScoreResponse:
+        scores = pair_scores(finals, len(self.request.texts()[0]), self.request.pairs())
+        data = [ScoreData(index=k, score=score) for k, score in enumerate(scores)]
         tokens = prompt_token_count(finals)
         return ScoreResponse(id=self.request_id, model=self.model, data=data,
                              usage=UsageInfo(prompt_tokens=tokens, total_tokens=tokens))
@@ -115,18 +139,17 @@ class ScoreRendering:
 
 @dataclass
 class RerankRendering:
-    """How one /rerank request's embeddings (the query's, then each document's) become its response."""
+    """How one /rerank request's outputs (`_pair_inputs`' prompts) become its response."""
 
     request: RerankRequest
     model: str
     request_id: str
 
-    def full_response(self, finals: list[EmbeddingRequestOutput]) -> RerankResponse:
-        query, *documents = [out.outputs.embedding for out in finals]
+    def full_response(self, finals: list[EmbeddingRequestOutput | ClassificationRequestOutput]) -> RerankResponse:
         texts = self.request.document_texts()
-        results = [RerankResult(index=i, relevance_score=cosine_similarity(query, document),
+        results = [RerankResult(index=i, relevance_score=score,
                                 document=RerankDocument(text=texts[i]) if self.request.return_documents else None)
-                   for i, document in enumerate(documents)]
+                   for i, score in enumerate(pair_scores(finals, 1, self.request.pairs()))]
         results.sort(key=lambda result: -result.relevance_score)  # stable: equal scores keep the documents' order
         top_n = self.request.top_n or len(results)
         return RerankResponse(id=self.request_id, model=self.model, results=results[:top_n],

@@ -23,7 +23,7 @@ def embedding_line(custom_id: str, input, **body) -> dict:
 
 
 def pooled_line(custom_id: str, url: str, **body) -> dict:
-    """A /v1/score or /v1/rerank line."""
+    """A line to a pooling endpoint: /v1/score, /v1/rerank, /v1/classify or another spelling of them."""
     return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
 
 
@@ -62,9 +62,9 @@ class Close(list):
 def comparable_body(body: dict) -> dict:
     """A response body without what differs between two runs of the same request (its id and time)."""
     body = {key: value for key, value in body.items() if key not in ("id", "created")}
-    if body.get("object") == "list":  # embeddings, scores
-        body["data"] = [{**d, **{key: Close(d[key] if key == "embedding" else [d[key]])
-                                 for key in ("embedding", "score") if key in d}} for d in body["data"]]
+    if body.get("object") == "list":  # embeddings, class probabilities, scores
+        body["data"] = [{**d, **{key: Close(d[key] if key in ("embedding", "probs") else [d[key]])
+                                 for key in ("embedding", "probs", "score") if key in d}} for d in body["data"]]
     if "results" in body:  # a ranking
         body["results"] = [{**r, "relevance_score": Close([r["relevance_score"]])} for r in body["results"]]
     return body

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModel, AutoTokenizer
 
 from jaxserve import Engine, PoolingParams, SamplingParams
+from tests.helpers import make_tiny_classifier
 
 PROMPTS = [list(range(300, 341)), list(range(100, 105)), [7]]  # the first runs in three chunks of 16
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
@@ -43,17 +44,6 @@ def base_model(causal, tmp_path_factory):
     with torch.no_grad():
         hidden = [model(torch.tensor([p])).last_hidden_state[0, -1].numpy() for p in PROMPTS]
     return out, model, [h / np.linalg.norm(h) for h in hidden]
-
-
-def _classifier(causal, out, num_labels: int, **config):
-    torch.manual_seed(1)
-    model = AutoModelForSequenceClassification.from_pretrained(causal, num_labels=num_labels, dtype=torch.float32,
-                                                               **config).eval()
-    with torch.no_grad():  # transformers starts the head small; a larger one spreads the probabilities
-        model.score.weight.normal_(0, 1.0)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(causal).save_pretrained(out)
-    return model
 
 
 def _hf_logits(model, ids: list[int]) -> np.ndarray:
@@ -104,7 +94,7 @@ def test_qwen3_embedding_layout_loads_under_its_causal_config(base_model, causal
 
 
 def test_a_sequence_classifier_classifies_as_transformers(causal, tmp_path):
-    hf = _classifier(causal, tmp_path, 3, id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
+    hf = make_tiny_classifier(causal, tmp_path, 3, id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
     engine = _engine(tmp_path, mesh="2x2")
     outs = engine.classify(PROMPTS, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
@@ -129,7 +119,7 @@ def test_a_sequence_classifier_classifies_as_transformers(causal, tmp_path):
 def test_a_one_label_classifier_scores_pairs_as_a_cross_encoder(causal, tmp_path):
     """vLLM's cross-encoder scoring: each pair is one prompt (the tokenizer's pair encoding) and its score is the
     sigmoid of the classifier's one logit."""
-    hf = _classifier(causal, tmp_path, 1)
+    hf = make_tiny_classifier(causal, tmp_path, 1)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     engine = _engine(tmp_path)
     query, documents = "What is the capital of France?", ["Paris is its capital.", "Cats purr.", "A tall tree."]

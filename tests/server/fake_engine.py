@@ -19,6 +19,9 @@ from types import SimpleNamespace
 from jaxserve.beam_search import BeamSearch
 from jaxserve.beam_search_params import check_beam_width
 from jaxserve.outputs import (
+    POOLING_OUTPUTS,
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -59,6 +62,7 @@ class FakeEngine:
         self._running: dict[str, FakeRequest] = {}
         self.aborted: list[str] = []
         self.adapters = SimpleNamespace(preloaded={})  # the LoRA adapters served by name (serve --lora-modules)
+        self.head = SimpleNamespace(generates=True, classifier=None)  # a causal LM (loader/heads.ModelHead)
         self.lora_requests: dict[str, object] = {}  # request id -> the adapter it was prepared with
         self.prompts: dict[str, object] = {}  # request id -> the prompt and params it was prepared with
         self.sampling_params: dict[str, object] = {}
@@ -91,6 +95,8 @@ class FakeEngine:
         self.prompts[request_id], self.sampling_params[request_id] = prompt, params
         if isinstance(params, PoolingParams):  # an embedding: the prompt's token count, then zeros
             token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            if params.task == "classify":  # one class, certain
+                return ClassificationRequestOutput(request_id, ClassificationOutput([1.0], "LABEL_0"), token_ids)
             vector = [float(len(token_ids))] + [0.0] * ((params.dimensions or 8) - 1)
             return EmbeddingRequestOutput(request_id, EmbeddingOutput(vector), token_ids)
         if isinstance(prompt, str):
@@ -123,7 +129,7 @@ class FakeEngine:
         return [rng.randrange(len(self._script)) for _ in range(params.n)]
 
     def add_prepared_request(self, request):
-        if isinstance(request, EmbeddingRequestOutput):
+        if isinstance(request, POOLING_OUTPUTS):
             self._running[request.request_id] = request
             return
         request.outputs = [CompletionOutput(index=i, text="", token_ids=[],
@@ -154,7 +160,7 @@ class FakeEngine:
         return results
 
     def _advance(self, request):
-        if isinstance(request, EmbeddingRequestOutput):
+        if isinstance(request, POOLING_OUTPUTS):
             return request
         for output in request.outputs:
             if not output.finished:
@@ -214,7 +220,7 @@ class FakeEngine:
     def stats(self):
         used = sum(
             math.ceil((len(r.prompt_token_ids) + max(len(o.token_ids) for o in r.outputs)) / self.block_size)
-            for r in self._running.values() if not isinstance(r, EmbeddingRequestOutput)
+            for r in self._running.values() if not isinstance(r, POOLING_OUTPUTS)
         )
         return {"total_blocks": self.total_blocks, "free_blocks": self.total_blocks - used,
                 "num_running": len(self._running), "num_waiting": 0, "num_preemptions": 0,
