@@ -108,6 +108,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-warmup", action="store_true",
                         help="compile step programs when first needed instead of at start-up (faster start, "
                              "slower first requests)")
+    engine.add_argument("--hf-overrides", type=json_object, metavar="JSON",
+                        help="keys laid over the model's config.json, as in vLLM: '{\"max_position_embeddings\": "
+                             "65536, \"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 2.0, "
+                             "\"original_max_position_embeddings\": 32768}}'")
     engine.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
                         help="speculative decoding, as in vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                              "\"prompt_lookup_max\": 4}' drafts tokens by looking the latest ones up earlier in the "
@@ -174,7 +178,7 @@ def build_engine(args: argparse.Namespace):
                         chat_template=args.chat_template if is_leader(args) else None,  # only it sees prompts
                         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         lora_modules=lora_modules_dict(args.lora_modules), speculative_config=args.speculative_config,
-                        **compilation_cache_option(args))
+                        hf_overrides=args.hf_overrides, **compilation_cache_option(args))
     except (ValueError, OSError) as exc:  # the engine words these for people (DESIGN.md convention 9)
         raise UserError(str(exc)) from None
     # Process 0 gets its engine back (now driving the others); a follower follows and exits inside take_role.

@@ -76,14 +76,14 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
                  quantization: str | None = None, load_format: str = "auto", async_scheduling: bool = True,
                  chat_template: str | None = None, enable_lora: bool = False, max_loras: int = 1,
                  max_lora_rank: int = 16, lora_modules: dict[str, str] | None = None,
-                 speculative_config: dict | SpeculativeConfig | None = None):
+                 speculative_config: dict | SpeculativeConfig | None = None, hf_overrides: dict | None = None):
         speculative = SpeculativeConfig.from_dict(speculative_config)
         check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
                              recompile_guard, quantization)
         enable_lora, max_loras = check_lora_options(enable_lora, max_loras, max_lora_rank, lora_modules)
         template = None if chat_template is None else read_chat_template(chat_template)  # before the load
         enable_compilation_cache(compilation_cache_dir)
-        ckpt = open_checkpoint(model, load_format)
+        ckpt = open_checkpoint(model, load_format, hf_overrides)
         cfg = ckpt.config
         self.model_name = ckpt.name
         self.tokenizer = tokenizer or ckpt.tokenizer

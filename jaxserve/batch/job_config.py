@@ -59,6 +59,7 @@ class EngineOptions(BaseModel):
     lora_modules: dict[str, str] | None = None
     # vLLM's speculative_config mapping, e.g. {method: ngram, num_speculative_tokens: 4}
     speculative_config: dict[str, Any] | None = None
+    hf_overrides: dict[str, Any] | None = None  # keys laid over the model's config.json, as in vLLM
 
     @field_validator("mesh", mode="before")
     @classmethod

@@ -39,21 +39,28 @@ class Checkpoint:
 LOAD_FORMATS = ("auto", "dummy")
 
 
-def open_checkpoint(model: str | None, load_format: str = "auto") -> Checkpoint:
+def open_checkpoint(model: str | None, load_format: str = "auto", hf_overrides: dict | None = None
+                    ) -> Checkpoint:
     """`load_format="dummy"`: the model's config and tokenizer with random weights (loader/random_weights.py);
-    an HF model then needs no weight files at all."""
+    an HF model then needs no weight files at all. `hf_overrides`: keys laid over the model's config.json (vLLM's
+    hf_overrides: a longer max_position_embeddings, a rope_scaling, ...)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not one of {', '.join(map(repr, LOAD_FORMATS))}")
-    ckpt = _open(model, weights=load_format != "dummy")
+    if hf_overrides is not None and not isinstance(hf_overrides, dict):
+        raise ValueError(f"hf_overrides must be a mapping of config.json keys to values, got {hf_overrides!r}")
+    ckpt = _open(model, weights=load_format != "dummy", hf_overrides=hf_overrides or {})
     if load_format == "dummy":
         ckpt.tensors = RandomWeights(ckpt.config)
     return ckpt
 
 
-def _open(model: str | None, weights: bool) -> Checkpoint:
+def _open(model: str | None, weights: bool, hf_overrides: dict) -> Checkpoint:
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if hf_overrides and (path.suffix == ".gguf" or (path.is_dir() and is_orbax_checkpoint(path))):
+        raise ValueError(f"hf_overrides applies to a Hugging Face config.json, and {model or DEFAULT_MODEL_NAME} "
+                         "has none (a GGUF file or a `jaxserve convert` checkpoint): give the HF model directory")
     if model is None:
-        return _open_gguf(default_model_path(), name=DEFAULT_MODEL_NAME)
-    path = Path(model).expanduser()
+        return _open_gguf(path, name=DEFAULT_MODEL_NAME)
     if path.is_file() and path.suffix == ".gguf":
         return _open_gguf(path, name=path.stem)
     if path.is_dir() and is_orbax_checkpoint(path):
@@ -62,12 +69,12 @@ def _open(model: str | None, weights: bool) -> Checkpoint:
                              "read: give the original model (HF directory, hub id or GGUF file)")
         return open_orbax_checkpoint(path)  # written by `jaxserve convert`
     if path.is_dir():
-        return _open_hf_dir(path, name=model, weights=weights)
+        return _open_hf_dir(path, name=model, weights=weights, hf_overrides=hf_overrides)
     if path.suffix == ".gguf" or model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise FileNotFoundError(
             f"model path {model!r} does not exist: give a GGUF file, a Hugging Face model directory or a hub id"
         )
-    return _open_hf_dir(_download_from_hub(model, weights), name=model, weights=weights)
+    return _open_hf_dir(_download_from_hub(model, weights), name=model, weights=weights, hf_overrides=hf_overrides)
 
 
 def _open_gguf(path: Path, name: str) -> Checkpoint:
@@ -113,7 +120,17 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON ({e})") from None
 
 
-def _open_hf_dir(directory: Path, name: str, weights: bool = True) -> Checkpoint:
+def with_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """config.json with vLLM's hf_overrides laid over it: each key's value replaces the file's, except that a
+    nested config (`text_config` of a multimodal checkpoint) is updated key by key."""
+    merged = dict(raw)
+    for key, value in overrides.items():
+        nested = key.endswith("_config") and isinstance(value, dict) and isinstance(raw.get(key), dict)
+        merged[key] = {**raw[key], **value} if nested else value
+    return merged
+
+
+def _open_hf_dir(directory: Path, name: str, weights: bool = True, hf_overrides: dict | None = None) -> Checkpoint:
     from transformers import AutoTokenizer
 
     config_path = directory / "config.json"
@@ -121,8 +138,14 @@ def _open_hf_dir(directory: Path, name: str, weights: bool = True) -> Checkpoint
         raise FileNotFoundError(f"{directory} has no config.json; it is not a Hugging Face model directory")
     gen_path = directory / "generation_config.json"
     generation = _read_json(gen_path) if gen_path.exists() else {}
-    raw = _read_json(config_path)
-    config = model_config_from_hf(causal_config(text_model_config(raw)), generation)
+    raw = with_overrides(_read_json(config_path), hf_overrides or {})
+    try:
+        config = model_config_from_hf(causal_config(text_model_config(raw)), generation)
+    except (KeyError, TypeError, ValueError) as exc:
+        if not hf_overrides:
+            raise
+        raise ValueError(f"config.json with hf_overrides {json.dumps(hf_overrides)} is not a config jaxserve can "
+                         f"serve ({type(exc).__name__}: {exc})") from None
     tensors = text_model_tensors(raw, SafetensorsSource(directory)) if weights else None
     config, tensors, head = open_head(raw, config, tensors)
     tensors = None if tensors is None else _split_fused(tensors, config)
