@@ -112,6 +112,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keys laid over the model's config.json, as in vLLM: '{\"max_position_embeddings\": "
                              "65536, \"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 2.0, "
                              "\"original_max_position_embeddings\": 32768}}'")
+    engine.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                        help="where requests' sampling defaults come from, as in vLLM: the model's "
+                             "generation_config.json (auto), none (vllm: OpenAI's defaults), or DIR's")
+    engine.add_argument("--override-generation-config", type=json_object, metavar="JSON",
+                        help="sampling defaults laid over those, as in vLLM: '{\"temperature\": 0.6, \"top_p\": 0.95}'")
     engine.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
                         help="speculative decoding, as in vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                              "\"prompt_lookup_max\": 4}' drafts tokens by looking the latest ones up earlier in the "
@@ -178,7 +183,8 @@ def build_engine(args: argparse.Namespace):
                         chat_template=args.chat_template if is_leader(args) else None,  # only it sees prompts
                         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         lora_modules=lora_modules_dict(args.lora_modules), speculative_config=args.speculative_config,
-                        hf_overrides=args.hf_overrides, **compilation_cache_option(args))
+                        hf_overrides=args.hf_overrides, generation_config=args.generation_config,
+                        override_generation_config=args.override_generation_config, **compilation_cache_option(args))
     except (ValueError, OSError) as exc:  # the engine words these for people (DESIGN.md convention 9)
         raise UserError(str(exc)) from None
     # Process 0 gets its engine back (now driving the others); a follower follows and exits inside take_role.

@@ -31,6 +31,7 @@ from jaxserve.engine_inputs import (check_engine_options, check_max_model_len, f
                                    validate_lengths)
 from jaxserve.grammar import GrammarCompiler, grammar_ended
 from jaxserve.loader.checkpoint import open_checkpoint
+from jaxserve.loader.generation_config import generation_defaults
 from jaxserve.loader.tokenizer import read_chat_template
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput
@@ -76,7 +77,8 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
                  quantization: str | None = None, load_format: str = "auto", async_scheduling: bool = True,
                  chat_template: str | None = None, enable_lora: bool = False, max_loras: int = 1,
                  max_lora_rank: int = 16, lora_modules: dict[str, str] | None = None,
-                 speculative_config: dict | SpeculativeConfig | None = None, hf_overrides: dict | None = None):
+                 speculative_config: dict | SpeculativeConfig | None = None, hf_overrides: dict | None = None,
+                 generation_config: str = "auto", override_generation_config: dict | None = None):
         speculative = SpeculativeConfig.from_dict(speculative_config)
         check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
                              recompile_guard, quantization)
@@ -89,9 +91,10 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         self.tokenizer = tokenizer or ckpt.tokenizer
         if template is not None:  # replaces the tokenizer's own
             self.tokenizer.chat_template = template
-        self.generation_defaults = ckpt.generation_defaults
-        self.declared_pooling = ckpt.pooling
-        self.head = ckpt.head  # an LM head, none (embeddings only) or a classifier (loader/heads.py)
+        self.generation_defaults = generation_defaults(ckpt.generation_defaults, generation_config,
+                                                       override_generation_config)
+        # What the final hidden state feeds: an LM head, none (embeddings only) or a classifier (loader/heads.py).
+        self.declared_pooling, self.head = ckpt.pooling, ckpt.head
         requested_len, max_model_len = max_model_len, check_max_model_len(max_model_len, cfg.max_position_embeddings)
         cfg = model_for_context(cfg, max_model_len)
         dtype = resolve_dtype(dtype, jax.devices()[0].platform)
@@ -126,10 +129,8 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         )
         self.blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.speculative_config = speculative
-        proposer = None if speculative is None else NgramProposer(speculative.num_speculative_tokens,
-                                                                 speculative.prompt_lookup_min,
-                                                                 speculative.prompt_lookup_max)
-        self.scheduler = Scheduler(self.config.scheduler, self.blocks, self.adapters.slots, proposer)
+        self.scheduler = Scheduler(self.config.scheduler, self.blocks, self.adapters.slots,
+                                   NgramProposer.for_config(speculative))
         self._requests: dict[str, Request] = {}
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids())
         self._texts: dict[int, SequenceText] = {}

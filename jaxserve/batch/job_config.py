@@ -60,6 +60,10 @@ class EngineOptions(BaseModel):
     # vLLM's speculative_config mapping, e.g. {method: ngram, num_speculative_tokens: 4}
     speculative_config: dict[str, Any] | None = None
     hf_overrides: dict[str, Any] | None = None  # keys laid over the model's config.json, as in vLLM
+    # Where sampling defaults come from (auto, vllm or a directory) and what is laid over them, as in vLLM; the
+    # job's own `sampling` section is laid over both.
+    generation_config: str | None = None
+    override_generation_config: dict[str, Any] | None = None
 
     @field_validator("mesh", mode="before")
     @classmethod

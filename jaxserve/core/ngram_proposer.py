@@ -18,6 +18,13 @@ class NgramProposer:
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
+    @classmethod
+    def for_config(cls, speculative) -> NgramProposer | None:
+        """The proposer a SpeculativeConfig asks for; None without one."""
+        if speculative is None:
+            return None
+        return cls(speculative.num_speculative_tokens, speculative.prompt_lookup_min, speculative.prompt_lookup_max)
+
     def propose(self, token_ids: list[int], limit: int) -> list[int]:
         """Up to min(k, limit) tokens likely to follow token_ids; [] when no n-gram recurs."""
         limit = min(self.k, limit)

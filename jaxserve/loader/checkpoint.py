@@ -12,6 +12,7 @@ from typing import Any
 from jaxserve.config import ModelConfig
 from jaxserve.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from jaxserve.loader.fused import FUSED_ARCHITECTURES, SplitFusedSource
+from jaxserve.loader.generation_config import sampling_defaults
 from jaxserve.loader.gguf import GGUFFile
 from jaxserve.loader.heads import ModelHead, causal_config, open_head
 from jaxserve.loader.hf_config import model_config_from_hf
@@ -85,32 +86,6 @@ def _open_gguf(path: Path, name: str) -> Checkpoint:
 
 def _split_fused(tensors: TensorSource, config: ModelConfig) -> TensorSource:
     return SplitFusedSource(tensors, config) if config.architecture in FUSED_ARCHITECTURES else tensors
-
-
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def sampling_defaults(generation: dict[str, Any], source: Path) -> dict[str, Any]:
-    """The sampling fields of a generation_config.json that requests inherit, each checked now: a bad value in the
-    model's file must not turn every request that omits the field into a 400. Nulls are skipped (HF writes
-    them), a whole-number float top_k becomes an int, and a value SamplingParams refuses is dropped with a
-    warning."""
-    from jaxserve.sampling_params import SamplingParams
-
-    defaults = {}
-    for key in SAMPLING_DEFAULT_KEYS:
-        value = generation.get(key)
-        if value is None:
-            continue
-        if key == "top_k" and isinstance(value, float) and value.is_integer():
-            value = int(value)
-        try:
-            SamplingParams(**{key: value})
-        except (ValueError, TypeError) as exc:
-            log.warning("ignoring %s=%r from %s: %s", key, value, source, exc)
-            continue
-        defaults[key] = value
-    return defaults
 
 
 def _read_json(path: Path) -> dict[str, Any]:

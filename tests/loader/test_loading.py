@@ -191,7 +191,7 @@ def test_bad_requests_are_refused_with_clear_errors(smol_engine):
 def test_generation_config_sampling_defaults_are_checked_once_at_load(caplog, tmp_path):
     """A model file's bad value must not make every request that omits the field fail: nulls are skipped,
     a float top_k that is whole becomes an int, an invalid value is dropped with a warning."""
-    from jaxserve.loader.checkpoint import sampling_defaults
+    from jaxserve.loader.generation_config import sampling_defaults
 
     generation = {"temperature": None, "top_k": 50.0, "top_p": 2.0, "min_p": 0.1, "repetition_penalty": 1.1,
                   "do_sample": True, "max_new_tokens": 20}

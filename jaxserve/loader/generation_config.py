@@ -1,0 +1,78 @@
+"""The sampling defaults requests inherit: a generation_config.json's sampling fields (as vLLM reads them), chosen
+and overridden as vLLM's `--generation-config` and `--override-generation-config` say."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+GENERATION_CONFIG_SOURCES = ("auto", "vllm")  # or a directory holding a generation_config.json
+
+
+def sampling_defaults(generation: dict[str, Any], source: Path) -> dict[str, Any]:
+    """The sampling fields of a generation_config.json that requests inherit, each checked now: a bad value in the
+    model's file must not turn every request that omits the field into a 400. Nulls are skipped (HF writes
+    them), a whole-number float top_k becomes an int, and a value SamplingParams refuses is dropped with a
+    warning."""
+    from jaxserve.sampling_params import SamplingParams
+
+    defaults = {}
+    for key in SAMPLING_DEFAULT_KEYS:
+        value = generation.get(key)
+        if value is None:
+            continue
+        if key == "top_k" and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        try:
+            SamplingParams(**{key: value})
+        except (ValueError, TypeError) as exc:
+            log.warning("ignoring %s=%r from %s: %s", key, value, source, exc)
+            continue
+        defaults[key] = value
+    return defaults
+
+
+def generation_defaults(model_defaults: dict[str, Any], generation_config: str = "auto",
+                        overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The defaults requests inherit: the model's own ("auto"), none ("vllm": OpenAI's defaults, as vLLM's
+    --generation-config vllm), or those of the generation_config.json in the directory named; then `overrides`
+    (vLLM's --override-generation-config) over them, each checked now."""
+    from jaxserve.sampling_params import SamplingParams
+
+    if generation_config == "auto":
+        base = dict(model_defaults)
+    elif generation_config == "vllm":
+        base = {}
+    else:
+        base = sampling_defaults(_read(generation_config), Path(generation_config))
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(SAMPLING_DEFAULT_KEYS))
+    if unknown:
+        raise ValueError(f"override_generation_config: {unknown[0]!r} is not a sampling default jaxserve takes from "
+                         f"a generation config; give any of {', '.join(SAMPLING_DEFAULT_KEYS)}")
+    try:
+        SamplingParams(**overrides)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"override_generation_config: {exc}") from None
+    return base | overrides
+
+
+def _read(generation_config: str) -> dict[str, Any]:
+    path = Path(generation_config).expanduser()
+    path = path / "generation_config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise ValueError(f"generation_config={generation_config!r} is not one of "
+                         f"{', '.join(map(repr, GENERATION_CONFIG_SOURCES))} or a directory holding a "
+                         "generation_config.json")
+    try:
+        value = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds no JSON object")
+    return value

@@ -1,0 +1,45 @@
+"""Sampling defaults chosen as vLLM's --generation-config and --override-generation-config choose them: the
+model's generation_config.json, none, or another directory's, with overrides laid over them and checked."""
+
+import json
+
+import pytest
+
+from jaxserve import Engine
+from jaxserve.batch.job_config import EngineOptions
+from jaxserve.loader.generation_config import generation_defaults
+
+MODEL_DEFAULTS = {"temperature": 0.7, "top_p": 0.8}
+
+
+def test_the_source_then_the_overrides(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 20, "temperature": None, "do_sample": True}))
+    assert generation_defaults(MODEL_DEFAULTS) == MODEL_DEFAULTS
+    assert generation_defaults(MODEL_DEFAULTS, "vllm") == {}
+    assert generation_defaults(MODEL_DEFAULTS, str(tmp_path)) == {"top_k": 20}  # its sampling fields, nulls skipped
+    assert generation_defaults(MODEL_DEFAULTS, str(tmp_path / "generation_config.json")) == {"top_k": 20}
+    assert generation_defaults(MODEL_DEFAULTS, "auto", {"temperature": 0.2, "min_p": 0.1}) == \
+        {"temperature": 0.2, "top_p": 0.8, "min_p": 0.1}
+    assert generation_defaults(MODEL_DEFAULTS, "vllm", {"temperature": 0.2}) == {"temperature": 0.2}
+    assert MODEL_DEFAULTS == {"temperature": 0.7, "top_p": 0.8}  # the model's own are left as they were
+
+
+@pytest.mark.parametrize("source, overrides, message", [
+    ("nowhere", None, "generation_config='nowhere' is not one of 'auto', 'vllm' or a directory"),
+    ("auto", {"max_new_tokens": 5}, "'max_new_tokens' is not a sampling default"),
+    ("auto", {"temperature": -1}, "override_generation_config: temperature"),
+    ("auto", {"top_k": "many"}, "override_generation_config: "),
+])
+def test_what_cannot_be_a_default_is_refused_by_name(source, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        generation_defaults(MODEL_DEFAULTS, source, overrides)
+
+
+def test_an_engine_and_a_batch_job_take_both_options(tiny_checkpoint):
+    engine = Engine(str(tiny_checkpoint("llama")), generation_config="vllm", override_generation_config={"top_k": 5},
+                    num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=2, warmup=False)
+    assert engine.generation_defaults == {"top_k": 5}
+    params = engine.default_sampling_params()
+    assert (params.top_k, params.temperature, params.top_p) == (5, 1.0, 1.0)
+    options = EngineOptions.model_validate({"generation_config": "vllm", "override_generation_config": {"top_k": 5}})
+    assert options.engine_kwargs() == {"generation_config": "vllm", "override_generation_config": {"top_k": 5}}
