@@ -12,7 +12,7 @@ from jaxserve.outputs import (ClassificationRequestOutput, EmbeddingRequestOutpu
                               ScoringRequestOutput)
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scoring import as_prompts, check_cross_encoder, cosine_similarity, pair_prompt, score_pairs
+from jaxserve.scoring import as_prompts, check_cross_encoder, cosine_similarity, cross_encoder_prompts, score_pairs
 
 
 class OfflineAPI:
@@ -63,9 +63,9 @@ class OfflineAPI:
     def _cross_encode(self, first: list, second: list, pairs: list[tuple[int, int]],
                       truncate_prompt_tokens: int | None, use_tqdm: bool, lora_request) -> list[ScoringRequestOutput]:
         check_cross_encoder(self.head.classifier)
-        prompts = [pair_prompt(self.tokenizer, first[i], second[j]) for i, j in pairs]
-        outs = self.classify(prompts, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
-                             lora_request=lora_request)
+        prompts = cross_encoder_prompts(self.tokenizer, first, second, pairs, truncate_prompt_tokens,
+                                        self.max_model_len)
+        outs = self.classify(prompts, use_tqdm=use_tqdm, lora_request=lora_request)
         return [ScoringRequestOutput(f"score-{next(self._request_ids)}", ScoringOutput(out.outputs.probs[0]),
                                      out.prompt_token_ids) for out in outs]
 

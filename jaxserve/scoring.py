@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxserve.sampling_params import check_truncate_prompt_tokens
+
 
 def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
     """Which first and second texts each score pairs, as vLLM pairs them: one first text against every second
@@ -34,13 +36,24 @@ def as_prompts(given) -> list:
     return [given] if isinstance(given, str) or one_token_list else list(given)
 
 
-def pair_prompt(tokenizer, first: str | list[int], second: str | list[int]) -> list[int]:
-    """A cross-encoder's prompt for a pair: two texts as the tokenizer encodes a pair (its special tokens around
-    and between them, as sentence-transformers' CrossEncoder and vLLM build it), or two token-id lists joined."""
+def cross_encoder_prompts(tokenizer, first: list, second: list, pairs: list[tuple[int, int]],
+                          truncate_prompt_tokens: int | None, max_model_len: int) -> list[list[int]]:
+    """A cross-encoder's prompt for each pair, truncated as vLLM truncates one: to `truncate_prompt_tokens`
+    (-1: max_model_len) by the tokenizer's own pair truncation, which shortens the longer text first and keeps
+    the special tokens, so the query survives a long document."""
+    check_truncate_prompt_tokens(truncate_prompt_tokens)
+    limit = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    return [pair_prompt(tokenizer, first[i], second[j], limit) for i, j in pairs]
+
+
+def pair_prompt(tokenizer, first: str | list[int], second: str | list[int], limit: int | None = None) -> list[int]:
+    """Two texts as the tokenizer encodes a pair (its special tokens around and between them, as
+    sentence-transformers' CrossEncoder and vLLM build it), or two token-id lists joined (their last `limit`)."""
     if isinstance(first, str) and isinstance(second, str):
-        return list(tokenizer(first, second)["input_ids"])
+        truncation = {} if limit is None else {"truncation": True, "max_length": limit}
+        return list(tokenizer(first, second, **truncation)["input_ids"])
     if isinstance(first, list) and isinstance(second, list):
-        return first + second
+        return (first + second)[-limit:] if limit else first + second
     raise ValueError("a pair must be two texts or two token-id lists, not one of each")
 
 

@@ -10,8 +10,9 @@ Three kinds of Hugging Face checkpoint hold a decoder without a usable LM head:
   token.
 
 Each runs as its decoder's causal-LM architecture with the embeddings tied in as the LM head: the step samples a
-token for every row, and a pooling request's sample is never shown. A model without a real LM head does not
-generate (`ModelHead.generates`); the engine refuses generation requests for it.
+token for every row, and a pooling request's sample is never shown. A base model or a classifier does not
+generate (`ModelHead.generates`), nor does a model without a real LM head; the engine refuses generation requests
+for them.
 """
 
 from __future__ import annotations
@@ -34,25 +35,37 @@ CLASSIFIER_WEIGHT = "score.weight"
 HEAD_WEIGHTS = ("lm_head.weight", CLASSIFIER_WEIGHT)  # outside the decoder: never under its "model." prefix
 
 
-@dataclass(frozen=True)
+# How a classifier's logits become what it answers with, as transformers' `problem_type` says (vLLM follows it):
+# "regression": the logits themselves; "multi_label_classification": a sigmoid per label; otherwise a sigmoid for
+# one label (a cross-encoder's relevance) and a softmax over several.
+ACTIVATIONS = ("identity", "sigmoid", "softmax")
+PROBLEM_ACTIVATIONS = {"regression": "identity", "multi_label_classification": "sigmoid"}
+# sentence-transformers cross-encoders name theirs in config.json (`sentence_transformers.activation_fn`).
+ST_ACTIVATIONS = {"Identity": "identity", "Sigmoid": "sigmoid"}
+
+
+@dataclass(frozen=True, eq=False)
 class Classifier:
-    """A sequence classifier's head: `weight` [num_labels, hidden] (float32) and the label of each row."""
+    """A sequence classifier's head: `weight` [num_labels, hidden] (float32), the label of each row, and the
+    activation its logits go through (ACTIVATIONS)."""
 
     weight: np.ndarray
     labels: tuple[str, ...]
     architecture: str  # the checkpoint's own, for messages
+    activation: str = "softmax"
 
     @property
     def num_labels(self) -> int:
         return len(self.labels)
 
     def probabilities(self, hidden: np.ndarray) -> list[float]:
-        """The class probabilities from the last token's final hidden state [hidden], as vLLM's classifier pooler
-        gives them: a sigmoid for a single label (a cross-encoder's relevance), else a softmax."""
-        logits = self.weight @ np.asarray(hidden, np.float32)
-        if self.num_labels == 1:
-            return (1 / (1 + np.exp(-logits.astype(np.float64)))).tolist()
-        shifted = np.exp(logits.astype(np.float64) - logits.max())
+        """What the classifier answers with from the last token's final hidden state [hidden]."""
+        logits = (self.weight @ np.asarray(hidden, np.float32)).astype(np.float64)
+        if self.activation == "identity":
+            return logits.tolist()
+        if self.activation == "sigmoid":
+            return (1 / (1 + np.exp(-logits))).tolist()
+        shifted = np.exp(logits - logits.max())
         return (shifted / shifted.sum()).tolist()
 
 
@@ -87,6 +100,8 @@ def open_head(raw: dict[str, Any], config: ModelConfig, tensors: TensorSource | 
     if arch.endswith(CLASSIFIER_SUFFIX):
         classifier = _classifier(raw, config, tensors, arch)
         return _tied(config), tensors, ModelHead(generates=False, classifier=classifier)
+    if arch.endswith(BASE_MODEL_SUFFIX):  # a base model is served for pooling, as vLLM serves LlamaModel & co
+        return _tied(config), tensors, ModelHead(generates=False)
     if config.tie_word_embeddings or tensors is None or "lm_head.weight" in tensors.names():
         return config, tensors, ModelHead()
     log.warning("%s has no lm_head.weight: serving it for embeddings only", arch)
@@ -103,24 +118,40 @@ def _lacks_model_prefix(tensors: TensorSource) -> bool:
 
 
 def _classifier(raw: dict[str, Any], config: ModelConfig, tensors: TensorSource | None, arch: str) -> Classifier:
-    labels = _labels(raw)
-    if tensors is None:
-        weight = np.random.default_rng(0).normal(0, 0.02, (len(labels), config.hidden_size))
+    if tensors is None:  # a dummy load: random, as the rest
+        weight = np.random.default_rng(0).normal(0, 0.02, (_num_labels(raw), config.hidden_size))
     elif CLASSIFIER_WEIGHT in tensors.names():
         weight = tensors.get(CLASSIFIER_WEIGHT)
     else:
         raise ValueError(f"this {arch} checkpoint has no {CLASSIFIER_WEIGHT} (its classification head)")
-    if weight.shape != (len(labels), config.hidden_size):
-        raise ValueError(f"{CLASSIFIER_WEIGHT} has shape {tuple(weight.shape)}, and config.json asks for "
-                         f"{(len(labels), config.hidden_size)} ({len(labels)} labels x hidden_size)")
-    return Classifier(np.asarray(weight, np.float32), labels, arch)
+    if tensors is not None and "score.bias" in tensors.names():
+        raise ValueError(f"this {arch} checkpoint's classification head has a bias (score.bias), which jaxserve "
+                         "does not apply; the Llama, Qwen, Mistral and Gemma classifiers have none")
+    if weight.ndim != 2 or weight.shape[1] != config.hidden_size:
+        raise ValueError(f"{CLASSIFIER_WEIGHT} has shape {tuple(weight.shape)}; a classification head is "
+                         f"[num_labels, {config.hidden_size}] (hidden_size)")
+    labels = _labels(raw, weight.shape[0])
+    return Classifier(np.asarray(weight, np.float32), labels, arch, _activation(raw, len(labels)))
 
 
-def _labels(raw: dict[str, Any]) -> tuple[str, ...]:
-    """The label of each class, from config.json's id2label (transformers' default names where it has none)."""
+def _num_labels(raw: dict[str, Any]) -> int:
+    return int(raw.get("num_labels") or len(raw.get("id2label") or {}) or 2)
+
+
+def _labels(raw: dict[str, Any], count: int) -> tuple[str, ...]:
+    """The label of each of the head's `count` rows, from config.json's id2label (transformers' default names
+    where it has none)."""
     id2label = raw.get("id2label") or {}
-    count = int(raw.get("num_labels") or len(id2label) or 2)
-    return tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(max(count, len(id2label))))
+    return tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count))
+
+
+def _activation(raw: dict[str, Any], num_labels: int) -> str:
+    named = str((raw.get("sentence_transformers") or {}).get("activation_fn") or "").rsplit(".", 1)[-1]
+    if named in ST_ACTIVATIONS:
+        return ST_ACTIVATIONS[named]
+    if raw.get("problem_type") in PROBLEM_ACTIVATIONS:
+        return PROBLEM_ACTIVATIONS[raw["problem_type"]]
+    return "sigmoid" if num_labels == 1 else "softmax"
 
 
 class PrefixedSource:

@@ -64,8 +64,8 @@ def _read_config(directory: Path) -> dict:
         "peft_type": (config.get("peft_type", "LORA") != "LORA", "only LoRA adapters are supported"),
         "use_dora": (config.get("use_dora"), "DoRA adapters are not supported"),
         "bias": (config.get("bias", "none") != "none" or config.get("lora_bias"), "adapters with biases are not supported"),
-        "modules_to_save": (config.get("modules_to_save"), "adapters that train whole modules (embeddings, LM head) "
-                            "are not supported"),
+        "modules_to_save": (config.get("modules_to_save"), "adapters that train whole modules (embeddings, LM head, "
+                            "a classification head) are not supported"),
         "rank_pattern": (config.get("rank_pattern") or config.get("alpha_pattern"),
                          "per-module ranks or alphas are not supported"),
         "fan_in_fan_out": (config.get("fan_in_fan_out"), "fan_in_fan_out (GPT-2 Conv1D) adapters are not supported"),

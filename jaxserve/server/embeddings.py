@@ -4,6 +4,7 @@ bytes, which OpenAI's SDK decodes by default."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 import uuid
@@ -114,7 +115,8 @@ async def serve_pooled(request: Request, schema: type[PooledRequest], rendering_
     body = parse_request(schema, await parse_json(request))
     model = state.resolve_model(body.model)
     rendering = rendering_class(body, model, f"{id_prefix}-{uuid.uuid4().hex}")
-    prompts, params = checked_params(body, lambda: body.engine_inputs(state.engine))
+    # In a thread: a cross-encoder's inputs are tokenized here, which must not stall the streams of other requests.
+    prompts, params = await asyncio.to_thread(checked_params, body, lambda: body.engine_inputs(state.engine))
     streams = await start_requests(state, prompts, params, rendering.request_id, body.priority, model)
     completed, finals = await cancel_on_disconnect(request, collect_final_outputs(state, streams, time.monotonic()))
     if not completed:

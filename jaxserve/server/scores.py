@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from jaxserve.outputs import ClassificationRequestOutput, EmbeddingRequestOutput
 from jaxserve.pooling_params import PoolingParams
-from jaxserve.scoring import as_prompts, check_cross_encoder, cosine_similarity, pair_prompt, score_pairs
+from jaxserve.scoring import as_prompts, check_cross_encoder, cosine_similarity, cross_encoder_prompts, score_pairs
 from jaxserve.server.embeddings import PooledRequest, serve_pooled
 from jaxserve.server.errors import bad_request
 from jaxserve.server.protocol import OpenAIModel, UsageInfo
@@ -37,8 +37,9 @@ def _pair_inputs(request: PooledRequest, engine, first: list[str], second: list[
     if engine.head.classifier is None:
         return first + second, request.pooling_params()
     check_cross_encoder(engine.head.classifier)  # a ValueError: a 400
-    prompts = [pair_prompt(engine.tokenizer, first[i], second[j]) for i, j in pairs]
-    return prompts, PoolingParams(task="classify", truncate_prompt_tokens=request.truncate_prompt_tokens)
+    prompts = cross_encoder_prompts(engine.tokenizer, first, second, pairs, request.truncate_prompt_tokens,
+                                    engine.max_model_len)
+    return prompts, PoolingParams(task="classify")
 
 
 def pair_scores(finals: list[EmbeddingRequestOutput | ClassificationRequestOutput], num_first: int,

@@ -143,3 +143,57 @@ def test_pooling_params_refuse_what_classification_cannot_do():
         PoolingParams(task="classify", dimensions=8)
     with pytest.raises(ValueError, match="task must be one of 'embed', 'classify'"):
         PoolingParams(task="generate")
+
+
+@pytest.mark.parametrize("problem_type, activation", [("multi_label_classification", "sigmoid"),
+                                                      ("regression", "identity")])
+def test_the_problem_type_picks_the_activation(causal, tmp_path, problem_type, activation):
+    """As transformers' problem_type (and vLLM): a sigmoid per label for multi-label, the logits for regression."""
+    hf = make_tiny_classifier(causal, tmp_path, 3 if activation == "sigmoid" else 1, problem_type=problem_type)
+    logits = _hf_logits(hf, PROMPTS[1])
+    want = 1 / (1 + np.exp(-logits)) if activation == "sigmoid" else logits
+    np.testing.assert_allclose(_engine(tmp_path).classify(PROMPTS[1:2], use_tqdm=False)[0].outputs.probs, want,
+                               atol=1e-5)
+
+
+def test_dummy_weights_keep_the_head(base_model, causal, tmp_path):
+    """load_format="dummy" reads no tensors, yet a base model (tied or not) still does not generate, and a
+    classifier classifies into its config's labels."""
+    path, _, _ = base_model
+    for file in path.iterdir():
+        if file.name != "config.json":
+            (tmp_path / file.name).symlink_to(file)
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    _rewrite_config(tmp_path, tie_word_embeddings=True)
+    for load_format in ("auto", "dummy"):
+        with pytest.raises(ValueError, match="has no language-model head"):
+            _engine(tmp_path, load_format=load_format).generate(PROMPTS[:1], SamplingParams(max_tokens=2),
+                                                                use_tqdm=False)
+    classifier = tmp_path / "classifier"
+    make_tiny_classifier(causal, classifier, 3, id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
+    out = _engine(classifier, load_format="dummy").classify(PROMPTS[:1], use_tqdm=False)[0].outputs
+    assert out.num_classes == 3 and out.label in LABELS.values() and sum(out.probs) == pytest.approx(1)
+
+
+def test_a_pair_is_the_tokenizers_pair_encoding_and_truncates_as_one(causal, tmp_path):
+    """A tokenizer that marks the pair (a separator between the texts, as Llama's BOS or BERT's SEP): the pair
+    prompt has it, and truncation shortens the longer text, keeping the query and the special tokens."""
+    from tokenizers.processors import TemplateProcessing
+
+    hf = make_tiny_classifier(causal, tmp_path, 1)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    separator = tokenizer.convert_ids_to_tokens(0)
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="$A", pair=f"$A {separator} $B", special_tokens=[(separator, 0)])
+    tokenizer.save_pretrained(tmp_path)
+    query, document = "Where is it?", "It is in the big old house at the end of the long and winding road. " * 3
+    pair = tokenizer(query, document)["input_ids"]
+    assert pair == tokenizer(query)["input_ids"] + [0] + tokenizer(document)["input_ids"]
+    engine = _engine(tmp_path)
+    out = engine.score(query, [document], use_tqdm=False)[0]
+    assert out.prompt_token_ids == pair
+    assert out.outputs.score == pytest.approx(float(torch.sigmoid(torch.tensor(_hf_logits(hf, pair)[0]))), abs=1e-5)
+    truncated = engine.score(query, [document], truncate_prompt_tokens=20, use_tqdm=False)[0].prompt_token_ids
+    assert truncated == tokenizer(query, document, truncation=True, max_length=20)["input_ids"]
+    assert len(truncated) == 20 and truncated[: len(tokenizer(query)["input_ids"]) + 1] == \
+        tokenizer(query)["input_ids"] + [0]

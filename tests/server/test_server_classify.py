@@ -94,6 +94,11 @@ def test_a_cross_encoder_scores_each_pair_as_one_prompt(cross_encoder):
         assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx([want[i] for i in order], abs=1e-5)
         assert ranked["results"][0]["document"]["text"] == DOCUMENTS[order[0]]
         assert ranked["usage"]["total_tokens"] == pair_tokens
+    # truncate_prompt_tokens truncates each pair as the engine does (the tokenizer's pair truncation).
+    short = [out.outputs.score for out in engine.score(QUERY, DOCUMENTS, truncate_prompt_tokens=9, use_tqdm=False)]
+    reply = post(url, "/score", text_1=QUERY, text_2=DOCUMENTS, truncate_prompt_tokens=9).json()
+    assert [d["score"] for d in reply["data"]] == pytest.approx(short, abs=1e-5) and short != pytest.approx(want)
+    assert reply["usage"]["prompt_tokens"] == 9 * len(DOCUMENTS)
 
 
 def test_a_causal_lm_refuses_classify(real_server):
