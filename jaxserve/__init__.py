@@ -3,7 +3,8 @@
 from jaxserve.beam_search_params import BeamSearchParams
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
-                              EmbeddingRequestOutput, Logprob, RequestOutput, ScoringOutput, ScoringRequestOutput)
+                              EmbeddingRequestOutput, Logprob, PoolingRequestOutput, RequestOutput, ScoringOutput,
+                              ScoringRequestOutput)
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
@@ -25,4 +26,5 @@ def __getattr__(name):
 
 __all__ = ["Engine", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "LoRARequest",
            "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput", "BeamSearchParams",
-           "ScoringRequestOutput", "ScoringOutput", "ClassificationRequestOutput", "ClassificationOutput"]
+           "ScoringRequestOutput", "ScoringOutput", "ClassificationRequestOutput", "ClassificationOutput",
+           "PoolingRequestOutput"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -44,19 +45,27 @@ class RequestOutput:
 
 
 @dataclass
+class PoolingRequestOutput:
+    """A pooling request's result (vLLM's `PoolingRequestOutput`): it arrives once, finished, and generates no
+    tokens; its subclasses say what `outputs` holds."""
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
 class EmbeddingOutput:
     embedding: list[float]
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """An embedding request's result (vLLM's `EmbeddingRequestOutput`); it arrives once, finished."""
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """An embedding request's result (vLLM's `EmbeddingRequestOutput`)."""
 
-    request_id: str
     outputs: EmbeddingOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -70,18 +79,10 @@ class ClassificationOutput:
 
 
 @dataclass
-class ClassificationRequestOutput:
-    """A classification request's result (vLLM's `ClassificationRequestOutput`); it arrives once, finished."""
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """A classification request's result (vLLM's `ClassificationRequestOutput`)."""
 
-    request_id: str
     outputs: ClassificationOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-    num_cached_tokens: int = 0
-
-
-# What a pooling request (PoolingParams) answers with: no generated tokens.
-POOLING_OUTPUTS = (EmbeddingRequestOutput, ClassificationRequestOutput)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxserve.outputs import POOLING_OUTPUTS, RequestOutput
+from jaxserve.outputs import PoolingRequestOutput, RequestOutput
 
 PREFIX = "jaxserve:"
 # Seconds; chosen to resolve both fast GPU steps and slow CPU ones.
@@ -116,7 +116,7 @@ class ServerMetrics:
         try:
             async for output in outputs:
                 now = time.monotonic()
-                pooled = isinstance(output, POOLING_OUTPUTS)
+                pooled = isinstance(output, PoolingRequestOutput)
                 tokens = 0 if pooled else sum(len(completion.token_ids) for completion in output.outputs)
                 if last_time is None:
                     self.prompt_tokens.labels(label).inc(len(output.prompt_token_ids))

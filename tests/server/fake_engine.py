@@ -19,13 +19,13 @@ from types import SimpleNamespace
 from jaxserve.beam_search import BeamSearch
 from jaxserve.beam_search_params import check_beam_width
 from jaxserve.outputs import (
-    POOLING_OUTPUTS,
     ClassificationOutput,
     ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     Logprob,
+    PoolingRequestOutput,
     RequestOutput,
 )
 from jaxserve.pooling_params import PoolingParams
@@ -129,7 +129,7 @@ class FakeEngine:
         return [rng.randrange(len(self._script)) for _ in range(params.n)]
 
     def add_prepared_request(self, request):
-        if isinstance(request, POOLING_OUTPUTS):
+        if isinstance(request, PoolingRequestOutput):
             self._running[request.request_id] = request
             return
         request.outputs = [CompletionOutput(index=i, text="", token_ids=[],
@@ -160,7 +160,7 @@ class FakeEngine:
         return results
 
     def _advance(self, request):
-        if isinstance(request, POOLING_OUTPUTS):
+        if isinstance(request, PoolingRequestOutput):
             return request
         for output in request.outputs:
             if not output.finished:
@@ -220,7 +220,7 @@ class FakeEngine:
     def stats(self):
         used = sum(
             math.ceil((len(r.prompt_token_ids) + max(len(o.token_ids) for o in r.outputs)) / self.block_size)
-            for r in self._running.values() if not isinstance(r, POOLING_OUTPUTS)
+            for r in self._running.values() if not isinstance(r, PoolingRequestOutput)
         )
         return {"total_blocks": self.total_blocks, "free_blocks": self.total_blocks - used,
                 "num_running": len(self._running), "num_waiting": 0, "num_preemptions": 0,
