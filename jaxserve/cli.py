@@ -183,7 +183,8 @@ def build_engine(args: argparse.Namespace):
                         chat_template=args.chat_template if is_leader(args) else None,  # only it sees prompts
                         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         lora_modules=lora_modules_dict(args.lora_modules), speculative_config=args.speculative_config,
-                        hf_overrides=args.hf_overrides, generation_config=args.generation_config,
+                        hf_overrides=args.hf_overrides,
+                        generation_config=args.generation_config if is_leader(args) else "auto",
                         override_generation_config=args.override_generation_config, **compilation_cache_option(args))
     except (ValueError, OSError) as exc:  # the engine words these for people (DESIGN.md convention 9)
         raise UserError(str(exc)) from None

@@ -70,7 +70,7 @@ class EmbeddingRequestOutput(PoolingRequestOutput):
 
 @dataclass
 class ClassificationOutput:
-    probs: list[float]  # one per class: a softmax, or a sigmoid where the classifier has one label
+    probs: list[float]  # one per class: a softmax, a sigmoid (one label, multi-label), or the logits (regression)
     label: str  # the most probable class's label (config.json's id2label)
 
     @property

@@ -39,22 +39,46 @@ def as_prompts(given) -> list:
 def cross_encoder_prompts(tokenizer, first: list, second: list, pairs: list[tuple[int, int]],
                           truncate_prompt_tokens: int | None, max_model_len: int) -> list[list[int]]:
     """A cross-encoder's prompt for each pair, truncated as vLLM truncates one: to `truncate_prompt_tokens`
-    (-1: max_model_len) by the tokenizer's own pair truncation, which shortens the longer text first and keeps
-    the special tokens, so the query survives a long document."""
+    (-1: the longest prompt the context holds) by shortening the longer text first and keeping the special
+    tokens, so the query survives a long document."""
     check_truncate_prompt_tokens(truncate_prompt_tokens)
-    limit = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    limit = max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
     return [pair_prompt(tokenizer, first[i], second[j], limit) for i, j in pairs]
 
 
 def pair_prompt(tokenizer, first: str | list[int], second: str | list[int], limit: int | None = None) -> list[int]:
     """Two texts as the tokenizer encodes a pair (its special tokens around and between them, as
-    sentence-transformers' CrossEncoder and vLLM build it), or two token-id lists joined (their last `limit`)."""
-    if isinstance(first, str) and isinstance(second, str):
-        truncation = {} if limit is None else {"truncation": True, "max_length": limit}
-        return list(tokenizer(first, second, **truncation)["input_ids"])
+    sentence-transformers' CrossEncoder and vLLM build it), or two token-id lists joined; at most `limit` tokens.
+
+    A fast tokenizer's own truncation option is state on the one tokenizer every request thread shares (a call
+    that sets it races with any other call), so the pair is truncated here and then given its special tokens."""
     if isinstance(first, list) and isinstance(second, list):
-        return (first + second)[-limit:] if limit else first + second
-    raise ValueError("a pair must be two texts or two token-id lists, not one of each")
+        kept_first, kept_second = _longest_first(first, second, limit)
+        return kept_first + kept_second
+    if not (isinstance(first, str) and isinstance(second, str)):
+        raise ValueError("a pair must be two texts or two token-id lists, not one of each")
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a Python tokenizer truncates within the call
+        truncation = {} if limit is None else {"truncation": "longest_first", "max_length": limit}
+        return list(tokenizer(first, second, **truncation)["input_ids"])
+    a, b = (backend.encode(text, add_special_tokens=False) for text in (first, second))
+    if limit is not None:
+        kept_a, kept_b = _longest_first(a.ids, b.ids, limit - backend.num_special_tokens_to_add(True))
+        a.truncate(len(kept_a))
+        b.truncate(len(kept_b))
+    return list(backend.post_process(a, b).ids)
+
+
+def _longest_first(a: list[int], b: list[int], limit: int | None) -> tuple[list[int], list[int]]:
+    """`a` and `b` in at most `limit` tokens together, taken off the end of the longer one first (transformers'
+    "longest_first" truncation)."""
+    keep_a, keep_b = len(a), len(b)
+    while limit is not None and keep_a + keep_b > max(limit, 0):
+        if keep_a > keep_b:
+            keep_a -= 1
+        else:
+            keep_b -= 1
+    return a[:keep_a], b[:keep_b]
 
 
 def check_cross_encoder(classifier) -> None:

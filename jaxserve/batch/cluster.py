@@ -22,7 +22,7 @@ log = logging.getLogger("jaxserve.batch")
 
 # Engine options that need not match: the chat template is used on process 0 alone (followers never see a
 # prompt), the compilation cache is each node's own directory.
-PER_PROCESS_ENGINE_OPTIONS = {"chat_template", "compilation_cache_dir"}
+PER_PROCESS_ENGINE_OPTIONS = {"chat_template", "compilation_cache_dir", "generation_config"}
 
 
 def join_job_cluster(args: argparse.Namespace) -> tuple[Session | None, BatchJob | None]:
@@ -53,7 +53,7 @@ def follow_job(session: Session, job: BatchJob) -> int:
     if not await_load(session.cluster, session.shutdown):
         log.info("process 0 released this process: the job had nothing to run")
         return 0
-    leader_only = {"chat_template": None}
+    leader_only = {"chat_template": None, "generation_config": None}  # only process 0 sees prompts
     session.take_role(build_engine(job.model_copy(update={"engine": job.engine.model_copy(update=leader_only)})))
     return 0  # not reached: take_role follows until process 0 releases this process, then exits
 

@@ -20,6 +20,7 @@ from jaxserve.config import ATTENTION_IMPLS
 from jaxserve.loader.tokenizer import is_template_text
 from jaxserve.server.reasoning_parsers import REASONING_PARSERS
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
+from jaxserve.loader.generation_config import GENERATION_CONFIG_SOURCES
 from jaxserve.speculative_config import SpeculativeConfig
 
 
@@ -87,6 +88,13 @@ class EngineOptions(BaseModel):
         if template is None or is_template_text(template):
             return template
         return str(Path((info.context or {}).get("base_dir", ".")) / Path(template).expanduser())
+
+    @field_validator("generation_config", mode="after")
+    @classmethod
+    def _generation_config_beside_the_job(cls, source: str | None, info: ValidationInfo) -> str | None:
+        if source is None or source in GENERATION_CONFIG_SOURCES:
+            return source
+        return str(Path((info.context or {}).get("base_dir", ".")) / Path(source).expanduser())
 
     @field_validator("lora_modules", mode="after")
     @classmethod

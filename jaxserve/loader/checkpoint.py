@@ -119,7 +119,7 @@ def _open_hf_dir(directory: Path, name: str, weights: bool = True, hf_overrides:
     except (KeyError, TypeError, ValueError) as exc:
         if not hf_overrides:
             raise
-        raise ValueError(f"config.json with hf_overrides {json.dumps(hf_overrides)} is not a config jaxserve can "
+        raise ValueError(f"config.json with hf_overrides {hf_overrides!r} is not a config jaxserve can "
                          f"serve ({type(exc).__name__}: {exc})") from None
     tensors = text_model_tensors(raw, SafetensorsSource(directory)) if weights else None
     config, tensors, head = open_head(raw, config, tensors)

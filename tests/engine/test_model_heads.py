@@ -197,3 +197,12 @@ def test_a_pair_is_the_tokenizers_pair_encoding_and_truncates_as_one(causal, tmp
     assert truncated == tokenizer(query, document, truncation=True, max_length=20)["input_ids"]
     assert len(truncated) == 20 and truncated[: len(tokenizer(query)["input_ids"]) + 1] == \
         tokenizer(query)["input_ids"] + [0]
+    # -1: the longest prompt the context holds; without truncation the pair is too long.
+    longer = document * 10
+    with pytest.raises(ValueError, match="maximum context length"):
+        engine.score(query, [longer], use_tqdm=False)
+    fitted = engine.score(query, [longer], truncate_prompt_tokens=-1, use_tqdm=False)[0].prompt_token_ids
+    assert fitted == tokenizer(query, longer, truncation=True, max_length=engine.max_model_len - 1)["input_ids"]
+    # Token-id pairs are joined, the longer list shortened first.
+    ids = engine.score([7, 8], [list(range(100, 110))], truncate_prompt_tokens=6, use_tqdm=False)[0]
+    assert ids.prompt_token_ids == [7, 8, 100, 101, 102, 103]

@@ -43,3 +43,12 @@ def test_an_engine_and_a_batch_job_take_both_options(tiny_checkpoint):
     assert (params.top_k, params.temperature, params.top_p) == (5, 1.0, 1.0)
     options = EngineOptions.model_validate({"generation_config": "vllm", "override_generation_config": {"top_k": 5}})
     assert options.engine_kwargs() == {"generation_config": "vllm", "override_generation_config": {"top_k": 5}}
+
+
+def test_a_batch_jobs_generation_config_directory_is_beside_the_job_file():
+    def resolved(source):
+        options = EngineOptions.model_validate({"generation_config": source}, context={"base_dir": "/jobs"})
+        return options.generation_config
+
+    assert (resolved("gen"), resolved("/abs/gen"), resolved("vllm"), resolved("auto")) == \
+        ("/jobs/gen", "/abs/gen", "vllm", "auto")

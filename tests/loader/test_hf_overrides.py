@@ -50,7 +50,7 @@ def test_a_nested_config_is_updated_key_by_key():
 def test_overrides_are_refused_where_they_cannot_apply(tiny_checkpoint, smollm2_gguf_path):
     with pytest.raises(ValueError, match="hf_overrides applies to a Hugging Face config.json"):
         Engine(smollm2_gguf_path, hf_overrides={"max_position_embeddings": 4096}, warmup=False)
-    with pytest.raises(ValueError, match='hf_overrides {"num_attention_heads": "many"} is not a config'):
+    with pytest.raises(ValueError, match="hf_overrides {'num_attention_heads': 'many'} is not a config"):
         Engine(str(tiny_checkpoint("qwen3")), hf_overrides={"num_attention_heads": "many"}, warmup=False)
     with pytest.raises(ValueError, match="hf_overrides must be a mapping"):
         Engine(str(tiny_checkpoint("qwen3")), hf_overrides=["max_position_embeddings"], warmup=False)
