@@ -21,8 +21,9 @@ from jaxserve.cli_args import (
     UserError,
     add_distributed_arguments,
     fail,
-    layer_partition,
+    generation_overrides,
     json_object,
+    layer_partition,
     lora_module,
     lora_modules_dict,
     memory_fraction,
@@ -115,7 +116,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                         help="where requests' sampling defaults come from, as in vLLM: the model's "
                              "generation_config.json (auto), none (vllm: OpenAI's defaults), or DIR's")
-    engine.add_argument("--override-generation-config", type=json_object, metavar="JSON",
+    engine.add_argument("--override-generation-config", type=generation_overrides, metavar="JSON",
                         help="sampling defaults laid over those, as in vLLM: '{\"temperature\": 0.6, \"top_p\": 0.95}'")
     engine.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
                         help="speculative decoding, as in vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "

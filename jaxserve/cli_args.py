@@ -82,8 +82,18 @@ def speculative_config(text: str) -> dict:
     return value
 
 
+def generation_overrides(text: str) -> dict:
+    """vLLM's --override-generation-config JSON, checked at once (before the model loads)."""
+    from jaxserve.loader.generation_config import check_overrides
+
+    try:
+        return check_overrides(json_object(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("override_generation_config: ")) from None
+
+
 # Options whose value is a JSON object: in a YAML config file they may be written as a mapping.
-JSON_OPTION_TYPES = (json_object, speculative_config)
+JSON_OPTION_TYPES = (json_object, speculative_config, generation_overrides)
 
 
 def memory_fraction(text: str) -> float:

@@ -20,7 +20,7 @@ from jaxserve.config import ATTENTION_IMPLS
 from jaxserve.loader.tokenizer import is_template_text
 from jaxserve.server.reasoning_parsers import REASONING_PARSERS
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
-from jaxserve.loader.generation_config import GENERATION_CONFIG_SOURCES
+from jaxserve.loader.generation_config import GENERATION_CONFIG_SOURCES, check_overrides
 from jaxserve.speculative_config import SpeculativeConfig
 
 
@@ -88,6 +88,11 @@ class EngineOptions(BaseModel):
         if template is None or is_template_text(template):
             return template
         return str(Path((info.context or {}).get("base_dir", ".")) / Path(template).expanduser())
+
+    @field_validator("override_generation_config", mode="after")
+    @classmethod
+    def _known_generation_defaults(cls, overrides: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if overrides is None else check_overrides(overrides)  # a ValueError names the key or value
 
     @field_validator("generation_config", mode="after")
     @classmethod

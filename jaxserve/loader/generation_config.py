@@ -42,14 +42,19 @@ def generation_defaults(model_defaults: dict[str, Any], generation_config: str =
     """The defaults requests inherit: the model's own ("auto"), none ("vllm": OpenAI's defaults, as vLLM's
     --generation-config vllm), or those of the generation_config.json in the directory named; then `overrides`
     (vLLM's --override-generation-config) over them, each checked now."""
-    from jaxserve.sampling_params import SamplingParams
-
     if generation_config == "auto":
         base = dict(model_defaults)
     elif generation_config == "vllm":
         base = {}
     else:
         base = sampling_defaults(_read(generation_config), Path(generation_config))
+    return base | check_overrides(overrides)
+
+
+def check_overrides(overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM's --override-generation-config, checked: sampling defaults SamplingParams accepts."""
+    from jaxserve.sampling_params import SamplingParams
+
     overrides = dict(overrides or {})
     unknown = sorted(set(overrides) - set(SAMPLING_DEFAULT_KEYS))
     if unknown:
@@ -59,7 +64,7 @@ def generation_defaults(model_defaults: dict[str, Any], generation_config: str =
         SamplingParams(**overrides)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"override_generation_config: {exc}") from None
-    return base | overrides
+    return overrides
 
 
 def _read(generation_config: str) -> dict[str, Any]:

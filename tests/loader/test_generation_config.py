@@ -2,6 +2,8 @@
 model's generation_config.json, none, or another directory's, with overrides laid over them and checked."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -52,3 +54,12 @@ def test_a_batch_jobs_generation_config_directory_is_beside_the_job_file():
 
     assert (resolved("gen"), resolved("/abs/gen"), resolved("vllm"), resolved("auto")) == \
         ("/jobs/gen", "/abs/gen", "vllm", "auto")
+
+
+def test_a_bad_override_is_refused_before_anything_loads():
+    run = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", "--override-generation-config",
+                          '{"temprature": 0.5}'], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "--override-generation-config: 'temprature' is not a sampling default" in run.stderr
+    with pytest.raises(ValueError, match="'temprature' is not a sampling default"):
+        EngineOptions.model_validate({"override_generation_config": {"temprature": 0.5}})
