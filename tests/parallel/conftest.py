@@ -13,10 +13,11 @@ def shared_checkpoints():
     opened = {}
     real = engine.open_checkpoint
 
-    def open_once(model, load_format="auto"):
-        if (model, load_format) not in opened:
-            opened[model, load_format] = real(model, load_format)
-        return opened[model, load_format]
+    def open_once(model, load_format="auto", hf_overrides=None):
+        key = (model, load_format, repr(hf_overrides))
+        if key not in opened:
+            opened[key] = real(model, load_format, hf_overrides)
+        return opened[key]
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(engine, "open_checkpoint", open_once)
