@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from jaxserve.cli_args import UserError, layer_partition, mesh_shape
+from jaxserve.cli_args import UserError, json_object, layer_partition, mesh_shape
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +23,9 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decoder layers per pipeline stage, as serve takes it")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
                         help="stored dtype (serving casts to its own --dtype on load)")
+    parser.add_argument("--hf-overrides", type=json_object, metavar="JSON",
+                        help="keys laid over the model's config.json, as serve takes them; the checkpoint keeps "
+                             "the result (a converted checkpoint takes no overrides of its own)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -34,7 +37,7 @@ def run_convert(args: argparse.Namespace) -> int:
     from jaxserve.loader.orbax_checkpoint import convert
 
     try:
-        convert(args.model, args.output, (tp, pp), args.dtype, args.pp_layer_partition)
+        convert(args.model, args.output, (tp, pp), args.dtype, args.pp_layer_partition, args.hf_overrides)
     except (ValueError, OSError) as exc:
         raise UserError(str(exc)) from None
     print(f"wrote {args.output}: serve it with `jaxserve serve {args.output} --mesh {args.mesh}`")

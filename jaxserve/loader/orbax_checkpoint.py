@@ -55,7 +55,8 @@ def _leaf(tree: dict, path: tuple):
 
 
 # --- convert -------------------------------------------------------------------------------------------------
-def convert(model: str, out: str, mesh_shape: tuple[int, int], dtype: str, partition: list[int] | None = None) -> None:
+def convert(model: str, out: str, mesh_shape: tuple[int, int], dtype: str, partition: list[int] | None = None,
+            hf_overrides: dict | None = None) -> None:
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
     from flax import nnx
@@ -65,7 +66,7 @@ def convert(model: str, out: str, mesh_shape: tuple[int, int], dtype: str, parti
     from jaxserve.parallel.sharding import make_mesh
     from jaxserve.runner.weights import load_weights
 
-    ckpt = open_checkpoint(model)
+    ckpt = open_checkpoint(model, hf_overrides=hf_overrides)
     if not ckpt.head.generates:  # what the checkpoint holds besides a causal LM is not written
         raise ValueError(f"{model} is not a causal language model (it has no LM head), and jaxserve convert writes "
                          "those only: serve the checkpoint directly")

@@ -60,3 +60,17 @@ def test_the_cli_refuses_an_override_that_is_not_a_json_object():
     run = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", "--hf-overrides", "[1]"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--hf-overrides: expected a JSON object" in run.stderr
+
+
+def test_a_converted_checkpoint_keeps_the_overridden_config(tiny_checkpoint, tmp_path):
+    """`jaxserve convert --hf-overrides` writes the overridden config, which the converted checkpoint serves with;
+    overrides given to the converted checkpoint itself are refused (it has no config.json)."""
+    from jaxserve import cli
+
+    out = str(tmp_path / "converted")
+    assert cli.main(["convert", str(tiny_checkpoint("qwen3")), out, "--dtype", "float32",
+                     "--hf-overrides", json.dumps(OVERRIDES)]) == 0
+    engine = Engine(out, dtype="float32", num_kv_blocks=80, max_num_batched_tokens=64, max_num_seqs=2, warmup=False)
+    assert engine.max_model_len == 1024 and engine.config.model.rope_scaling.factor == 2.0
+    with pytest.raises(ValueError, match="hf_overrides applies to a Hugging Face config.json"):
+        Engine(out, hf_overrides={"max_position_embeddings": 2048}, warmup=False)
