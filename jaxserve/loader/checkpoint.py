@@ -122,9 +122,9 @@ def _open_hf_dir(directory: Path, name: str, weights: bool = True, hf_overrides:
         raise ValueError(f"config.json with hf_overrides {hf_overrides!r} is not a config jaxserve can "
                          f"serve ({type(exc).__name__}: {exc})") from None
     tensors = text_model_tensors(raw, SafetensorsSource(directory)) if weights else None
-    config, tensors, head = open_head(raw, config, tensors)
-    tensors = None if tensors is None else _split_fused(tensors, config)
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    config, tensors, head = open_head(raw, config, tensors, tokenizer)
+    tensors = None if tensors is None else _split_fused(tensors, config)
     defaults = sampling_defaults(generation, gen_path)
     return Checkpoint(name=name, config=config, tensors=tensors, tokenizer=tokenizer, generation_defaults=defaults,
                       pooling=declared_pooling(directory), head=head)

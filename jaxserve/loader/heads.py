@@ -89,7 +89,7 @@ def causal_config(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def open_head(raw: dict[str, Any], config: ModelConfig, tensors: TensorSource | None
+def open_head(raw: dict[str, Any], config: ModelConfig, tensors: TensorSource | None, tokenizer=None
               ) -> tuple[ModelConfig, TensorSource | None, ModelHead]:
     """The head the checkpoint whose config.json is `raw` carries, its tensors under the names a causal LM
     uses, and its config with the embeddings tied in wherever it has no LM head. `tensors` None: a dummy load
@@ -98,7 +98,7 @@ def open_head(raw: dict[str, Any], config: ModelConfig, tensors: TensorSource | 
         tensors = PrefixedSource(tensors)
     arch = (raw.get("architectures") or [""])[0]
     if arch.endswith(CLASSIFIER_SUFFIX):
-        classifier = _classifier(raw, config, tensors, arch)
+        classifier = _classifier(raw, config, tensors, arch, tokenizer)
         return _tied(config), tensors, ModelHead(generates=False, classifier=classifier)
     if arch.endswith(BASE_MODEL_SUFFIX):  # a base model is served for pooling, as vLLM serves LlamaModel & co
         return _tied(config), tensors, ModelHead(generates=False)
@@ -117,13 +117,19 @@ def _lacks_model_prefix(tensors: TensorSource) -> bool:
     return "model.embed_tokens.weight" not in names and "embed_tokens.weight" in names
 
 
-def _classifier(raw: dict[str, Any], config: ModelConfig, tensors: TensorSource | None, arch: str) -> Classifier:
+def _classifier(raw: dict[str, Any], config: ModelConfig, tensors: TensorSource | None, arch: str, tokenizer
+                ) -> Classifier:
+    from_tokens = raw.get("classifier_from_token")
+    if from_tokens:
+        weight, labels = _head_from_tokens(raw, from_tokens, config, tensors, tokenizer)
+        return Classifier(weight, labels, arch, _activation(raw, len(labels)))
     if tensors is None:  # a dummy load: random, as the rest
         weight = np.random.default_rng(0).normal(0, 0.02, (_num_labels(raw), config.hidden_size))
     elif CLASSIFIER_WEIGHT in tensors.names():
         weight = tensors.get(CLASSIFIER_WEIGHT)
     else:
-        raise ValueError(f"this {arch} checkpoint has no {CLASSIFIER_WEIGHT} (its classification head)")
+        raise ValueError(f"this {arch} checkpoint has no {CLASSIFIER_WEIGHT} (its classification head); a causal "
+                         "LM served as one names the tokens its head reads (hf_overrides' classifier_from_token)")
     if tensors is not None and "score.bias" in tensors.names():
         raise ValueError(f"this {arch} checkpoint's classification head has a bias (score.bias), which jaxserve "
                          "does not apply; the Llama, Qwen, Mistral and Gemma classifiers have none")
@@ -132,6 +138,30 @@ def _classifier(raw: dict[str, Any], config: ModelConfig, tensors: TensorSource 
                          f"[num_labels, {config.hidden_size}] (hidden_size)")
     labels = _labels(raw, weight.shape[0])
     return Classifier(np.asarray(weight, np.float32), labels, arch, _activation(raw, len(labels)))
+
+
+def _head_from_tokens(raw: dict[str, Any], tokens: list[str], config: ModelConfig, tensors: TensorSource | None,
+                      tokenizer) -> tuple[np.ndarray, tuple[str, ...]]:
+    """A causal LM served as a classifier, as vLLM serves one (`classifier_from_token` in hf_overrides): its head
+    is the LM head's rows of the named tokens, one label each; `is_original_qwen3_reranker` (or method
+    "from_2_way_softmax") with two tokens [no, yes] makes one label, the yes row minus the no row, whose sigmoid is
+    the two-way softmax's probability of yes (how Qwen3-Reranker scores)."""
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"classifier_from_token must be a list of tokens, got {tokens!r}")
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in tokens]
+    for token, token_id in zip(tokens, ids):
+        if token_id is None or (token_id == tokenizer.unk_token_id and token != tokenizer.unk_token):
+            raise ValueError(f"classifier_from_token: {token!r} is not a token of this model's tokenizer")
+    if tensors is None:  # a dummy load
+        rows = np.random.default_rng(0).normal(0, 0.02, (len(ids), config.hidden_size))
+    else:
+        lm_head = "lm_head.weight" if "lm_head.weight" in tensors.names() else "model.embed_tokens.weight"
+        rows = np.asarray(tensors.get(lm_head)[ids], np.float32)
+    if not (raw.get("is_original_qwen3_reranker") or raw.get("method") == "from_2_way_softmax"):
+        return rows.astype(np.float32), tuple(tokens)
+    if len(tokens) != 2:
+        raise ValueError(f"a two-way softmax head reads two tokens (no, yes), got classifier_from_token={tokens!r}")
+    return (rows[1:2] - rows[0:1]).astype(np.float32), (tokens[1],)
 
 
 def _num_labels(raw: dict[str, Any]) -> int:

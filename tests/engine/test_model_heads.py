@@ -206,3 +206,26 @@ def test_a_pair_is_the_tokenizers_pair_encoding_and_truncates_as_one(causal, tmp
     # Token-id pairs are joined, the longer list shortened first.
     ids = engine.score([7, 8], [list(range(100, 110))], truncate_prompt_tokens=6, use_tqdm=False)[0]
     assert ids.prompt_token_ids == [7, 8, 100, 101, 102, 103]
+
+
+@pytest.mark.parametrize("two_way", [True, False])
+def test_a_causal_lm_served_as_a_classifier_reads_its_lm_head_rows(causal, two_way):
+    """vLLM's way to serve Qwen3-Reranker (hf_overrides: a classifier architecture, classifier_from_token and
+    is_original_qwen3_reranker): the head is the LM head's rows of the tokens; two-way, its one score is the
+    softmax of the no/yes logits' probability of yes. Otherwise each token is a label."""
+    from transformers import AutoModelForCausalLM
+
+    tokens = ["no", "yes"] if two_way else ["no", "yes", "Yes"]
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": tokens,
+                 "is_original_qwen3_reranker": two_way}
+    engine = _engine(causal, hf_overrides=overrides)
+    hf = AutoModelForCausalLM.from_pretrained(causal, dtype=torch.float32).eval()
+    logits = _hf_logits(hf, PROMPTS[1])[-1][AutoTokenizer.from_pretrained(causal).convert_tokens_to_ids(tokens)]
+    want = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    out = engine.classify(PROMPTS[1:2], use_tqdm=False)[0].outputs
+    np.testing.assert_allclose(out.probs, want[1:] if two_way else want, atol=1e-5)
+    assert out.label == ("yes" if two_way else tokens[int(np.argmax(logits))])
+    with pytest.raises(ValueError, match="does not generate"):
+        engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="'qqzzxx' is not a token of this model's tokenizer"):
+        _engine(causal, hf_overrides=overrides | {"classifier_from_token": ["no", "qqzzxx"]})
