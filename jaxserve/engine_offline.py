@@ -12,7 +12,7 @@ from jaxserve.outputs import (ClassificationRequestOutput, EmbeddingRequestOutpu
                               ScoringRequestOutput)
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scoring import as_prompts, check_cross_encoder, cosine_similarity, cross_encoder_prompts, score_pairs
+from jaxserve.scoring import as_prompts, check_cross_encoder, cross_encoder_prompts, pair_scores, score_pairs
 
 
 class OfflineAPI:
@@ -49,25 +49,18 @@ class OfflineAPI:
         cross-encoder (a classifier with one label) reads each pair as one prompt and scores its relevance."""
         first, second = as_prompts(text_1), as_prompts(text_2)
         pairs = score_pairs(len(first), len(second))
-        if self.head.classifier is not None:
-            return self._cross_encode(first, second, pairs, truncate_prompt_tokens, use_tqdm, lora_request)
-        embedded = self.embed(first + second, PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens),
+        if self.head.classifier is None:  # each text embedded; a pair's prompts are its two texts'
+            outs = self.embed(first + second, PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens),
                               use_tqdm=use_tqdm, lora_request=lora_request)
-        firsts, seconds = embedded[: len(first)], embedded[len(first):]
-        return [ScoringRequestOutput(f"score-{next(self._request_ids)}",
-                                     ScoringOutput(cosine_similarity(firsts[i].outputs.embedding,
-                                                                     seconds[j].outputs.embedding)),
-                                     firsts[i].prompt_token_ids + seconds[j].prompt_token_ids)
-                for i, j in pairs]
-
-    def _cross_encode(self, first: list, second: list, pairs: list[tuple[int, int]],
-                      truncate_prompt_tokens: int | None, use_tqdm: bool, lora_request) -> list[ScoringRequestOutput]:
-        check_cross_encoder(self.head.classifier)
-        prompts = cross_encoder_prompts(self.tokenizer, first, second, pairs, truncate_prompt_tokens,
-                                        self.max_model_len)
-        outs = self.classify(prompts, use_tqdm=use_tqdm, lora_request=lora_request)
-        return [ScoringRequestOutput(f"score-{next(self._request_ids)}", ScoringOutput(out.outputs.probs[0]),
-                                     out.prompt_token_ids) for out in outs]
+            prompt_ids = [outs[i].prompt_token_ids + outs[len(first) + j].prompt_token_ids for i, j in pairs]
+        else:  # a cross-encoder: one prompt a pair
+            check_cross_encoder(self.head.classifier)
+            prompts = cross_encoder_prompts(self.tokenizer, first, second, pairs, truncate_prompt_tokens,
+                                            self.max_model_len)
+            outs = self.classify(prompts, use_tqdm=use_tqdm, lora_request=lora_request)
+            prompt_ids = [out.prompt_token_ids for out in outs]
+        return [ScoringRequestOutput(f"score-{next(self._request_ids)}", ScoringOutput(score), ids)
+                for score, ids in zip(pair_scores(outs, len(first), pairs), prompt_ids)]
 
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,

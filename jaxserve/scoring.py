@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxserve.outputs import ClassificationRequestOutput, EmbeddingRequestOutput
 from jaxserve.sampling_params import check_truncate_prompt_tokens
 
 
@@ -23,6 +24,16 @@ def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
         raise ValueError(f"text_1 has {num_first} texts and text_2 {num_second}: give text_1 one text (scored "
                          "against each of text_2) or as many as text_2 (scored pairwise)")
     return [(i, i) for i in range(num_first)]
+
+
+def pair_scores(outs: list[EmbeddingRequestOutput | ClassificationRequestOutput], num_first: int,
+                pairs: list[tuple[int, int]]) -> list[float]:
+    """Each pair's score: a cross-encoder's relevance (its outputs are one a pair), or the cosine similarity of
+    two embeddings (its outputs are one a text: the first texts', then the second's)."""
+    if outs and isinstance(outs[0], ClassificationRequestOutput):
+        return [out.outputs.probs[0] for out in outs]
+    vectors = [out.outputs.embedding for out in outs]
+    return [cosine_similarity(vectors[i], vectors[num_first + j]) for i, j in pairs]
 
 
 def cosine_similarity(a: list[float], b: list[float]) -> float:

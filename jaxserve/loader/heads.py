@@ -124,7 +124,7 @@ def _classifier(raw: dict[str, Any], config: ModelConfig, tensors: TensorSource 
         weight, labels = _head_from_tokens(raw, from_tokens, config, tensors, tokenizer)
         return Classifier(weight, labels, arch, _activation(raw, len(labels)))
     if tensors is None:  # a dummy load: random, as the rest
-        weight = np.random.default_rng(0).normal(0, 0.02, (_num_labels(raw), config.hidden_size))
+        weight = _random_rows(_num_labels(raw), config)
     elif CLASSIFIER_WEIGHT in tensors.names():
         weight = tensors.get(CLASSIFIER_WEIGHT)
     else:
@@ -153,7 +153,7 @@ def _head_from_tokens(raw: dict[str, Any], tokens: list[str], config: ModelConfi
         if token_id is None or (token_id == tokenizer.unk_token_id and token != tokenizer.unk_token):
             raise ValueError(f"classifier_from_token: {token!r} is not a token of this model's tokenizer")
     if tensors is None:  # a dummy load
-        rows = np.random.default_rng(0).normal(0, 0.02, (len(ids), config.hidden_size))
+        rows = _random_rows(len(ids), config)
     else:
         lm_head = "lm_head.weight" if "lm_head.weight" in tensors.names() else "model.embed_tokens.weight"
         rows = np.asarray(tensors.get(lm_head)[ids], np.float32)
@@ -162,6 +162,11 @@ def _head_from_tokens(raw: dict[str, Any], tokens: list[str], config: ModelConfi
     if len(tokens) != 2:
         raise ValueError(f"a two-way softmax head reads two tokens (no, yes), got classifier_from_token={tokens!r}")
     return (rows[1:2] - rows[0:1]).astype(np.float32), (tokens[1],)
+
+
+def _random_rows(count: int, config: ModelConfig) -> np.ndarray:
+    """A dummy load's classification head (the rest of its weights are random too)."""
+    return np.random.default_rng(0).normal(0, 0.02, (count, config.hidden_size)).astype(np.float32)
 
 
 def _num_labels(raw: dict[str, Any]) -> int:

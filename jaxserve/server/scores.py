@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from jaxserve.outputs import ClassificationRequestOutput, EmbeddingRequestOutput
 from jaxserve.pooling_params import PoolingParams
-from jaxserve.scoring import as_prompts, check_cross_encoder, cosine_similarity, cross_encoder_prompts, score_pairs
+from jaxserve.scoring import as_prompts, check_cross_encoder, cross_encoder_prompts, pair_scores, score_pairs
 from jaxserve.server.embeddings import PooledRequest, serve_pooled
 from jaxserve.server.errors import bad_request
 from jaxserve.server.protocol import OpenAIModel, UsageInfo
@@ -40,15 +40,6 @@ def _pair_inputs(request: PooledRequest, engine, first: list[str], second: list[
     prompts = cross_encoder_prompts(engine.tokenizer, first, second, pairs, request.truncate_prompt_tokens,
                                     engine.max_model_len)
     return prompts, PoolingParams(task="classify")
-
-
-def pair_scores(finals: list[EmbeddingRequestOutput | ClassificationRequestOutput], num_first: int,
-                pairs: list[tuple[int, int]]) -> list[float]:
-    """Each pair's score from the outputs of `_pair_inputs`' prompts."""
-    if finals and isinstance(finals[0], ClassificationRequestOutput):
-        return [out.outputs.probs[0] for out in finals]
-    vectors = [out.outputs.embedding for out in finals]
-    return [cosine_similarity(vectors[i], vectors[num_first + j]) for i, j in pairs]
 
 
 class ScoreRequest(PooledRequest):
