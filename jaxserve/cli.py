@@ -34,6 +34,7 @@ from jaxserve.cli_args import (
     positive_float,
     positive_int,
     speculative_config,
+    string_list,
 )
 from jaxserve.config import ATTENTION_IMPLS
 from jaxserve.loader.convert_command import add_convert_arguments, run_convert
@@ -244,6 +245,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "--api-key if set, can make it read adapter directories it can see. Implies --enable-lora")
     server.add_argument("--log-prompts", action="store_true",
                         help="log each request's prompt (kept out of the logs unless set: prompts may be private)")
+    web = parser.add_argument_group("CORS and TLS (vLLM's options)")
+    web.add_argument("--allowed-origins", type=string_list, metavar="JSON",
+                     help="origins whose browser pages may call the API, e.g. '[\"https://app.example\"]' "
+                          "('[\"*\"]': any site). Default: none (vLLM's default is any)")
+    web.add_argument("--allowed-methods", type=string_list, metavar="JSON", help="CORS methods (default: all)")
+    web.add_argument("--allowed-headers", type=string_list, metavar="JSON", help="CORS headers (default: all)")
+    web.add_argument("--allow-credentials", action="store_true", help="let those origins send cookies")
+    web.add_argument("--ssl-keyfile", metavar="PEM", help="the TLS private key (serve HTTPS)")
+    web.add_argument("--ssl-certfile", metavar="PEM", help="the TLS certificate chain (serve HTTPS)")
+    web.add_argument("--ssl-ca-certs", metavar="PEM", help="CA certificates that verify client certificates")
+    web.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=0,
+                     help="client certificates: 0 not asked, 1 optional, 2 required (as Python's ssl.CERT_*)")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -262,12 +275,17 @@ def listen_socket(host: str, port: int) -> socket.socket:
 def run_serve(args: argparse.Namespace) -> int:
     from jaxserve.parallel.multinode import is_leader
     from jaxserve.server.launch import serve_engine
+    from jaxserve.server.transport import CORSPolicy, ssl_options
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise UserError("--enable-auto-tool-choice needs --tool-call-parser to say how the model writes tool calls "
                         f"(one of: {', '.join(TOOL_CALL_PARSERS)})")
     args.enable_lora = args.enable_lora or args.enable_runtime_lora_updating
-    sock = listen_socket(args.host, args.port) if is_leader(args) else None  # followers serve no HTTP
+    sock = None  # followers serve no HTTP
+    if is_leader(args):
+        CORSPolicy.from_args(args)  # both checked now, not after the model loads
+        ssl_options(args)
+        sock = listen_socket(args.host, args.port)
     return serve_engine(build_engine(args), args, sock, mesh=mesh_from_args(args))
 
 

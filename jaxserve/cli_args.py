@@ -92,8 +92,22 @@ def generation_overrides(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("override_generation_config: ")) from None
 
 
-# Options whose value is a JSON object: in a YAML config file they may be written as a mapping.
-JSON_OPTION_TYPES = (json_object, speculative_config, generation_overrides)
+def string_list(text: str) -> list[str]:
+    """A JSON list of strings ('["a", "b"]', vLLM's spelling), or one bare string."""
+    if not text.lstrip().startswith("["):
+        return [text]
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON list such as '[\"a\", \"b\"]', got {text!r} "
+                                         f"({exc.msg})") from None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"a\", \"b\"]', got {text!r}")
+    return value
+
+
+# Options whose value is JSON: in a YAML config file they may be written as a mapping or a list.
+JSON_OPTION_TYPES = (json_object, speculative_config, generation_overrides, string_list)
 
 
 def memory_fraction(text: str) -> float:
@@ -228,7 +242,7 @@ def _coerce(action: argparse.Action, key: str, value: Any, path: str) -> Any:
 
 
 def _coerce_one(action: argparse.Action, key: str, value: Any, path: str) -> Any:
-    if isinstance(value, dict) and action.type in JSON_OPTION_TYPES:
+    if isinstance(value, (dict, list)) and action.type in JSON_OPTION_TYPES:
         value = json.dumps(value)
     if value is None or isinstance(value, (dict, list)):
         raise UserError(f"{key} in config file {path} must be a single value, got {value!r}")

@@ -49,6 +49,7 @@ from jaxserve.server.request_bodies import parse_request
 from jaxserve.server.responses import create_response, delete_response, retrieve_response
 from jaxserve.server.scores import create_rerank, create_score
 from jaxserve.server.serving import ServerState
+from jaxserve.server.transport import CORSPolicy
 
 # Only the API routes need a key; health, metrics and tokenisation stay open, as in vLLM.
 PROTECTED_PREFIXES = ("/v1/", "/v2/")
@@ -173,12 +174,13 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
               max_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
               default_chat_template_kwargs: dict | None = None, tool_parser=None,
               reasoning_parser=None, lora_adapters: dict | None = None,
-              runtime_lora_updating: bool = False) -> Starlette:
+              runtime_lora_updating: bool = False, cors: CORSPolicy | None = None) -> Starlette:
     """The HTTP app over `async_engine`; it serves the model under `served_model_names` (default: its name),
     and each of `lora_adapters` (name -> LoRARequest) under its name; `runtime_lora_updating` opens the routes
     that load and unload adapters.
 
-    Bodies over `max_body_bytes` are refused with 413 (None: no limit)."""
+    Bodies over `max_body_bytes` are refused with 413 (None: no limit). `cors`: which browser origins may call
+    it (None: no CORS headers, so only same-origin pages)."""
     names = list(served_model_names or [async_engine.model_name])
     state = ServerState(async_engine, names, ServerMetrics(async_engine, names[0]), api_key,
                         default_chat_template_kwargs, tool_parser=tool_parser, reasoning_parser=reasoning_parser,
@@ -195,7 +197,8 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
     handlers[HTTPException] = handle_http_exception
     handlers[ClientDisconnect] = handle_client_disconnect
     app = Starlette(routes=ROUTES, exception_handlers=handlers, lifespan=lifespan,
-                    middleware=[Middleware(APIKeyMiddleware, api_key=api_key),
+                    middleware=[*([cors.middleware()] if cors else []),  # outermost: errors get CORS headers too
+                                Middleware(APIKeyMiddleware, api_key=api_key),
                                 Middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)])
     app.state.server = state
     return app

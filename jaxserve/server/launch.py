@@ -13,6 +13,7 @@ from jaxserve.async_engine import AsyncEngine
 from jaxserve.server.app import build_app
 from jaxserve.server.reasoning_parsers import reasoning_parser
 from jaxserve.server.tool_parsers import tool_call_parser
+from jaxserve.server.transport import CORSPolicy, ssl_options
 from jaxserve.server.uvicorn_server import DrainingServer
 
 logger = logging.getLogger("jaxserve")
@@ -21,6 +22,7 @@ logger = logging.getLogger("jaxserve")
 def serve_engine(engine, args: argparse.Namespace, sock: socket.socket, mesh: str | None = None) -> int:
     """Serve `engine` on the bound `sock` with the `serve` options in `args`; returns the exit status."""
     names = args.served_model_name or [engine.model_name]
+    cors, tls = CORSPolicy.from_args(args), ssl_options(args)
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests,
                                request_timeout=args.request_timeout, log_prompts=args.log_prompts,
                                step_timeout=args.step_timeout or None)  # 0: off
@@ -30,11 +32,14 @@ def serve_engine(engine, args: argparse.Namespace, sock: socket.socket, mesh: st
                     tool_parser=tool_call_parser(args.tool_call_parser if args.enable_auto_tool_choice else None),
                     reasoning_parser=reasoning_parser(args.reasoning_parser, engine.tokenizer),
                     lora_adapters=engine.adapters.preloaded,
-                    runtime_lora_updating=args.enable_runtime_lora_updating)
+                    runtime_lora_updating=args.enable_runtime_lora_updating, cors=cors)
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
-    log_startup(engine, args, mesh, names, f"http://{host}:{port}")
-    server = DrainingServer(app, async_engine, log_level=args.log_level, drain_seconds=args.shutdown_grace_seconds)
+    log_startup(engine, args, mesh, names, f"{'https' if tls else 'http'}://{host}:{port}")
+    if cors:
+        logger.info("CORS: browser pages from %s may call the API", ", ".join(cors.origins))
+    server = DrainingServer(app, async_engine, log_level=args.log_level, drain_seconds=args.shutdown_grace_seconds,
+                            **tls)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; the shutdown itself went fine

@@ -35,8 +35,11 @@ _POLL_SECONDS = 0.05
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, app, async_engine, *, log_level: str = "info", drain_seconds: float = DEFAULT_DRAIN_SECONDS):
-        super().__init__(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=FINAL_WRITE_SECONDS))
+    def __init__(self, app, async_engine, *, log_level: str = "info", drain_seconds: float = DEFAULT_DRAIN_SECONDS,
+                 **config_options):
+        """`config_options`: more uvicorn.Config keywords (TLS: server/transport.ssl_options)."""
+        super().__init__(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=FINAL_WRITE_SECONDS,
+                                        **config_options))
         self.async_engine = async_engine
         self.drain_seconds = drain_seconds
 

@@ -32,17 +32,19 @@ def main(argv: list[str]) -> int:
 
 
 @contextlib.contextmanager
-def fake_server_process(tokenizer_dir: Path, serve_args: list[str], log_path: Path, step_delay: float = 0.02):
-    """The fake-engine server on a free port; killed at the end if the test has not stopped it."""
+def fake_server_process(tokenizer_dir: Path, serve_args: list[str], log_path: Path, step_delay: float = 0.02,
+                        scheme: str = "http", verify=True):
+    """The fake-engine server on a free port; killed at the end if the test has not stopped it. `scheme` and
+    `verify` (httpx's) for a server started with TLS options."""
     port = free_port()
     command = [sys.executable, "-m", "tests.server.fake_serve", str(tokenizer_dir), str(step_delay),
                "--port", str(port), *serve_args]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    url = f"{scheme}://127.0.0.1:{port}"
     try:
         try:
-            wait_for_health(url, 60, is_alive=lambda: process.poll() is None)
+            wait_for_health(url, 60, is_alive=lambda: process.poll() is None, verify=verify)
         except (RuntimeError, TimeoutError) as exc:
             raise RuntimeError(f"{exc}; server log:\n{log_path.read_text()[-3000:]}") from None
         yield ServerProcess(url, log_path, process)

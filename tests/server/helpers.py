@@ -31,13 +31,13 @@ def load_default_tokenizer():
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
-def wait_for_health(base_url: str, timeout: float, is_alive=lambda: True) -> None:
+def wait_for_health(base_url: str, timeout: float, is_alive=lambda: True, verify=True) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not is_alive():
             raise RuntimeError("the server exited before it became healthy")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{base_url}/health", timeout=2, verify=verify).status_code == 200:
                 return
         time.sleep(0.2)
     raise TimeoutError(f"{base_url} did not become healthy in {timeout} s")

@@ -1,0 +1,71 @@
+"""How the server meets browsers and networks: CORS and TLS, with vLLM's option names.
+
+CORS is off unless `--allowed-origins` names origins. vLLM allows every origin by default; here a browser page
+from another site cannot call a server on the user's machine or network unless the operator says so (a local,
+key-less server would otherwise answer any web page the user visits). When origins are named, methods and headers
+default to all, as in vLLM.
+
+TLS: `--ssl-keyfile`/`--ssl-certfile` (and `--ssl-ca-certs` with `--ssl-cert-reqs 2` for client certificates)
+are checked when the command starts, so a wrong path or key fails in a second rather than after the model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ssl
+from dataclasses import dataclass
+
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+
+from jaxserve.cli_args import UserError
+
+@dataclass(frozen=True)
+class CORSPolicy:
+    origins: tuple[str, ...]
+    methods: tuple[str, ...] = ("*",)
+    headers: tuple[str, ...] = ("*",)
+    credentials: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> CORSPolicy | None:
+        if not args.allowed_origins:
+            if args.allow_credentials or args.allowed_methods or args.allowed_headers:
+                raise UserError("--allow-credentials, --allowed-methods and --allowed-headers need "
+                                "--allowed-origins to name the origins they apply to (e.g. '[\"https://app.example\"]')")
+            return None
+        if args.allow_credentials and "*" in args.allowed_origins:
+            # Browsers refuse credentialed responses to a wildcard origin; Starlette would echo any origin
+            # instead, which hands every site the user's cookies. Make the operator list them.
+            raise UserError("--allow-credentials with --allowed-origins '*' would let every site send the "
+                            "user's credentials; list the origins instead")
+        return cls(tuple(args.allowed_origins), tuple(args.allowed_methods or ("*",)),
+                   tuple(args.allowed_headers or ("*",)), args.allow_credentials)
+
+    def middleware(self) -> Middleware:
+        return Middleware(CORSMiddleware, allow_origins=list(self.origins), allow_methods=list(self.methods),
+                          allow_headers=list(self.headers), allow_credentials=self.credentials)
+
+
+def ssl_options(args: argparse.Namespace) -> dict:
+    """uvicorn.Config's TLS keywords from the serve options, after checking that they make a TLS context."""
+    if args.ssl_keyfile and not args.ssl_certfile:
+        raise UserError("--ssl-keyfile needs --ssl-certfile (the certificate that goes with the key)")
+    if not args.ssl_certfile:
+        if args.ssl_ca_certs or args.ssl_cert_reqs:
+            raise UserError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile: they configure TLS")
+        return {}
+    if args.ssl_cert_reqs == ssl.CERT_REQUIRED and not args.ssl_ca_certs:
+        raise UserError("--ssl-cert-reqs 2 (require client certificates) needs --ssl-ca-certs to verify them")
+    options = dict(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                   ssl_cert_reqs=args.ssl_cert_reqs)
+    try:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # what uvicorn builds from the same files
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        if args.ssl_ca_certs:
+            context.load_verify_locations(args.ssl_ca_certs)
+    except (OSError, ssl.SSLError) as exc:
+        files = ", ".join(f for f in (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs) if f)
+        raise UserError(f"cannot set up TLS from {files} ({exc.strerror or exc}); check that the certificate "
+                        "and key are PEM files that belong together") from None
+    return options
