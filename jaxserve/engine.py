@@ -12,7 +12,6 @@ import itertools
 import logging
 import random
 from collections import deque
-from dataclasses import dataclass
 
 import jax
 
@@ -26,13 +25,14 @@ from jaxserve.engine_lora import EngineAdapters, LoRAAPI, check_lora_options
 from jaxserve.engine_pooling import pool, pooling_output, step_params
 from jaxserve.engine_beam_search import BeamSearchAPI
 from jaxserve.engine_offline import OfflineAPI
+from jaxserve.engine_steps import InFlightStep, StepRecord
 from jaxserve.engine_inputs import (check_engine_options, check_max_model_len, fit_context_to_cache,
                                    model_for_context, prompt_token_ids, resolve_token_rules, truncate_prompt,
                                    validate_lengths)
 from jaxserve.grammar import GrammarCompiler, grammar_ended
 from jaxserve.loader.checkpoint import open_checkpoint
 from jaxserve.loader.generation_config import generation_defaults
-from jaxserve.loader.tokenizer import read_chat_template
+from jaxserve.loader.tokenizer import read_chat_template, served_tokenizer
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput
 from jaxserve.parallel.multihost import agree_on_min
@@ -41,29 +41,12 @@ from jaxserve.pooling_params import PoolingParams
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.capacity import capacity_line, free_bytes_for_cache, num_blocks_for, profile_step_inputs
 from jaxserve.runner.compilation_cache import DEFAULT_COMPILATION_CACHE, enable_compilation_cache
-from jaxserve.runner.model_runner import ModelRunner, PendingStep, StepResult
+from jaxserve.runner.model_runner import ModelRunner, StepResult
 from jaxserve.runner.plan import PlanShape, build_step_inputs
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.speculative_config import SpeculativeConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class InFlightStep:
-    """A dispatched step: what was scheduled, and its device outputs (PendingStep) or, once read, StepResult."""
-
-    sched: SchedulerOutput
-    pending: PendingStep | StepResult
-    recompiled: bool = False  # dispatching it compiled a new program
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What one step computed: (request_id, first position, number of tokens) per sequence chunk."""
-
-    index: int
-    chunks: tuple[tuple[str, int, int], ...]
 
 
 class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
@@ -78,17 +61,20 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
                  chat_template: str | None = None, enable_lora: bool = False, max_loras: int = 1,
                  max_lora_rank: int = 16, lora_modules: dict[str, str] | None = None,
                  speculative_config: dict | SpeculativeConfig | None = None, hf_overrides: dict | None = None,
-                 generation_config: str = "auto", override_generation_config: dict | None = None):
+                 generation_config: str = "auto", override_generation_config: dict | None = None,
+                 revision: str | None = None, tokenizer_revision: str | None = None):
+        """`tokenizer`: a tokenizer object, or a Hugging Face directory or hub id to load one from (vLLM's
+        `tokenizer`); None serves the model's own. `revision`, `tokenizer_revision`: hub branches, tags or commits."""
         speculative = SpeculativeConfig.from_dict(speculative_config)
         check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
                              recompile_guard, quantization)
         enable_lora, max_loras = check_lora_options(enable_lora, max_loras, max_lora_rank, lora_modules)
         template = None if chat_template is None else read_chat_template(chat_template)  # before the load
         enable_compilation_cache(compilation_cache_dir)
-        ckpt = open_checkpoint(model, load_format, hf_overrides)
+        ckpt = open_checkpoint(model, load_format, hf_overrides, revision)
         cfg = ckpt.config
         self.model_name = ckpt.name
-        self.tokenizer = tokenizer or ckpt.tokenizer
+        self.tokenizer = served_tokenizer(tokenizer, ckpt.tokenizer, cfg.vocab_size, tokenizer_revision)
         if template is not None:  # replaces the tokenizer's own
             self.tokenizer.chat_template = template
         self.generation_defaults = generation_defaults(ckpt.generation_defaults, generation_config,

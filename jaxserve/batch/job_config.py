@@ -53,6 +53,9 @@ class EngineOptions(BaseModel):
     attention_impl: Literal[ATTENTION_IMPLS] | None = None
     compilation_cache_dir: str | None = None
     chat_template: str | None = None  # a Jinja chat template or a file holding one (relative: to the job file)
+    tokenizer: str | None = None  # a tokenizer directory (relative: to the job file) or hub id, as vLLM's
+    revision: str | None = None  # of a hub model id
+    tokenizer_revision: str | None = None
     # LoRA adapters (name -> PEFT adapter directory, relative: to the job file); a body's `model` picks one.
     enable_lora: bool | None = None
     max_loras: PositiveInt | None = None
@@ -88,6 +91,14 @@ class EngineOptions(BaseModel):
         if template is None or is_template_text(template):
             return template
         return str(Path((info.context or {}).get("base_dir", ".")) / Path(template).expanduser())
+
+    @field_validator("tokenizer", mode="after")
+    @classmethod
+    def _tokenizer_beside_the_job(cls, tokenizer: str | None, info: ValidationInfo) -> str | None:
+        if tokenizer is None:
+            return None
+        beside = Path((info.context or {}).get("base_dir", ".")) / Path(tokenizer).expanduser()
+        return str(beside) if beside.exists() else tokenizer  # else a hub id
 
     @field_validator("override_generation_config", mode="after")
     @classmethod

@@ -40,23 +40,27 @@ class Checkpoint:
 LOAD_FORMATS = ("auto", "dummy")
 
 
-def open_checkpoint(model: str | None, load_format: str = "auto", hf_overrides: dict | None = None
-                    ) -> Checkpoint:
+def open_checkpoint(model: str | None, load_format: str = "auto", hf_overrides: dict | None = None,
+                    revision: str | None = None) -> Checkpoint:
     """`load_format="dummy"`: the model's config and tokenizer with random weights (loader/random_weights.py);
     an HF model then needs no weight files at all. `hf_overrides`: keys laid over the model's config.json (vLLM's
-    hf_overrides: a longer max_position_embeddings, a rope_scaling, ...)."""
+    hf_overrides: a longer max_position_embeddings, a rope_scaling, ...). `revision`: a hub id's branch, tag or
+    commit."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not one of {', '.join(map(repr, LOAD_FORMATS))}")
     if hf_overrides is not None and not isinstance(hf_overrides, dict):
         raise ValueError(f"hf_overrides must be a mapping of config.json keys to values, got {hf_overrides!r}")
-    ckpt = _open(model, weights=load_format != "dummy", hf_overrides=hf_overrides or {})
+    ckpt = _open(model, weights=load_format != "dummy", hf_overrides=hf_overrides or {}, revision=revision)
     if load_format == "dummy":
         ckpt.tensors = RandomWeights(ckpt.config)
     return ckpt
 
 
-def _open(model: str | None, weights: bool, hf_overrides: dict) -> Checkpoint:
+def _open(model: str | None, weights: bool, hf_overrides: dict, revision: str | None) -> Checkpoint:
     path = default_model_path() if model is None else Path(model).expanduser()
+    if revision is not None and (model is None or path.exists()):
+        raise ValueError(f"revision={revision!r} picks a version of a Hugging Face hub id, and "
+                         f"{model or DEFAULT_MODEL_NAME} is a local file or directory: leave revision out")
     if hf_overrides and (path.suffix == ".gguf" or (path.is_dir() and is_orbax_checkpoint(path))):
         raise ValueError(f"hf_overrides applies to a Hugging Face config.json, and {model or DEFAULT_MODEL_NAME} "
                          "has none (a GGUF file or a `jaxserve convert` checkpoint): give the HF model directory")
@@ -75,7 +79,8 @@ def _open(model: str | None, weights: bool, hf_overrides: dict) -> Checkpoint:
         raise FileNotFoundError(
             f"model path {model!r} does not exist: give a GGUF file, a Hugging Face model directory or a hub id"
         )
-    return _open_hf_dir(_download_from_hub(model, weights), name=model, weights=weights, hf_overrides=hf_overrides)
+    return _open_hf_dir(_download_from_hub(model, weights, revision), name=model, weights=weights,
+                        hf_overrides=hf_overrides)
 
 
 def _open_gguf(path: Path, name: str) -> Checkpoint:
@@ -130,14 +135,15 @@ def _open_hf_dir(directory: Path, name: str, weights: bool = True, hf_overrides:
                       pooling=declared_pooling(directory), head=head)
 
 
-def _download_from_hub(repo_id: str, weights: bool = True) -> Path:
+def _download_from_hub(repo_id: str, weights: bool = True, revision: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "tokenizer*", "*.model", "*.jinja", "*.txt"] + (["*.safetensors"] if weights else [])
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))
-    except Exception as e:  # offline, unknown repo, gated repo: all end the same way for the user
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, revision=revision))
+    except Exception as e:  # offline, unknown repo or revision, gated repo: all end the same way for the user
+        at = "" if revision is None else f" at revision {revision!r}"
         raise FileNotFoundError(
-            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}); "
-            "check the id and network access, or pass a local model directory or GGUF file"
+            f"could not fetch {repo_id!r}{at} from the Hugging Face hub ({type(e).__name__}); "
+            "check the id, the revision and network access, or pass a local model directory or GGUF file"
         ) from None

@@ -1,4 +1,5 @@
-"""Chat templates through the tokenizer (transformers renders them in a sandboxed Jinja environment)."""
+"""The tokenizer a model is served with (its own, or vLLM's `--tokenizer`), and chat templates through it
+(transformers renders them in a sandboxed Jinja environment)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,31 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+def served_tokenizer(given, model_tokenizer, vocab_size: int, revision: str | None = None):
+    """The tokenizer to serve with: the model's own, a tokenizer object, or one loaded from a Hugging Face
+    directory or hub id (vLLM's `--tokenizer`, e.g. a GGUF file's original tokenizer, `revision` on the hub). One
+    that names more tokens than the model has embeddings is refused: those ids would index past its tables."""
+    if given is None:
+        if revision is not None:
+            raise ValueError("tokenizer_revision applies to a tokenizer given by name (--tokenizer)")
+        return model_tokenizer
+    tokenizer = _load_tokenizer(given, revision) if isinstance(given, (str, Path)) else given
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"tokenizer {given} has {len(tokenizer)} tokens and the model only {vocab_size}: it is "
+                         "not this model's tokenizer; give the tokenizer the model was trained with")
+    return tokenizer
+
+
+def _load_tokenizer(name: str | Path, revision: str | None):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(Path(name).expanduser()), revision=revision)
+    except (OSError, ValueError) as exc:  # no such directory or hub id, no network, no tokenizer files in it
+        raise ValueError(f"cannot load tokenizer {str(name)!r} ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+                         "give a directory with tokenizer files or a Hugging Face hub id") from None
 
 
 def _rendering_options(tokenizer) -> set[str]:
