@@ -11,6 +11,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# generation_config.json's output limit. As in vLLM it becomes "max_tokens" in the defaults: the default of offline
+# requests, and over HTTP a cap on every request's max_tokens (server/protocol.py).
+MAX_NEW_TOKENS = "max_new_tokens"
 GENERATION_CONFIG_SOURCES = ("auto", "vllm")  # or a directory holding a generation_config.json
 
 
@@ -22,18 +25,19 @@ def sampling_defaults(generation: dict[str, Any], source: Path) -> dict[str, Any
     from jaxserve.sampling_params import SamplingParams
 
     defaults = {}
-    for key in SAMPLING_DEFAULT_KEYS:
+    for key in (*SAMPLING_DEFAULT_KEYS, MAX_NEW_TOKENS):
         value = generation.get(key)
         if value is None:
             continue
-        if key == "top_k" and isinstance(value, float) and value.is_integer():
+        if key in ("top_k", MAX_NEW_TOKENS) and isinstance(value, float) and value.is_integer():
             value = int(value)
+        field = "max_tokens" if key == MAX_NEW_TOKENS else key
         try:
-            SamplingParams(**{key: value})
+            SamplingParams(**{field: value})
         except (ValueError, TypeError) as exc:
             log.warning("ignoring %s=%r from %s: %s", key, value, source, exc)
             continue
-        defaults[key] = value
+        defaults[field] = value
     return defaults
 
 
@@ -56,10 +60,13 @@ def check_overrides(overrides: dict[str, Any] | None) -> dict[str, Any]:
     from jaxserve.sampling_params import SamplingParams
 
     overrides = dict(overrides or {})
-    unknown = sorted(set(overrides) - set(SAMPLING_DEFAULT_KEYS))
+    known = (*SAMPLING_DEFAULT_KEYS, MAX_NEW_TOKENS)
+    unknown = sorted(set(overrides) - set(known))
     if unknown:
         raise ValueError(f"override_generation_config: {unknown[0]!r} is not a sampling default jaxserve takes from "
-                         f"a generation config; give any of {', '.join(SAMPLING_DEFAULT_KEYS)}")
+                         f"a generation config; give any of {', '.join(known)}")
+    if MAX_NEW_TOKENS in overrides:
+        overrides["max_tokens"] = overrides.pop(MAX_NEW_TOKENS)
     try:
         SamplingParams(**overrides)
     except (ValueError, TypeError) as exc:

@@ -10,6 +10,9 @@ import pytest
 from jaxserve import Engine
 from jaxserve.batch.job_config import EngineOptions
 from jaxserve.loader.generation_config import generation_defaults
+from jaxserve.server.chat_protocol import ChatCompletionRequest
+from jaxserve.server.protocol import CompletionRequest
+from jaxserve.server.request_bodies import parse_request
 
 MODEL_DEFAULTS = {"temperature": 0.7, "top_p": 0.8}
 
@@ -28,7 +31,8 @@ def test_the_source_then_the_overrides(tmp_path):
 
 @pytest.mark.parametrize("source, overrides, message", [
     ("nowhere", None, "generation_config='nowhere' is not one of 'auto', 'vllm' or a directory"),
-    ("auto", {"max_new_tokens": 5}, "'max_new_tokens' is not a sampling default"),
+    ("auto", {"max_tokens": 5}, "'max_tokens' is not a sampling default"),  # the file's name is max_new_tokens
+    ("auto", {"max_new_tokens": 0}, "override_generation_config: max_tokens"),
     ("auto", {"temperature": -1}, "override_generation_config: temperature"),
     ("auto", {"top_k": "many"}, "override_generation_config: "),
 ])
@@ -63,3 +67,30 @@ def test_a_bad_override_is_refused_before_anything_loads():
     assert "--override-generation-config: 'temprature' is not a sampling default" in run.stderr
     with pytest.raises(ValueError, match="'temprature' is not a sampling default"):
         EngineOptions.model_validate({"override_generation_config": {"temprature": 0.5}})
+
+
+def test_max_new_tokens_is_the_offline_default_and_caps_every_http_request(tmp_path):
+    """vLLM's reading of generation_config.json's max_new_tokens: the default max_tokens offline, and over HTTP
+    the most any request gets, whether it asks for more, for nothing, or (completions) for OpenAI's 16."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 12.0, "temperature": 0.5}))
+    defaults = generation_defaults({}, str(tmp_path))
+    assert defaults == {"max_tokens": 12, "temperature": 0.5}
+    assert generation_defaults({}, "auto", {"max_new_tokens": 7}) == {"max_tokens": 7}
+
+    def max_tokens(schema, body):
+        return parse_request(schema, {"model": "m", **body}).to_sampling_params(defaults).max_tokens
+
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    assert max_tokens(ChatCompletionRequest, chat) == 12
+    assert max_tokens(ChatCompletionRequest, {**chat, "max_completion_tokens": 100}) == 12
+    assert max_tokens(ChatCompletionRequest, {**chat, "max_tokens": 5}) == 5
+    assert max_tokens(CompletionRequest, {"prompt": "Hi"}) == 12
+    assert max_tokens(CompletionRequest, {"prompt": "Hi", "max_tokens": 10}) == 10
+    assert parse_request(ChatCompletionRequest, {"model": "m", **chat}).to_sampling_params({}).max_tokens is None
+
+
+def test_the_engines_default_params_take_max_new_tokens(tiny_checkpoint):
+    engine = Engine(str(tiny_checkpoint("llama")), override_generation_config={"max_new_tokens": 3},
+                    num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=2, warmup=False)
+    output = engine.generate(["Hello"], use_tqdm=False)[0]
+    assert engine.default_sampling_params().max_tokens == 3 and len(output.outputs[0].token_ids) <= 3

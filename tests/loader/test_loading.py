@@ -196,7 +196,7 @@ def test_generation_config_sampling_defaults_are_checked_once_at_load(caplog, tm
     generation = {"temperature": None, "top_k": 50.0, "top_p": 2.0, "min_p": 0.1, "repetition_penalty": 1.1,
                   "do_sample": True, "max_new_tokens": 20}
     defaults = sampling_defaults(generation, tmp_path / "generation_config.json")
-    assert defaults == {"top_k": 50, "min_p": 0.1, "repetition_penalty": 1.1}
+    assert defaults == {"top_k": 50, "min_p": 0.1, "repetition_penalty": 1.1, "max_tokens": 20}
     assert isinstance(defaults["top_k"], int)
     assert any("ignoring top_p=2.0" in r.message for r in caplog.records)
 
