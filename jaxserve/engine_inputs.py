@@ -10,7 +10,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models.layers import QUANTIZATIONS
 from jaxserve.runner.sampler import BIAS_SLOTS
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.token_rules import allowed_bitmask, bad_words_token_ids
+from jaxserve.token_rules import allowed_bitmask, bad_words_token_ids, check_some_token_allowed
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,8 @@ def resolve_token_rules(params: SamplingParams, tokenizer, config: EngineConfig,
     if entries > BIAS_SLOTS:
         raise ValueError(f"logit_bias, stop_token_ids and bad_words together need {entries} token entries (bad words "
                          f"count once per spelling); at most {BIAS_SLOTS} fit")
+    check_some_token_allowed(params.allowed_token_ids, bad_words, params.min_tokens,
+                             {*(params.stop_token_ids or ()), *eos_token_ids})
     return mask, bad_words
 
 

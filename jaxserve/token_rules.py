@@ -40,6 +40,22 @@ def bad_words_token_ids(tokenizer, words: list[str], vocab_size: int) -> tuple[t
     return tuple(spellings)
 
 
+def check_some_token_allowed(allowed_token_ids: list[int] | None, bad_words: tuple[tuple[int, ...], ...],
+                             min_tokens: int, min_tokens_bans: set[int]) -> None:
+    """Refuse rules that rule out every token: the sampler would have nothing to draw from (vLLM then samples from
+    all -inf logits). One-token bad words are always banned; `min_tokens_bans` (EOS and stop tokens) until
+    `min_tokens` are out."""
+    if allowed_token_ids is None:
+        return
+    allowed = set(allowed_token_ids) - {word[0] for word in bad_words if len(word) == 1}
+    if not allowed:
+        raise ValueError("allowed_token_ids leaves no token that bad_words does not ban; allow more tokens or ban "
+                         "fewer words")
+    if min_tokens and not allowed - min_tokens_bans:
+        raise ValueError(f"allowed_token_ids holds only end-of-sequence and stop tokens, which min_tokens={min_tokens} "
+                         "bans until that many are out; allow other tokens or drop min_tokens")
+
+
 def bad_word_bans(bad_words: tuple[tuple[int, ...], ...], outputs: list[int],
                   in_flight: bool) -> list[tuple[int, int]]:
     """The tokens to rule out next, as (token, after): a word's last token is banned when the generated tokens end

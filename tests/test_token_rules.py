@@ -53,3 +53,27 @@ def test_the_bias_slots_count_the_sequences_eos_ids():
     assert resolve_token_rules(full, None, config, eos_token_ids=(999,)) == (None, ())
     with pytest.raises(ValueError, match=f"need {BIAS_SLOTS + 1} token entries"):
         resolve_token_rules(full, None, config, eos_token_ids=(998, 999))
+
+
+def test_rules_that_leave_no_token_are_refused():
+    from types import SimpleNamespace
+
+    from jaxserve.engine_inputs import resolve_token_rules
+    from jaxserve.sampling_params import SamplingParams
+
+    class OneTokenPerWord:
+        def encode(self, text, add_special_tokens=False):
+            return [{"a": 5, " a": 5, "b": 6, " b": 6}[text]]
+
+    config = SimpleNamespace(model=SimpleNamespace(vocab_size=100, eos_token_ids=()))
+
+    def resolve(**rules):
+        return resolve_token_rules(SamplingParams(**rules), OneTokenPerWord(), config, eos_token_ids=(2,))
+
+    with pytest.raises(ValueError, match="allowed_token_ids leaves no token that bad_words does not ban"):
+        resolve(allowed_token_ids=[5, 6], bad_words=["a", "b"])
+    with pytest.raises(ValueError, match="only end-of-sequence and stop tokens, which min_tokens=3 bans"):
+        resolve(allowed_token_ids=[2, 7], stop_token_ids=[7], min_tokens=3)
+    assert resolve(allowed_token_ids=[5, 6], bad_words=["a"])[1] == ((5,),)  # one token left: fine
+    assert resolve(allowed_token_ids=[2, 7], stop_token_ids=[7])[0] is not None  # no min_tokens: may end at once
+    assert resolve(allowed_token_ids=[2, 7, 9], stop_token_ids=[7], min_tokens=3)[0] is not None
