@@ -74,9 +74,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="weights and activations (auto: float32 on CPU, bfloat16 on GPU/TPU)")
-    engine.add_argument("--quantization", "-q", choices=("int8",),
+    engine.add_argument("--quantization", "-q", choices=("int8", "w8a8"),
                         help="int8: weight-only int8 with per-channel scales (a quarter of float32's weight bytes, "
-                             "faster memory-bound decode; see BENCHMARKS.md for its accuracy)")
+                             "faster memory-bound decode); w8a8: those weights times int8 activations quantized "
+                             "per token (integer matmuls: faster batched steps on CPU). BENCHMARKS.md has the "
+                             "accuracy of each")
     engine.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                         help="dummy: random weights for the model's config (no weight files needed; benchmarks)")
     engine.add_argument("--max-model-len", type=positive_int, metavar="N", help="context length (prompt + output)")

@@ -103,6 +103,9 @@ class ModelConfig:
     # max_lora_rank; set by the engine, not by the checkpoint: models/lora.py).
     lora_slots: int = 0
     lora_rank: int = 0
+    # quantization="w8a8": the int8 layer weights multiply int8 activations (quantized per token as the step runs)
+    # in int32; set by the model from the engine's quantization, not by the checkpoint.
+    int8_activations: bool = False
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -171,7 +174,8 @@ class EngineConfig:
     dtype: str = "float32"  # resolved: "float32" or "bfloat16"
     seed: int = 0
     max_logprobs: int = 20
-    quantization: str | None = None  # None (weights in `dtype`) or "int8" (weight-only, per-channel scales)
+    # None (weights in `dtype`), "int8" (weight-only, per-channel scales) or "w8a8" (those weights, int8 activations)
+    quantization: str | None = None
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -126,7 +126,8 @@ def check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, memor
     if recompile_guard not in ("warn", "error", "off"):
         raise ValueError(f"recompile_guard must be 'warn', 'error' or 'off', got {recompile_guard!r}")
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization={quantization!r} is not supported; use None (weights in dtype) or 'int8'")
+        raise ValueError(f"quantization={quantization!r} is not supported; use None (weights in dtype), 'int8' "
+                         "(int8 weights) or 'w8a8' (int8 weights and activations)")
 
 
 def model_for_context(cfg: ModelConfig, max_model_len: int) -> ModelConfig:

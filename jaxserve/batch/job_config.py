@@ -33,7 +33,7 @@ class EngineOptions(BaseModel):
     tensor_parallel_size: PositiveInt | None = None
     pipeline_parallel_size: PositiveInt | None = None
     dtype: Literal["auto", "float32", "bfloat16"] | None = None
-    quantization: Literal["int8"] | None = None
+    quantization: Literal["int8", "w8a8"] | None = None
     load_format: Literal["auto", "dummy"] | None = None
     max_model_len: PositiveInt | None = None
     block_size: PositiveInt | None = None

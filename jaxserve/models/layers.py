@@ -28,13 +28,13 @@ def param(shape: tuple[int, ...], logical: tuple[str | None, ...], dtype, init: 
     return nnx.Param(value, logical=logical)
 
 
-QUANTIZATIONS = (None, "int8")
+QUANTIZATIONS = (None, "int8", "w8a8")
 
 
 def weight(shape: tuple[int, ...], logical: tuple[str | None, ...], dtype, contract: tuple[str, ...],
            quantization: str | None) -> tuple[nnx.Param, nnx.Param | None]:
-    """A matmul weight and its scales: (float weight, None), or with `quantization="int8"` (int8 weight, float32
-    scale per output channel). `contract` names the axes the matmul sums over; the scale has every other axis.
+    """A matmul weight and its scales: (float weight, None), or with `quantization="int8"` or "w8a8" (int8 weight,
+    float32 scale per output channel). `contract` names the axes the matmul sums over; the scale has every other axis.
 
     Weight-only int8: activations stay float and `dense` converts the int8 weight inside the matmul, so
     memory-bound decode reads a quarter of the float32 bytes (half of bf16). Symmetric per-channel scales
@@ -43,7 +43,7 @@ def weight(shape: tuple[int, ...], logical: tuple[str | None, ...], dtype, contr
     if quantization is None:
         return param(shape, logical, dtype), None
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization={quantization!r} is not supported; use None or 'int8'")
+        raise ValueError(f"quantization={quantization!r} is not supported; use None, 'int8' or 'w8a8'")
     kept = [i for i, name in enumerate(logical) if name not in contract]
     assert len(kept) < len(logical), (logical, contract)
     scale = param(tuple(shape[i] for i in kept), tuple(logical[i] for i in kept), jnp.float32)
@@ -51,7 +51,7 @@ def weight(shape: tuple[int, ...], logical: tuple[str | None, ...], dtype, contr
 
 
 def dense(spec: str, x: jax.Array, weights: dict[str, jax.Array], name: str,
-          adapters: jax.Array | None = None) -> jax.Array:
+          adapters: jax.Array | None = None, int8_activations: bool = False) -> jax.Array:
     """`einsum(spec, x, weights[name])`, scaled back when the weight is int8 (its `<name>_scale` is present), plus
     each token's LoRA update where the weight has adapter slots (`<name>_lora_a`/`_b`) and `adapters` says
     which slot each token uses.
@@ -59,16 +59,39 @@ def dense(spec: str, x: jax.Array, weights: dict[str, jax.Array], name: str,
     The scale is per output channel, so it is applied once to the [.., out] result instead of to the weight, in
     float32 (a bfloat16 scale would add up to 0.4% of gain error per channel). GPU backends can fuse the int8 ->
     float convert into the matmul's operand read; XLA's CPU backend converts one layer's weight at a time first.
+    `int8_activations` (quantization="w8a8"): x is quantized too and the matmul runs in int8 (int8_matmul).
     """
     w, scale = weights[name], weights.get(name + "_scale")
     if scale is None:
         y = jnp.einsum(spec, x, w)
+    elif int8_activations:
+        y = (int8_matmul(spec, x, w) * scale).astype(x.dtype)
     else:
         y = jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
         y = (y * scale).astype(x.dtype)
     if adapters is not None and name + "_lora_a" in weights:
         y = y + lora_delta(spec, x, weights[name + "_lora_a"], weights[name + "_lora_b"], adapters)
     return y
+
+
+def int8_matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`einsum(spec, x, w)` for an int8 `w`, in float32 before the weight's scale, with x quantized per row
+    (dynamic, symmetric: each token's max |x| over the contracted axes / 127) and multiplied in int8 with int32
+    sums. XLA:CPU then runs an integer GEMM rather than converting the weight to float first: 2.8x faster than
+    float32 for the MLP at 64 tokens (BENCHMARKS.md). Per-token scales keep one token's outlier from costing the
+    others their precision. The output must list x's kept axes first (T..., then w's), as every spec here does."""
+    inputs, out = spec.split("->")
+    x_axes, w_axes = inputs.split(",")
+    contracted = tuple(i for i, axis in enumerate(x_axes) if axis in w_axes and axis not in out)
+    kept = "".join(axis for axis in x_axes if axis not in w_axes or axis in out)
+    assert out.startswith(kept), spec
+    x32 = x.astype(jnp.float32)
+    x_scale = jnp.max(jnp.abs(x32), axis=contracted, keepdims=True) / 127.0
+    x_scale = jnp.where(x_scale > 0, x_scale, 1.0)  # an all-zero row (padding) quantizes to zeros
+    x8 = jnp.clip(jnp.round(x32 / x_scale), -127, 127).astype(jnp.int8)
+    y = jnp.einsum(spec, x8, w, preferred_element_type=jnp.int32).astype(jnp.float32)
+    row_scale = jnp.squeeze(x_scale, contracted)
+    return y * row_scale.reshape(row_scale.shape + (1,) * (y.ndim - row_scale.ndim))
 
 
 def lora_delta(spec: str, x: jax.Array, a: jax.Array, b: jax.Array, adapters: jax.Array) -> jax.Array:
@@ -165,11 +188,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq, factor=1.0) -> jax.
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
-def gated_mlp(x: jax.Array, w: dict[str, jax.Array], activation: str, adapters: jax.Array | None = None) -> jax.Array:
+def gated_mlp(x: jax.Array, w: dict[str, jax.Array], activation: str, adapters: jax.Array | None = None,
+              int8_activations: bool = False) -> jax.Array:
     """down(act(gate(x)) * up(x)): SwiGLU with "silu" (Llama), GeGLU with "gelu_tanh" (Gemma)."""
-    gate = dense("TD,DF->TF", x, w, "w_gate", adapters)
-    up = dense("TD,DF->TF", x, w, "w_up", adapters)
-    return dense("TF,FD->TD", ACTIVATIONS[activation](gate) * up, w, "w_down", adapters)
+    gate = dense("TD,DF->TF", x, w, "w_gate", adapters, int8_activations)
+    up = dense("TD,DF->TF", x, w, "w_up", adapters, int8_activations)
+    return dense("TF,FD->TD", ACTIVATIONS[activation](gate) * up, w, "w_down", adapters, int8_activations)
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:

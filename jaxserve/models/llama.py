@@ -7,6 +7,7 @@ so compile time does not grow with depth. Attention over the paged cache is pass
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -59,7 +60,7 @@ class DecoderLayers(nnx.Module):
 
 
 def mlp(cfg: ModelConfig, w: dict[str, jax.Array], h: jax.Array, adapters: jax.Array | None = None) -> jax.Array:
-    return gated_mlp(h, w, cfg.hidden_act, adapters)
+    return gated_mlp(h, w, cfg.hidden_act, adapters, cfg.int8_activations)
 
 
 def self_attention(cfg: ModelConfig, attention_fn, w: dict[str, jax.Array], h: jax.Array, kv, layer, meta,
@@ -68,9 +69,9 @@ def self_attention(cfg: ModelConfig, attention_fn, w: dict[str, jax.Array], h: j
     kind passes the layer's kind on (its window, and its RoPE frequencies). `adapters`: each token's LoRA slot,
     one-hot (layers.lora_selection)."""
     kind = w.get("attn_kind")
-    q = dense("TD,DHd->THd", h, w, "wq", adapters)
-    k = dense("TD,DKd->TKd", h, w, "wk", adapters)
-    v = dense("TD,DKd->TKd", h, w, "wv", adapters)
+    q = dense("TD,DHd->THd", h, w, "wq", adapters, cfg.int8_activations)
+    k = dense("TD,DKd->TKd", h, w, "wk", adapters, cfg.int8_activations)
+    v = dense("TD,DKd->TKd", h, w, "wv", adapters, cfg.int8_activations)
     if cfg.qkv_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     if cfg.qk_norm:  # over head_dim, each head alike (zero heads padded for tp stay zero)
@@ -83,7 +84,7 @@ def self_attention(cfg: ModelConfig, attention_fn, w: dict[str, jax.Array], h: j
     q = apply_rope(q, meta.positions, inv_freq, factor)
     k = apply_rope(k, meta.positions, inv_freq, factor)
     attn, kv = attention_fn(q, k, v, kv, layer, meta, kind)
-    return dense("THd,HdD->TD", attn, w, "wo", adapters), kv
+    return dense("THd,HdD->TD", attn, w, "wo", adapters, cfg.int8_activations), kv
 
 
 def decoder_layer(cfg: ModelConfig, attention_fn, mlp_fn, carry, w: dict[str, jax.Array], layer: jax.Array, meta):
@@ -124,8 +125,9 @@ class LlamaForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, quantization: str | None = None):
         """`quantization="int8"`: the decoder layers' matmul weights are int8. The embedding and LM head stay in
         `dtype`, as in GPTQ/AWQ checkpoints: the logits are the most quantization-sensitive output, and on CPU
-        XLA would convert the whole int8 vocabulary matrix to float every step (it does not fuse that convert)."""
-        self.cfg = cfg
+        XLA would convert the whole int8 vocabulary matrix to float every step (it does not fuse that convert).
+        "w8a8": the same weights, multiplied by int8 activations (layers.int8_matmul)."""
+        self.cfg = dataclasses.replace(cfg, int8_activations=True) if quantization == "w8a8" else cfg
         V, D = cfg.vocab_size + cfg.vocab_pad, cfg.hidden_size
         self.embed = param((V, D), ("vocab", "embed"), dtype)
         self.layers = self.layers_class(cfg, dtype, quantization)

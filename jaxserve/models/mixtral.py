@@ -43,9 +43,10 @@ def moe_mlp(cfg: ModelConfig, w: dict[str, jax.Array], h: jax.Array, adapters: j
     experts split over tp each device runs its own experts and one all-reduce sums them. Costs E/k times the
     FLOPs of a sparse dispatch, which does not matter at the sizes this serves on CPU."""
     combine = route(cfg, h, w["router"])
-    gate = dense("TD,EDF->TEF", h, w, "w_gate")
-    up = dense("TD,EDF->TEF", h, w, "w_up")
-    out = dense("TEF,EFD->TED", jax.nn.silu(gate) * up, w, "w_down")
+    int8_activations = cfg.int8_activations
+    gate = dense("TD,EDF->TEF", h, w, "w_gate", int8_activations=int8_activations)
+    up = dense("TD,EDF->TEF", h, w, "w_up", int8_activations=int8_activations)
+    out = dense("TEF,EFD->TED", jax.nn.silu(gate) * up, w, "w_down", int8_activations=int8_activations)
     return jnp.einsum("TE,TED->TD", combine, out.astype(jnp.float32)).astype(h.dtype)
 
 
