@@ -179,7 +179,8 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         params = step_params(params, self.head, self.model_name, self.config.model.hidden_size, self.declared_pooling)
         given = prompt_token_ids(self.tokenizer, prompt, self.config.model.vocab_size)
         ids = truncate_prompt(given, (pooling or params).truncate_prompt_tokens, self.max_model_len)
-        params = validate_lengths(params, len(ids), self.max_model_len, self.config)
+        params = validate_lengths(params, len(ids), self.max_model_len, self.config,
+                                  self.generation_defaults.get("max_tokens"))
         lora_request = self.adapters.check(lora_request)
         allowed_mask, bad_words = resolve_token_rules(params, self.tokenizer, self.config, self.eos_token_ids())
         shared = dict(lora_request=lora_request, pooling=pooling, allowed_mask=allowed_mask, bad_words=bad_words)

@@ -3,6 +3,8 @@ batch (beam_search.py holds the search itself; beam_search_stream.py runs it for
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxserve.beam_search import BeamSearch, BeamSearchOutput, top_logprobs_of
 from jaxserve.beam_search_params import BeamSearchParams, check_beam_width
 from jaxserve.engine_inputs import normalise_prompts, prompt_token_ids, validate_lengths
@@ -20,9 +22,9 @@ class BeamSearchAPI:
         check_beam_width(params, eos, self.config.max_logprobs)
         ids = prompt_token_ids(self.tokenizer, prompt, self.config.model.vocab_size)
         # As for a request of beam_width sequences: each beam may grow to prompt + max_tokens.
-        validate_lengths(SamplingParams(n=params.beam_width, max_tokens=params.max_tokens), len(ids),
-                         self.max_model_len, self.config)
-        return BeamSearch(ids, params, eos, self.max_model_len)
+        checked = validate_lengths(SamplingParams(n=params.beam_width, max_tokens=params.max_tokens), len(ids),
+                                   self.max_model_len, self.config, self.generation_defaults.get("max_tokens"))
+        return BeamSearch(ids, dataclasses.replace(params, max_tokens=checked.max_tokens), eos, self.max_model_len)
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = True,
                     lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:

@@ -60,15 +60,17 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
     return ids[-(max_model_len - 1 if keep == -1 else keep):]
 
 
-def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int, config: EngineConfig) -> SamplingParams:
-    """Check the request fits the context and the cache; fill in max_tokens=None as 'up to the context length'."""
+def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int, config: EngineConfig,
+                     max_tokens_cap: int | None = None) -> SamplingParams:
+    """Check the request fits the context and the cache; fill in max_tokens=None as 'up to the context length', or
+    `max_tokens_cap` (generation config's max_new_tokens) if less."""
     if prompt_len >= max_model_len:
         raise ValueError(
             f"the prompt has {prompt_len} tokens but the model's maximum context length is {max_model_len}; "
             "shorten the prompt"
         )
     if params.max_tokens is None:
-        params = params.replace(max_tokens=max_model_len - prompt_len)
+        params = params.replace(max_tokens=min(max_model_len - prompt_len, max_tokens_cap or max_model_len))
     elif prompt_len + params.max_tokens > max_model_len:
         raise ValueError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "

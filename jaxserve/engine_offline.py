@@ -122,5 +122,7 @@ class OfflineAPI:
         return [results[rid] for rid in ids]
 
     def default_sampling_params(self) -> SamplingParams:
-        """SamplingParams with the model's generation_config.json defaults (temperature, top_p, ...), as vLLM."""
-        return SamplingParams(**self.generation_defaults)
+        """SamplingParams with the model's generation_config.json defaults (temperature, top_p, ...), as vLLM. Its
+        max_new_tokens leaves max_tokens None, which a request fills with the room in the context up to that cap."""
+        defaults = self.generation_defaults
+        return SamplingParams(**{**defaults, "max_tokens": None} if "max_tokens" in defaults else defaults)

@@ -52,7 +52,7 @@ def generation_defaults(model_defaults: dict[str, Any], generation_config: str =
         base = {}
     else:
         base = sampling_defaults(_read(generation_config), Path(generation_config))
-    return base | check_overrides(overrides)
+    return base | _as_sampling_fields(check_overrides(overrides))
 
 
 def check_overrides(overrides: dict[str, Any] | None) -> dict[str, Any]:
@@ -65,13 +65,21 @@ def check_overrides(overrides: dict[str, Any] | None) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"override_generation_config: {unknown[0]!r} is not a sampling default jaxserve takes from "
                          f"a generation config; give any of {', '.join(known)}")
-    if MAX_NEW_TOKENS in overrides:
-        overrides["max_tokens"] = overrides.pop(MAX_NEW_TOKENS)
     try:
-        SamplingParams(**overrides)
+        SamplingParams(**_as_sampling_fields(overrides))
     except (ValueError, TypeError) as exc:
         raise ValueError(f"override_generation_config: {exc}") from None
-    return overrides
+    return overrides  # as given (max_new_tokens stays so named): it may be checked again where it is used
+
+
+def _as_sampling_fields(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Overrides as SamplingParams fields: max_new_tokens is max_tokens, a whole-number float count an int."""
+    fields = {}
+    for key, value in overrides.items():
+        if key in ("top_k", MAX_NEW_TOKENS) and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        fields["max_tokens" if key == MAX_NEW_TOKENS else key] = value
+    return fields
 
 
 def _read(generation_config: str) -> dict[str, Any]:

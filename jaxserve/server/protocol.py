@@ -111,15 +111,16 @@ class SamplingFields(OpenAIModel):
 
         A field the body leaves unset takes the model's generation_config.json value (`model_defaults`), then
         OpenAI's default, as vLLM does: a model tuned to sample at temperature 0.6 does so unless asked otherwise.
-        Its `max_new_tokens` (defaults' "max_tokens") caps max_tokens, asked for or not, as in vLLM.
+        Its `max_new_tokens` (defaults' "max_tokens") caps max_tokens, as in vLLM: an unset max_tokens stays None,
+        which the engine fills with the room left in the context or the cap, whichever is less.
         """
         def unset_or(name: str, fallback: float) -> float:
             value = getattr(self, name)
             return value if value is not None else (model_defaults or {}).get(name, fallback)
 
         cap = (model_defaults or {}).get("max_tokens")
-        if cap is not None and "max_tokens" in specific:
-            specific["max_tokens"] = cap if specific["max_tokens"] is None else min(specific["max_tokens"], cap)
+        if cap is not None and specific.get("max_tokens") is not None:
+            specific["max_tokens"] = min(specific["max_tokens"], cap)
 
         return SamplingParams(
             n=self.n,

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from jaxserve import Engine
+from jaxserve import Engine, SamplingParams
+from jaxserve.cli_args import generation_overrides
 from jaxserve.batch.job_config import EngineOptions
 from jaxserve.loader.generation_config import generation_defaults
 from jaxserve.server.chat_protocol import ChatCompletionRequest
@@ -69,28 +70,35 @@ def test_a_bad_override_is_refused_before_anything_loads():
         EngineOptions.model_validate({"override_generation_config": {"temprature": 0.5}})
 
 
-def test_max_new_tokens_is_the_offline_default_and_caps_every_http_request(tmp_path):
-    """vLLM's reading of generation_config.json's max_new_tokens: the default max_tokens offline, and over HTTP
-    the most any request gets, whether it asks for more, for nothing, or (completions) for OpenAI's 16."""
+def test_max_new_tokens_caps_every_http_request(tmp_path):
+    """vLLM's reading of generation_config.json's max_new_tokens: over HTTP the most any request gets, whether it
+    asks for more or (completions) for OpenAI's 16; a request that sets none is left for the engine to fill."""
     (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 12.0, "temperature": 0.5}))
     defaults = generation_defaults({}, str(tmp_path))
     assert defaults == {"max_tokens": 12, "temperature": 0.5}
-    assert generation_defaults({}, "auto", {"max_new_tokens": 7}) == {"max_tokens": 7}
+    assert generation_defaults({}, "auto", {"max_new_tokens": 7.0}) == {"max_tokens": 7}
 
     def max_tokens(schema, body):
         return parse_request(schema, {"model": "m", **body}).to_sampling_params(defaults).max_tokens
 
     chat = {"messages": [{"role": "user", "content": "Hi"}]}
-    assert max_tokens(ChatCompletionRequest, chat) == 12
+    assert max_tokens(ChatCompletionRequest, chat) is None
     assert max_tokens(ChatCompletionRequest, {**chat, "max_completion_tokens": 100}) == 12
     assert max_tokens(ChatCompletionRequest, {**chat, "max_tokens": 5}) == 5
     assert max_tokens(CompletionRequest, {"prompt": "Hi"}) == 12
     assert max_tokens(CompletionRequest, {"prompt": "Hi", "max_tokens": 10}) == 10
-    assert parse_request(ChatCompletionRequest, {"model": "m", **chat}).to_sampling_params({}).max_tokens is None
 
 
-def test_the_engines_default_params_take_max_new_tokens(tiny_checkpoint):
-    engine = Engine(str(tiny_checkpoint("llama")), override_generation_config={"max_new_tokens": 3},
-                    num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=2, warmup=False)
-    output = engine.generate(["Hello"], use_tqdm=False)[0]
-    assert engine.default_sampling_params().max_tokens == 3 and len(output.outputs[0].token_ids) <= 3
+def test_the_engine_fills_an_unset_max_tokens_up_to_the_cap_or_the_context(tiny_checkpoint):
+    """Through the options as the command line and a batch job hand them over (max_new_tokens as given)."""
+    overrides = generation_overrides('{"max_new_tokens": 3}')
+    options = EngineOptions.model_validate({"override_generation_config": overrides, "max_model_len": 32})
+    engine = Engine(str(tiny_checkpoint("llama")), num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=2,
+                    warmup=False, **options.engine_kwargs())
+    unset = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    assert len(engine.generate([list(range(10, 20))], unset, use_tqdm=False)[0].outputs[0].token_ids) == 3
+    assert engine.default_sampling_params().max_tokens is None
+    roomy = Engine(str(tiny_checkpoint("llama")), num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=2,
+                   warmup=False, max_model_len=32, override_generation_config={"max_new_tokens": 1000})
+    # A cap beyond the room left is no error: the request gets the room (vLLM takes the least of the two).
+    assert len(roomy.generate([list(range(10, 20))], unset, use_tqdm=False)[0].outputs[0].token_ids) == 22
