@@ -77,8 +77,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--quantization", "-q", choices=("int8", "w8a8"),
                         help="int8: weight-only int8 with per-channel scales (a quarter of float32's weight bytes, "
                              "faster memory-bound decode); w8a8: those weights times int8 activations quantized "
-                             "per token (integer matmuls: faster batched steps on CPU). BENCHMARKS.md has the "
-                             "accuracy of each")
+                             "per token (integer matmuls). BENCHMARKS.md has the accuracy of each")
     engine.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                         help="dummy: random weights for the model's config (no weight files needed; benchmarks)")
     engine.add_argument("--max-model-len", type=positive_int, metavar="N", help="context length (prompt + output)")

@@ -74,6 +74,8 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         ckpt = open_checkpoint(model, load_format, hf_overrides, revision)
         cfg = ckpt.config
         self.model_name = ckpt.name
+        if tokenizer is None and tokenizer_revision is not None and model is not None:
+            tokenizer = model  # vLLM: the model's own tokenizer, at that revision
         self.tokenizer = served_tokenizer(tokenizer, ckpt.tokenizer, cfg.vocab_size, tokenizer_revision)
         if template is not None:  # replaces the tokenizer's own
             self.tokenizer.chat_template = template

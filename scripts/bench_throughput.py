@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=None,
                     help="transformers batch sizes to try; the best counts (default: 8 16 32 64, capped at the prompts)")
-    ap.add_argument("--quantization", choices=("int8",), help="jaxserve's weights (default: float32)")
+    ap.add_argument("--quantization", choices=("int8", "w8a8"), help="jaxserve's weights (default: float32)")
     ap.add_argument("--llama-cpp", action="store_true", help="also time llama.cpp on the GGUF itself (Q4_1)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; each side's best counts")
     ap.add_argument("--append", metavar="BENCHMARKS.md", help="append a result row to this file")

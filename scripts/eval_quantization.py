@@ -1,13 +1,14 @@
 #!/usr/bin/env python
-"""Accuracy of weight-only int8 against the float model, on the same weights (default: SmolLM2, float32 on CPU).
+"""Accuracy of a quantization (weight-only int8, or w8a8: int8 weights and activations) against the float model,
+on the same weights (default: SmolLM2, float32 on CPU).
 
-    python scripts/eval_quantization.py [--model PATH] [--max-tokens 64] [--append BENCHMARKS.md]
+    python scripts/eval_quantization.py [--model PATH] [--quantization int8|w8a8] [--max-tokens 64] [--append BENCHMARKS.md]
 
 Three measures, each side by side:
 - perplexity of a fixed English text (teacher-forced, from prompt logprobs);
 - next-token agreement: how often the two models' most likely next token is the same, over that text;
 - greedy continuations of a few prompts: how many tokens match before the first difference.
-The last line is the perplexity ratio int8 / float.
+The last line is the perplexity ratio quantized / float, e.g. "perplexity ratio int8/float: 1.0050".
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def evaluate(model: str, max_tokens: int) -> dict:
+def evaluate(model: str, max_tokens: int, quantization: str = "int8") -> dict:
     import math
 
     from jaxserve import Engine
@@ -68,8 +69,8 @@ def evaluate(model: str, max_tokens: int) -> dict:
                       max_num_batched_tokens=512, warmup=False)
 
     results = {}
-    for name, quantization in (("float", None), ("int8", "int8")):
-        e = engine(quantization)
+    for name, chosen in (("float", None), ("int8", quantization)):
+        e = engine(chosen)
         ids = e.tokenizer(TEXT)["input_ids"]
         results[name] = (teacher_forced(e, ids), greedy(e, PROMPTS, max_tokens))
         del e
@@ -85,22 +86,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model to evaluate (default: the built-in SmolLM2 GGUF)")
     ap.add_argument("--max-tokens", type=int, default=64, help="length of each greedy continuation")
+    ap.add_argument("--quantization", choices=("int8", "w8a8"), default="int8", help="what to compare with float")
     ap.add_argument("--append", metavar="BENCHMARKS.md", help="append a result row to this file")
     args = ap.parse_args()
     from jaxserve.loader.default_model import default_model_path
 
     model = args.model or str(default_model_path())
-    r = evaluate(model, args.max_tokens)
+    r, q = evaluate(model, args.max_tokens, args.quantization), args.quantization
     ratio = r["ppl_int8"] / r["ppl_float"]
     prefixes = "/".join(map(str, r["greedy_prefixes"]))
-    print(f"perplexity: float {r['ppl_float']:.3f}, int8 {r['ppl_int8']:.3f} ({r['positions']} tokens)   "
+    print(f"perplexity: float {r['ppl_float']:.3f}, {q} {r['ppl_int8']:.3f} ({r['positions']} tokens)   "
           f"next-token agreement {100 * r['top1_agreement']:.1f}%   "
           f"greedy tokens equal before the first difference: {prefixes} of {r['max_tokens']}")
     if args.append:
         append_row(args.append, f"{platform.node() or 'cpu'} ({os.cpu_count()} cores)",
-                   f"scripts/eval_quantization.py --max-tokens {args.max_tokens}", f"{r['ppl_float']:.3f}",
-                   f"{r['ppl_int8']:.3f}", f"{100 * r['top1_agreement']:.1f}%", f"{prefixes} of {r['max_tokens']}")
-    print(f"perplexity ratio int8/float: {ratio:.4f}")
+                   f"scripts/eval_quantization.py --max-tokens {args.max_tokens}"
+                   + ("" if q == "int8" else f" --quantization {q}"), f"{r['ppl_float']:.3f}",
+                   f"{r['ppl_int8']:.3f} ({q})", f"{100 * r['top1_agreement']:.1f}%", f"{prefixes} of {r['max_tokens']}")
+    print(f"perplexity ratio {q}/float: {ratio:.4f}")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ def served_tokenizer(given, model_tokenizer, vocab_size: int, revision: str | No
     that names more tokens than the model has embeddings is refused: those ids would index past its tables."""
     if given is None:
         if revision is not None:
-            raise ValueError("tokenizer_revision applies to a tokenizer given by name (--tokenizer)")
+            raise ValueError("tokenizer_revision applies to a tokenizer loaded from the hub, and the built-in "
+                             "model's comes from its GGUF file: leave tokenizer_revision out")
         return model_tokenizer
     tokenizer = _load_tokenizer(given, revision) if isinstance(given, (str, Path)) else given
     if len(tokenizer) > vocab_size:

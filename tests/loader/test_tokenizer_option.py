@@ -47,14 +47,15 @@ def test_a_tokenizer_with_more_tokens_than_the_model_is_refused(smol_tokenizer, 
         served_tokenizer(bigger, smol_tokenizer, vocab_size=len(smol_tokenizer))
 
 
-def test_unloadable_tokenizers_and_misplaced_revisions_are_refused_by_name(tiny_checkpoint, tmp_path):
+def test_unloadable_tokenizers_are_refused_and_local_revisions_ignored(tiny_checkpoint, tmp_path, caplog):
     model = str(tiny_checkpoint("llama"))
     with pytest.raises(ValueError, match="cannot load tokenizer '.*nowhere'"):
         Engine(model, tokenizer=str(tmp_path / "nowhere"), **SMALL)
-    with pytest.raises(ValueError, match="is a local file or directory: leave revision out"):
-        Engine(model, revision="main", **SMALL)
-    with pytest.raises(ValueError, match="tokenizer_revision applies to a tokenizer given by name"):
-        Engine(model, tokenizer_revision="main", **SMALL)
+    # As in vLLM (transformers ignores a revision for a directory): a warning, not a failure.
+    assert Engine(model, revision="main", tokenizer_revision="main", **SMALL).tokenizer.vocab_size > 0
+    assert "revision 'main' ignored" in caplog.text
+    with pytest.raises(ValueError, match="tokenizer_revision applies to a tokenizer loaded from the hub"):
+        Engine(None, tokenizer_revision="main", **SMALL)
 
 
 def test_a_hub_revision_reaches_the_download(monkeypatch):
