@@ -93,9 +93,9 @@ def generation_overrides(text: str) -> dict:
 
 
 def string_list(text: str) -> list[str]:
-    """A JSON list of strings ('["a", "b"]', vLLM's spelling), or one bare string."""
+    """A JSON list of strings ('["a", "b"]', vLLM's spelling), or bare strings separated by commas."""
     if not text.lstrip().startswith("["):
-        return [text]
+        return [part.strip() for part in text.split(",") if part.strip()]
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -12,6 +12,7 @@ are checked when the command starts, so a wrong path or key fails in a second ra
 from __future__ import annotations
 
 import argparse
+import logging
 import ssl
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
 from jaxserve.cli_args import UserError
+
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CORSPolicy:
@@ -39,8 +42,14 @@ class CORSPolicy:
             # instead, which hands every site the user's cookies. Make the operator list them.
             raise UserError("--allow-credentials with --allowed-origins '*' would let every site send the "
                             "user's credentials; list the origins instead")
-        return cls(tuple(args.allowed_origins), tuple(args.allowed_methods or ("*",)),
-                   tuple(args.allowed_headers or ("*",)), args.allow_credentials)
+        headers = tuple(args.allowed_headers or ("*",))
+        if args.api_key and "*" not in headers and "authorization" not in {h.lower() for h in headers}:
+            log.warning("--allowed-headers does not include Authorization, which --api-key needs: browsers will "
+                        "refuse to send the key")
+        # A browser's Origin never ends in "/" and its methods are upper case; Starlette compares them as given.
+        origins = tuple(origin if origin == "*" else origin.rstrip("/") for origin in args.allowed_origins)
+        methods = tuple(method.upper() for method in args.allowed_methods or ("*",))
+        return cls(origins, methods, headers, args.allow_credentials)
 
     def middleware(self) -> Middleware:
         return Middleware(CORSMiddleware, allow_origins=list(self.origins), allow_methods=list(self.methods),
@@ -55,17 +64,19 @@ def ssl_options(args: argparse.Namespace) -> dict:
         if args.ssl_ca_certs or args.ssl_cert_reqs:
             raise UserError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile: they configure TLS")
         return {}
-    if args.ssl_cert_reqs == ssl.CERT_REQUIRED and not args.ssl_ca_certs:
-        raise UserError("--ssl-cert-reqs 2 (require client certificates) needs --ssl-ca-certs to verify them")
+    if args.ssl_cert_reqs != ssl.CERT_NONE and not args.ssl_ca_certs:
+        raise UserError(f"--ssl-cert-reqs {args.ssl_cert_reqs} (ask for client certificates) needs --ssl-ca-certs "
+                        "to verify them")
     options = dict(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
                    ssl_cert_reqs=args.ssl_cert_reqs)
     try:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # what uvicorn builds from the same files
-        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        # An empty password: an encrypted key fails here instead of OpenSSL prompting on the terminal.
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile, password=b"")
         if args.ssl_ca_certs:
             context.load_verify_locations(args.ssl_ca_certs)
     except (OSError, ssl.SSLError) as exc:
         files = ", ".join(f for f in (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs) if f)
         raise UserError(f"cannot set up TLS from {files} ({exc.strerror or exc}); check that the certificate "
-                        "and key are PEM files that belong together") from None
+                        "and key are PEM files that belong together, and that the key is not encrypted") from None
     return options

@@ -70,6 +70,10 @@ def test_origins_take_vllm_json_lists_bare_strings_and_yaml_lists(tmp_path, caps
     assert serve_args("--allowed-origins", '["https://a.example", "https://b.example"]').allowed_origins == [
         "https://a.example", "https://b.example"]
     assert serve_args("--allowed-origins", "*").allowed_origins == ["*"]
+    assert serve_args("--allowed-origins", "https://a.example, https://b.example").allowed_origins == [
+        "https://a.example", "https://b.example"]
+    tidied = CORSPolicy.from_args(serve_args("--allowed-origins", "https://a.example/", "--allowed-methods", "post"))
+    assert tidied.origins == ("https://a.example",) and tidied.methods == ("POST",)
     config = tmp_path / "serve.yaml"
     config.write_text("allowed_origins: [https://a.example]\nallowed_headers: [content-type]\n")
     args = serve_args("--config", str(config))
@@ -115,5 +119,24 @@ def test_a_bad_certificate_fails_in_one_line_before_any_model_loads(tmp_path, ca
     with pytest.raises(SystemExit):  # a certificate without its key
         main(["serve", "/nonexistent/model", "--ssl-certfile", str(cert)])
     assert "cannot set up TLS" in capsys.readouterr().err
-    with pytest.raises(UserError, match="needs --ssl-ca-certs"):
-        ssl_options(serve_args("--ssl-certfile", str(cert), "--ssl-cert-reqs", "2"))
+    for reqs in ("1", "2"):
+        with pytest.raises(UserError, match=f"--ssl-cert-reqs {reqs} .* needs --ssl-ca-certs"):
+            ssl_options(serve_args("--ssl-certfile", str(cert), "--ssl-cert-reqs", reqs))
+
+
+def test_an_encrypted_key_is_refused_instead_of_prompting(tmp_path, certificate):
+    cert, key = certificate
+    encrypted = tmp_path / "encrypted.pem"
+    subprocess.run(["openssl", "pkey", "-in", key, "-aes256", "-passout", "pass:secret", "-out", encrypted],
+                   check=True, capture_output=True)
+    with pytest.raises(UserError, match="the key is not encrypted"):
+        ssl_options(serve_args("--ssl-certfile", str(cert), "--ssl-keyfile", str(encrypted)))
+
+
+def test_headers_without_authorization_under_an_api_key_are_warned_about(caplog):
+    CORSPolicy.from_args(serve_args("--allowed-origins", APP_ORIGIN, "--allowed-headers", "content-type",
+                                    "--api-key", "k"))
+    assert "does not include Authorization" in caplog.text
+    caplog.clear()
+    CORSPolicy.from_args(serve_args("--allowed-origins", APP_ORIGIN, "--allowed-headers", "content-type"))
+    assert "Authorization" not in caplog.text  # no key, no need
