@@ -32,7 +32,7 @@ from jaxserve.engine_inputs import (check_engine_options, check_max_model_len, f
 from jaxserve.grammar import GrammarCompiler, grammar_ended
 from jaxserve.loader.checkpoint import open_checkpoint
 from jaxserve.loader.generation_config import generation_defaults
-from jaxserve.loader.tokenizer import read_chat_template, served_tokenizer
+from jaxserve.loader.tokenizer import TokenizerChoice, read_chat_template
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput
 from jaxserve.parallel.multihost import agree_on_min
@@ -71,12 +71,13 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         enable_lora, max_loras = check_lora_options(enable_lora, max_loras, max_lora_rank, lora_modules)
         template = None if chat_template is None else read_chat_template(chat_template)  # before the load
         enable_compilation_cache(compilation_cache_dir)
-        ckpt = open_checkpoint(model, load_format, hf_overrides, revision)
-        cfg = ckpt.config
-        self.model_name = ckpt.name
         if tokenizer is None and tokenizer_revision is not None and model is not None:
             tokenizer = model  # vLLM: the model's own tokenizer, at that revision
-        self.tokenizer = served_tokenizer(tokenizer, ckpt.tokenizer, cfg.vocab_size, tokenizer_revision)
+        choice = TokenizerChoice(tokenizer, tokenizer_revision)
+        ckpt = open_checkpoint(model, load_format, hf_overrides, revision, choice)
+        cfg = ckpt.config
+        self.model_name = ckpt.name
+        self.tokenizer = ckpt.tokenizer
         if template is not None:  # replaces the tokenizer's own
             self.tokenizer.chat_template = template
         self.generation_defaults = generation_defaults(ckpt.generation_defaults, generation_config,

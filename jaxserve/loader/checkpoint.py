@@ -22,6 +22,7 @@ from jaxserve.loader.safetensors import SafetensorsSource
 from jaxserve.loader.text_model import text_model_config, text_model_tensors
 from jaxserve.loader.weights import TensorSource
 from jaxserve.loader.pooling import declared_pooling
+from jaxserve.loader.tokenizer import TokenizerChoice
 
 log = logging.getLogger(__name__)
 
@@ -41,22 +42,24 @@ LOAD_FORMATS = ("auto", "dummy")
 
 
 def open_checkpoint(model: str | None, load_format: str = "auto", hf_overrides: dict | None = None,
-                    revision: str | None = None) -> Checkpoint:
+                    revision: str | None = None, tokenizer: TokenizerChoice = TokenizerChoice()) -> Checkpoint:
     """`load_format="dummy"`: the model's config and tokenizer with random weights (loader/random_weights.py);
     an HF model then needs no weight files at all. `hf_overrides`: keys laid over the model's config.json (vLLM's
     hf_overrides: a longer max_position_embeddings, a rope_scaling, ...). `revision`: a hub id's branch, tag or
-    commit."""
+    commit. `tokenizer`: the model's own tokenizer or another (loader/tokenizer.py)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not one of {', '.join(map(repr, LOAD_FORMATS))}")
     if hf_overrides is not None and not isinstance(hf_overrides, dict):
         raise ValueError(f"hf_overrides must be a mapping of config.json keys to values, got {hf_overrides!r}")
-    ckpt = _open(model, weights=load_format != "dummy", hf_overrides=hf_overrides or {}, revision=revision)
+    ckpt = _open(model, weights=load_format != "dummy", hf_overrides=hf_overrides or {}, revision=revision,
+                 tokenizer=tokenizer)
     if load_format == "dummy":
         ckpt.tensors = RandomWeights(ckpt.config)
     return ckpt
 
 
-def _open(model: str | None, weights: bool, hf_overrides: dict, revision: str | None) -> Checkpoint:
+def _open(model: str | None, weights: bool, hf_overrides: dict, revision: str | None,
+          tokenizer: TokenizerChoice) -> Checkpoint:
     path = default_model_path() if model is None else Path(model).expanduser()
     if revision is not None and (model is None or path.exists()):  # ignored, as vLLM and transformers ignore it
         log.warning("revision %r ignored: %s is a local file or directory, not a hub id", revision,
@@ -65,28 +68,30 @@ def _open(model: str | None, weights: bool, hf_overrides: dict, revision: str | 
         raise ValueError(f"hf_overrides applies to a Hugging Face config.json, and {model or DEFAULT_MODEL_NAME} "
                          "has none (a GGUF file or a `jaxserve convert` checkpoint): give the HF model directory")
     if model is None:
-        return _open_gguf(path, name=DEFAULT_MODEL_NAME)
+        return _open_gguf(path, DEFAULT_MODEL_NAME, tokenizer)
     if path.is_file() and path.suffix == ".gguf":
-        return _open_gguf(path, name=path.stem)
+        return _open_gguf(path, path.stem, tokenizer)
     if path.is_dir() and is_orbax_checkpoint(path):
         if not weights:
             raise ValueError(f"{model} is a `jaxserve convert` checkpoint, which load_format='dummy' cannot "
                              "read: give the original model (HF directory, hub id or GGUF file)")
-        return open_orbax_checkpoint(path)  # written by `jaxserve convert`
+        ckpt = open_orbax_checkpoint(path)  # written by `jaxserve convert`, its tokenizer beside the weights
+        ckpt.tokenizer = tokenizer.resolve(lambda: ckpt.tokenizer, ckpt.config.vocab_size)
+        return ckpt
     if path.is_dir():
-        return _open_hf_dir(path, name=model, weights=weights, hf_overrides=hf_overrides)
+        return _open_hf_dir(path, model, weights, hf_overrides, tokenizer)
     if path.suffix == ".gguf" or model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise FileNotFoundError(
             f"model path {model!r} does not exist: give a GGUF file, a Hugging Face model directory or a hub id"
         )
-    return _open_hf_dir(_download_from_hub(model, weights, revision), name=model, weights=weights,
-                        hf_overrides=hf_overrides)
+    return _open_hf_dir(_download_from_hub(model, weights, revision), model, weights, hf_overrides, tokenizer)
 
 
-def _open_gguf(path: Path, name: str) -> Checkpoint:
+def _open_gguf(path: Path, name: str, tokenizer: TokenizerChoice) -> Checkpoint:
     f = GGUFFile(path)
     config = f.model_config()
-    return Checkpoint(name=name, config=config, tensors=_split_fused(f, config), tokenizer=f.tokenizer())
+    return Checkpoint(name=name, config=config, tensors=_split_fused(f, config),
+                      tokenizer=tokenizer.resolve(f.tokenizer, config.vocab_size))
 
 
 def _split_fused(tensors: TensorSource, config: ModelConfig) -> TensorSource:
@@ -110,9 +115,8 @@ def with_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, 
     return merged
 
 
-def _open_hf_dir(directory: Path, name: str, weights: bool = True, hf_overrides: dict | None = None) -> Checkpoint:
-    from transformers import AutoTokenizer
-
+def _open_hf_dir(directory: Path, name: str, weights: bool = True, hf_overrides: dict | None = None,
+                 tokenizer_choice: TokenizerChoice = TokenizerChoice()) -> Checkpoint:
     config_path = directory / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{directory} has no config.json; it is not a Hugging Face model directory")
@@ -127,12 +131,22 @@ def _open_hf_dir(directory: Path, name: str, weights: bool = True, hf_overrides:
         raise ValueError(f"config.json with hf_overrides {hf_overrides!r} is not a config jaxserve can "
                          f"serve ({type(exc).__name__}: {exc})") from None
     tensors = text_model_tensors(raw, SafetensorsSource(directory)) if weights else None
-    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    tokenizer = tokenizer_choice.resolve(lambda: _own_tokenizer(directory), config.vocab_size)
     config, tensors, head = open_head(raw, config, tensors, tokenizer)
     tensors = None if tensors is None else _split_fused(tensors, config)
     defaults = sampling_defaults(generation, gen_path)
     return Checkpoint(name=name, config=config, tensors=tensors, tokenizer=tokenizer, generation_defaults=defaults,
                       pooling=declared_pooling(directory), head=head)
+
+
+def _own_tokenizer(directory: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError) as exc:  # no tokenizer files: transformers' words are about slow tokenizers
+        raise ValueError(f"cannot load a tokenizer from {directory} ({str(exc).splitlines()[0].strip()}); if the "
+                         "model ships its weights alone, give its tokenizer with --tokenizer DIR|HUB_ID") from None
 
 
 def _download_from_hub(repo_id: str, weights: bool = True, revision: str | None = None) -> Path:

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True, *,
@@ -38,20 +40,29 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     return list(ids)
 
 
-def served_tokenizer(given, model_tokenizer, vocab_size: int, revision: str | None = None):
-    """The tokenizer to serve with: the model's own, a tokenizer object, or one loaded from a Hugging Face
-    directory or hub id (vLLM's `--tokenizer`, e.g. a GGUF file's original tokenizer, `revision` on the hub). One
-    that names more tokens than the model has embeddings is refused: those ids would index past its tables."""
-    if given is None:
-        if revision is not None:
-            raise ValueError("tokenizer_revision applies to a tokenizer loaded from the hub, and the built-in "
-                             "model's comes from its GGUF file: leave tokenizer_revision out")
-        return model_tokenizer
-    tokenizer = _load_tokenizer(given, revision) if isinstance(given, (str, Path)) else given
-    if len(tokenizer) > vocab_size:
-        raise ValueError(f"tokenizer {given} has {len(tokenizer)} tokens and the model only {vocab_size}: it is "
-                         "not this model's tokenizer; give the tokenizer the model was trained with")
-    return tokenizer
+@dataclass(frozen=True)
+class TokenizerChoice:
+    """Which tokenizer a model is served with (vLLM's `tokenizer` and `tokenizer_revision`): its own (`given`
+    None), a tokenizer object, or one loaded from a Hugging Face directory or hub id (e.g. a GGUF file's original
+    model's, or the tokenizer of a weights-only repository), at `revision` on the hub."""
+
+    given: Any = None
+    revision: str | None = None
+
+    def resolve(self, load_own: Callable[[], Any], vocab_size: int):
+        """The tokenizer; `load_own` builds the checkpoint's, which is not even read when another is given. One
+        naming more tokens than the model has embeddings is refused: those ids would index past its tables."""
+        if self.given is None:
+            if self.revision is not None:
+                raise ValueError("tokenizer_revision applies to a tokenizer loaded from the hub, and the built-in "
+                                 "model's comes from its GGUF file: leave tokenizer_revision out")
+            return load_own()
+        given = self.given
+        tokenizer = _load_tokenizer(given, self.revision) if isinstance(given, (str, Path)) else given
+        if len(tokenizer) > vocab_size:
+            raise ValueError(f"tokenizer {given} has {len(tokenizer)} tokens and the model only {vocab_size}: it is "
+                             "not this model's tokenizer; give the tokenizer the model was trained with")
+        return tokenizer
 
 
 def _load_tokenizer(name: str | Path, revision: str | None):

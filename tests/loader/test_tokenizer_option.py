@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve import Engine, SamplingParams
 from jaxserve.batch.job_config import EngineOptions
-from jaxserve.loader.tokenizer import served_tokenizer
+from jaxserve.loader.tokenizer import TokenizerChoice
 
 TEMPLATE = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
 SMALL = dict(load_format="dummy", dtype="float32", num_kv_blocks=16, max_num_seqs=2, max_num_batched_tokens=32,
@@ -39,12 +39,24 @@ def test_a_tokenizer_directory_replaces_the_models_own(tiny_checkpoint, template
     assert mine.prompt_token_ids == theirs.prompt_token_ids and mine.outputs[0].text == theirs.outputs[0].text
 
 
+def test_a_weights_only_repository_serves_with_the_tokenizer_given(tiny_checkpoint, templated_tokenizer_dir,
+                                                                    tmp_path):
+    """No tokenizer files beside the weights (vLLM's main use of --tokenizer): the model's own is never read."""
+    for file in tiny_checkpoint("llama").iterdir():
+        if file.name in ("config.json", "generation_config.json") or file.suffix == ".safetensors":
+            (tmp_path / file.name).symlink_to(file)
+    with pytest.raises(ValueError, match="if the model ships its weights alone, give its tokenizer with --tokenizer"):
+        Engine(str(tmp_path), **SMALL)
+    engine = Engine(str(tmp_path), tokenizer=str(templated_tokenizer_dir), **SMALL)
+    assert engine.tokenizer.chat_template == TEMPLATE
+
+
 def test_a_tokenizer_with_more_tokens_than_the_model_is_refused(smol_tokenizer, tmp_path):
     bigger = type(smol_tokenizer).from_pretrained(_saved(smol_tokenizer, tmp_path))
     bigger.add_tokens(["<extra-a>", "<extra-b>"])
     with pytest.raises(ValueError, match=f"has {len(smol_tokenizer) + 2} tokens and the model only "
                                          f"{len(smol_tokenizer)}"):
-        served_tokenizer(bigger, smol_tokenizer, vocab_size=len(smol_tokenizer))
+        TokenizerChoice(bigger).resolve(lambda: smol_tokenizer, vocab_size=len(smol_tokenizer))
 
 
 def test_unloadable_tokenizers_are_refused_and_local_revisions_ignored(tiny_checkpoint, tmp_path, caplog):
