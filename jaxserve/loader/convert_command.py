@@ -11,6 +11,7 @@ import argparse
 import os
 
 from jaxserve.cli_args import UserError, json_object, layer_partition, mesh_shape
+from jaxserve.loader.tokenizer import TokenizerChoice
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +27,10 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-overrides", type=json_object, metavar="JSON",
                         help="keys laid over the model's config.json, as serve takes them; the checkpoint keeps "
                              "the result (a converted checkpoint takes no overrides of its own)")
+    parser.add_argument("--revision", metavar="REV", help="branch, tag or commit of a hub model id")
+    parser.add_argument("--tokenizer", metavar="DIR|HUB_ID",
+                        help="store this tokenizer with the checkpoint instead of the model's own, as serve takes it")
+    parser.add_argument("--tokenizer-revision", metavar="REV", help="branch, tag or commit of a hub --tokenizer")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -37,7 +42,8 @@ def run_convert(args: argparse.Namespace) -> int:
     from jaxserve.loader.orbax_checkpoint import convert
 
     try:
-        convert(args.model, args.output, (tp, pp), args.dtype, args.pp_layer_partition, args.hf_overrides)
+        convert(args.model, args.output, (tp, pp), args.dtype, args.pp_layer_partition, args.hf_overrides,
+                args.revision, TokenizerChoice(args.tokenizer, args.tokenizer_revision))
     except (ValueError, OSError) as exc:
         raise UserError(str(exc)) from None
     print(f"wrote {args.output}: serve it with `jaxserve serve {args.output} --mesh {args.mesh}`")

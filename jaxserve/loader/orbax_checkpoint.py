@@ -56,17 +56,20 @@ def _leaf(tree: dict, path: tuple):
 
 # --- convert -------------------------------------------------------------------------------------------------
 def convert(model: str, out: str, mesh_shape: tuple[int, int], dtype: str, partition: list[int] | None = None,
-            hf_overrides: dict | None = None) -> None:
+            hf_overrides: dict | None = None, revision: str | None = None, tokenizer=None) -> None:
+    """`tokenizer`: a loader.tokenizer.TokenizerChoice (None: the model's own), stored beside the weights."""
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
     from flax import nnx
 
     from jaxserve.loader.checkpoint import open_checkpoint
+    from jaxserve.loader.tokenizer import TokenizerChoice
     from jaxserve.parallel.layout import plan_layout
     from jaxserve.parallel.sharding import make_mesh
     from jaxserve.runner.weights import load_weights
 
-    ckpt = open_checkpoint(model, hf_overrides=hf_overrides)
+    ckpt = open_checkpoint(model, hf_overrides=hf_overrides, revision=revision,
+                           tokenizer=tokenizer or TokenizerChoice())
     if not ckpt.head.generates:  # what the checkpoint holds besides a causal LM is not written
         raise ValueError(f"{model} is not a causal language model (it has no LM head), and jaxserve convert writes "
                          "those only: serve the checkpoint directly")

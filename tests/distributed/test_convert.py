@@ -59,3 +59,15 @@ def test_a_longrope_config_survives_its_json_round_trip():
                                 "original_max_position_embeddings": 256, "partial_rotary_factor": 0.5,
                                 "rope_scaling": PHI35_ROPE})
     assert model_config(json.loads(json.dumps({"config": dataclasses.asdict(cfg)}))) == cfg
+
+
+def test_a_converted_checkpoint_keeps_the_tokenizer_it_was_given(tiny_checkpoint, smol_tokenizer, tmp_path):
+    """`--tokenizer` as serve takes it: stored beside the weights, so the checkpoint serves with it."""
+    tokenizer_dir = tmp_path / "tokenizer"
+    smol_tokenizer.save_pretrained(tokenizer_dir)
+    (tokenizer_dir / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    out = str(tmp_path / "ckpt")
+    assert cli.main(["convert", str(tiny_checkpoint("llama")), out, "--tokenizer", str(tokenizer_dir)]) == 0
+    converted = Engine(out, **SMALL)
+    assert converted.encode_chat([{"role": "user", "content": "Hi"}]) == converted.tokenizer.encode(
+        "[Hi]", add_special_tokens=False)
