@@ -13,10 +13,10 @@ def shared_checkpoints():
     opened = {}
     real = engine.open_checkpoint
 
-    def open_once(model, load_format="auto", hf_overrides=None):
-        key = (model, load_format, repr(hf_overrides))
+    def open_once(*args, **kwargs):  # whatever open_checkpoint takes: the key is all of it
+        key = repr((args, sorted(kwargs.items())))
         if key not in opened:
-            opened[key] = real(model, load_format, hf_overrides)
+            opened[key] = real(*args, **kwargs)
         return opened[key]
 
     with pytest.MonkeyPatch.context() as patch:

@@ -112,7 +112,7 @@ def test_hub_downloads_fetch_no_pickle_files(monkeypatch, tmp_path):
 
     asked = {}
     monkeypatch.setattr(huggingface_hub, "snapshot_download",
-                        lambda repo_id, allow_patterns: asked.update(patterns=allow_patterns) or str(tmp_path))
+                        lambda repo_id, allow_patterns, **_: asked.update(patterns=allow_patterns) or str(tmp_path))
     checkpoint._download_from_hub("someone/model")
     pickles = ["pytorch_model.bin", "model.pt", "weights.pth", "optimizer.pkl", "training_args.bin", "x.ckpt"]
     assert not [name for name in pickles if any(fnmatch.fnmatch(name, p) for p in asked["patterns"])]
