@@ -118,12 +118,17 @@ def main() -> None:
     ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=None,
                     help="transformers batch sizes to try; the best counts (default: 8 16 32 64, capped at the prompts)")
     ap.add_argument("--quantization", choices=("int8", "w8a8"), help="jaxserve's weights (default: float32)")
+    ap.add_argument("--also-float32", action="store_true",
+                    help="with --quantization: time jaxserve in float32 too, taking turns, for the quantized/float "
+                         "ratio from one run")
     ap.add_argument("--llama-cpp", action="store_true", help="also time llama.cpp on the GGUF itself (Q4_1)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; each side's best counts")
     ap.add_argument("--append", metavar="BENCHMARKS.md", help="append a result row to this file")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
+    if args.also_float32 and not args.quantization:
+        ap.error("--also-float32 compares a --quantization with float32; give --quantization too")
 
     from transformers import AutoTokenizer
 
@@ -134,6 +139,8 @@ def main() -> None:
     prompts = make_prompts(tokenizer, args.num_prompts)
     sizes = args.hf_batch_sizes or sorted({min(b, args.num_prompts) for b in (8, 16, 32, 64)})
     runners = {"jaxserve": jaxserve_runner(gguf, prompts, args.max_tokens, args.quantization)}
+    if args.also_float32:
+        runners["jaxserve float32"] = jaxserve_runner(gguf, prompts, args.max_tokens, None)
     model = load_transformers(gguf)
     runners |= {f"transformers batch {b}": transformers_runner(model, prompts, args.max_tokens, b) for b in sizes}
     if args.llama_cpp:
@@ -141,6 +148,7 @@ def main() -> None:
     tokens = args.num_prompts * args.max_tokens
     rate = {name: tokens / t for name, t in best_of_interleaved(runners, args.repeats).items()}
     ours = rate.pop("jaxserve")
+    ours_float = rate.pop("jaxserve float32", None)
     llama_cpp = rate.pop("llama.cpp", None)
     best_batch = max(sizes, key=lambda b: rate[f"transformers batch {b}"])
     theirs = rate[f"transformers batch {best_batch}"]
@@ -148,6 +156,9 @@ def main() -> None:
     weights = args.quantization or "float32"
     line = (f"jaxserve ({weights}): {ours:.1f} tok/s   transformers (float32): {theirs:.1f} tok/s "
             f"(best batch size {best_batch} of {sizes})")
+    if ours_float is not None:
+        line += f"   jaxserve (float32): {ours_float:.1f} tok/s ({weights}/float32 {ours / ours_float:.2f}x)"
+        weights += f" (float32 in the same run: {ours_float:.1f} tok/s, {ours / ours_float:.2f}x)"
     if llama_cpp is not None:
         line += f"   llama.cpp (Q4_1): {llama_cpp:.1f} tok/s (jaxserve/llama.cpp {ours / llama_cpp:.2f}x)"
     print(line)

@@ -10,7 +10,7 @@ SCRIPT = Path(__file__).parents[1] / "scripts" / "bench_throughput.py"
 def test_bench_throughput_tiny(smollm2_gguf_path, tmp_path):
     table = tmp_path / "BENCHMARKS.md"
     done = subprocess.run([sys.executable, str(SCRIPT), "--num-prompts", "2", "--max-tokens", "4",
-                           "--hf-batch-sizes", "1", "2", "--repeats", "1", "--quantization", "int8",
+                           "--hf-batch-sizes", "1", "2", "--repeats", "1", "--quantization", "int8", "--also-float32",
                            "--append", str(table)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -18,4 +18,5 @@ def test_bench_throughput_tiny(smollm2_gguf_path, tmp_path):
     assert last.startswith("ratio jaxserve/transformers: ") and last.endswith("x")
     assert float(last.split(": ")[1][:-1]) > 0
     row = table.read_text()
-    assert "bench_throughput.py --num-prompts 2 --max-tokens 4" in row and "| int8 |" in row
+    assert "bench_throughput.py --num-prompts 2 --max-tokens 4" in row and "| int8 (float32 in the same run: " in row
+    assert "int8/float32 " in done.stdout
