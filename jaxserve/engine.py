@@ -71,8 +71,6 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         enable_lora, max_loras = check_lora_options(enable_lora, max_loras, max_lora_rank, lora_modules)
         template = None if chat_template is None else read_chat_template(chat_template)  # before the load
         enable_compilation_cache(compilation_cache_dir)
-        if tokenizer is None and tokenizer_revision is not None and model is not None:
-            tokenizer = model  # vLLM: the model's own tokenizer, at that revision
         choice = TokenizerChoice(tokenizer, tokenizer_revision)
         ckpt = open_checkpoint(model, load_format, hf_overrides, revision, choice)
         cfg = ckpt.config
@@ -136,7 +134,7 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         if warmup:
             self.warmup()
         log.info("Loaded %s (%s, %s%s, mesh %dx%d)", self.model_name, cfg.architecture, dtype,
-                 f", {quantization} weights" if quantization else "", *self.mesh_shape)
+                 f", {quantization} quantization" if quantization else "", *self.mesh_shape)
 
     def _size_kv_cache(self, num_blocks: int | None, memory_fraction: float) -> int:
         """Fix the number of KV blocks (profiling a step at the largest bucket first) and allocate the cache."""

@@ -102,7 +102,8 @@ def main() -> None:
         append_row(args.append, f"{platform.node() or 'cpu'} ({os.cpu_count()} cores)",
                    f"scripts/eval_quantization.py --max-tokens {args.max_tokens}"
                    + ("" if q == "int8" else f" --quantization {q}"), f"{r['ppl_float']:.3f}",
-                   f"{r['ppl_int8']:.3f} ({q})", f"{100 * r['top1_agreement']:.1f}%", f"{prefixes} of {r['max_tokens']}")
+                   f"{r['ppl_int8']:.3f} ({q}, {100 * (ratio - 1):+.1f}%)", f"{100 * r['top1_agreement']:.1f}%",
+                   f"{prefixes} of {r['max_tokens']}")
     print(f"perplexity ratio {q}/float: {ratio:.4f}")
 
 

@@ -61,9 +61,16 @@ def open_checkpoint(model: str | None, load_format: str = "auto", hf_overrides: 
 def _open(model: str | None, weights: bool, hf_overrides: dict, revision: str | None,
           tokenizer: TokenizerChoice) -> Checkpoint:
     path = default_model_path() if model is None else Path(model).expanduser()
-    if revision is not None and (model is None or path.exists()):  # ignored, as vLLM and transformers ignore it
+    local = model is None or path.exists()
+    if revision is not None and local:  # ignored, as vLLM and transformers ignore it
         log.warning("revision %r ignored: %s is a local file or directory, not a hub id", revision,
                     model or DEFAULT_MODEL_NAME)
+    if tokenizer.given is None and tokenizer.revision is not None and model is not None:
+        # vLLM: the model's own tokenizer at that revision, which only a hub id has.
+        if local:
+            log.warning("tokenizer_revision %r ignored: %s is a local file or directory, not a hub id",
+                        tokenizer.revision, model)
+        tokenizer = TokenizerChoice() if local else TokenizerChoice(model, tokenizer.revision)
     if hf_overrides and (path.suffix == ".gguf" or (path.is_dir() and is_orbax_checkpoint(path))):
         raise ValueError(f"hf_overrides applies to a Hugging Face config.json, and {model or DEFAULT_MODEL_NAME} "
                          "has none (a GGUF file or a `jaxserve convert` checkpoint): give the HF model directory")

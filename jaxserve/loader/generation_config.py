@@ -11,8 +11,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-# generation_config.json's output limit. As in vLLM it becomes "max_tokens" in the defaults: the default of offline
-# requests, and over HTTP a cap on every request's max_tokens (server/protocol.py).
+# generation_config.json's output limit. As in vLLM it becomes "max_tokens" in the defaults: a cap. An unset
+# max_tokens gets the room left in the context or the cap, whichever is less (engine_inputs.validate_lengths);
+# over HTTP an explicit one is capped too (server/protocol.py).
 MAX_NEW_TOKENS = "max_new_tokens"
 GENERATION_CONFIG_SOURCES = ("auto", "vllm")  # or a directory holding a generation_config.json
 

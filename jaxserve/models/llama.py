@@ -84,6 +84,10 @@ def self_attention(cfg: ModelConfig, attention_fn, w: dict[str, jax.Array], h: j
     q = apply_rope(q, meta.positions, inv_freq, factor)
     k = apply_rope(k, meta.positions, inv_freq, factor)
     attn, kv = attention_fn(q, k, v, kv, layer, meta, kind)
+    if cfg.int8_activations:
+        # A q head padded in for tp (zero weights, so q == 0) attends uniformly and outputs the mean of v; wo's
+        # zero rows cancel it in float, but it would count in each token's activation scale: zero it.
+        attn = attn * jnp.any(q != 0, axis=-1, keepdims=True).astype(attn.dtype)
     return dense("THd,HdD->TD", attn, w, "wo", adapters, cfg.int8_activations), kv
 
 

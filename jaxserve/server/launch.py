@@ -38,6 +38,9 @@ def serve_engine(engine, args: argparse.Namespace, sock: socket.socket, mesh: st
     log_startup(engine, args, mesh, names, f"{'https' if tls else 'http'}://{host}:{port}")
     if cors:
         logger.info("CORS: browser pages from %s may call the API", ", ".join(cors.origins))
+        if args.api_key and cors.blocks_authorization():
+            logger.warning("--allowed-headers does not include Authorization, which --api-key needs: browsers "
+                           "will refuse to send the key")
     server = DrainingServer(app, async_engine, log_level=args.log_level, drain_seconds=args.shutdown_grace_seconds,
                             **tls)
     try:

@@ -12,7 +12,6 @@ are checked when the command starts, so a wrong path or key fails in a second ra
 from __future__ import annotations
 
 import argparse
-import logging
 import ssl
 from dataclasses import dataclass
 
@@ -20,8 +19,6 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
 from jaxserve.cli_args import UserError
-
-log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CORSPolicy:
@@ -43,13 +40,14 @@ class CORSPolicy:
             raise UserError("--allow-credentials with --allowed-origins '*' would let every site send the "
                             "user's credentials; list the origins instead")
         headers = tuple(args.allowed_headers or ("*",))
-        if args.api_key and "*" not in headers and "authorization" not in {h.lower() for h in headers}:
-            log.warning("--allowed-headers does not include Authorization, which --api-key needs: browsers will "
-                        "refuse to send the key")
         # A browser's Origin never ends in "/" and its methods are upper case; Starlette compares them as given.
         origins = tuple(origin if origin == "*" else origin.rstrip("/") for origin in args.allowed_origins)
         methods = tuple(method.upper() for method in args.allowed_methods or ("*",))
         return cls(origins, methods, headers, args.allow_credentials)
+
+    def blocks_authorization(self) -> bool:
+        """Whether browsers may not send an Authorization header (which an --api-key needs) to this server."""
+        return "*" not in self.headers and "authorization" not in {h.lower() for h in self.headers}
 
     def middleware(self) -> Middleware:
         return Middleware(CORSMiddleware, allow_origins=list(self.origins), allow_methods=list(self.methods),

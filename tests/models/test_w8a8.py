@@ -5,8 +5,13 @@ The engine must compute exactly the model whose layer matmuls take `round(x / a)
 127 over the input features) times the int8-rounded weights of test_int8.py. Here transformers runs the
 dequantized checkpoint with a hook that fake-quantizes each such matmul's input the same way, written
 independently of the engine's code: a wrong scale axis, a scale applied twice or not at all, or padding that
-changes a row's maximum shows up far above the tolerance.
+changes a row's maximum shows up far above the tolerance (logits off by more than 1).
+
+The tolerance is looser than float parity's: float noise from earlier layers (1e-6) can tip an activation that
+lies on a rounding boundary to the next int8 step on one side only, which moves these logits by up to ~5e-3.
 """
+
+TOL = 2e-2
 
 import numpy as np
 import pytest
@@ -18,6 +23,11 @@ from jaxserve.models.layers import int8_matmul
 from tests.models.test_int8 import NOT_QUANTIZED, dequantized_copy
 from tests.models.test_parity import PROMPTS, check_parity
 from tests.parallel.test_tiny_meshes import MODELS
+
+# 6 q / 2 kv heads on tp=4: each kv head is copied to two devices and each copy's group gets a padded q head,
+# which attends (uniformly) unlike a padded kv head's zeros.
+CASES = {**MODELS, "llama-padded-q-groups": ("llama", dict(num_attention_heads=6, num_key_value_heads=2,
+                                                            hidden_size=48))}
 
 
 def fake_quantized_input(module, args):
@@ -34,7 +44,7 @@ def w8a8_case(tiny_checkpoint, tmp_path_factory):
 
     def get(name: str):
         if name not in built:
-            arch, overrides = MODELS[name]
+            arch, overrides = CASES[name]
             path = tiny_checkpoint(arch, **overrides)
             copy = dequantized_copy(path, tmp_path_factory.mktemp(f"w8a8-{name}") / "model")
             reference = AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32,
@@ -58,14 +68,15 @@ def w8a8_engine(path, mesh=None):
 @pytest.mark.parametrize("name", ["llama-odd-sizes", "qwen2-bias", "qwen3-qk-norm"])
 def test_w8a8_logits_match_transformers_on_fake_quantized_activations(name, w8a8_case):
     path, reference = w8a8_case(name)
-    check_parity(w8a8_engine(path), reference, PROMPTS, tol=2e-4)
+    check_parity(w8a8_engine(path), reference, PROMPTS, tol=TOL)
 
 
-def test_w8a8_on_a_padded_2d_mesh_matches_too(w8a8_case):
-    """4x2: a token's scale is the max over all its features, which tp splits over devices (and pads with zeros,
-    which must not change the max); the int32 partial sums are added across devices."""
-    path, reference = w8a8_case("llama-odd-sizes")
-    check_parity(w8a8_engine(path, mesh="4x2"), reference, PROMPTS, tol=2e-4)
+@pytest.mark.parametrize("name, mesh", [("llama-odd-sizes", "4x2"), ("llama-padded-q-groups", "4x1")])
+def test_w8a8_on_padded_meshes_matches_too(w8a8_case, name, mesh):
+    """A token's scale is the max over all its features, which tp splits over devices and pads: padded features
+    must not change the max; the int32 partial sums are added across devices."""
+    path, reference = w8a8_case(name)
+    check_parity(w8a8_engine(path, mesh=mesh), reference, PROMPTS, tol=TOL)
 
 
 def test_int8_matmul_quantizes_each_token_over_the_contracted_axes():
