@@ -82,7 +82,7 @@ def convert(model: str, out: str, mesh_shape: tuple[int, int], dtype: str, parti
         with ocp.StandardCheckpointer() as saver:
             saver.save(out_dir / "params", _nested(arrays))
         ckpt.tokenizer.save_pretrained(str(out_dir))
-        meta = {"format": FORMAT_VERSION, "name": ckpt.name, "config": dataclasses.asdict(ckpt.config),
+        meta = {"format": FORMAT_VERSION, "name": ckpt.name, "config": _stored_config(ckpt.config),
                 "mesh": list(mesh_shape), "partition": list(layout.partition), "layout": layout_signature(layout),
                 "dtype": dtype, "bytes": sum(a.nbytes for a in arrays.values()),
                 "generation_defaults": ckpt.generation_defaults, "pooling": ckpt.pooling}
@@ -92,6 +92,14 @@ def convert(model: str, out: str, mesh_shape: tuple[int, int], dtype: str, parti
         raise
     log.info("wrote %s: %d arrays, %.1f MiB, for mesh %dx%d", out_dir, len(arrays), meta["bytes"] / 2**20,
              *mesh_shape)
+
+
+def _stored_config(config: ModelConfig) -> dict:
+    """The model's config as written: `int8_activations` is a serving choice (quantization="w8a8"), not the
+    model's, and is left out so that a jaxserve from before it still reads the file."""
+    values = dataclasses.asdict(config)
+    values.pop("int8_activations")
+    return values
 
 
 # --- restore -------------------------------------------------------------------------------------------------
