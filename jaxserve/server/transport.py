@@ -20,6 +20,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from jaxserve.cli_args import UserError
 
+
 @dataclass(frozen=True)
 class CORSPolicy:
     origins: tuple[str, ...]
