@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from jaxserve.loader.safetensors import SafetensorsSource
 from jaxserve.loader.text_model import text_model_config, text_model_tensors
 from jaxserve.loader.weights import TensorSource
 from jaxserve.loader.pooling import declared_pooling
-from jaxserve.loader.tokenizer import TokenizerChoice
+from jaxserve.loader.tokenizer import TokenizerChoice, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -138,22 +139,15 @@ def _open_hf_dir(directory: Path, name: str, weights: bool = True, hf_overrides:
         raise ValueError(f"config.json with hf_overrides {hf_overrides!r} is not a config jaxserve can "
                          f"serve ({type(exc).__name__}: {exc})") from None
     tensors = text_model_tensors(raw, SafetensorsSource(directory)) if weights else None
-    tokenizer = tokenizer_choice.resolve(lambda: _own_tokenizer(directory), config.vocab_size)
+    # A repository that ships its weights alone has no tokenizer files: say how to give one.
+    own = partial(load_tokenizer, directory, advice="if the model ships its weights alone, give its tokenizer "
+                                                    "with --tokenizer DIR|HUB_ID")
+    tokenizer = tokenizer_choice.resolve(own, config.vocab_size)
     config, tensors, head = open_head(raw, config, tensors, tokenizer)
     tensors = None if tensors is None else _split_fused(tensors, config)
     defaults = sampling_defaults(generation, gen_path)
     return Checkpoint(name=name, config=config, tensors=tensors, tokenizer=tokenizer, generation_defaults=defaults,
                       pooling=declared_pooling(directory), head=head)
-
-
-def _own_tokenizer(directory: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(directory))
-    except (OSError, ValueError) as exc:  # no tokenizer files: transformers' words are about slow tokenizers
-        raise ValueError(f"cannot load a tokenizer from {directory} ({str(exc).splitlines()[0].strip()}); if the "
-                         "model ships its weights alone, give its tokenizer with --tokenizer DIR|HUB_ID") from None
 
 
 def _download_from_hub(repo_id: str, weights: bool = True, revision: str | None = None) -> Path:

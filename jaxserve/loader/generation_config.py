@@ -30,9 +30,7 @@ def sampling_defaults(generation: dict[str, Any], source: Path) -> dict[str, Any
         value = generation.get(key)
         if value is None:
             continue
-        if key in ("top_k", MAX_NEW_TOKENS) and isinstance(value, float) and value.is_integer():
-            value = int(value)
-        field = "max_tokens" if key == MAX_NEW_TOKENS else key
+        [(field, value)] = _as_sampling_fields({key: value}).items()
         try:
             SamplingParams(**{field: value})
         except (ValueError, TypeError) as exc:

@@ -58,21 +58,23 @@ class TokenizerChoice:
                                  "model's comes from its GGUF file: leave tokenizer_revision out")
             return load_own()
         given = self.given
-        tokenizer = _load_tokenizer(given, self.revision) if isinstance(given, (str, Path)) else given
+        tokenizer = load_tokenizer(given, self.revision) if isinstance(given, (str, Path)) else given
         if len(tokenizer) > vocab_size:
             raise ValueError(f"tokenizer {given} has {len(tokenizer)} tokens and the model only {vocab_size}: it is "
                              "not this model's tokenizer; give the tokenizer the model was trained with")
         return tokenizer
 
 
-def _load_tokenizer(name: str | Path, revision: str | None):
+def load_tokenizer(name: str | Path, revision: str | None = None,
+                   advice: str = "give a directory with tokenizer files or a Hugging Face hub id"):
+    """AutoTokenizer from a directory or hub id; a ValueError in one sentence, ending with `advice`, if it fails."""
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(Path(name).expanduser()), revision=revision)
     except (OSError, ValueError) as exc:  # no such directory or hub id, no network, no tokenizer files in it
-        raise ValueError(f"cannot load tokenizer {str(name)!r} ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
-                         "give a directory with tokenizer files or a Hugging Face hub id") from None
+        raise ValueError(f"cannot load tokenizer {str(name)!r} ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0].strip()}); {advice}") from None
 
 
 def _rendering_options(tokenizer) -> set[str]:

@@ -22,6 +22,20 @@ from tests.parallel.test_tiny_meshes import MODELS
 NOT_QUANTIZED = ("norm", "embed_tokens", "lm_head", "block_sparse_moe.gate.", "mlp.gate.", "bias")
 
 
+def int8_rounded(t):
+    """`t` rounded to int8 steps per row (scale: the row's max |t| / 127), back in float: a weight's per output
+    channel, an activation's per token."""
+    amax = t.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return torch.clamp(torch.round(t / scale), -127, 127) * scale
+
+
+def dequantized_reference(path, directory):
+    """transformers on a copy of `path` with int8-rounded layer weights (written under `directory`)."""
+    copy = dequantized_copy(path, directory / "model")
+    return AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32, attn_implementation="eager").eval()
+
+
 def dequantized_copy(src, dst):
     """A copy of the HF checkpoint `src` whose layer matmul weights are int8-rounded per output channel (per row of
     the [out, in] matrices)."""
@@ -32,9 +46,7 @@ def dequantized_copy(src, dst):
         tensors = load_file(file)
         for name, w in tensors.items():
             if w.ndim == 2 and not any(part in name for part in NOT_QUANTIZED):
-                amax = w.abs().amax(dim=1, keepdim=True)
-                scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-                tensors[name] = torch.clamp(torch.round(w / scale), -127, 127) * scale
+                tensors[name] = int8_rounded(w)
         save_file(tensors, file, metadata={"format": "pt"})
     return dst
 
@@ -48,10 +60,7 @@ def int8_case(tiny_checkpoint, tmp_path_factory):
         if name not in built:
             arch, overrides = MODELS[name]
             path = tiny_checkpoint(arch, **overrides)
-            copy = dequantized_copy(path, tmp_path_factory.mktemp(f"int8-{name}") / "model")
-            reference = AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32,
-                                                             attn_implementation="eager").eval()
-            built[name] = path, reference
+            built[name] = path, dequantized_reference(path, tmp_path_factory.mktemp(f"int8-{name}"))
         return built[name]
 
     return get

@@ -16,11 +16,10 @@ TOL = 2e-2
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from jaxserve import Engine
 from jaxserve.models.layers import int8_matmul
-from tests.models.test_int8 import NOT_QUANTIZED, dequantized_copy
+from tests.models.test_int8 import NOT_QUANTIZED, dequantized_reference, int8_rounded
 from tests.models.test_parity import PROMPTS, check_parity
 from tests.parallel.test_tiny_meshes import MODELS
 
@@ -31,10 +30,7 @@ CASES = {**MODELS, "llama-padded-q-groups": ("llama", dict(num_attention_heads=6
 
 
 def fake_quantized_input(module, args):
-    x = args[0]
-    scale = x.abs().amax(dim=-1, keepdim=True) / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (torch.clamp(torch.round(x / scale), -127, 127) * scale,)
+    return (int8_rounded(args[0]),)
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +42,7 @@ def w8a8_case(tiny_checkpoint, tmp_path_factory):
         if name not in built:
             arch, overrides = CASES[name]
             path = tiny_checkpoint(arch, **overrides)
-            copy = dequantized_copy(path, tmp_path_factory.mktemp(f"w8a8-{name}") / "model")
-            reference = AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32,
-                                                             attn_implementation="eager").eval()
+            reference = dequantized_reference(path, tmp_path_factory.mktemp(f"w8a8-{name}"))
             hooked = [module.register_forward_pre_hook(fake_quantized_input)
                       for module_name, module in reference.named_modules()
                       if isinstance(module, torch.nn.Linear) and ".layers." in module_name
