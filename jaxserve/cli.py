@@ -35,6 +35,7 @@ from jaxserve.cli_args import (
     positive_int,
     speculative_config,
     string_list,
+    url_root_path,
 )
 from jaxserve.config import ATTENTION_IMPLS
 from jaxserve.loader.convert_command import add_convert_arguments, run_convert
@@ -252,13 +253,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "--api-key if set, can make it read adapter directories it can see. Implies --enable-lora")
     server.add_argument("--log-prompts", action="store_true",
                         help="log each request's prompt (kept out of the logs unless set: prompts may be private)")
-    web = parser.add_argument_group("CORS and TLS (vLLM's options)")
+    web = parser.add_argument_group("CORS, TLS and proxies (vLLM's options)")
     web.add_argument("--allowed-origins", type=string_list, metavar="JSON",
                      help="origins whose browser pages may call the API, e.g. '[\"https://app.example\"]' "
                           "('[\"*\"]': any site). Default: none (vLLM's default is any)")
     web.add_argument("--allowed-methods", type=string_list, metavar="JSON", help="CORS methods (default: all)")
     web.add_argument("--allowed-headers", type=string_list, metavar="JSON", help="CORS headers (default: all)")
     web.add_argument("--allow-credentials", action="store_true", help="let those origins send cookies")
+    web.add_argument("--root-path", type=url_root_path, default="", metavar="PATH",
+                     help="the prefix a reverse proxy serves this under, e.g. /llm: requests are answered with or "
+                          "without it")
     web.add_argument("--ssl-keyfile", metavar="PEM", help="the TLS private key (serve HTTPS)")
     web.add_argument("--ssl-certfile", metavar="PEM", help="the TLS certificate chain (serve HTTPS)")
     web.add_argument("--ssl-ca-certs", metavar="PEM", help="CA certificates that verify client certificates")

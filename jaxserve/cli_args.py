@@ -92,6 +92,13 @@ def generation_overrides(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("override_generation_config: ")) from None
 
 
+def url_root_path(text: str) -> str:
+    """--root-path: '/llm' (a trailing '/' dropped); '' or '/' for none."""
+    if text and not text.startswith("/"):
+        raise argparse.ArgumentTypeError(f"{text!r} must start with '/', e.g. /{text}")
+    return text.rstrip("/")
+
+
 def string_list(text: str) -> list[str]:
     """A JSON list of strings ('["a", "b"]', vLLM's spelling), or bare strings separated by commas."""
     if not text.lstrip().startswith("["):

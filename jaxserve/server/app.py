@@ -49,7 +49,7 @@ from jaxserve.server.request_bodies import parse_request
 from jaxserve.server.responses import create_response, delete_response, retrieve_response
 from jaxserve.server.scores import create_rerank, create_score
 from jaxserve.server.serving import ServerState
-from jaxserve.server.transport import CORSPolicy
+from jaxserve.server.transport import CORSPolicy, RootPathMiddleware, route_path
 
 # Only the API routes need a key; health, metrics and tokenisation stay open, as in vLLM.
 PROTECTED_PREFIXES = ("/v1/", "/v2/")
@@ -71,7 +71,12 @@ class APIKeyMiddleware:
 
     def _needs_key(self, scope) -> bool:
         return (self.expected is not None and scope["type"] == "http" and scope["method"] != "OPTIONS"
-                and (scope["path"].startswith(PROTECTED_PREFIXES) or scope["path"] in PROTECTED_PATHS))
+                and self._protected(route_path(scope)))
+
+    @staticmethod
+    def _protected(path: str) -> bool:
+        # The routed path, not the raw one: under --root-path /llm, /llm/v1/models is /v1/models.
+        return path.startswith(PROTECTED_PREFIXES) or path in PROTECTED_PATHS
 
     def _authorised(self, headers: Headers) -> bool:
         given = headers.get("authorization", "").encode()
@@ -174,13 +179,14 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
               max_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
               default_chat_template_kwargs: dict | None = None, tool_parser=None,
               reasoning_parser=None, lora_adapters: dict | None = None,
-              runtime_lora_updating: bool = False, cors: CORSPolicy | None = None) -> Starlette:
+              runtime_lora_updating: bool = False, cors: CORSPolicy | None = None, root_path: str = "") -> Starlette:
     """The HTTP app over `async_engine`; it serves the model under `served_model_names` (default: its name),
     and each of `lora_adapters` (name -> LoRARequest) under its name; `runtime_lora_updating` opens the routes
     that load and unload adapters.
 
     Bodies over `max_body_bytes` are refused with 413 (None: no limit). `cors`: which browser origins may call
-    it (None: no CORS headers, so only same-origin pages)."""
+    it (None: no CORS headers, so only same-origin pages). `root_path`: the prefix a proxy serves it under
+    (server/transport.py)."""
     names = list(served_model_names or [async_engine.model_name])
     state = ServerState(async_engine, names, ServerMetrics(async_engine, names[0]), api_key,
                         default_chat_template_kwargs, tool_parser=tool_parser, reasoning_parser=reasoning_parser,
@@ -197,7 +203,8 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
     handlers[HTTPException] = handle_http_exception
     handlers[ClientDisconnect] = handle_client_disconnect
     app = Starlette(routes=ROUTES, exception_handlers=handlers, lifespan=lifespan,
-                    middleware=[*([cors.middleware()] if cors else []),  # outermost: errors get CORS headers too
+                    middleware=[*([Middleware(RootPathMiddleware, root_path=root_path)] if root_path else []),
+                                *([cors.middleware()] if cors else []),  # errors get CORS headers too
                                 Middleware(APIKeyMiddleware, api_key=api_key),
                                 Middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)])
     app.state.server = state

@@ -32,10 +32,13 @@ def serve_engine(engine, args: argparse.Namespace, sock: socket.socket, mesh: st
                     tool_parser=tool_call_parser(args.tool_call_parser if args.enable_auto_tool_choice else None),
                     reasoning_parser=reasoning_parser(args.reasoning_parser, engine.tokenizer),
                     lora_adapters=engine.adapters.preloaded,
-                    runtime_lora_updating=args.enable_runtime_lora_updating, cors=cors)
+                    runtime_lora_updating=args.enable_runtime_lora_updating, cors=cors,
+                    root_path=args.root_path)
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
     log_startup(engine, args, mesh, names, f"{'https' if tls else 'http'}://{host}:{port}")
+    if args.root_path:
+        logger.info("served under %s too (--root-path, for a proxy)", args.root_path)
     if cors:
         logger.info("CORS: browser pages from %s may call the API", ", ".join(cors.origins))
         if args.api_key and cors.blocks_authorization():

@@ -1,4 +1,4 @@
-"""How the server meets browsers and networks: CORS and TLS, with vLLM's option names.
+"""How the server meets browsers, networks and proxies: CORS, TLS and a root path, with vLLM's option names.
 
 CORS is off unless `--allowed-origins` names origins. vLLM allows every origin by default; here a browser page
 from another site cannot call a server on the user's machine or network unless the operator says so (a local,
@@ -7,6 +7,9 @@ default to all, as in vLLM.
 
 TLS: `--ssl-keyfile`/`--ssl-certfile` (and `--ssl-ca-certs` with `--ssl-cert-reqs 2` for client certificates)
 are checked when the command starts, so a wrong path or key fails in a second rather than after the model loads.
+
+`--root-path /llm`: the server sits behind a proxy under that prefix. As in vLLM (FastAPI's root_path), requests
+are answered with or without it, so a proxy that strips the prefix and one that passes it on both work.
 """
 
 from __future__ import annotations
@@ -79,3 +82,25 @@ def ssl_options(args: argparse.Namespace) -> dict:
         raise UserError(f"cannot set up TLS from {files} ({exc.strerror or exc}); check that the certificate "
                         "and key are PEM files that belong together, and that the key is not encrypted") from None
     return options
+
+
+class RootPathMiddleware:
+    """Sets the ASGI root_path, which Starlette's routing takes off a path that starts with it. Unlike uvicorn's
+    --root-path, the request's path is left as it came, so it is served with the prefix or without."""
+
+    def __init__(self, app, root_path: str):
+        self.app = app
+        self.root_path = root_path
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope = {**scope, "root_path": self.root_path}
+        await self.app(scope, receive, send)
+
+
+def route_path(scope) -> str:
+    """The path the routes match, as Starlette's routing finds it: without the root path if it starts with it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):]
+    return path

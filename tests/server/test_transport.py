@@ -139,3 +139,23 @@ def test_headers_without_authorization_under_an_api_key_are_warned_about(tokeniz
         pass
     assert server.log().count("does not include Authorization") == 1
     assert not CORSPolicy.from_args(serve_args("--allowed-origins", APP_ORIGIN)).blocks_authorization()
+
+
+def test_root_path_serves_with_or_without_the_prefix_and_keeps_the_key_check(tokenizer_dir, tmp_path):
+    """--root-path /llm/: a proxy that strips the prefix and one that passes it on are both served; the key check
+    sees /llm/v1/... as the /v1/ route it is (a raw-path check would let it through without the key)."""
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    args = ["--root-path", "/llm/", "--api-key", API_KEY]
+    with fake_server_process(tokenizer_dir, args, tmp_path / "serve.log") as server:
+        answers = {path: (httpx.get(server.url + path, headers=key, timeout=10).status_code,
+                          httpx.get(server.url + path, timeout=10).status_code)
+                   for path in ("/v1/models", "/llm/v1/models", "/llm/score", "/llmv1/models", "/llm/health")}
+    assert answers == {"/v1/models": (200, 401), "/llm/v1/models": (200, 401), "/llm/score": (405, 401),
+                       "/llmv1/models": (404, 404), "/llm/health": (200, 200)}
+    assert "served under /llm too" in server.log()
+
+
+def test_root_path_must_be_a_path(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--root-path", "llm"])
+    assert "'llm' must start with '/', e.g. /llm" in capsys.readouterr().err
