@@ -305,23 +305,34 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     sampling = parser.add_argument_group("generation")
     sampling.add_argument("--prompt", help="the text to complete (required)")
-    sampling.add_argument("--max-tokens", type=positive_int, default=64, metavar="N")
-    sampling.add_argument("--temperature", type=float, default=0.0,
-                          help="0 (the default) is greedy, so runs repeat exactly")
+    sampling.add_argument("--max-tokens", type=positive_int, metavar="N",
+                          help="default: the generation config's max_new_tokens, else 64")
+    sampling.add_argument("--temperature", type=float,
+                          help="default: the generation config's, else 0 (greedy, so runs repeat exactly)")
     sampling.add_argument("--chat", action="store_true",
                           help="send the prompt as a user message through the chat template")
 
 
-def run_generate(args: argparse.Namespace) -> int:
+def generate_params(args: argparse.Namespace, defaults: dict):
+    """The model's generation defaults (its generation_config.json with --override-generation-config), under this
+    command's flags. Unlike the server's, the fallbacks are greedy and 64 tokens, so a bare run repeats exactly."""
     from jaxserve.sampling_params import SamplingParams
 
+    fields = {**defaults, "seed": args.seed}
+    fields["temperature"] = args.temperature if args.temperature is not None else defaults.get("temperature", 0.0)
+    fields["max_tokens"] = args.max_tokens or defaults.get("max_tokens") or 64
+    return SamplingParams(**fields)
+
+
+def run_generate(args: argparse.Namespace) -> int:
     if args.prompt is None:
         raise UserError("generate needs --prompt TEXT (or `prompt:` in the config file)")
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        generate_params(args, {})  # the flags alone, checked before the model loads
+        engine = build_engine(args)
+        params = generate_params(args, engine.generation_defaults)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    engine = build_engine(args)
     prompt = engine.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     try:
         output = engine.generate([prompt], params, use_tqdm=False)[0]

@@ -134,6 +134,35 @@ def test_generate_prints_the_completion(capsys, fake_engine_module):
     assert fake_engine_module["load_format"] == "dummy" and fake_engine_module["async_scheduling"] is True
 
 
+def test_generate_starts_from_the_generation_config_under_its_own_flags(capsys, monkeypatch, tokenizer):
+    """--override-generation-config (merged into the engine's generation_defaults) reaches `generate`'s request;
+    its flags win over it; with neither, the run is greedy and 64 tokens long."""
+    from jaxserve.loader.generation_config import generation_defaults
+    from tests.server.fake_engine import FakeEngine
+
+    engines = []
+
+    def make_engine(model, **kwargs):
+        engine = FakeEngine(tokenizer)
+        engine.generation_defaults = generation_defaults({}, overrides=kwargs["override_generation_config"])
+        engines.append(engine)
+        return engine
+
+    monkeypatch.setitem(sys.modules, "jaxserve.engine", types.SimpleNamespace(Engine=make_engine))
+    overrides = '{"max_new_tokens": 2, "temperature": 0.5, "top_k": 7}'
+    assert cli.main(["generate", "--prompt", "Count:", "--override-generation-config", overrides]) == 0
+    assert len(capsys.readouterr().out.split()) == 2  # words, as the fake engine counts (sampled: which ones varies)
+    params = engines[-1].sampling_params["generate-0"]
+    assert (params.max_tokens, params.temperature, params.top_k) == (2, 0.5, 7)
+    assert cli.main(["generate", "--prompt", "Count:", "--override-generation-config", overrides,
+                     "--max-tokens", "3", "--temperature", "0"]) == 0
+    params = engines[-1].sampling_params["generate-0"]
+    assert (params.max_tokens, params.temperature, params.top_k) == (3, 0.0, 7)
+    assert cli.main(["generate", "--prompt", "Count:"]) == 0
+    params = engines[-1].sampling_params["generate-0"]
+    assert (params.max_tokens, params.temperature) == (64, 0.0)
+
+
 def test_vllm_engine_flags_reach_the_engine(capsys, fake_engine_module):
     assert cli.main(["generate", "--prompt", "Count:", "--max-tokens", "3"]) == 0
     defaults = dict(fake_engine_module)
