@@ -242,7 +242,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "tools in its own format, read by --tool-call-parser (as in vLLM)")
     server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
                         help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, "
-                             "Hermes)")
+                             "Hermes), llama3_json (Llama 3.1-3.3), pythonic (Llama 3.2, 4: [f(x=1)]), mistral "
+                             "([TOOL_CALLS])")
     server.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                         help="split the model's <think>...</think> reasoning into the chat message's `reasoning`, "
                              "apart from its `content` (as in vLLM): qwen3 (Qwen3, QwQ, SmolLM3; reasoning only "

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server.tool_parsers import partial_suffix
+from jaxserve.server.tool_parsers.common import partial_suffix
 
 THINK_START, THINK_END = "<think>", "</think>"
 # Prompt tokens decoded to see whether the template left a <think> block open: the marker and the newlines

@@ -19,7 +19,7 @@ from jaxserve.server.chat_protocol import (
 )
 from jaxserve.server.logprobs import chat_logprobs, completion_logprobs
 from jaxserve.server.reasoning_parsers import PromptReasoning, ThinkReasoningParser
-from jaxserve.server.tool_parsers import HermesToolParser
+from jaxserve.server.tool_parsers import ToolParser
 from jaxserve.server.tools import ToolChoice, parse_forced_calls
 from jaxserve.server.protocol import (
     CompletionChoice,
@@ -97,7 +97,7 @@ def concat_logprobs(first: CompletionLogProbs, second: CompletionLogProbs) -> Co
 class OutputParsers:
     """How chat output is read beyond its text: tool calls (tool_choice "auto") and reasoning, as configured."""
 
-    tool: HermesToolParser | None = None
+    tool: ToolParser | None = None
     reasoning: ThinkReasoningParser | None = None
 
     def bind_reasoning(self, prompt_token_ids: list[int], params) -> PromptReasoning | None:
@@ -112,7 +112,7 @@ class ChatRendering:
     model: str
     request_id: str
     tokenizer: Any
-    tool_parser: HermesToolParser | None = None  # reads tool calls out of the text under tool_choice "auto"
+    tool_parser: ToolParser | None = None  # reads tool calls out of the text under tool_choice "auto"
     reasoning: PromptReasoning | None = None  # splits the reasoning off the answer (--reasoning-parser)
     tool_choice: ToolChoice | None = field(init=False)
 

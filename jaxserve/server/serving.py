@@ -21,7 +21,7 @@ from jaxserve.server.reasoning_parsers import ThinkReasoningParser
 from jaxserve.server.request_bodies import resolve_model_name
 from jaxserve.server.response_store import ResponseStore
 from jaxserve.server.streaming import merge_streams
-from jaxserve.server.tool_parsers import HermesToolParser
+from jaxserve.server.tool_parsers import ToolParser
 
 
 @dataclass
@@ -33,7 +33,7 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     default_chat_template_kwargs: dict | None = None  # --default-chat-template-kwargs; a request's own win
-    tool_parser: HermesToolParser | None = None  # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto"
+    tool_parser: ToolParser | None = None  # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto"
     reasoning_parser: ThinkReasoningParser | None = None  # --reasoning-parser: `reasoning` apart from `content`
     # --lora-modules: a request whose `model` names one runs with that adapter (vLLM's convention)
     lora_adapters: dict[str, LoRARequest] = field(default_factory=dict)

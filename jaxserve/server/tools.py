@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.structured_outputs import StructuredOutputsParams
@@ -26,10 +26,11 @@ NO_PARAMETERS = {"type": "object", "properties": {}}
 class ToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI sends it
+    id: str | None = field(default=None, compare=False)  # None: a new "call_..." id (a parser may need its own form)
 
     def body(self, index: int | None = None) -> dict[str, Any]:
         """The response's tool_calls entry (a stream delta's carries its index too)."""
-        entry = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        entry = {"id": self.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                  "function": {"name": self.name, "arguments": self.arguments}}
         return entry if index is None else {"index": index, **entry}
 

@@ -11,7 +11,7 @@ from jaxserve.async_engine import AsyncEngine
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.app import build_app
 from jaxserve.server.reasoning_parsers import PromptReasoning, reasoning_parser
-from jaxserve.server.tool_parsers import HermesToolParser
+from jaxserve.server.tool_parsers.hermes import HermesToolParser
 from jaxserve.structured_outputs import StructuredOutputsParams
 from tests.server.fake_engine import FakeEngine
 from tests.server.helpers import serve_in_thread

@@ -11,7 +11,7 @@ import pytest
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.server.app import build_app
 from jaxserve.server.reasoning_parsers import reasoning_parser
-from jaxserve.server.tool_parsers import HermesToolParser
+from jaxserve.server.tool_parsers.hermes import HermesToolParser
 from tests.server.fake_engine import FakeEngine
 from tests.server.helpers import serve_in_thread
 from tests.server.test_reasoning_parsers import THOUGHT

@@ -9,7 +9,8 @@ from jaxserve.async_engine import AsyncEngine
 from jaxserve.server.app import build_app
 from jaxserve.server.chat_protocol import ChatCompletionRequest
 from jaxserve.server.request_bodies import chat_inputs
-from jaxserve.server.tool_parsers import HermesToolParser, tool_call_parser
+from jaxserve.server.tool_parsers import tool_call_parser
+from jaxserve.server.tool_parsers.hermes import HermesToolParser
 from jaxserve.server.tools import ToolCall
 from tests.server.fake_engine import FakeEngine
 from tests.server.helpers import serve_in_thread
@@ -57,8 +58,8 @@ def test_while_streaming_only_what_cannot_change_is_released():
 
 
 def test_an_unknown_parser_is_named():
-    with pytest.raises(ValueError, match="'pythonic' is not supported; supported: hermes"):
-        tool_call_parser("pythonic")
+    with pytest.raises(ValueError, match="'granite' is not supported; supported: hermes, llama3_json, mistral, pythonic"):
+        tool_call_parser("granite")
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,5 @@
-"""Tool calls a model wrote in its own format, parsed out of free text (tool_choice "auto"; vLLM's
---tool-call-parser). One parser so far:
-
-- `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call, as the chat templates
-  of Qwen2.5, Qwen3, QwQ and the Hermes models ask for.
+"""`hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call, as the chat templates
+of Qwen2.5, Qwen3, QwQ and the Hermes models ask for.
 
 The text before the first block is the message's content. A block whose JSON does not parse, or that names no
 function, is added to the content as written, so a malformed call is not lost. A `</tool_call>` inside an
@@ -13,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from jaxserve.server.tool_parsers.common import call_from_object, partial_suffix
 from jaxserve.server.tools import ToolCall
 
 
@@ -67,27 +65,5 @@ def _parse_call(body: str) -> ToolCall | None:
     try:
         value = json.loads(body)
     except json.JSONDecodeError:
-        value = None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = value.get("arguments", {})
-    return ToolCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
-
-
-def partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that is a proper beginning of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
-
-
-def tool_call_parser(name: str | None) -> HermesToolParser | None:
-    if name is None:
-        return None
-    if name not in TOOL_CALL_PARSERS:
-        raise ValueError(f"tool call parser {name!r} is not supported; supported: {', '.join(TOOL_CALL_PARSERS)}")
-    return TOOL_CALL_PARSERS[name]()
-
-
-TOOL_CALL_PARSERS = {"hermes": HermesToolParser}  # --tool-call-parser NAME -> parser class
+    return call_from_object(value)

@@ -1,0 +1,50 @@
+"""Tool calls a model wrote in its own format, parsed out of free text (tool_choice "auto"; vLLM's
+--tool-call-parser, with its names):
+
+- `hermes` (hermes.py): `<tool_call>{...}</tool_call>` blocks: Qwen2.5, Qwen3, QwQ, Hermes;
+- `llama3_json` and `pythonic` (llama.py): Llama 3.1 to 3.3's JSON calls; Llama 3.2 and 4's Python-style list;
+- `mistral` (mistral.py): `[TOOL_CALLS]` and what follows, in both of Mistral's forms.
+
+A parser's `split(text, final)` gives the message's content and its calls. While streaming (`final` False) it
+releases only what more tokens cannot change, so content grows and calls are only added; what is malformed
+becomes content once final, so nothing the model wrote is lost.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from jaxserve.server.tool_parsers.common import partial_suffix
+from jaxserve.server.tool_parsers.hermes import HermesToolParser
+from jaxserve.server.tool_parsers.llama import Llama3JsonToolParser, PythonicToolParser
+from jaxserve.server.tool_parsers.mistral import MistralToolParser
+from jaxserve.server.tools import ToolCall
+
+if TYPE_CHECKING:
+    from jaxserve.sampling_params import SamplingParams
+
+__all__ = ["TOOL_CALL_PARSERS", "ToolParser", "partial_suffix", "tool_call_parser"]
+
+
+class ToolParser(Protocol):
+    def adjust(self, params: SamplingParams) -> SamplingParams:
+        """The request's params as the parser needs them (e.g. special-token markers kept in the text)."""
+
+    def split(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        """(content, calls) of the reply so far."""
+
+
+TOOL_CALL_PARSERS: dict[str, type[ToolParser]] = {  # --tool-call-parser NAME -> parser class
+    "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
+}
+
+
+def tool_call_parser(name: str | None) -> ToolParser | None:
+    if name is None:
+        return None
+    if name not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool call parser {name!r} is not supported; supported: {', '.join(TOOL_CALL_PARSERS)}")
+    return TOOL_CALL_PARSERS[name]()

@@ -1,0 +1,117 @@
+"""The llama3_json, pythonic and mistral tool-call parsers: calls read out of each family's format, what is not a call
+kept as content, and while streaming only what cannot change released."""
+
+import json
+import re
+
+import openai
+import pytest
+
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.app import build_app
+from jaxserve.server.tool_parsers import tool_call_parser
+from jaxserve.server.tools import ToolCall
+from tests.server.fake_engine import FakeEngine
+from tests.server.helpers import serve_in_thread
+from tests.server.test_tools import TOOLS
+
+WEATHER = ToolCall("get_weather", '{"city": "Paris"}')
+TIME = ToolCall("get_time", "{}")
+
+# (parser, the reply, its content, its calls): each family's own spelling of the same two calls.
+REPLIES = [
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}',
+     "", [WEATHER, TIME]),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "arguments": {"city": "Paris"}}', "", [WEATHER]),
+    ("llama3_json", '\n{"name": "get_weather", "parameters": {"city": "Paris"}} and then', "and then", [WEATHER]),
+    ("pythonic", '[get_weather(city="Paris"), get_time()]', "", [WEATHER, TIME]),
+    ("pythonic", '<|python_start|>[get_weather(city="Paris")]<|python_end|>', "", [WEATHER]),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "get_time", "arguments": {}}]', "", [WEATHER, TIME]),
+    ("mistral", 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+     "Checking.", [WEATHER, TIME]),
+]
+
+
+@pytest.mark.parametrize("name, reply, content, calls", REPLIES)
+def test_each_family_format_gives_its_calls(name, reply, content, calls):
+    assert tool_call_parser(name).split(reply, final=True) == (content, calls)
+
+
+@pytest.mark.parametrize("name, reply, content, calls", REPLIES)
+def test_streaming_content_only_grows_and_calls_are_only_added(name, reply, content, calls):
+    parser = tool_call_parser(name)
+    for n in range(len(reply) + 1):
+        partial_content, partial_calls = parser.split(reply[:n], final=False)
+        assert content.startswith(partial_content), (n, partial_content)
+        assert calls[: len(partial_calls)] == partial_calls, (n, partial_calls)
+
+
+def test_json_calls_are_released_as_each_object_closes():
+    parser = tool_call_parser("llama3_json")
+    first = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    assert parser.split(first[:-1], final=False) == ("", [])
+    assert parser.split(first + '; {"name": "get_ti', final=False) == ("", [WEATHER])
+    assert parser.split(" \n", final=False) == ("", [])  # blanks, or a tag half-written: not yet decided
+    assert parser.split("<|python_t", final=False) == ("", [])
+    assert parser.split("Paris is", final=False) == ("Paris is", [])  # plain text streams at once
+
+
+@pytest.mark.parametrize("name, reply", [
+    ("llama3_json", "The weather in Paris is mild."),
+    ("llama3_json", '{"answer": 42}'),  # JSON, but no call
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": '),  # cut short
+    ("llama3_json", 'Use {"name": "get_weather"}'),  # a reply that does not open with the call is text
+    ("pythonic", "[1] Paris is the capital."),
+    ("pythonic", '[get_weather("Paris")]'),  # positional arguments
+    ("pythonic", '[get_weather(city=open("/etc/passwd"))]'),  # not a literal: never evaluated
+    ("pythonic", "[get_weather(city={1, 2})]"),  # a set has no JSON form
+    ("pythonic", "[brave_search.call(query='x')]"),
+    ("pythonic", "[get_weather(city='Par"),
+    ("mistral", "[TOOL_CALLS]get_weather"),
+    ("mistral", "[TOOL_CALLS][]"),
+    ("mistral", 'No calls here, just [ARGS]{"a": 1}'),
+])
+def test_what_is_not_a_call_is_content_as_written(name, reply):
+    assert tool_call_parser(name).split(reply, final=True) == (reply, [])
+
+
+def test_a_malformed_call_after_good_ones_is_kept_as_content():
+    mistral = tool_call_parser("mistral")
+    reply = 'Hi[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]oops'
+    assert mistral.split(reply, final=True) == ("Hi[TOOL_CALLS]oops", [WEATHER])
+    assert mistral.split(reply, final=False) == ("Hi", [WEATHER])  # the last segment may yet parse
+
+
+def test_pythonic_arguments_take_python_and_json_literals():
+    reply = '[search(query="jax", limit=3, exact=True, filters={"lang": ["en", "fr"]}, after=null, strict=false)]'
+    [call] = tool_call_parser("pythonic").split(reply, final=True)[1]
+    assert call.name == "search" and json.loads(call.arguments) == {
+        "query": "jax", "limit": 3, "exact": True, "filters": {"lang": ["en", "fr"]}, "after": None, "strict": False}
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits_and_markers_stay_in_the_text():
+    parser = tool_call_parser("mistral")
+    _, calls = parser.split('[TOOL_CALLS]get_time[ARGS]{}', final=True)
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", calls[0].body()["id"])  # Mistral's templates refuse other ids
+    assert parser.adjust(SamplingParams()).skip_special_tokens is False
+    assert tool_call_parser("llama3_json").adjust(SamplingParams()).skip_special_tokens is True
+
+
+@pytest.mark.parametrize("name, reply, content, calls", [REPLIES[0], REPLIES[3], REPLIES[6]])
+def test_served_whole_and_streamed(tokenizer, name, reply, content, calls):
+    engine = AsyncEngine(FakeEngine(tokenizer, script_text=reply, step_delay=0))
+    with serve_in_thread(build_app(engine, tool_parser=tool_call_parser(name))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        ask = dict(model="fake-model", messages=[{"role": "user", "content": "Weather and time?"}], tools=TOOLS,
+                   max_tokens=len(tokenizer.encode(reply)), temperature=0)
+        choice = client.chat.completions.create(**ask).choices[0]
+        chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **ask) if c.choices]
+    assert choice.finish_reason == "tool_calls" and (choice.message.content or "") == content
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == \
+        [(c.name, c.arguments) for c in calls]
+    streamed = [t for c in chunks for t in c.delta.tool_calls or []]
+    assert [(t.index, t.function.name, t.function.arguments) for t in streamed] == \
+        [(i, c.name, c.arguments) for i, c in enumerate(calls)]
+    assert "".join(c.delta.content or "" for c in chunks) == content and chunks[-1].finish_reason == "tool_calls"
