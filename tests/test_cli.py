@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from jaxserve import cli
+from jaxserve import cli, cli_engine, cli_serve
 from jaxserve.cli_args import parse_with_config
 
 
@@ -42,10 +42,10 @@ def test_help_of_each_subcommand(command):
 def test_defaults_and_mesh_forms():
     args = parse(["serve"])
     assert (args.model, args.host, args.port, args.dtype, args.block_size) == (None, "127.0.0.1", 8000, "auto", 16)
-    assert cli.mesh_from_args(args) is None
-    assert cli.mesh_from_args(parse(["serve", "m", "--mesh", "8x2"])) == "8x2"
-    assert cli.mesh_from_args(parse(["serve", "-tp", "4"])) == "4x1"
-    assert cli.mesh_from_args(parse(["serve", "-tp", "2", "-pp", "3"])) == "2x3"
+    assert cli_engine.mesh_from_args(args) is None
+    assert cli_engine.mesh_from_args(parse(["serve", "m", "--mesh", "8x2"])) == "8x2"
+    assert cli_engine.mesh_from_args(parse(["serve", "-tp", "4"])) == "4x1"
+    assert cli_engine.mesh_from_args(parse(["serve", "-tp", "2", "-pp", "3"])) == "2x3"
 
 
 def test_config_file_values_with_command_line_winning(tmp_path):
@@ -55,7 +55,7 @@ def test_config_file_values_with_command_line_winning(tmp_path):
     args = parse(["serve", "--config", str(config), "--port", "9100"])
     assert (args.model, args.port, args.max_model_len, args.served_model_name) == ("/models/x.gguf", 9100, 1024,
                                                                                    ["a", "b"])
-    assert cli.mesh_from_args(args) == "2x1"
+    assert cli_engine.mesh_from_args(args) == "2x1"
     assert parse(["serve", "other", "--config", str(config)]).model == "other"
 
 
@@ -99,7 +99,7 @@ def test_bad_config_files_are_one_line_errors(capsys, tmp_path, content, expecte
 
 
 def test_busy_port_is_a_user_error(capsys):
-    with cli.listen_socket("127.0.0.1", 0) as busy:
+    with cli_serve.listen_socket("127.0.0.1", 0) as busy:
         port = busy.getsockname()[1]
         busy.listen()
         assert "cannot listen on 127.0.0.1" in user_error(capsys, ["serve", "--port", str(port)])

@@ -74,7 +74,8 @@ def fingerprint(args: argparse.Namespace) -> dict:
 
 
 def _server_options() -> set[str]:
-    from jaxserve.cli import add_engine_arguments, add_serve_arguments
+    from jaxserve.cli_engine import add_engine_arguments
+    from jaxserve.cli_serve import add_serve_arguments
 
     serve, engine = argparse.ArgumentParser(add_help=False), argparse.ArgumentParser(add_help=False)
     add_serve_arguments(serve)

@@ -20,7 +20,8 @@ from tests.server.helpers import ServerProcess, free_port, wait_for_health
 def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
-    from jaxserve.cli import build_parser, listen_socket
+    from jaxserve.cli import build_parser
+    from jaxserve.cli_serve import listen_socket
     from jaxserve.server.launch import serve_engine
     from tests.server.fake_engine import FakeEngine
 

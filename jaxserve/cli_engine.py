@@ -1,0 +1,175 @@
+"""The options every `jaxserve` command that builds an engine shares (vLLM's names), and the Engine they describe.
+jax is imported only inside `build_engine`, so `--help` and option errors answer at once."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from jaxserve.cli_args import (
+    UserError,
+    add_distributed_arguments,
+    generation_overrides,
+    json_object,
+    layer_partition,
+    lora_module,
+    lora_modules_dict,
+    memory_fraction,
+    mesh_shape,
+    positive_int,
+    speculative_config,
+)
+from jaxserve.config import ATTENTION_IMPLS
+
+DEFAULT_MODEL_NOTE = "default: SmolLM2-135M-Instruct"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                        help=f"model id, directory or .gguf file ({DEFAULT_MODEL_NOTE})")
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument("--mesh", type=mesh_shape, metavar="TPxPP",
+                          help="device mesh: tensor-parallel x pipeline-parallel devices, e.g. 8x2")
+    parallel.add_argument("-tp", "--tensor-parallel-size", type=positive_int, metavar="N",
+                          help="tensor-parallel devices (instead of --mesh)")
+    parallel.add_argument("-pp", "--pipeline-parallel-size", type=positive_int, metavar="M",
+                          help="pipeline stages (instead of --mesh)")
+    parallel.add_argument("--pp-layer-partition", type=layer_partition, metavar="N,N,...",
+                          help="decoder layers per pipeline stage, e.g. 8,8,7,7 (default: even, the remainder "
+                               "going to the stages before the last, as in vLLM)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="weights and activations (auto: float32 on CPU, bfloat16 on GPU/TPU)")
+    engine.add_argument("--quantization", "-q", choices=("int8", "w8a8"),
+                        help="int8: weight-only int8 with per-channel scales (a quarter of float32's weight bytes, "
+                             "faster memory-bound decode); w8a8: those weights times int8 activations quantized "
+                             "per token (integer matmuls). BENCHMARKS.md has the accuracy of each")
+    engine.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                        help="dummy: random weights for the model's config (no weight files needed; benchmarks)")
+    engine.add_argument("--max-model-len", type=positive_int, metavar="N", help="context length (prompt + output)")
+    engine.add_argument("--max-num-seqs", type=positive_int, default=64, metavar="N",
+                        help="most sequences in one step")
+    engine.add_argument("--max-num-batched-tokens", type=positive_int, default=512, metavar="N",
+                        help="most tokens in one step (prefill chunks are cut to fit)")
+    engine.add_argument("--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block")
+    engine.add_argument("--num-kv-blocks", type=positive_int, metavar="N",
+                        help="KV cache blocks (default: sized from free device memory)")
+    engine.add_argument("--gpu-memory-utilization", type=memory_fraction, default=0.9, metavar="FRACTION",
+                        help="share of each accelerator's memory the engine fills: weights, activations, then the "
+                             "KV cache in what is left (as in vLLM; ignored with --num-kv-blocks; default 0.9)")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="share the KV blocks of a common prompt prefix between requests (default: on)")
+    engine.add_argument("--attention-impl", default="auto", choices=ATTENTION_IMPLS,
+                        help="auto: the Pallas kernels on GPU/TPU, the XLA reference on CPU; pallas-interpret "
+                             "runs the kernels in Pallas's interpreter (slow; for debugging)")
+    engine.add_argument("--tokenizer", metavar="DIR|HUB_ID",
+                        help="serve with this Hugging Face tokenizer instead of the model's own (e.g. a GGUF "
+                             "file's original model)")
+    engine.add_argument("--revision", metavar="REV", help="branch, tag or commit of a hub model id")
+    engine.add_argument("--tokenizer-revision", metavar="REV", help="branch, tag or commit of a hub --tokenizer")
+    engine.add_argument("--chat-template", metavar="TEMPLATE",
+                        help="a Jinja chat template, or a file holding one, to use instead of the tokenizer's "
+                             "(a model without one needs it for /v1/chat/completions)")
+    engine.add_argument("--compilation-cache-dir", metavar="DIR",
+                        help="where compiled step programs are kept between runs ('' turns the cache off; "
+                             "default: ~/.cache/jaxserve/xla, under $XDG_CACHE_HOME when set)")
+    engine.add_argument("--max-logprobs", type=int, default=20, metavar="N",
+                        help="largest logprobs / top_logprobs a request may ask for")
+    engine.add_argument("--seed", type=int, default=0, help="seed of requests that set none")
+    engine.add_argument("--no-async-scheduling", action="store_true",
+                        help="read each step back before scheduling the next (by default the next step is "
+                             "dispatched first, so host work overlaps device work; for debugging)")
+    engine.add_argument("--no-warmup", action="store_true",
+                        help="compile step programs when first needed instead of at start-up (faster start, "
+                             "slower first requests)")
+    engine.add_argument("--hf-overrides", type=json_object, metavar="JSON",
+                        help="keys laid over the model's config.json, as in vLLM: '{\"max_position_embeddings\": "
+                             "65536, \"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 2.0, "
+                             "\"original_max_position_embeddings\": 32768}}'")
+    engine.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                        help="where requests' sampling defaults come from, as in vLLM: the model's "
+                             "generation_config.json (auto), none (vllm: OpenAI's defaults), or DIR's")
+    engine.add_argument("--override-generation-config", type=generation_overrides, metavar="JSON",
+                        help="sampling defaults laid over those, as in vLLM: '{\"temperature\": 0.6, \"top_p\": 0.95}'")
+    engine.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
+                        help="speculative decoding, as in vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                             "\"prompt_lookup_max\": 4}' drafts tokens by looking the latest ones up earlier in the "
+                             "sequence (faster on outputs that copy their input; the tokens are unchanged)")
+    add_lora_arguments(parser)
+    add_distributed_arguments(parser)
+    parser.add_argument("--config", metavar="FILE.yaml", help="read any of these options from a YAML file")
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    lora = parser.add_argument_group("LoRA adapters (vLLM's options)")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="give the model adapter slots (implied by --lora-modules)")
+    lora.add_argument("--lora-modules", type=lora_module, nargs="+", metavar="NAME=PATH",
+                      help="PEFT LoRA adapter directories, each served as model NAME (a request's \"model\" picks "
+                           "it); loaded at start and kept")
+    lora.add_argument("--max-loras", type=positive_int, default=1, metavar="N",
+                      help="adapter slots on the devices (default 1; raised to the number of --lora-modules)")
+    lora.add_argument("--max-lora-rank", type=positive_int, default=16, metavar="R",
+                      help="largest adapter rank a slot holds (default 16)")
+
+
+def mesh_from_args(args: argparse.Namespace) -> str | None:
+    """The mesh as "TPxPP" (or None for one device) from --mesh or -tp/-pp."""
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    if args.mesh is not None:
+        if tp is not None or pp is not None:
+            raise UserError("give the mesh either as --mesh TPxPP or as -tp/-pp, not both")
+        return args.mesh
+    if tp is None and pp is None:
+        return None
+    return f"{tp or 1}x{pp or 1}"
+
+
+def check_model_path(model: str | None) -> None:
+    """Fail fast (before jax starts) on a model that is plainly a local path and is missing."""
+    if model is None:
+        return
+    looks_local = model.startswith(("/", "./", "../", "~")) or model.endswith(".gguf")
+    if looks_local and not os.path.exists(os.path.expanduser(model)):
+        raise UserError(f"model file {model} does not exist; pass an existing directory or .gguf file, "
+                        f"or omit MODEL for the {DEFAULT_MODEL_NOTE.removeprefix('default: ')} default")
+
+
+def build_engine(args: argparse.Namespace):
+    """The Engine the options describe; its user-facing errors (bad mesh, missing file...) become UserError."""
+    mesh = mesh_from_args(args)
+    check_model_path(args.model)
+    from jaxserve.parallel.multinode import is_leader, start_cluster
+
+    cluster = start_cluster(args, mesh)  # None on one process; joins the others before jax starts its backends
+    from jaxserve.engine import Engine  # imports jax: only now that it is needed
+
+    try:
+        engine = Engine(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
+                        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, mesh=mesh,
+                        max_logprobs=args.max_logprobs, pp_layer_partition=args.pp_layer_partition,
+                        warmup=not args.no_warmup, quantization=args.quantization,
+                        load_format=args.load_format, async_scheduling=not args.no_async_scheduling,
+                        kv_cache_memory_fraction=args.gpu_memory_utilization,
+                        enable_prefix_caching=args.enable_prefix_caching, attention_impl=args.attention_impl,
+                        chat_template=args.chat_template if is_leader(args) else None,  # only it sees prompts
+                        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                        lora_modules=lora_modules_dict(args.lora_modules), speculative_config=args.speculative_config,
+                        hf_overrides=args.hf_overrides, tokenizer=args.tokenizer, revision=args.revision,
+                        tokenizer_revision=args.tokenizer_revision,
+                        generation_config=args.generation_config if is_leader(args) else "auto",
+                        override_generation_config=args.override_generation_config, **compilation_cache_option(args))
+    except (ValueError, OSError) as exc:  # the engine words these for people (DESIGN.md convention 9)
+        raise UserError(str(exc)) from None
+    # Process 0 gets its engine back (now driving the others); a follower follows and exits inside take_role.
+    return engine if cluster is None else cluster.take_role(engine)
+
+
+def compilation_cache_option(args: argparse.Namespace) -> dict:
+    """--compilation-cache-dir as Engine keywords: none given keeps the Engine's default; '' turns it off."""
+    if args.compilation_cache_dir is None:
+        return {}
+    return {"compilation_cache_dir": args.compilation_cache_dir or None}

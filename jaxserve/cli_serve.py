@@ -1,0 +1,114 @@
+"""`jaxserve serve`'s options (vLLM's names) and its start: options checked and the port bound before the model
+loads, then the server (server/launch.py) runs until a signal."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+
+from jaxserve.async_engine import DEFAULT_STEP_TIMEOUT_S
+from jaxserve.cli_args import (
+    UserError,
+    json_object,
+    non_negative_float,
+    port_number,
+    positive_float,
+    positive_int,
+    string_list,
+    url_root_path,
+)
+from jaxserve.cli_engine import add_engine_arguments, build_engine, mesh_from_args
+from jaxserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from jaxserve.server.reasoning_parsers import REASONING_PARSERS
+from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
+from jaxserve.server.uvicorn_server import DEFAULT_DRAIN_SECONDS
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    server.add_argument("--port", type=port_number, default=8000, help="0 picks a free port")
+    server.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    server.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                        help="name(s) clients use for the model (default: MODEL as given)")
+    server.add_argument("--max-waiting-requests", type=positive_int, default=1024, metavar="N",
+                        help="requests waiting for their first token before new ones get 503")
+    server.add_argument("--max-request-body-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        metavar="N", help="larger request bodies get 413 (default: 8 MiB)")
+    server.add_argument("--request-timeout", type=positive_float, metavar="SECONDS",
+                        help="abort a request still running after this long (504, or an error event when "
+                             "streaming); default: no limit")
+    server.add_argument("--step-timeout", type=non_negative_float, default=DEFAULT_STEP_TIMEOUT_S,
+                        metavar="SECONDS",
+                        help="/health answers 503 while one engine step has run longer than this (a hung device "
+                             "neither fails nor returns), so a load balancer stops sending requests here; 0 turns "
+                             "it off, e.g. for --no-warmup with a model whose first compile takes longer "
+                             "(default: %(default).0f)")
+    server.add_argument("--shutdown-grace-seconds", type=non_negative_float, default=DEFAULT_DRAIN_SECONDS,
+                        metavar="SECONDS", help="on SIGTERM or Ctrl-C, how long requests in flight may run on "
+                                                "before they are aborted (new ones get 503 meanwhile)")
+    server.add_argument("--default-chat-template-kwargs", type=json_object, metavar="JSON",
+                        help="template variables for every chat request, e.g. '{\"enable_thinking\": false}' for "
+                             "Qwen3; a request's own chat_template_kwargs win (as in vLLM)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="answer tool_choice \"auto\" (OpenAI's default when tools are given): the model calls "
+                             "tools in its own format, read by --tool-call-parser (as in vLLM)")
+    server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                        help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, "
+                             "Hermes), llama3_json (Llama 3.1-3.3), pythonic (Llama 3.2, 4: [f(x=1)]), mistral "
+                             "([TOOL_CALLS])")
+    server.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                        help="split the model's <think>...</think> reasoning into the chat message's `reasoning`, "
+                             "apart from its `content` (as in vLLM): qwen3 (Qwen3, QwQ, SmolLM3; reasoning only "
+                             "where a block is opened) or deepseek_r1 (reasoning until </think> even unopened)")
+    server.add_argument("--enable-runtime-lora-updating", action="store_true",
+                        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; there "
+                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): anyone who can reach the server, with the "
+                             "--api-key if set, can make it read adapter directories it can see. Implies --enable-lora")
+    server.add_argument("--log-prompts", action="store_true",
+                        help="log each request's prompt (kept out of the logs unless set: prompts may be private)")
+    web = parser.add_argument_group("CORS, TLS and proxies (vLLM's options)")
+    web.add_argument("--allowed-origins", type=string_list, metavar="JSON",
+                     help="origins whose browser pages may call the API, e.g. '[\"https://app.example\"]' "
+                          "('[\"*\"]': any site). Default: none (vLLM's default is any)")
+    web.add_argument("--allowed-methods", type=string_list, metavar="JSON", help="CORS methods (default: all)")
+    web.add_argument("--allowed-headers", type=string_list, metavar="JSON", help="CORS headers (default: all)")
+    web.add_argument("--allow-credentials", action="store_true", help="let those origins send cookies")
+    web.add_argument("--root-path", type=url_root_path, default="", metavar="PATH",
+                     help="the prefix a reverse proxy serves this under, e.g. /llm: requests are answered with or "
+                          "without it")
+    web.add_argument("--ssl-keyfile", metavar="PEM", help="the TLS private key (serve HTTPS)")
+    web.add_argument("--ssl-certfile", metavar="PEM", help="the TLS certificate chain (serve HTTPS)")
+    web.add_argument("--ssl-ca-certs", metavar="PEM", help="CA certificates that verify client certificates")
+    web.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=0,
+                     help="client certificates: 0 not asked, 1 optional, 2 required (as Python's ssl.CERT_*)")
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """Bind before loading the model, so a busy port is reported in a second rather than after compiling."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port or --host") from None
+    return sock
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from jaxserve.parallel.multinode import is_leader
+    from jaxserve.server.launch import serve_engine
+    from jaxserve.server.transport import CORSPolicy, ssl_options
+
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise UserError("--enable-auto-tool-choice needs --tool-call-parser to say how the model writes tool calls "
+                        f"(one of: {', '.join(TOOL_CALL_PARSERS)})")
+    args.enable_lora = args.enable_lora or args.enable_runtime_lora_updating
+    sock = None  # followers serve no HTTP
+    if is_leader(args):
+        CORSPolicy.from_args(args)  # both checked now, not after the model loads
+        ssl_options(args)
+        sock = listen_socket(args.host, args.port)
+    return serve_engine(build_engine(args), args, sock, mesh=mesh_from_args(args))
