@@ -65,8 +65,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; there "
                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): anyone who can reach the server, with the "
                              "--api-key if set, can make it read adapter directories it can see. Implies --enable-lora")
-    server.add_argument("--log-prompts", action="store_true",
-                        help="log each request's prompt (kept out of the logs unless set: prompts may be private)")
+    add_logging_arguments(parser)
     web = parser.add_argument_group("CORS, TLS and proxies (vLLM's options)")
     web.add_argument("--allowed-origins", type=string_list, metavar="JSON",
                      help="origins whose browser pages may call the API, e.g. '[\"https://app.example\"]' "
@@ -82,6 +81,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     web.add_argument("--ssl-ca-certs", metavar="PEM", help="CA certificates that verify client certificates")
     web.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=0,
                      help="client certificates: 0 not asked, 1 optional, 2 required (as Python's ssl.CERT_*)")
+
+
+def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
+    logs = parser.add_argument_group("logging (vLLM's options)")
+    logs.add_argument("--log-prompts", "--enable-log-requests", dest="log_prompts", action="store_true",
+                      help="log each request's prompt and parameters (kept out of the logs unless set: prompts may be "
+                           "private)")
+    logs.add_argument("--disable-log-requests", action="store_true",
+                      help="requests are not logged unless --enable-log-requests is given (vLLM's old flag)")
+    logs.add_argument("--disable-log-stats", action="store_true",
+                      help="no periodic line of throughput, running and waiting requests and KV cache use (logged "
+                           "every 10 s while there is work)")
+    logs.add_argument("--uvicorn-log-level", choices=("debug", "info", "warning", "error", "critical", "trace"),
+                      help="uvicorn's own log level (default: --log-level)")
+    logs.add_argument("--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -49,6 +49,7 @@ from jaxserve.server.request_bodies import parse_request
 from jaxserve.server.responses import create_response, delete_response, retrieve_response
 from jaxserve.server.scores import create_rerank, create_score
 from jaxserve.server.serving import ServerState
+from jaxserve.server.stats_log import StatsLogger
 from jaxserve.server.transport import CORSPolicy, RootPathMiddleware, route_path
 
 # Only the API routes need a key; health, metrics and tokenisation stay open, as in vLLM.
@@ -179,14 +180,16 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
               max_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
               default_chat_template_kwargs: dict | None = None, tool_parser=None,
               reasoning_parser=None, lora_adapters: dict | None = None,
-              runtime_lora_updating: bool = False, cors: CORSPolicy | None = None, root_path: str = "") -> Starlette:
+              runtime_lora_updating: bool = False, cors: CORSPolicy | None = None, root_path: str = "",
+              log_stats_interval: float | None = None) -> Starlette:
     """The HTTP app over `async_engine`; it serves the model under `served_model_names` (default: its name),
     and each of `lora_adapters` (name -> LoRARequest) under its name; `runtime_lora_updating` opens the routes
     that load and unload adapters.
 
     Bodies over `max_body_bytes` are refused with 413 (None: no limit). `cors`: which browser origins may call
     it (None: no CORS headers, so only same-origin pages). `root_path`: the prefix a proxy serves it under
-    (server/transport.py)."""
+    (server/transport.py). `log_stats_interval`: seconds between the engine stats lines in the log (None: none).
+    """
     names = list(served_model_names or [async_engine.model_name])
     state = ServerState(async_engine, names, ServerMetrics(async_engine, names[0]), api_key,
                         default_chat_template_kwargs, tool_parser=tool_parser, reasoning_parser=reasoning_parser,
@@ -194,7 +197,12 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        stats_lines = None
+        if log_stats_interval:
+            stats_lines = asyncio.create_task(StatsLogger(state.metrics, async_engine, log_stats_interval).run())
         yield
+        if stats_lines is not None:
+            stats_lines.cancel()
         if shutdown_engine:
             await asyncio.to_thread(async_engine.shutdown)
 

@@ -12,6 +12,7 @@ import socket
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.server.app import build_app
 from jaxserve.server.reasoning_parsers import reasoning_parser
+from jaxserve.server.stats_log import log_stats_interval
 from jaxserve.server.tool_parsers import tool_call_parser
 from jaxserve.server.transport import CORSPolicy, ssl_options
 from jaxserve.server.uvicorn_server import DrainingServer
@@ -33,7 +34,8 @@ def serve_engine(engine, args: argparse.Namespace, sock: socket.socket, mesh: st
                     reasoning_parser=reasoning_parser(args.reasoning_parser, engine.tokenizer),
                     lora_adapters=engine.adapters.preloaded,
                     runtime_lora_updating=args.enable_runtime_lora_updating, cors=cors,
-                    root_path=args.root_path)
+                    root_path=args.root_path,
+                    log_stats_interval=None if args.disable_log_stats else log_stats_interval())
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
     log_startup(engine, args, mesh, names, f"{'https' if tls else 'http'}://{host}:{port}")
@@ -44,7 +46,8 @@ def serve_engine(engine, args: argparse.Namespace, sock: socket.socket, mesh: st
         if args.api_key and cors.blocks_authorization():
             logger.warning("--allowed-headers does not include Authorization, which --api-key needs: browsers "
                            "will refuse to send the key")
-    server = DrainingServer(app, async_engine, log_level=args.log_level, drain_seconds=args.shutdown_grace_seconds,
+    server = DrainingServer(app, async_engine, log_level=args.uvicorn_log_level or args.log_level,
+                            drain_seconds=args.shutdown_grace_seconds, access_log=not args.disable_uvicorn_access_log,
                             **tls)
     try:
         server.run(sockets=[sock])

@@ -105,6 +105,14 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def tokens_counted(self) -> tuple[float, float]:
+        """(prompt tokens, generated tokens) counted so far, read from those two counters alone."""
+        def total(counter: Counter) -> float:
+            [family] = counter.collect()
+            return sum(sample.value for sample in family.samples if sample.name.endswith("_total"))
+
+        return total(self.prompt_tokens), total(self.generation_tokens)
+
     async def observe(self, outputs: AsyncIterator[RequestOutput], arrival_time: float
                       ) -> AsyncIterator[RequestOutput]:
         """Pass outputs through, recording token counts and latencies of this request (a pooling request, an
