@@ -65,6 +65,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; there "
                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): anyone who can reach the server, with the "
                              "--api-key if set, can make it read adapter directories it can see. Implies --enable-lora")
+    server.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="logprobs name tokens 'token_id:N' instead of their text (as vLLM), which maps back even "
+                             "where a token is part of a character")
+    server.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="usage reports prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served")
     add_logging_arguments(parser)
     web = parser.add_argument_group("CORS, TLS and proxies (vLLM's options)")
     web.add_argument("--allowed-origins", type=string_list, metavar="JSON",

@@ -46,6 +46,7 @@ from jaxserve.server.protocol import (
     TokenizeResponse,
 )
 from jaxserve.server.request_bodies import parse_request
+from jaxserve.server.response_bodies import OutputOptions
 from jaxserve.server.responses import create_response, delete_response, retrieve_response
 from jaxserve.server.scores import create_rerank, create_score
 from jaxserve.server.serving import ServerState
@@ -181,7 +182,7 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
               default_chat_template_kwargs: dict | None = None, tool_parser=None,
               reasoning_parser=None, lora_adapters: dict | None = None,
               runtime_lora_updating: bool = False, cors: CORSPolicy | None = None, root_path: str = "",
-              log_stats_interval: float | None = None) -> Starlette:
+              log_stats_interval: float | None = None, output_options: OutputOptions | None = None) -> Starlette:
     """The HTTP app over `async_engine`; it serves the model under `served_model_names` (default: its name),
     and each of `lora_adapters` (name -> LoRARequest) under its name; `runtime_lora_updating` opens the routes
     that load and unload adapters.
@@ -189,11 +190,13 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
     Bodies over `max_body_bytes` are refused with 413 (None: no limit). `cors`: which browser origins may call
     it (None: no CORS headers, so only same-origin pages). `root_path`: the prefix a proxy serves it under
     (server/transport.py). `log_stats_interval`: seconds between the engine stats lines in the log (None: none).
+    `output_options`: what completion and chat bodies carry beyond OpenAI's fields (vLLM's flags).
     """
     names = list(served_model_names or [async_engine.model_name])
     state = ServerState(async_engine, names, ServerMetrics(async_engine, names[0]), api_key,
                         default_chat_template_kwargs, tool_parser=tool_parser, reasoning_parser=reasoning_parser,
-                        lora_adapters=dict(lora_adapters or {}), runtime_lora_updating=runtime_lora_updating)
+                        lora_adapters=dict(lora_adapters or {}), runtime_lora_updating=runtime_lora_updating,
+                        output_options=output_options or OutputOptions())
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -21,9 +21,9 @@ from jaxserve.server.chat_protocol import (
     DeltaMessage,
 )
 from jaxserve.server.errors import parse_json
-from jaxserve.server.protocol import UsageInfo, choice_usage
+from jaxserve.server.protocol import choice_usage
 from jaxserve.server.request_bodies import chat_inputs, parse_request
-from jaxserve.server.response_bodies import ChatRendering, completion_token_count
+from jaxserve.server.response_bodies import ChatRendering
 from jaxserve.server.serving import ServerState, close_all, collect_final_outputs, observed, start_requests
 from jaxserve.server.streaming import EventStreamResponse, cancel_on_disconnect, sse_events
 from jaxserve.server.tools import ToolCall
@@ -59,8 +59,8 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, request_id
     reasoning = state.reasoning_parser and state.reasoning_parser.bind(prompts[0], params)
     arrival_time = time.monotonic()
     streams = await start_requests(state, prompts, params, request_id, body.priority, model)
-    job = ChatJob(body, model, request_id, state.engine.tokenizer, state.tool_parser, reasoning, state=state,
-                  arrival_time=arrival_time, stream=streams[0])
+    job = ChatJob(body, model, request_id, state.engine.tokenizer, state.tool_parser, reasoning,
+                  state.output_options, state=state, arrival_time=arrival_time, stream=streams[0])
     return job, streams
 
 
@@ -77,8 +77,8 @@ async def _stream_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionStreamResp
                     yield ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[choice],
                                                        usage=usage)
     if job.request.include_usage_chunk and last_output is not None:
-        usage = UsageInfo.of(len(last_output.prompt_token_ids), completion_token_count([last_output]))
-        yield ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[], usage=usage)
+        yield ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[],
+                                           usage=job.options.usage([last_output]))
 
 
 @dataclass

@@ -18,21 +18,18 @@ from jaxserve.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionStreamResponse,
-    UsageInfo,
     choice_usage,
 )
 from jaxserve.server.request_bodies import completion_inputs, parse_request
 from jaxserve.server.response_bodies import (
     CompletionRendering,
-    completion_token_count,
     concat_logprobs,
-    prompt_token_count,
 )
 from jaxserve.server.serving import ServerState, close_all, collect_final_outputs, observed, start_requests
 from jaxserve.server.streaming import EventStreamResponse, cancel_on_disconnect, sse_events
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CompletionJob(CompletionRendering):
     """One validated completion request and the engine requests serving it (one per prompt)."""
 
@@ -49,7 +46,8 @@ async def create_completion(request: Request) -> Response:
     arrival_time = time.monotonic()
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await start_requests(state, prompts, params, request_id, body.priority, model)
-    job = CompletionJob(body, model, request_id, state.engine.tokenizer, state, arrival_time, streams)
+    job = CompletionJob(body, model, request_id, state.engine.tokenizer, state.output_options, state=state,
+                        arrival_time=arrival_time, streams=streams)
     if body.stream:
         return EventStreamResponse(sse_events(_stream_chunks(job)), on_close=lambda: close_all(streams))
     completed, finals = await cancel_on_disconnect(
@@ -82,8 +80,7 @@ async def _stream_chunks(job: CompletionJob) -> AsyncIterator[CompletionStreamRe
                     yield CompletionStreamResponse(id=job.request_id, model=job.model, choices=[choice], usage=usage)
     if job.request.include_usage_chunk:
         finals = list(last_outputs.values())
-        usage = UsageInfo.of(prompt_token_count(finals), completion_token_count(finals))
-        yield CompletionStreamResponse(id=job.request_id, model=job.model, choices=[], usage=usage)
+        yield CompletionStreamResponse(id=job.request_id, model=job.model, choices=[], usage=job.options.usage(finals))
 
 
 def _delta_choice(job: CompletionJob, prompt_index: int, output: RequestOutput, completion: CompletionOutput,

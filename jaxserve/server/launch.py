@@ -12,6 +12,7 @@ import socket
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.server.app import build_app
 from jaxserve.server.reasoning_parsers import reasoning_parser
+from jaxserve.server.response_bodies import OutputOptions
 from jaxserve.server.stats_log import log_stats_interval
 from jaxserve.server.tool_parsers import tool_call_parser
 from jaxserve.server.transport import CORSPolicy, ssl_options
@@ -35,7 +36,9 @@ def serve_engine(engine, args: argparse.Namespace, sock: socket.socket, mesh: st
                     lora_adapters=engine.adapters.preloaded,
                     runtime_lora_updating=args.enable_runtime_lora_updating, cors=cors,
                     root_path=args.root_path,
-                    log_stats_interval=None if args.disable_log_stats else log_stats_interval())
+                    log_stats_interval=None if args.disable_log_stats else log_stats_interval(),
+                    output_options=OutputOptions(tokens_as_ids=args.return_tokens_as_token_ids,
+                                                 prompt_tokens_details=args.enable_prompt_tokens_details))
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
     log_startup(engine, args, mesh, names, f"{'https' if tls else 'http'}://{host}:{port}")

@@ -12,17 +12,24 @@ from jaxserve.server.protocol import CompletionLogProbs
 # JSON has no -inf; vLLM sends this floor instead, and clients treat it as "impossible".
 LOGPROB_FLOOR = -9999.0
 
-TokenDecoder = Callable[[int], str]
+TokenName = Callable[[int, "Logprob | None"], str]  # a token's name in logprobs, given its engine entry (if any)
 
 
 def _finite(logprob: float) -> float:
     return LOGPROB_FLOOR if math.isnan(logprob) or logprob < LOGPROB_FLOOR else float(logprob)
 
 
-def _token_text(token_id: int, entry: Logprob | None, decode: TokenDecoder) -> str:
-    if entry is not None and entry.decoded_token is not None:
-        return entry.decoded_token
-    return decode(token_id)
+def token_namer(decode: Callable[[int], str], as_ids: bool = False) -> TokenName:
+    """How logprobs name tokens: by the engine's decoding of each (else `decode`'s), or as vLLM's
+    --return-tokens-as-token-ids, "token_id:N", which a client maps back even where a token is no whole UTF-8 text
+    (a byte of a multi-byte character)."""
+    if as_ids:
+        return lambda token_id, entry: f"token_id:{token_id}"
+
+    def text(token_id: int, entry: Logprob | None) -> str:
+        return entry.decoded_token if entry is not None and entry.decoded_token is not None else decode(token_id)
+
+    return text
 
 
 def _top_entries(position: PositionLogprobs, top_n: int) -> list[tuple[int, Logprob]]:
@@ -32,7 +39,7 @@ def _top_entries(position: PositionLogprobs, top_n: int) -> list[tuple[int, Logp
 
 
 def completion_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs | None], top_n: int,
-                        decode: TokenDecoder, text_offset: int = 0) -> CompletionLogProbs:
+                        name: TokenName, text_offset: int = 0) -> CompletionLogProbs:
     """Legacy format: parallel lists of tokens, their logprobs, the top-N dicts and character offsets.
 
     `positions[i]` is None where no logprob exists (the first prompt token when echoing).
@@ -40,7 +47,7 @@ def completion_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLo
     result = CompletionLogProbs()
     for token_id, position in zip(token_ids, positions):
         entry = position.get(token_id) if position is not None else None
-        token = _token_text(token_id, entry, decode)
+        token = name(token_id, entry)
         result.tokens.append(token)
         result.text_offset.append(text_offset)
         text_offset += len(token)
@@ -48,7 +55,7 @@ def completion_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLo
         if position is None:
             result.top_logprobs.append(None)
             continue
-        top = {_token_text(tid, lp, decode): _finite(lp.logprob) for tid, lp in _top_entries(position, top_n)}
+        top = {name(tid, lp): _finite(lp.logprob) for tid, lp in _top_entries(position, top_n)}
         if entry is not None:
             top.setdefault(token, _finite(entry.logprob))
         result.top_logprobs.append(top)
@@ -56,13 +63,13 @@ def completion_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLo
 
 
 def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs], top_n: int,
-                  decode: TokenDecoder) -> ChatLogProbs:
+                  name: TokenName) -> ChatLogProbs:
     """Chat format: one entry per generated token with its bytes and its top-N alternatives."""
     content = []
     for token_id, position in zip(token_ids, positions):
         entry = position.get(token_id)
-        token = _token_text(token_id, entry, decode)
-        alternatives = [_chat_logprob(_token_text(tid, lp, decode), lp.logprob)
+        token = name(token_id, entry)
+        alternatives = [_chat_logprob(name(tid, lp), lp.logprob)
                         for tid, lp in _top_entries(position, top_n)]
         sampled = _chat_logprob(token, entry.logprob if entry is not None else LOGPROB_FLOOR)
         content.append(ChatLogProbsContent(**sampled.model_dump(), top_logprobs=alternatives))

@@ -1,7 +1,8 @@
 """Finished RequestOutputs -> response body, per endpoint: shared by the HTTP server and `jaxserve batch`.
 
 `CompletionRendering` and `ChatRendering` hold what a body is built from (the parsed request, the model name to
-answer with, the response id, the tokenizer for token texts); the server's streaming jobs extend them.
+answer with, the response id, the tokenizer for token texts, the server's `OutputOptions`); the server's streaming
+jobs extend them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from jaxserve.server.chat_protocol import (
     ChatLogProbs,
     ChatMessage,
 )
-from jaxserve.server.logprobs import chat_logprobs, completion_logprobs
+from jaxserve.server.logprobs import TokenName, chat_logprobs, completion_logprobs, token_namer
 from jaxserve.server.reasoning_parsers import PromptReasoning, ThinkReasoningParser
 from jaxserve.server.tool_parsers import ToolParser
 from jaxserve.server.tools import ToolChoice, parse_forced_calls
@@ -28,6 +29,21 @@ from jaxserve.server.protocol import (
     CompletionResponse,
     UsageInfo,
 )
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """What completion and chat bodies carry beyond OpenAI's defaults, server-wide (vLLM's serve flags)."""
+
+    tokens_as_ids: bool = False  # --return-tokens-as-token-ids: logprobs name tokens "token_id:N"
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage counts the prompt tokens cached
+
+    def usage(self, finals: list[RequestOutput]) -> UsageInfo:
+        cached = sum(output.num_cached_tokens for output in finals) if self.prompt_tokens_details else None
+        return UsageInfo.of(prompt_token_count(finals), completion_token_count(finals), cached)
+
+    def token_name(self, tokenizer) -> TokenName:
+        return token_namer(lambda token_id: tokenizer.decode([token_id]), self.tokens_as_ids)
 
 
 def completion_token_count(outputs: list[RequestOutput]) -> int:
@@ -46,9 +62,7 @@ class CompletionRendering:
     model: str
     request_id: str
     tokenizer: Any
-
-    def decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    options: OutputOptions = field(default_factory=OutputOptions)
 
     def choice_index(self, prompt_index: int, completion: CompletionOutput) -> int:
         return prompt_index * self.request.n + completion.index
@@ -58,20 +72,21 @@ class CompletionRendering:
 
     def prompt_logprobs(self, output: RequestOutput) -> CompletionLogProbs:
         positions = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
-        return completion_logprobs(output.prompt_token_ids, positions, self.request.logprobs, self.decode_token)
+        return completion_logprobs(output.prompt_token_ids, positions, self.request.logprobs,
+                                   self.options.token_name(self.tokenizer))
 
     def generated_logprobs(self, completion: CompletionOutput, first_token: int, text_offset: int
                            ) -> CompletionLogProbs:
         return completion_logprobs(completion.token_ids[first_token:], (completion.logprobs or [])[first_token:],
-                                   self.request.logprobs, self.decode_token, text_offset)
+                                   self.request.logprobs, self.options.token_name(self.tokenizer), text_offset)
 
     def full_response(self, finals: list[RequestOutput]) -> CompletionResponse:
         """The whole (non-streamed) response, from each prompt's final output in prompt order."""
         choices = [self._full_choice(prompt_index, output, completion)
                    for prompt_index, output in enumerate(finals) for completion in output.outputs]
         choices.sort(key=lambda choice: choice.index)
-        usage = UsageInfo.of(prompt_token_count(finals), completion_token_count(finals))
-        return CompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=usage)
+        return CompletionResponse(id=self.request_id, model=self.model, choices=choices,
+                                  usage=self.options.usage(finals))
 
     def _full_choice(self, prompt_index: int, output: RequestOutput, completion: CompletionOutput
                      ) -> CompletionChoice:
@@ -114,19 +129,17 @@ class ChatRendering:
     tokenizer: Any
     tool_parser: ToolParser | None = None  # reads tool calls out of the text under tool_choice "auto"
     reasoning: PromptReasoning | None = None  # splits the reasoning off the answer (--reasoning-parser)
+    options: OutputOptions = field(default_factory=OutputOptions)
     tool_choice: ToolChoice | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.tool_choice = self.request.resolved_tool_choice()
 
-    def decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
     def logprobs(self, completion: CompletionOutput, first_token: int = 0) -> ChatLogProbs | None:
         if not self.request.logprobs:
             return None
         return chat_logprobs(completion.token_ids[first_token:], (completion.logprobs or [])[first_token:],
-                             self.request.top_logprobs or 0, self.decode_token)
+                             self.request.top_logprobs or 0, self.options.token_name(self.tokenizer))
 
     def answer(self, completion: CompletionOutput, final: bool) -> tuple[str | None, str]:
         """(reasoning, the answer's text) of the output so far (`split` of the reasoning parser, if any)."""
@@ -158,8 +171,8 @@ class ChatRendering:
     def full_response(self, output: RequestOutput) -> ChatCompletionResponse:
         """The whole (non-streamed) response from the request's final output."""
         choices = [self._full_choice(completion) for completion in sorted(output.outputs, key=lambda c: c.index)]
-        usage = UsageInfo.of(len(output.prompt_token_ids), completion_token_count([output]))
-        return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=usage)
+        return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices,
+                                      usage=self.options.usage([output]))
 
     def _full_choice(self, completion: CompletionOutput) -> ChatChoice:
         message, finish_reason = self.message(completion)

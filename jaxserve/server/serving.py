@@ -19,6 +19,7 @@ from jaxserve.server.errors import APIError
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.reasoning_parsers import ThinkReasoningParser
 from jaxserve.server.request_bodies import resolve_model_name
+from jaxserve.server.response_bodies import OutputOptions
 from jaxserve.server.response_store import ResponseStore
 from jaxserve.server.streaming import merge_streams
 from jaxserve.server.tool_parsers import ToolParser
@@ -39,6 +40,7 @@ class ServerState:
     lora_adapters: dict[str, LoRARequest] = field(default_factory=dict)
     runtime_lora_updating: bool = False  # --enable-runtime-lora-updating: adapters loaded and unloaded over HTTP
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses made with store
+    output_options: OutputOptions = field(default_factory=OutputOptions)  # what bodies carry beyond OpenAI's
     started_at: float = field(default_factory=time.time)
 
     def __post_init__(self):

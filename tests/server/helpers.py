@@ -18,7 +18,8 @@ import uvicorn
 API_KEY = "test-key"
 # The real server: `jaxserve serve` with the default model (SmolLM2-135M-Instruct).
 REAL_MODEL = "SmolLM2-135M-Instruct"
-REAL_SERVER_ARGS = ["--api-key", API_KEY, "--max-model-len", "512", "--num-kv-blocks", "256", "--max-num-seqs", "64"]
+REAL_SERVER_ARGS = ["--api-key", API_KEY, "--max-model-len", "512", "--num-kv-blocks", "256", "--max-num-seqs", "64",
+                    "--enable-prompt-tokens-details"]
 
 
 def load_default_tokenizer():

@@ -9,6 +9,7 @@ import pytest
 
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.server.app import build_app
+from jaxserve.server.response_bodies import OutputOptions
 from jaxserve.server.uvicorn_server import DrainingServer
 from tests.server.fake_engine import FakeEngine
 from tests.server.helpers import API_KEY, serve_in_thread
@@ -147,6 +148,26 @@ def test_chat_logprobs(client):
     content = result.choices[0].logprobs.content
     assert "".join(entry.token for entry in content) == result.choices[0].message.content
     assert all(len(entry.top_logprobs) == 2 and entry.bytes == list(entry.token.encode()) for entry in content)
+
+
+def test_tokens_as_ids_name_logprob_tokens_by_id(tokenizer):
+    """--return-tokens-as-token-ids: every token a logprobs field names is "token_id:N", the sampled ones and the
+    alternatives, in both formats; usage has no prompt_tokens_details unless asked for."""
+    app = build_app(AsyncEngine(FakeEngine(tokenizer, step_delay=0)), served_model_names=["fake"],
+                    output_options=OutputOptions(tokens_as_ids=True))
+    with serve_in_thread(app) as url:
+        ids_client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        completion = ids_client.completions.create(model="fake", prompt="Hello there", max_tokens=2, echo=True,
+                                                   logprobs=2, temperature=0)
+        chat = ids_client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "Hi"}],
+                                                  max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    expected = [f"token_id:{t}" for t in tokenizer.encode("Hello there one two")]
+    assert completion.choices[0].logprobs.tokens == expected
+    assert all(key.startswith("token_id:") for top in completion.choices[0].logprobs.top_logprobs[1:] for key in top)
+    content = chat.choices[0].logprobs.content
+    assert [entry.token for entry in content] == [f"token_id:{t}" for t in tokenizer.encode(" one two three")]
+    assert all(alt.token.startswith("token_id:") for entry in content for alt in entry.top_logprobs)
+    assert completion.usage.prompt_tokens_details is None and chat.usage.prompt_tokens_details is None
 
 
 def test_stop_string(client):

@@ -40,6 +40,20 @@ def test_stream_usage_chunk(openai_client):
     assert all(chunk.usage is None for chunk in chunks[:-1])
 
 
+def test_prompt_tokens_details_count_the_cached_prefix(openai_client):
+    """--enable-prompt-tokens-details (the real server has it): a prompt sent again finds its full blocks in the
+    prefix cache (16 tokens each here), in the whole response and in the stream's usage chunk."""
+    prompt = "Prefix caching keeps the KV of earlier prompts. " * 6
+    first = completion(openai_client, prompt=prompt, max_tokens=1)
+    again = completion(openai_client, prompt=prompt, max_tokens=1)
+    streamed = list(completion(openai_client, prompt=prompt, max_tokens=1, stream=True,
+                               stream_options={"include_usage": True}))
+    full_blocks = first.usage.prompt_tokens // 16 * 16
+    assert first.usage.prompt_tokens_details.cached_tokens < full_blocks
+    assert again.usage.prompt_tokens_details.cached_tokens >= full_blocks - 16 > 0
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens_details.cached_tokens
+
+
 def test_same_seed_gives_same_text(openai_client):
     first = completion(openai_client, temperature=1.0, seed=1234)
     second = completion(openai_client, temperature=1.0, seed=1234)
