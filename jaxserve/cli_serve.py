@@ -81,6 +81,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     web.add_argument("--root-path", type=url_root_path, default="", metavar="PATH",
                      help="the prefix a reverse proxy serves this under, e.g. /llm: requests are answered with or "
                           "without it")
+    web.add_argument("--enable-request-id-headers", action="store_true",
+                     help="answer with an X-Request-Id header: the request's own, or a new one")
     web.add_argument("--ssl-keyfile", metavar="PEM", help="the TLS private key (serve HTTPS)")
     web.add_argument("--ssl-certfile", metavar="PEM", help="the TLS certificate chain (serve HTTPS)")
     web.add_argument("--ssl-ca-certs", metavar="PEM", help="CA certificates that verify client certificates")

@@ -51,7 +51,7 @@ from jaxserve.server.responses import create_response, delete_response, retrieve
 from jaxserve.server.scores import create_rerank, create_score
 from jaxserve.server.serving import ServerState
 from jaxserve.server.stats_log import StatsLogger
-from jaxserve.server.transport import CORSPolicy, RootPathMiddleware, route_path
+from jaxserve.server.transport import CORSPolicy, RequestIdMiddleware, RootPathMiddleware, route_path
 
 # Only the API routes need a key; health, metrics and tokenisation stay open, as in vLLM.
 PROTECTED_PREFIXES = ("/v1/", "/v2/")
@@ -182,7 +182,8 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
               default_chat_template_kwargs: dict | None = None, tool_parser=None,
               reasoning_parser=None, lora_adapters: dict | None = None,
               runtime_lora_updating: bool = False, cors: CORSPolicy | None = None, root_path: str = "",
-              log_stats_interval: float | None = None, output_options: OutputOptions | None = None) -> Starlette:
+              log_stats_interval: float | None = None, output_options: OutputOptions | None = None,
+              request_id_headers: bool = False) -> Starlette:
     """The HTTP app over `async_engine`; it serves the model under `served_model_names` (default: its name),
     and each of `lora_adapters` (name -> LoRARequest) under its name; `runtime_lora_updating` opens the routes
     that load and unload adapters.
@@ -191,6 +192,7 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
     it (None: no CORS headers, so only same-origin pages). `root_path`: the prefix a proxy serves it under
     (server/transport.py). `log_stats_interval`: seconds between the engine stats lines in the log (None: none).
     `output_options`: what completion and chat bodies carry beyond OpenAI's fields (vLLM's flags).
+    `request_id_headers`: every response carries an X-Request-Id header.
     """
     names = list(served_model_names or [async_engine.model_name])
     state = ServerState(async_engine, names, ServerMetrics(async_engine, names[0]), api_key,
@@ -214,7 +216,8 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
     handlers[HTTPException] = handle_http_exception
     handlers[ClientDisconnect] = handle_client_disconnect
     app = Starlette(routes=ROUTES, exception_handlers=handlers, lifespan=lifespan,
-                    middleware=[*([Middleware(RootPathMiddleware, root_path=root_path)] if root_path else []),
+                    middleware=[*([Middleware(RequestIdMiddleware)] if request_id_headers else []),
+                                *([Middleware(RootPathMiddleware, root_path=root_path)] if root_path else []),
                                 *([cors.middleware()] if cors else []),  # errors get CORS headers too
                                 Middleware(APIKeyMiddleware, api_key=api_key),
                                 Middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)])

@@ -38,7 +38,8 @@ def serve_engine(engine, args: argparse.Namespace, sock: socket.socket, mesh: st
                     root_path=args.root_path,
                     log_stats_interval=None if args.disable_log_stats else log_stats_interval(),
                     output_options=OutputOptions(tokens_as_ids=args.return_tokens_as_token_ids,
-                                                 prompt_tokens_details=args.enable_prompt_tokens_details))
+                                                 prompt_tokens_details=args.enable_prompt_tokens_details),
+                    request_id_headers=args.enable_request_id_headers)
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
     log_startup(engine, args, mesh, names, f"{'https' if tls else 'http'}://{host}:{port}")

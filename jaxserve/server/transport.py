@@ -8,6 +8,9 @@ default to all, as in vLLM.
 TLS: `--ssl-keyfile`/`--ssl-certfile` (and `--ssl-ca-certs` with `--ssl-cert-reqs 2` for client certificates)
 are checked when the command starts, so a wrong path or key fails in a second rather than after the model loads.
 
+`--enable-request-id-headers`: every response carries X-Request-Id, the client's own or a new one, so a request can
+be followed through proxies and logs (as in vLLM).
+
 `--root-path /llm`: the server sits behind a proxy under that prefix. As in vLLM (FastAPI's root_path), requests
 are answered with or without it, so a proxy that strips the prefix and one that passes it on both work.
 """
@@ -16,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import ssl
+import uuid
 from dataclasses import dataclass
 
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
@@ -104,3 +109,22 @@ def route_path(scope) -> str:
     if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
         return path[len(root):]
     return path
+
+
+class RequestIdMiddleware:
+    """Pure ASGI (streaming-safe): puts the request's X-Request-Id, or a new one, on the response's headers."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["X-Request-Id"] = request_id
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

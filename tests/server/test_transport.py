@@ -145,14 +145,33 @@ def test_root_path_serves_with_or_without_the_prefix_and_keeps_the_key_check(tok
     """--root-path /llm/: a proxy that strips the prefix and one that passes it on are both served; the key check
     sees /llm/v1/... as the /v1/ route it is (a raw-path check would let it through without the key)."""
     key = {"Authorization": f"Bearer {API_KEY}"}
-    args = ["--root-path", "/llm/", "--api-key", API_KEY]
+    args = ["--root-path", "/llm/", "--api-key", API_KEY, "--enable-request-id-headers"]
     with fake_server_process(tokenizer_dir, args, tmp_path / "serve.log") as server:
+        traced = httpx.get(server.url + "/llm/health", headers={"X-Request-Id": "abc"}, timeout=10)
         answers = {path: (httpx.get(server.url + path, headers=key, timeout=10).status_code,
                           httpx.get(server.url + path, timeout=10).status_code)
                    for path in ("/v1/models", "/llm/v1/models", "/llm/score", "/llmv1/models", "/llm/health")}
     assert answers == {"/v1/models": (200, 401), "/llm/v1/models": (200, 401), "/llm/score": (405, 401),
                        "/llmv1/models": (404, 404), "/llm/health": (200, 200)}
-    assert "served under /llm too" in server.log()
+    assert "served under /llm too" in server.log() and traced.headers["x-request-id"] == "abc"
+
+
+def test_request_id_headers_echo_the_clients_or_make_one(tokenizer):
+    app = build_app(AsyncEngine(FakeEngine(tokenizer, step_delay=0)), request_id_headers=True, api_key=API_KEY)
+    with serve_in_thread(app) as url:
+        given = httpx.get(url + "/health", headers={"X-Request-Id": "trace-42"})
+        made = [httpx.get(url + "/health").headers.get("x-request-id") for _ in range(2)]
+        with httpx.stream("POST", url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": True},
+                          headers={"Authorization": f"Bearer {API_KEY}"}) as streamed:
+            streamed.read()
+        refused = httpx.get(url + "/v1/models")  # the key check's own answer gets one too
+    with serve_in_thread(build_app(AsyncEngine(FakeEngine(tokenizer, step_delay=0)))) as url:
+        plain = httpx.get(url + "/health", headers={"X-Request-Id": "trace-42"})
+    assert given.headers["x-request-id"] == "trace-42"
+    assert all(made) and made[0] != made[1]
+    assert streamed.status_code == 200 and streamed.headers["x-request-id"]
+    assert refused.status_code == 401 and refused.headers["x-request-id"]
+    assert "x-request-id" not in plain.headers
 
 
 def test_root_path_must_be_a_path(capsys):
