@@ -58,7 +58,7 @@ def test_while_streaming_only_what_cannot_change_is_released():
 
 
 def test_an_unknown_parser_is_named():
-    supported = "hermes, llama3_json, mistral, pythonic"
+    supported = "hermes, llama3_json, llama4_json, llama4_pythonic, mistral, pythonic"
     with pytest.raises(ValueError, match=f"'granite' is not supported; supported: {supported}"):
         tool_call_parser("granite")
 

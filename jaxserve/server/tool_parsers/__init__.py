@@ -2,7 +2,8 @@
 --tool-call-parser, with its names):
 
 - `hermes` (hermes.py): `<tool_call>{...}</tool_call>` blocks: Qwen2.5, Qwen3, QwQ, Hermes;
-- `llama3_json` and `pythonic` (llama.py): Llama 3.1 to 3.3's JSON calls; Llama 3.2 and 4's Python-style list;
+- `llama3_json` (or `llama4_json`) and `pythonic` (or `llama4_pythonic`) (llama.py): Llama 3.1 to 3.3's JSON calls;
+  Llama 3.2 and 4's Python-style list;
 - `mistral` (mistral.py): `[TOOL_CALLS]` and what follows, in both of Mistral's forms.
 
 A parser's `split(text, final)` gives the message's content and its calls. While streaming (`final` False) it
@@ -34,9 +35,11 @@ class ToolParser(Protocol):
         """(content, calls) of the reply so far."""
 
 
-TOOL_CALL_PARSERS: dict[str, type[ToolParser]] = {  # --tool-call-parser NAME -> parser class
+TOOL_CALL_PARSERS: dict[str, type[ToolParser]] = {  # --tool-call-parser NAME -> parser class (vLLM's names)
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "llama4_json": Llama3JsonToolParser,
+    "llama4_pythonic": PythonicToolParser,
     "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
 }
