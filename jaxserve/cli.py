@@ -8,6 +8,7 @@ command needs the engine, so `--help` and option errors answer at once.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 from collections.abc import Callable
@@ -34,7 +35,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     sampling = parser.add_argument_group("generation")
     sampling.add_argument("--prompt", help="the text to complete (required)")
     sampling.add_argument("--max-tokens", type=positive_int, metavar="N",
-                          help="default: the generation config's max_new_tokens, else 64")
+                          help="default: 64, or up to the generation config's max_new_tokens as room allows")
     sampling.add_argument("--temperature", type=float,
                           help="default: the generation config's, else 0 (greedy, so runs repeat exactly)")
     sampling.add_argument("--chat", action="store_true",
@@ -48,19 +49,26 @@ def generate_params(args: argparse.Namespace, defaults: dict):
 
     fields = {**defaults, "seed": args.seed}
     fields["temperature"] = args.temperature if args.temperature is not None else defaults.get("temperature", 0.0)
-    fields["max_tokens"] = args.max_tokens or defaults.get("max_tokens") or 64
+    # The generation config's max_new_tokens is a cap: None lets the engine take the room left, up to it.
+    fields["max_tokens"] = args.max_tokens or (None if "max_tokens" in defaults else 64)
     return SamplingParams(**fields)
+
+
+def try_as_user_error(function, *args):
+    """function(*args), whose ValueError (a bad value, worded for people) becomes a one-line UserError."""
+    try:
+        return function(*args)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def run_generate(args: argparse.Namespace) -> int:
     if args.prompt is None:
         raise UserError("generate needs --prompt TEXT (or `prompt:` in the config file)")
-    try:
-        generate_params(args, {})  # the flags alone, checked before the model loads
-        engine = build_engine(args)
-        params = generate_params(args, engine.generation_defaults)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
+    check_flags = functools.partial(generate_params, args)
+    try_as_user_error(check_flags, {})  # the flags alone, checked before the model loads
+    engine = build_engine(args)
+    params = try_as_user_error(check_flags, engine.generation_defaults)
     prompt = engine.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     try:
         output = engine.generate([prompt], params, use_tqdm=False)[0]

@@ -149,11 +149,12 @@ def test_generate_starts_from_the_generation_config_under_its_own_flags(capsys, 
         return engine
 
     monkeypatch.setitem(sys.modules, "jaxserve.engine", types.SimpleNamespace(Engine=make_engine))
-    overrides = '{"max_new_tokens": 2, "temperature": 0.5, "top_k": 7}'
+    overrides = '{"max_new_tokens": 100000, "temperature": 0.5, "top_k": 7}'
     assert cli.main(["generate", "--prompt", "Count:", "--override-generation-config", overrides]) == 0
-    assert len(capsys.readouterr().out.split()) == 2  # words, as the fake engine counts (sampled: which ones varies)
     params = engines[-1].sampling_params["generate-0"]
-    assert (params.max_tokens, params.temperature, params.top_k) == (2, 0.5, 7)
+    # max_new_tokens is a cap, not a length: the engine takes the room left (the fake's context is 256 tokens)
+    assert (params.max_tokens, params.temperature, params.top_k) == (None, 0.5, 7)
+    assert len(capsys.readouterr().out.split()) == 256 - len(tokenizer.encode("Count:"))
     assert cli.main(["generate", "--prompt", "Count:", "--override-generation-config", overrides,
                      "--max-tokens", "3", "--temperature", "0"]) == 0
     params = engines[-1].sampling_params["generate-0"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -26,12 +27,17 @@ DEFAULT_LOG_STATS_INTERVAL_S = 10.0
 def log_stats_interval() -> float:
     """Seconds between lines: JAXSERVE_LOG_STATS_INTERVAL (as vLLM's VLLM_LOG_STATS_INTERVAL), else 10."""
     text = os.environ.get("JAXSERVE_LOG_STATS_INTERVAL")
-    try:
-        return float(text) if text else DEFAULT_LOG_STATS_INTERVAL_S
-    except ValueError:
-        logger.warning("JAXSERVE_LOG_STATS_INTERVAL=%r is not a number of seconds; logging stats every %g s", text,
-                       DEFAULT_LOG_STATS_INTERVAL_S)
+    if not text:
         return DEFAULT_LOG_STATS_INTERVAL_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):  # 0 or less would spin on the event loop
+        logger.warning("JAXSERVE_LOG_STATS_INTERVAL=%r is not a positive number of seconds; logging stats every "
+                       "%g s", text, DEFAULT_LOG_STATS_INTERVAL_S)
+        return DEFAULT_LOG_STATS_INTERVAL_S
+    return seconds
 
 
 @dataclass

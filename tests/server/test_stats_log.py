@@ -4,11 +4,12 @@ import logging
 import time
 
 import httpx
+import pytest
 
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.server.app import build_app
 from jaxserve.server.metrics import ServerMetrics
-from jaxserve.server.stats_log import StatsLogger
+from jaxserve.server.stats_log import StatsLogger, log_stats_interval
 from tests.server.fake_engine import FakeEngine
 from tests.server.fake_serve import fake_server_process
 from tests.server.helpers import serve_in_thread
@@ -42,6 +43,16 @@ def test_rates_cover_the_interval_and_an_idle_server_is_quiet():
     assert "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 2.0 tokens/s" in stats.line(start + 25)
     assert "Running: 0 reqs" in stats.line(start + 30)  # the work ended: one line says so
     assert stats.line(start + 40) is None
+
+
+@pytest.mark.parametrize("value, seconds", [(None, 10.0), ("2.5", 2.5), ("0", 10.0), ("-1", 10.0), ("nan", 10.0),
+                                            ("soon", 10.0)])
+def test_the_interval_comes_from_the_environment_if_it_is_a_positive_number(monkeypatch, value, seconds):
+    if value is None:
+        monkeypatch.delenv("JAXSERVE_LOG_STATS_INTERVAL", raising=False)
+    else:
+        monkeypatch.setenv("JAXSERVE_LOG_STATS_INTERVAL", value)
+    assert log_stats_interval() == seconds
 
 
 def test_the_app_logs_the_line_while_serving(tokenizer, caplog):

@@ -72,9 +72,31 @@ def test_json_calls_are_released_as_each_object_closes():
     ("mistral", "[TOOL_CALLS]get_weather"),
     ("mistral", "[TOOL_CALLS][]"),
     ("mistral", 'No calls here, just [ARGS]{"a": 1}'),
+    ("llama3_json", '{"name": "f", "parameters": {"x": NaN}}'),  # Python's json reads it; no client would
+    ("llama3_json", '{"name": "f", "parameters": 5}'),
+    ("pythonic", "[f(x=1e999)]"),
 ])
 def test_what_is_not_a_call_is_content_as_written(name, reply):
     assert tool_call_parser(name).split(reply, final=True) == (reply, [])
+
+
+@pytest.mark.parametrize("name, opening", [
+    ("hermes", "<tool_call>"), ("llama3_json", '{"name": "f", "parameters": '), ("pythonic", "[f(x="),
+    ("mistral", "[TOOL_CALLS]"), ("mistral", '[TOOL_CALLS]f[ARGS]{"a": ')])
+def test_nesting_too_deep_for_the_decoder_is_content_not_an_error(name, opening):
+    """A thousand "[" take a model a few hundred tokens; Python's parsers give up with RecursionError."""
+    reply = opening + "[" * 5000
+    parser = tool_call_parser(name)
+    assert parser.split(reply, final=False)[1] == []
+    assert parser.split(reply, final=True) == (reply, [])
+
+
+def test_a_mistral_marker_inside_an_argument_is_text():
+    reply = '[TOOL_CALLS]echo[ARGS]{"s": "a[TOOL_CALLS]b"}[TOOL_CALLS]get_time[ARGS]{}'
+    assert tool_call_parser("mistral").split(reply, final=True) == ("", [ToolCall("echo", '{"s": "a[TOOL_CALLS]b"}'),
+                                                                         TIME])
+    cut = reply[: reply.index('b"}')]  # the string is open: nothing is settled yet
+    assert tool_call_parser("mistral").split(cut, final=False) == ("", [])
 
 
 def test_a_malformed_call_after_good_ones_is_kept_as_content():

@@ -22,14 +22,25 @@ def call_from_object(value: Any, call_id: str | None = None) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(value["name"], arguments, call_id)
+    if isinstance(arguments, str):
+        return ToolCall(value["name"], arguments, call_id)
+    text = arguments_json(arguments) if isinstance(arguments, dict) else None
+    return None if text is None else ToolCall(value["name"], text, call_id)
+
+
+def arguments_json(arguments: dict) -> str | None:
+    """The arguments as strict JSON text, or None where they have none (NaN or Infinity, which Python's json
+    reads and writes but no other JSON parser takes)."""
+    try:
+        return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except (ValueError, TypeError, RecursionError):
+        return None
 
 
 def decode_json_at(text: str, pos: int) -> tuple[Any, int] | None:
-    """(the JSON value that starts at `pos`, where it ends), or None where none is complete there."""
+    """(the JSON value that starts at `pos`, where it ends), or None where none is complete there. Nesting too
+    deep for the decoder (a model can write a thousand "[" in a few hundred tokens) is no JSON either."""
     try:
         return json.JSONDecoder().raw_decode(text, pos)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None

@@ -8,9 +8,7 @@ argument string does not end its block: a block ends where its JSON parses.
 
 from __future__ import annotations
 
-import json
-
-from jaxserve.server.tool_parsers.common import call_from_object, partial_suffix
+from jaxserve.server.tool_parsers.common import call_from_object, decode_json_at, partial_suffix
 from jaxserve.server.tools import ToolCall
 
 
@@ -62,8 +60,7 @@ class HermesToolParser:
 
 
 def _parse_call(body: str) -> ToolCall | None:
-    try:
-        value = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    return call_from_object(value)
+    body = body.strip()
+    decoded = decode_json_at(body, 0)
+    whole = decoded is not None and decoded[1] == len(body)  # the block is one JSON value and nothing else
+    return call_from_object(decoded[0]) if whole else None

@@ -12,10 +12,9 @@
 from __future__ import annotations
 
 import ast
-import json
 from typing import Any
 
-from jaxserve.server.tool_parsers.common import call_from_object, decode_json_at
+from jaxserve.server.tool_parsers.common import arguments_json, call_from_object, decode_json_at
 from jaxserve.server.tools import ToolCall
 
 SEPARATORS = " \t\r\n;"
@@ -89,9 +88,12 @@ def parse_call_list(source: str) -> list[ToolCall] | None:
             return None
         try:
             arguments = {keyword.arg: _literal(keyword.value) for keyword in node.keywords}
-            calls.append(ToolCall(node.func.id, json.dumps(arguments, ensure_ascii=False)))
-        except (ValueError, TypeError, SyntaxError, RecursionError):  # not a literal, or no JSON (a set, bytes)
+        except (ValueError, TypeError, SyntaxError, RecursionError):  # not a literal
             return None
+        text = arguments_json(arguments)
+        if text is None:  # no JSON form: a set, bytes, 1e999
+            return None
+        calls.append(ToolCall(node.func.id, text))
     return calls
 
 

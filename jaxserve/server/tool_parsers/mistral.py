@@ -4,8 +4,8 @@
   Mixtral 8x22B, Nemo, Small 3.1);
 - one `[TOOL_CALLS]name[ARGS]{...}` per call (tokenizers v11 on: Small 3.2, Magistral, Devstral).
 
-The text before the first `[TOOL_CALLS]` is the content; a call that does not parse is added to it as written.
-Each call is released once its JSON closes. Call ids are nine letters and digits: Mistral's chat templates refuse
+The text before the first `[TOOL_CALLS]` is the content; a call that does not parse is added to it as written, and
+text after a call's JSON is left out, as hermes does (and vLLM). Each call is released once its JSON closes. Call ids are nine letters and digits: Mistral's chat templates refuse
 any other id when the conversation comes back with the tool's answer.
 """
 
@@ -32,32 +32,41 @@ class MistralToolParser:
         return params.replace(skip_special_tokens=False)
 
     def split(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        """Content and calls; a call is read where its [TOOL_CALLS] is, its JSON to its own end, so the marker
+        inside an argument string is no new call. One that does not parse waits for more tokens, and once final
+        runs to the next marker, as written, into the content."""
         first = text.find(self.tag)
         if first < 0:
             return (text if final else text[: len(text) - partial_suffix(text, self.tag)]), []
-        content, calls = [text[:first]], []
-        segments = text[first + len(self.tag):].split(self.tag)
-        for i, segment in enumerate(segments):
-            settled = final or i < len(segments) - 1  # a later [TOOL_CALLS] ends this one
-            found = self._segment_calls(segment)
-            if found is None and not settled:
+        content, calls, pos = [text[:first]], [], first
+        while pos >= 0:
+            found = self._calls_at(text, pos + len(self.tag))
+            if found is None and not final:
                 break
-            calls.extend(found or [])
             if found is None:
-                content.append(self.tag + segment)
+                end = text.find(self.tag, pos + len(self.tag))
+                content.append(text[pos: len(text) if end < 0 else end])
+            else:
+                calls.extend(found[0])
+                end = text.find(self.tag, found[1])
+            pos = end
         return "".join(content), calls
 
-    def _segment_calls(self, segment: str) -> list[ToolCall] | None:
-        """The calls of what follows one [TOOL_CALLS], or None when they do not parse (yet)."""
-        body = segment.strip()
-        if body.startswith("["):
-            decoded = decode_json_at(body, 0)
+    def _calls_at(self, text: str, start: int) -> tuple[list[ToolCall], int] | None:
+        """(the calls written from `start`, just after a [TOOL_CALLS], and where they end), or None when they do
+        not parse (yet)."""
+        body = start + len(text[start:]) - len(text[start:].lstrip())
+        if text.startswith("[", body):  # [{"name": ..., "arguments": {...}}, ...]
+            decoded = decode_json_at(text, body)
             if decoded is None or not isinstance(decoded[0], list) or not decoded[0]:
                 return None
             calls = [call_from_object(item, mistral_call_id()) for item in decoded[0]]
-            return None if None in calls else calls
-        name, marker, arguments = body.partition(self.args_tag)
-        decoded = decode_json_at(arguments.strip(), 0) if marker and name.strip() else None
-        if decoded is None or not isinstance(decoded[0], dict):
+            return None if None in calls else (calls, decoded[1])
+        args = text.find(self.args_tag, body)  # name[ARGS]{...}
+        name = text[body:args].strip() if args >= 0 else ""
+        if not name or self.tag in name:
             return None
-        return [call_from_object({"name": name.strip(), "arguments": decoded[0]}, mistral_call_id())]
+        after = args + len(self.args_tag)
+        decoded = decode_json_at(text, after + len(text[after:]) - len(text[after:].lstrip()))
+        call = call_from_object({"name": name, "arguments": decoded[0]}, mistral_call_id()) if decoded else None
+        return None if call is None else ([call], decoded[1])
