@@ -4,8 +4,9 @@
   Mixtral 8x22B, Nemo, Small 3.1);
 - one `[TOOL_CALLS]name[ARGS]{...}` per call (tokenizers v11 on: Small 3.2, Magistral, Devstral).
 
-The text before the first `[TOOL_CALLS]` is the content; a call that does not parse is added to it as written, and
-text after a call's JSON is left out, as hermes does (and vLLM). Each call is released once its JSON closes. Call ids are nine letters and digits: Mistral's chat templates refuse
+The text before the first `[TOOL_CALLS]` is the content; a call that does not parse is added to it as written,
+and text after a call's JSON is left out, as hermes does (and vLLM). Each call is released once its JSON
+closes. Call ids are nine letters and digits: Mistral's chat templates refuse
 any other id when the conversation comes back with the tool's answer.
 """
 
