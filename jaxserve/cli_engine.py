@@ -68,6 +68,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "file's original model)")
     engine.add_argument("--revision", metavar="REV", help="branch, tag or commit of a hub model id")
     engine.add_argument("--tokenizer-revision", metavar="REV", help="branch, tag or commit of a hub --tokenizer")
+    engine.add_argument("--download-dir", metavar="DIR",
+                        help="where hub models and tokenizers are downloaded to (default: the Hugging Face cache)")
     engine.add_argument("--chat-template", metavar="TEMPLATE",
                         help="a Jinja chat template, or a file holding one, to use instead of the tokenizer's "
                              "(a model without one needs it for /v1/chat/completions)")
@@ -159,7 +161,7 @@ def build_engine(args: argparse.Namespace):
                         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         lora_modules=lora_modules_dict(args.lora_modules), speculative_config=args.speculative_config,
                         hf_overrides=args.hf_overrides, tokenizer=args.tokenizer, revision=args.revision,
-                        tokenizer_revision=args.tokenizer_revision,
+                        tokenizer_revision=args.tokenizer_revision, download_dir=args.download_dir,
                         generation_config=args.generation_config if is_leader(args) else "auto",
                         override_generation_config=args.override_generation_config, **compilation_cache_option(args))
     except (ValueError, OSError) as exc:  # the engine words these for people (DESIGN.md convention 9)

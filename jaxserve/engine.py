@@ -62,17 +62,19 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
                  max_lora_rank: int = 16, lora_modules: dict[str, str] | None = None,
                  speculative_config: dict | SpeculativeConfig | None = None, hf_overrides: dict | None = None,
                  generation_config: str = "auto", override_generation_config: dict | None = None,
-                 revision: str | None = None, tokenizer_revision: str | None = None):
+                 revision: str | None = None, tokenizer_revision: str | None = None,
+                 download_dir: str | None = None):
         """`tokenizer`: a tokenizer object, or a Hugging Face directory or hub id to load one from (vLLM's
-        `tokenizer`); None serves the model's own. `revision`, `tokenizer_revision`: hub branches, tags or commits."""
+        `tokenizer`); None serves the model's own. `revision`, `tokenizer_revision`: hub branches, tags or commits.
+        `download_dir`: where hub models and tokenizers are downloaded to (None: the Hugging Face cache)."""
         speculative = SpeculativeConfig.from_dict(speculative_config)
         check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
                              recompile_guard, quantization)
         enable_lora, max_loras = check_lora_options(enable_lora, max_loras, max_lora_rank, lora_modules)
         template = None if chat_template is None else read_chat_template(chat_template)  # before the load
         enable_compilation_cache(compilation_cache_dir)
-        choice = TokenizerChoice(tokenizer, tokenizer_revision)
-        ckpt = open_checkpoint(model, load_format, hf_overrides, revision, choice)
+        choice = TokenizerChoice(tokenizer, tokenizer_revision, download_dir)
+        ckpt = open_checkpoint(model, load_format, hf_overrides, revision, choice, download_dir)
         cfg = ckpt.config
         self.model_name = ckpt.name
         self.tokenizer = ckpt.tokenizer

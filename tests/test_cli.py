@@ -172,7 +172,8 @@ def test_vllm_engine_flags_reach_the_engine(capsys, fake_engine_module):
     assert "compilation_cache_dir" not in defaults  # the Engine's own default
     assert cli.main(["generate", "--prompt", "Count:", "--max-tokens", "3", "--gpu-memory-utilization", "0.5",
                      "--no-enable-prefix-caching", "--attention-impl", "reference", "--chat-template", "{{ x }}",
-                     "--compilation-cache-dir", ""]) == 0
+                     "--compilation-cache-dir", "", "--download-dir", "/models"]) == 0
+    assert fake_engine_module["download_dir"] == "/models"
     assert fake_engine_module["kv_cache_memory_fraction"] == 0.5 and fake_engine_module["enable_prefix_caching"] is False
     assert fake_engine_module["attention_impl"] == "reference" and fake_engine_module["chat_template"] == "{{ x }}"
     assert fake_engine_module["compilation_cache_dir"] is None  # '' turns the cache off

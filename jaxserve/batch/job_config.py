@@ -56,6 +56,7 @@ class EngineOptions(BaseModel):
     tokenizer: str | None = None  # a tokenizer directory (relative: to the job file) or hub id, as vLLM's
     revision: str | None = None  # of a hub model id
     tokenizer_revision: str | None = None
+    download_dir: str | None = None  # where hub models and tokenizers are downloaded to
     # LoRA adapters (name -> PEFT adapter directory, relative: to the job file); a body's `model` picks one.
     enable_lora: bool | None = None
     max_loras: PositiveInt | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -43,24 +43,26 @@ LOAD_FORMATS = ("auto", "dummy")
 
 
 def open_checkpoint(model: str | None, load_format: str = "auto", hf_overrides: dict | None = None,
-                    revision: str | None = None, tokenizer: TokenizerChoice = TokenizerChoice()) -> Checkpoint:
+                    revision: str | None = None, tokenizer: TokenizerChoice = TokenizerChoice(),
+                    download_dir: str | None = None) -> Checkpoint:
     """`load_format="dummy"`: the model's config and tokenizer with random weights (loader/random_weights.py);
     an HF model then needs no weight files at all. `hf_overrides`: keys laid over the model's config.json (vLLM's
     hf_overrides: a longer max_position_embeddings, a rope_scaling, ...). `revision`: a hub id's branch, tag or
-    commit. `tokenizer`: the model's own tokenizer or another (loader/tokenizer.py)."""
+    commit. `tokenizer`: the model's own tokenizer or another (loader/tokenizer.py). `download_dir`: where a hub
+    model is downloaded to (vLLM's download_dir; None: the Hugging Face cache)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not one of {', '.join(map(repr, LOAD_FORMATS))}")
     if hf_overrides is not None and not isinstance(hf_overrides, dict):
         raise ValueError(f"hf_overrides must be a mapping of config.json keys to values, got {hf_overrides!r}")
     ckpt = _open(model, weights=load_format != "dummy", hf_overrides=hf_overrides or {}, revision=revision,
-                 tokenizer=tokenizer)
+                 tokenizer=tokenizer, download_dir=download_dir)
     if load_format == "dummy":
         ckpt.tensors = RandomWeights(ckpt.config)
     return ckpt
 
 
 def _open(model: str | None, weights: bool, hf_overrides: dict, revision: str | None,
-          tokenizer: TokenizerChoice) -> Checkpoint:
+          tokenizer: TokenizerChoice, download_dir: str | None) -> Checkpoint:
     path = default_model_path() if model is None else Path(model).expanduser()
     local = model is None or path.exists()
     if revision is not None and local:  # ignored, as vLLM and transformers ignore it
@@ -71,7 +73,7 @@ def _open(model: str | None, weights: bool, hf_overrides: dict, revision: str | 
         if local:
             log.warning("tokenizer_revision %r ignored: %s is a local file or directory, not a hub id",
                         tokenizer.revision, model)
-        tokenizer = TokenizerChoice() if local else TokenizerChoice(model, tokenizer.revision)
+        tokenizer = TokenizerChoice() if local else replace(tokenizer, given=model)
     if hf_overrides and (path.suffix == ".gguf" or (path.is_dir() and is_orbax_checkpoint(path))):
         raise ValueError(f"hf_overrides applies to a Hugging Face config.json, and {model or DEFAULT_MODEL_NAME} "
                          "has none (a GGUF file or a `jaxserve convert` checkpoint): give the HF model directory")
@@ -92,7 +94,8 @@ def _open(model: str | None, weights: bool, hf_overrides: dict, revision: str | 
         raise FileNotFoundError(
             f"model path {model!r} does not exist: give a GGUF file, a Hugging Face model directory or a hub id"
         )
-    return _open_hf_dir(_download_from_hub(model, weights, revision), model, weights, hf_overrides, tokenizer)
+    return _open_hf_dir(_download_from_hub(model, weights, revision, download_dir), model, weights, hf_overrides,
+                        tokenizer)
 
 
 def _open_gguf(path: Path, name: str, tokenizer: TokenizerChoice) -> Checkpoint:
@@ -150,12 +153,13 @@ def _open_hf_dir(directory: Path, name: str, weights: bool = True, hf_overrides:
                       pooling=declared_pooling(directory), head=head)
 
 
-def _download_from_hub(repo_id: str, weights: bool = True, revision: str | None = None) -> Path:
+def _download_from_hub(repo_id: str, weights: bool = True, revision: str | None = None,
+                       download_dir: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "tokenizer*", "*.model", "*.jinja", "*.txt"] + (["*.safetensors"] if weights else [])
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns, revision=revision))
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, revision=revision, cache_dir=download_dir))
     except Exception as e:  # offline, unknown repo or revision, gated repo: all end the same way for the user
         at = "" if revision is None else f" at revision {revision!r}"
         raise FileNotFoundError(

@@ -31,6 +31,8 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", metavar="DIR|HUB_ID",
                         help="store this tokenizer with the checkpoint instead of the model's own, as serve takes it")
     parser.add_argument("--tokenizer-revision", metavar="REV", help="branch, tag or commit of a hub --tokenizer")
+    parser.add_argument("--download-dir", metavar="DIR",
+                        help="where hub models and tokenizers are downloaded to (default: the Hugging Face cache)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -43,7 +45,8 @@ def run_convert(args: argparse.Namespace) -> int:
 
     try:
         convert(args.model, args.output, (tp, pp), args.dtype, args.pp_layer_partition, args.hf_overrides,
-                args.revision, TokenizerChoice(args.tokenizer, args.tokenizer_revision))
+                args.revision, TokenizerChoice(args.tokenizer, args.tokenizer_revision, args.download_dir),
+                args.download_dir)
     except (ValueError, OSError) as exc:
         raise UserError(str(exc)) from None
     print(f"wrote {args.output}: serve it with `jaxserve serve {args.output} --mesh {args.mesh}`")

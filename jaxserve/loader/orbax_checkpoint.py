@@ -56,8 +56,10 @@ def _leaf(tree: dict, path: tuple):
 
 # --- convert -------------------------------------------------------------------------------------------------
 def convert(model: str, out: str, mesh_shape: tuple[int, int], dtype: str, partition: list[int] | None = None,
-            hf_overrides: dict | None = None, revision: str | None = None, tokenizer=None) -> None:
-    """`tokenizer`: a loader.tokenizer.TokenizerChoice (None: the model's own), stored beside the weights."""
+            hf_overrides: dict | None = None, revision: str | None = None, tokenizer=None,
+            download_dir: str | None = None) -> None:
+    """`tokenizer`: a loader.tokenizer.TokenizerChoice (None: the model's own), stored beside the weights.
+    `download_dir`: where a hub model is downloaded to (None: the Hugging Face cache)."""
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
     from flax import nnx
@@ -69,7 +71,7 @@ def convert(model: str, out: str, mesh_shape: tuple[int, int], dtype: str, parti
     from jaxserve.runner.weights import load_weights
 
     ckpt = open_checkpoint(model, hf_overrides=hf_overrides, revision=revision,
-                           tokenizer=tokenizer or TokenizerChoice())
+                           tokenizer=tokenizer or TokenizerChoice(), download_dir=download_dir)
     if not ckpt.head.generates:  # what the checkpoint holds besides a causal LM is not written
         raise ValueError(f"{model} is not a causal language model (it has no LM head), and jaxserve convert writes "
                          "those only: serve the checkpoint directly")

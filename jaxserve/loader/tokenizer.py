@@ -48,6 +48,7 @@ class TokenizerChoice:
 
     given: Any = None
     revision: str | None = None
+    download_dir: str | None = None  # where a hub tokenizer is downloaded to (None: the Hugging Face cache)
 
     def resolve(self, load_own: Callable[[], Any], vocab_size: int):
         """The tokenizer; `load_own` builds the checkpoint's, which is not even read when another is given. One
@@ -58,7 +59,8 @@ class TokenizerChoice:
                                  "model's comes from its GGUF file: leave tokenizer_revision out")
             return load_own()
         given = self.given
-        tokenizer = load_tokenizer(given, self.revision) if isinstance(given, (str, Path)) else given
+        loads = isinstance(given, (str, Path))
+        tokenizer = load_tokenizer(given, self.revision, cache_dir=self.download_dir) if loads else given
         if len(tokenizer) > vocab_size:
             raise ValueError(f"tokenizer {given} has {len(tokenizer)} tokens and the model only {vocab_size}: it is "
                              "not this model's tokenizer; give the tokenizer the model was trained with")
@@ -66,12 +68,13 @@ class TokenizerChoice:
 
 
 def load_tokenizer(name: str | Path, revision: str | None = None,
-                   advice: str = "give a directory with tokenizer files or a Hugging Face hub id"):
+                   advice: str = "give a directory with tokenizer files or a Hugging Face hub id",
+                   cache_dir: str | None = None):
     """AutoTokenizer from a directory or hub id; a ValueError in one sentence, ending with `advice`, if it fails."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(Path(name).expanduser()), revision=revision)
+        return AutoTokenizer.from_pretrained(str(Path(name).expanduser()), revision=revision, cache_dir=cache_dir)
     except (OSError, ValueError) as exc:  # no such directory or hub id, no network, no tokenizer files in it
         raise ValueError(f"cannot load tokenizer {str(name)!r} ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0].strip()}); {advice}") from None

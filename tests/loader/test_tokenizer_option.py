@@ -6,6 +6,7 @@ import sys
 
 import huggingface_hub
 import pytest
+import transformers
 
 from jaxserve import Engine, SamplingParams
 from jaxserve.batch.job_config import EngineOptions
@@ -70,17 +71,26 @@ def test_unloadable_tokenizers_are_refused_and_local_revisions_ignored(tiny_chec
         Engine(None, tokenizer_revision="main", **SMALL)
 
 
-def test_a_hub_revision_reaches_the_download(monkeypatch):
-    asked = {}
+def test_a_hub_revision_and_download_dir_reach_the_downloads(monkeypatch, tiny_checkpoint, tmp_path):
+    asked, tokenizer_asked = {}, {}
 
     def offline(repo_id, **kwargs):
         asked.update(kwargs, repo_id=repo_id)
         raise ConnectionError("no network here")
 
+    def offline_tokenizer(name, **kwargs):
+        tokenizer_asked.update(kwargs, name=name)
+        raise OSError("no network here")
+
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(FileNotFoundError, match="could not fetch 'org/model' at revision 'v2'"):
-        Engine("org/model", revision="v2", **SMALL)
-    assert asked["repo_id"] == "org/model" and asked["revision"] == "v2"
+        Engine("org/model", revision="v2", download_dir=str(tmp_path), **SMALL)
+    assert asked["repo_id"] == "org/model" and asked["revision"] == "v2" and asked["cache_dir"] == str(tmp_path)
+    model = str(tiny_checkpoint("llama"))  # made (with a tokenizer) before loading tokenizers fails
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline_tokenizer)
+    with pytest.raises(ValueError, match="cannot load tokenizer 'org/tokenizer'"):
+        Engine(model, tokenizer="org/tokenizer", download_dir=str(tmp_path), **SMALL)
+    assert tokenizer_asked["name"] == "org/tokenizer" and tokenizer_asked["cache_dir"] == str(tmp_path)
 
 
 def test_the_cli_and_batch_jobs_pass_the_tokenizer(tiny_checkpoint, tmp_path):
@@ -90,10 +100,10 @@ def test_the_cli_and_batch_jobs_pass_the_tokenizer(tiny_checkpoint, tmp_path):
     assert run.returncode == 2 and run.stderr.startswith("jaxserve: error: cannot load tokenizer")
     (tmp_path / "tok").mkdir()
     beside = EngineOptions.model_validate({"tokenizer": "tok"}, context={"base_dir": str(tmp_path)})
-    hub = EngineOptions.model_validate({"tokenizer": "org/tokenizer", "tokenizer_revision": "v1"},
-                                       context={"base_dir": str(tmp_path)})
+    hub = EngineOptions.model_validate({"tokenizer": "org/tokenizer", "tokenizer_revision": "v1",
+                                        "download_dir": "/models"}, context={"base_dir": str(tmp_path)})
     assert beside.engine_kwargs()["tokenizer"] == str(tmp_path / "tok")
-    assert hub.engine_kwargs() == {"tokenizer": "org/tokenizer", "tokenizer_revision": "v1"}
+    assert hub.engine_kwargs() == {"tokenizer": "org/tokenizer", "tokenizer_revision": "v1", "download_dir": "/models"}
 
 
 def _saved(tokenizer, path):
