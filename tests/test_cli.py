@@ -18,7 +18,7 @@ def parse(argv):
 
 def run_cli(*argv):
     return subprocess.run([sys.executable, "-m", "jaxserve.cli", *argv], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=300)  # a hang guard: a slow CI machine loads and compiles in minutes
 
 
 def user_error(capsys, argv):
