@@ -50,7 +50,7 @@ def generate_params(args: argparse.Namespace, defaults: dict):
     fields = {**defaults, "seed": args.seed}
     fields["temperature"] = args.temperature if args.temperature is not None else defaults.get("temperature", 0.0)
     # The generation config's max_new_tokens is a cap: None lets the engine take the room left, up to it.
-    fields["max_tokens"] = args.max_tokens or (None if "max_tokens" in defaults else 64)
+    fields["max_tokens"] = args.max_tokens or (None if defaults.get("max_tokens") is not None else 64)
     return SamplingParams(**fields)
 
 

@@ -162,6 +162,8 @@ def test_generate_starts_from_the_generation_config_under_its_own_flags(capsys, 
     assert cli.main(["generate", "--prompt", "Count:"]) == 0
     params = engines[-1].sampling_params["generate-0"]
     assert (params.max_tokens, params.temperature) == (64, 0.0)
+    assert cli.main(["generate", "--prompt", "Count:", "--override-generation-config", '{"max_new_tokens": null}']) == 0
+    assert engines[-1].sampling_params["generate-0"].max_tokens == 64  # a null cap is no cap
 
 
 def test_vllm_engine_flags_reach_the_engine(capsys, fake_engine_module):

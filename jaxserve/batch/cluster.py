@@ -22,7 +22,7 @@ log = logging.getLogger("jaxserve.batch")
 
 # Engine options that need not match: the chat template is used on process 0 alone (followers never see a
 # prompt), the compilation cache is each node's own directory.
-PER_PROCESS_ENGINE_OPTIONS = {"chat_template", "compilation_cache_dir", "generation_config"}
+PER_PROCESS_ENGINE_OPTIONS = {"chat_template", "compilation_cache_dir", "download_dir", "generation_config"}
 
 
 def join_job_cluster(args: argparse.Namespace) -> tuple[Session | None, BatchJob | None]:

@@ -133,13 +133,16 @@ def test_cli_reports_a_bad_job_in_one_line(tmp_path, capsys):
 
 def test_processes_compare_the_engine_options_as_written_one_key_each(tmp_path):
     """A multi-node job: the same file in another directory on each node agrees; a differing option is named;
-    the chat template (process 0's alone) and the compilation cache (each node's own) may differ."""
+    the chat template (process 0's alone) and the compilation cache and download directory (each node's own) may
+    differ."""
     from jaxserve.batch.cluster import shared_options
 
-    engine = {"mesh": "4x2", "max_num_seqs": 8, "chat_template": "a.jinja", "compilation_cache_dir": "/here"}
+    engine = {"mesh": "4x2", "max_num_seqs": 8, "chat_template": "a.jinja", "compilation_cache_dir": "/here",
+              "download_dir": "/here"}
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     here = write_job(tmp_path / "a", [], model="./model.gguf", engine=engine)
     there = write_job(tmp_path / "b", [], model="./model.gguf", engine={**engine, "chat_template": "b.jinja",
-                                                                          "compilation_cache_dir": "/there"})
+                                                                          "compilation_cache_dir": "/there",
+                                                                          "download_dir": "/there"})
     assert shared_options(here) == shared_options(there) == {"model": "./model.gguf", "engine.mesh": "4x2",
                                                               "engine.max_num_seqs": 8}

@@ -75,6 +75,10 @@ def test_json_calls_are_released_as_each_object_closes():
     ("llama3_json", '{"name": "f", "parameters": {"x": NaN}}'),  # Python's json reads it; no client would
     ("llama3_json", '{"name": "f", "parameters": 5}'),
     ("pythonic", "[f(x=1e999)]"),
+    ("mistral", '[TOOL_CALLS]f[ARGS]"hello"'),  # arguments must be an object
+    ("llama3_json", '{"name": "f", "arguments": "not json"}'),
+    ("llama3_json", '{"name": "f", "parameters": {"n": ' + "9" * 5000 + "}}"),  # too long for Python's int()
+    ("mistral", '[TOOL_CALLS]a[ARGS]{"x": "[TOOL_CALLS]b[ARGS]{}" tail'),  # cut inside a string: all of it is text
 ])
 def test_what_is_not_a_call_is_content_as_written(name, reply):
     assert tool_call_parser(name).split(reply, final=True) == (reply, [])

@@ -7,6 +7,8 @@ from typing import Any
 
 from jaxserve.server.tools import ToolCall
 
+JSON_BLANKS = " \t\n\r"  # JSON's whitespace: str.strip() alone would take Unicode spaces JSON does not allow
+
 
 def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper beginning of `marker`."""
@@ -22,8 +24,10 @@ def call_from_object(value: Any, call_id: str | None = None) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    if isinstance(arguments, str):
-        return ToolCall(value["name"], arguments, call_id)
+    if isinstance(arguments, str):  # already JSON text: kept as written, if it is an object's
+        decoded = decode_json_at(arguments.strip(JSON_BLANKS), 0)
+        whole = decoded is not None and decoded[1] == len(arguments.strip(JSON_BLANKS))
+        return ToolCall(value["name"], arguments, call_id) if whole and isinstance(decoded[0], dict) else None
     text = arguments_json(arguments) if isinstance(arguments, dict) else None
     return None if text is None else ToolCall(value["name"], text, call_id)
 
@@ -39,8 +43,9 @@ def arguments_json(arguments: dict) -> str | None:
 
 def decode_json_at(text: str, pos: int) -> tuple[Any, int] | None:
     """(the JSON value that starts at `pos`, where it ends), or None where none is complete there. Nesting too
-    deep for the decoder (a model can write a thousand "[" in a few hundred tokens) is no JSON either."""
+    deep for the decoder (a model can write a thousand "[" in a few hundred tokens), or a number too long for Python
+    to read (over 4300 digits: a ValueError), is no JSON either."""
     try:
         return json.JSONDecoder().raw_decode(text, pos)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
         return None

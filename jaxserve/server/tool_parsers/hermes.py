@@ -8,7 +8,7 @@ argument string does not end its block: a block ends where its JSON parses.
 
 from __future__ import annotations
 
-from jaxserve.server.tool_parsers.common import call_from_object, decode_json_at, partial_suffix
+from jaxserve.server.tool_parsers.common import JSON_BLANKS, call_from_object, decode_json_at, partial_suffix
 from jaxserve.server.tools import ToolCall
 
 
@@ -60,7 +60,7 @@ class HermesToolParser:
 
 
 def _parse_call(body: str) -> ToolCall | None:
-    body = body.strip()
+    body = body.strip(JSON_BLANKS)
     decoded = decode_json_at(body, 0)
     whole = decoded is not None and decoded[1] == len(body)  # the block is one JSON value and nothing else
     return call_from_object(decoded[0]) if whole else None

@@ -34,8 +34,8 @@ class MistralToolParser:
 
     def split(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
         """Content and calls; a call is read where its [TOOL_CALLS] is, its JSON to its own end, so the marker
-        inside an argument string is no new call. One that does not parse waits for more tokens, and once final
-        runs to the next marker, as written, into the content."""
+        inside an argument string is no new call. One that does not parse waits for more tokens; once final, it
+        and everything after it are content, as written."""
         first = text.find(self.tag)
         if first < 0:
             return (text if final else text[: len(text) - partial_suffix(text, self.tag)]), []
@@ -44,13 +44,11 @@ class MistralToolParser:
             found = self._calls_at(text, pos + len(self.tag))
             if found is None and not final:
                 break
-            if found is None:
-                end = text.find(self.tag, pos + len(self.tag))
-                content.append(text[pos: len(text) if end < 0 else end])
-            else:
-                calls.extend(found[0])
-                end = text.find(self.tag, found[1])
-            pos = end
+            if found is None:  # final: the rest as written (a marker in it may sit inside an unclosed string)
+                content.append(text[pos:])
+                break
+            calls.extend(found[0])
+            pos = text.find(self.tag, found[1])
         return "".join(content), calls
 
     def _calls_at(self, text: str, start: int) -> tuple[list[ToolCall], int] | None:
@@ -69,5 +67,7 @@ class MistralToolParser:
             return None
         after = args + len(self.args_tag)
         decoded = decode_json_at(text, after + len(text[after:]) - len(text[after:].lstrip()))
-        call = call_from_object({"name": name, "arguments": decoded[0]}, mistral_call_id()) if decoded else None
+        if decoded is None or not isinstance(decoded[0], dict):
+            return None
+        call = call_from_object({"name": name, "arguments": decoded[0]}, mistral_call_id())
         return None if call is None else ([call], decoded[1])
