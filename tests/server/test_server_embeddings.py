@@ -29,7 +29,8 @@ def test_embeddings_are_the_engines_in_input_order(real_server, openai_client, s
     for data, want in zip(body["data"], expected):
         np.testing.assert_allclose(data["embedding"], want, atol=1e-4)
     tokens = sum(len(smol_engine.tokenizer(t)["input_ids"]) for t in TEXTS)
-    assert body["usage"] == {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}
+    assert body["usage"] == {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens,
+                             "prompt_tokens_details": None}  # null, as vLLM sends it
     # Counted in /metrics as requests that finished, with their prompt tokens and no generated ones.
     assert {name: after[name] - before[name] for name in after} == {
         "jaxserve:request_success_total": 2, "jaxserve:prompt_tokens_total": tokens,
