@@ -341,7 +341,9 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
             seq.logprobs.append(position_logprobs(text.detok, token, result.logprobs[row], result.ranks[row],
                                                   result.top_ids[row], result.top_logprobs[row], seq.params.logprobs))
         stop = text.add_token(seq, token)
-        if stop is not None:
+        if stop is not None and seq.finished:  # its last allowed token completed a stop string: the text ends there
+            seq.finish_reason, seq.stop_reason = "stop", stop
+        elif stop is not None:
             self.scheduler.finish(seq, "stop", stop)
         elif seq.grammar_waits_for is not None:
             if token == seq.grammar_waits_for:  # the grammar starts with the next token

@@ -81,15 +81,20 @@ class OfflineAPI:
         return apply_chat_template(self.tokenizer, messages, add_generation_prompt, **rendering)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield the request's output after every step that advanced it, until it finishes."""
+        """Yield the request's output after every step that advanced it, until it finishes. A caller that stops
+        reading (break, close) aborts the request: its KV blocks are freed, no later step runs it."""
         request_id = f"stream-{next(self._request_ids)}"
         self.add_request(request_id, prompt, params or self.default_sampling_params())
         finished = False
-        while not finished:
-            for out in self.step():
-                if out.request_id == request_id:
-                    finished = out.finished
-                    yield out
+        try:
+            while not finished:
+                for out in self.step():
+                    if out.request_id == request_id:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.abort_request(request_id)
 
     def _run_all(self, prompts: list, params, use_tqdm: bool, lora_request=None) -> list[RequestOutput]:
         from tqdm.auto import tqdm

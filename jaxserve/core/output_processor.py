@@ -20,14 +20,17 @@ class SequenceText:
                                             p.spaces_between_special_tokens)
         self.text = ""
         self.stops = p.stop or []
+        self.num_tokens = 0
 
     def add_token(self, seq: Sequence, token: int) -> str | None:
-        """Decode the new token; return the stop string it completed, if any."""
-        if seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str):
-            return None  # EOS or a stop token id ended it: not part of the text
+        """Decode the new token; return the stop string it completed, if any (none within min_tokens, as vLLM)."""
+        self.num_tokens += 1
+        stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+        if stopped_by_token and not seq.params.include_stop_str_in_output:
+            return None  # EOS or a stop token id ended it: not part of the text unless asked for
         delta = self.detok.push([token])
         self.text = self.detok.text
-        if not delta or not self.stops:
+        if not delta or not self.stops or self.num_tokens <= seq.params.min_tokens:
             return None
         found = find_stop(self.text, len(delta), self.stops)
         if found is None:

@@ -63,3 +63,52 @@ def test_stop_token_ids_and_special_tokens(smol_engine):
     assert "<|im_start|>" in smol_engine.generate(PROMPT, kept, use_tqdm=False)[0].outputs[0].text
     assert "<|im_start|>" not in smol_engine.generate(PROMPT, kept.replace(skip_special_tokens=True),
                                                       use_tqdm=False)[0].outputs[0].text
+
+
+def greedy_output(engine, **kw):
+    kw = {"temperature": 0, "max_tokens": 12, "ignore_eos": True, **kw}
+    return engine.generate(PROMPT, SamplingParams(**kw), use_tqdm=False)[0].outputs[0]
+
+
+def test_stop_strings_wait_for_min_tokens(smol_engine):
+    """vLLM checks stop strings only after min_tokens tokens: a stop string the first ones complete is text."""
+    free = greedy_output(smol_engine)
+    first_token_text = smol_engine.tokenizer.decode(free.token_ids[:1])
+    stop = first_token_text.strip()[:1]  # completed by the first token
+    assert stop
+    assert greedy_output(smol_engine, stop=[stop]).token_ids == free.token_ids[:1]
+    held = greedy_output(smol_engine, stop=[stop], min_tokens=3)
+    assert len(held.token_ids) > 3 and held.text.startswith(first_token_text)
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(smol_engine):
+    free = greedy_output(smol_engine)
+    last = smol_engine.tokenizer.decode(free.token_ids[:4])
+    stop = last[len(smol_engine.tokenizer.decode(free.token_ids[:3])):].strip()  # the 4th token's own text
+    assert stop and stop not in smol_engine.tokenizer.decode(free.token_ids[:3])
+    out = greedy_output(smol_engine, stop=[stop], max_tokens=4)
+    assert (out.finish_reason, out.stop_reason, out.token_ids) == ("stop", stop, free.token_ids[:4])
+    assert not out.text.endswith(stop)
+
+
+def test_include_stop_str_in_output_keeps_a_stop_tokens_text(smol_engine):
+    free = greedy_output(smol_engine)
+    stop_token = free.token_ids[3]
+    kept = greedy_output(smol_engine, stop_token_ids=[stop_token], include_stop_str_in_output=True)
+    dropped = greedy_output(smol_engine, stop_token_ids=[stop_token])
+    assert kept.token_ids == dropped.token_ids == free.token_ids[:4]
+    assert kept.text == smol_engine.tokenizer.decode(free.token_ids[:4])
+    assert dropped.text == smol_engine.tokenizer.decode(free.token_ids[:3])
+
+
+def test_a_stream_left_early_is_aborted(smol_engine):
+    free_before = smol_engine.stats()["free_blocks"]
+    stream = smol_engine.stream(PROMPT, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+    next(stream)
+    stream.close()
+    stats = smol_engine.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    leftovers = []
+    while smol_engine.has_unfinished_requests():  # the step in flight when it was aborted is read back
+        leftovers += smol_engine.step()
+    assert leftovers == [] and smol_engine.stats()["free_blocks"] == free_before  # every block back
