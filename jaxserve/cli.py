@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from jaxserve.cli_args import (OneLineErrorParser, UserError, add_distributed_arguments, fail, parse_with_config,
                                positive_int)
+from jaxserve.cli_compat import check_vllm_options, fold_model_option, normalize_option_spelling
 from jaxserve.cli_engine import LOG_LEVELS, add_engine_arguments, build_engine
 from jaxserve.cli_serve import add_serve_arguments, run_serve
 from jaxserve.loader.convert_command import add_convert_arguments, run_convert
@@ -119,10 +120,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 def main(argv: list[str] | None = None) -> int:
     parser, subparsers = build_parser()
     try:
-        argv = sys.argv[1:] if argv is None else list(argv)
+        argv = normalize_option_spelling(sys.argv[1:] if argv is None else list(argv))
         args = parse_with_config(parser, subparsers, argv)
         args.argv = argv  # the Ray launcher starts followers with these same arguments
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        fold_model_option(args)
+        check_vllm_options(args)
         return SUBCOMMANDS[args.command].run(args) or 0
     except UserError as exc:
         fail(str(exc))

@@ -42,6 +42,23 @@ def positive_int(text: str) -> int:
     return value
 
 
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def token_count(text: str) -> int:
+    """A positive whole number, or vLLM's readable form: 32k = 32,000 and 32K = 32,768 (1.5k = 1,500)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])", text.strip())
+    if match is None:
+        return positive_int(text)
+    number, suffix = match.groups()
+    multiplier = _DECIMAL_SUFFIXES.get(suffix) or _BINARY_SUFFIXES[suffix]
+    value = float(number) * multiplier
+    if value != int(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
+    return int(value)
+
+
 def _float(text: str) -> float:
     try:
         value = float(text)
@@ -113,10 +130,6 @@ def string_list(text: str) -> list[str]:
     return value
 
 
-# Options whose value is JSON: in a YAML config file they may be written as a mapping or a list.
-JSON_OPTION_TYPES = (json_object, speculative_config, generation_overrides, string_list)
-
-
 def memory_fraction(text: str) -> float:
     value = _float(text)
     if not 0 < value <= 1:
@@ -184,6 +197,10 @@ def lora_modules_dict(modules: list[tuple[str, str]] | None) -> dict[str, str] |
     return dict(modules)
 
 
+# Options whose value is JSON: in a YAML config file they may be written as a mapping or a list.
+JSON_OPTION_TYPES = (json_object, speculative_config, generation_overrides, string_list, lora_module)
+
+
 # --- multi-node (jaxserve/parallel/launch.py reads these) ---------------------------------------------------
 def non_negative_int(text: str) -> int:
     try:
@@ -232,17 +249,29 @@ def read_config_file(path: str) -> dict[str, Any]:
     return {str(key).replace("-", "_"): value for key, value in content.items()}
 
 
-def _config_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    return {action.dest: action for action in parser._actions
-            if action.dest not in ("help", "config", argparse.SUPPRESS)}
+def _config_keys(parser: argparse.ArgumentParser) -> dict[str, tuple[argparse.Action, bool]]:
+    """Each key a config file may use -> (its option, whether the key is the option's --no- form). Keys are the
+    long option names, any alias included (`enable-log-requests`, `no-enable-prefix-caching`), as in vLLM's config
+    files, with dashes or underscores."""
+    actions = [action for action in parser._actions if action.dest not in ("help", "config", argparse.SUPPRESS)]
+    keys = {}
+    for action in actions:  # dests first: `model` is MODEL, not --model
+        keys.setdefault(action.dest, (action, False))
+    for action in actions:
+        for option in action.option_strings:
+            if option.startswith("--"):
+                negated = isinstance(action, argparse.BooleanOptionalAction) and option.startswith("--no-")
+                keys.setdefault(option[2:].replace("-", "_"), (action, negated))
+    return keys
 
 
-def _coerce(action: argparse.Action, key: str, value: Any, path: str) -> Any:
+def _coerce(action: argparse.Action, key: str, value: Any, path: str, negated: bool = False) -> Any:
     """A YAML value checked and converted exactly as the same value on the command line would be."""
     if action.nargs == 0:  # a flag such as --enable-something
         if not isinstance(value, bool):
             raise UserError(f"{key} in config file {path} must be true or false, got {value!r}")
-        return value
+        # `async-scheduling: true` is --async-scheduling, which stores False (its dest is no_async_scheduling).
+        return value != (negated or action.const is False)
     if action.nargs in ("+", "*"):
         return [_coerce_one(action, key, item, path) for item in (value if isinstance(value, list) else [value])]
     return _coerce_one(action, key, value, path)
@@ -267,13 +296,17 @@ def _coerce_one(action: argparse.Action, key: str, value: Any, path: str) -> Any
 
 def apply_config_file(parser: argparse.ArgumentParser, path: str) -> None:
     """Make the file's values the parser's defaults, so that the command line still overrides them."""
-    actions = _config_actions(parser)
+    keys = _config_keys(parser)
     values = read_config_file(path)
-    unknown = sorted(set(values) - set(actions))
+    unknown = sorted(set(values) - set(keys))
     if unknown:
-        known = ", ".join(sorted(actions))
+        known = ", ".join(sorted({key.replace("_", "-") for key in keys}))
         raise UserError(f"unknown key {unknown[0]!r} in config file {path}; valid keys are: {known}")
-    parser.set_defaults(**{key: _coerce(actions[key], key, value, path) for key, value in values.items()})
+    defaults = {}
+    for key, value in values.items():
+        action, negated = keys[key]
+        defaults[action.dest] = _coerce(action, key, value, path, negated)
+    parser.set_defaults(**defaults)
 
 
 def parse_with_config(parser: argparse.ArgumentParser, subparsers: dict[str, argparse.ArgumentParser],

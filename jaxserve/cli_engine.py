@@ -18,7 +18,9 @@ from jaxserve.cli_args import (
     mesh_shape,
     positive_int,
     speculative_config,
+    token_count,
 )
+from jaxserve.cli_compat import add_vllm_compat_arguments
 from jaxserve.config import ATTENTION_IMPLS
 
 DEFAULT_MODEL_NOTE = "default: SmolLM2-135M-Instruct"
@@ -28,6 +30,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
                         help=f"model id, directory or .gguf file ({DEFAULT_MODEL_NOTE})")
+    parser.add_argument("--model", dest="model_option", metavar="MODEL", help="MODEL, spelled as vLLM's option")
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument("--mesh", type=mesh_shape, metavar="TPxPP",
                           help="device mesh: tensor-parallel x pipeline-parallel devices, e.g. 8x2")
@@ -39,21 +42,24 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                           help="decoder layers per pipeline stage, e.g. 8,8,7,7 (default: even, the remainder "
                                "going to the stages before the last, as in vLLM)")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                        help="weights and activations (auto: float32 on CPU, bfloat16 on GPU/TPU)")
+    engine.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float", "half", "float16"),
+                        help="weights and activations (auto: float32 on CPU, bfloat16 on GPU/TPU; float is float32; "
+                             "float16 is not supported, bfloat16 replaces it)")
     engine.add_argument("--quantization", "-q", choices=("int8", "w8a8"),
                         help="int8: weight-only int8 with per-channel scales (a quarter of float32's weight bytes, "
                              "faster memory-bound decode); w8a8: those weights times int8 activations quantized "
                              "per token (integer matmuls). BENCHMARKS.md has the accuracy of each")
-    engine.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
-                        help="dummy: random weights for the model's config (no weight files needed; benchmarks)")
-    engine.add_argument("--max-model-len", type=positive_int, metavar="N", help="context length (prompt + output)")
+    engine.add_argument("--load-format", default="auto", choices=("auto", "dummy", "safetensors", "gguf", "pt"),
+                        help="dummy: random weights for the model's config (no weight files needed; benchmarks); "
+                             "auto reads safetensors or GGUF, whichever the model has (pt files are not read)")
+    engine.add_argument("--max-model-len", type=token_count, metavar="N",
+                        help="context length (prompt + output); 32k is 32,000 and 32K 32,768, as in vLLM")
     engine.add_argument("--max-num-seqs", type=positive_int, default=64, metavar="N",
                         help="most sequences in one step")
-    engine.add_argument("--max-num-batched-tokens", type=positive_int, default=512, metavar="N",
+    engine.add_argument("--max-num-batched-tokens", type=token_count, default=512, metavar="N",
                         help="most tokens in one step (prefill chunks are cut to fit)")
     engine.add_argument("--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block")
-    engine.add_argument("--num-kv-blocks", type=positive_int, metavar="N",
+    engine.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=positive_int, metavar="N",
                         help="KV cache blocks (default: sized from free device memory)")
     engine.add_argument("--gpu-memory-utilization", type=memory_fraction, default=0.9, metavar="FRACTION",
                         help="share of each accelerator's memory the engine fills: weights, activations, then the "
@@ -82,6 +88,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-async-scheduling", action="store_true",
                         help="read each step back before scheduling the next (by default the next step is "
                              "dispatched first, so host work overlaps device work; for debugging)")
+    engine.add_argument("--async-scheduling", dest="no_async_scheduling", action="store_false", default=False,
+                        help="the default, as vLLM's option")
     engine.add_argument("--no-warmup", action="store_true",
                         help="compile step programs when first needed instead of at start-up (faster start, "
                              "slower first requests)")
@@ -99,6 +107,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "\"prompt_lookup_max\": 4}' drafts tokens by looking the latest ones up earlier in the "
                              "sequence (faster on outputs that copy their input; the tokens are unchanged)")
     add_lora_arguments(parser)
+    add_vllm_compat_arguments(parser)
     add_distributed_arguments(parser)
     parser.add_argument("--config", metavar="FILE.yaml", help="read any of these options from a YAML file")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)

@@ -4,6 +4,7 @@ loads, then the server (server/launch.py) runs until a signal."""
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 
 from jaxserve.async_engine import DEFAULT_STEP_TIMEOUT_S
@@ -23,12 +24,25 @@ from jaxserve.server.reasoning_parsers import REASONING_PARSERS
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
 from jaxserve.server.uvicorn_server import DEFAULT_DRAIN_SECONDS
 
+# A manifest written for vLLM keeps its key in VLLM_API_KEY: ignoring it would serve with no authentication at all.
+API_KEY_VARIABLES = ("JAXSERVE_API_KEY", "VLLM_API_KEY")
+
+
+def api_key_from_environment() -> list[str] | None:
+    for variable in API_KEY_VARIABLES:
+        if os.environ.get(variable):
+            return [os.environ[variable]]
+    return None
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     server.add_argument("--port", type=port_number, default=8000, help="0 picks a free port")
-    server.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    server.add_argument("--api-key", nargs="+", metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' (any of the keys given) on /v1 routes (default: "
+                             f"${' or $'.join(API_KEY_VARIABLES)} when set, as vLLM reads VLLM_API_KEY)")
     server.add_argument("--served-model-name", nargs="+", metavar="NAME",
                         help="name(s) clients use for the model (default: MODEL as given)")
     server.add_argument("--max-waiting-requests", type=positive_int, default=1024, metavar="N",
@@ -127,6 +141,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UserError("--enable-auto-tool-choice needs --tool-call-parser to say how the model writes tool calls "
                         f"(one of: {', '.join(TOOL_CALL_PARSERS)})")
     args.enable_lora = args.enable_lora or args.enable_runtime_lora_updating
+    args.api_key = args.api_key or api_key_from_environment()
     sock = None  # followers serve no HTTP
     if is_leader(args):
         CORSPolicy.from_args(args)  # both checked now, not after the model loads

@@ -183,9 +183,10 @@ class EngineConfig:
 
 def resolve_dtype(dtype: str, platform: str) -> str:
     """`"auto"` is float32 on CPU (bf16 matmuls are slow there) and bfloat16 on GPU/TPU."""
-    aliases = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+    aliases = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
     if dtype == "auto":
         return "float32" if platform == "cpu" else "bfloat16"
     if dtype not in aliases:
-        raise ValueError(f"dtype={dtype!r} is not supported; use 'auto', 'float32' or 'bfloat16'")
+        raise ValueError(f"dtype={dtype!r} is not supported; use 'auto', 'float32' or 'bfloat16' (bfloat16 stands "
+                         "in for float16: the same speed and memory, float32's range)")
     return aliases[dtype]

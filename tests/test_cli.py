@@ -63,9 +63,11 @@ def test_config_file_values_with_command_line_winning(tmp_path):
     (["serve", "--port", "http"], "--port"),
     (["serve", "--max-model-len", "0"], ">= 1"),
     (["serve", "--mesh", "8"], "TPxPP"),
-    (["serve", "--dtype", "float16"], "invalid choice"),
+    (["serve", "--dtype", "float16"], "use --dtype bfloat16"),
+    (["serve", "--dtype", "float64"], "invalid choice"),
     (["serve", "--quantization", "int4"], "invalid choice"),
-    (["serve", "--load-format", "pt"], "invalid choice"),
+    (["serve", "--load-format", "pt"], "--load-format pt is not supported"),
+    (["serve", "--load-format", "npcache"], "invalid choice"),
     (["serve", "--mesh", "2x1", "-pp", "2"], "not both"),
     (["serve", "./missing-model.gguf"], "missing-model.gguf does not exist"),
     (["serve", "--config", "/no/such.yaml"], "does not exist"),
@@ -215,7 +217,7 @@ def test_serve_logs_model_mesh_kv_capacity_and_url(fake_engine_module, caplog, m
     assert "KV cache: 64 blocks x 16 tokens = 1024 tokens" in log
     assert f"http://127.0.0.1:{port}" in log
     state = started["app"].state.server
-    assert state.served_model_names == ["smol"] and state.api_key == "k"
+    assert state.served_model_names == ["smol"] and key_required(started["app"], "k")
     assert state.default_chat_template_kwargs == {"enable_thinking": False}
     state.engine.shutdown()
     assert not state.runtime_lora_updating and fake_engine_module["enable_lora"] is False
@@ -224,6 +226,15 @@ def test_serve_logs_model_mesh_kv_capacity_and_url(fake_engine_module, caplog, m
     assert state.runtime_lora_updating and fake_engine_module["enable_lora"] is True  # implied: adapters need slots
     assert "LoRA adapters may be loaded and unloaded over HTTP" in caplog.text
     state.engine.shutdown()
+
+
+def key_required(app, key: str) -> bool:
+    """Whether `app` refuses /v1/models without `key` and answers it with."""
+    from starlette.testclient import TestClient
+
+    client = TestClient(app)  # not entered: no lifespan, so the engine is not shut down
+    without, with_key = client.get("/v1/models"), client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+    return without.status_code == 401 and with_key.status_code == 200
 
 
 # --- with the real default model (a few seconds each: loading, first compile) -------------------------------

@@ -61,9 +61,9 @@ PROTECTED_PATHS = {"/score", "/rerank", "/classify"}
 class APIKeyMiddleware:
     """Pure ASGI (not BaseHTTPMiddleware, which breaks streaming disconnects): check `Authorization: Bearer`."""
 
-    def __init__(self, app, api_key: str | None):
+    def __init__(self, app, api_keys: list[str]):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
 
     async def __call__(self, scope, receive, send) -> None:
         if self._needs_key(scope) and not self._authorised(Headers(scope=scope)):
@@ -72,7 +72,7 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
     def _needs_key(self, scope) -> bool:
-        return (self.expected is not None and scope["type"] == "http" and scope["method"] != "OPTIONS"
+        return (bool(self.expected) and scope["type"] == "http" and scope["method"] != "OPTIONS"
                 and self._protected(route_path(scope)))
 
     @staticmethod
@@ -82,8 +82,13 @@ class APIKeyMiddleware:
 
     def _authorised(self, headers: Headers) -> bool:
         given = headers.get("authorization", "").encode()
-        # Constant time, so the key cannot be guessed byte by byte from response timings.
-        return hmac.compare_digest(given, self.expected)
+        # Constant time, so a key cannot be guessed byte by byte from response timings; every key is compared.
+        return sum(hmac.compare_digest(given, expected) for expected in self.expected) > 0
+
+
+def _key_list(api_key: str | list[str] | None) -> list[str]:
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    return [key for key in keys if key]  # an empty key (say, an unset variable in a manifest) is no key
 
 
 def _state(request: Request) -> ServerState:
@@ -177,7 +182,7 @@ ROUTES = [
 
 
 def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = None,
-              api_key: str | None = None, shutdown_engine: bool = True,
+              api_key: str | list[str] | None = None, shutdown_engine: bool = True,
               max_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
               default_chat_template_kwargs: dict | None = None, tool_parser=None,
               reasoning_parser=None, lora_adapters: dict | None = None,
@@ -188,6 +193,7 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
     and each of `lora_adapters` (name -> LoRARequest) under its name; `runtime_lora_updating` opens the routes
     that load and unload adapters.
 
+    `api_key`: the key, or keys, /v1 routes require (None: open).
     Bodies over `max_body_bytes` are refused with 413 (None: no limit). `cors`: which browser origins may call
     it (None: no CORS headers, so only same-origin pages). `root_path`: the prefix a proxy serves it under
     (server/transport.py). `log_stats_interval`: seconds between the engine stats lines in the log (None: none).
@@ -195,7 +201,7 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
     `request_id_headers`: every response carries an X-Request-Id header.
     """
     names = list(served_model_names or [async_engine.model_name])
-    state = ServerState(async_engine, names, ServerMetrics(async_engine, names[0]), api_key,
+    state = ServerState(async_engine, names, ServerMetrics(async_engine, names[0]),
                         default_chat_template_kwargs, tool_parser=tool_parser, reasoning_parser=reasoning_parser,
                         lora_adapters=dict(lora_adapters or {}), runtime_lora_updating=runtime_lora_updating,
                         output_options=output_options or OutputOptions())
@@ -219,7 +225,7 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
                     middleware=[*([Middleware(RequestIdMiddleware)] if request_id_headers else []),
                                 *([Middleware(RootPathMiddleware, root_path=root_path)] if root_path else []),
                                 *([cors.middleware()] if cors else []),  # errors get CORS headers too
-                                Middleware(APIKeyMiddleware, api_key=api_key),
+                                Middleware(APIKeyMiddleware, api_keys=_key_list(api_key)),
                                 Middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)])
     app.state.server = state
     return app

@@ -32,7 +32,6 @@ class ServerState:
     engine: AsyncEngine
     served_model_names: list[str]
     metrics: ServerMetrics
-    api_key: str | None = None
     default_chat_template_kwargs: dict | None = None  # --default-chat-template-kwargs; a request's own win
     tool_parser: ToolParser | None = None  # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto"
     reasoning_parser: ThinkReasoningParser | None = None  # --reasoning-parser: `reasoning` apart from `content`
