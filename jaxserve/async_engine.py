@@ -138,7 +138,7 @@ class AsyncEngine:
 
     # --- requests ---------------------------------------------------------------------------------------------
     async def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,
+        self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str, priority: int = 0,
         lora_request: LoRARequest | None = None, continuing: bool = False,
     ) -> RequestStream:
         """Validate and queue a request; its outputs arrive on the returned stream.
@@ -164,7 +164,7 @@ class AsyncEngine:
         return stream
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,
+        self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str, priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the request finishes; stopping early aborts the request."""
@@ -245,7 +245,7 @@ class AsyncEngine:
                            self.request_timeout)
             self._submit_abort(stream.request_id, RequestTimedOut(self.request_timeout))
 
-    def _log_admission(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def _log_admission(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams) -> None:
         if self.log_prompts:
             shown = repr(prompt)
             if len(shown) > MAX_LOGGED_PROMPT_CHARS:

@@ -26,9 +26,9 @@ from jaxserve.engine_pooling import pool, pooling_output, step_params
 from jaxserve.engine_beam_search import BeamSearchAPI
 from jaxserve.engine_offline import OfflineAPI
 from jaxserve.engine_steps import InFlightStep, StepRecord
-from jaxserve.engine_inputs import (check_engine_options, check_max_model_len, fit_context_to_cache,
-                                   model_for_context, prompt_token_ids, resolve_token_rules, truncate_prompt,
-                                   validate_lengths)
+from jaxserve.engine_inputs import (Prompt, check_engine_options, check_max_model_len, fit_context_to_cache,
+                                   model_for_context, prompt_token_ids, resolve_token_rules, split_prompt,
+                                   truncate_prompt, validate_lengths)
 from jaxserve.grammar import GrammarCompiler, grammar_ended
 from jaxserve.loader.checkpoint import open_checkpoint
 from jaxserve.loader.generation_config import generation_defaults
@@ -174,11 +174,12 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
 
     # ---- requests -------------------------------------------------------------------------------------
 
-    def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams, *,
+    def prepare_request(self, request_id: str, prompt: Prompt, params: SamplingParams | PoolingParams, *,
                         priority: int = 0, lora_request: LoRARequest | None = None) -> Request:
         """Tokenize and validate (no device work, safe from any thread). Raises ValueError for bad input.
         PoolingParams make it a pooling request: an embedding or a classification (engine_pooling.py)."""
         pooling = params if isinstance(params, PoolingParams) else None
+        prompt, cache_salt = split_prompt(prompt)
         params = step_params(params, self.head, self.model_name, self.config.model.hidden_size, self.declared_pooling)
         given = prompt_token_ids(self.tokenizer, prompt, self.config.model.vocab_size)
         ids = truncate_prompt(given, (pooling or params).truncate_prompt_tokens, self.max_model_len)
@@ -186,7 +187,8 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
                                   self.generation_defaults.get("max_tokens"))
         lora_request = self.adapters.check(lora_request)
         allowed_mask, bad_words = resolve_token_rules(params, self.tokenizer, self.config, self.eos_token_ids())
-        shared = dict(lora_request=lora_request, pooling=pooling, allowed_mask=allowed_mask, bad_words=bad_words)
+        shared = dict(lora_request=lora_request, pooling=pooling, allowed_mask=allowed_mask, bad_words=bad_words,
+                      cache_salt=cache_salt)
         seqs = [self._new_sequence(request_id, i, ids, params, priority, **shared) for i in range(params.num_sequences)]
         if params.constrained:  # compiled here, off the engine thread; an invalid grammar is a ValueError
             matcher = self.grammars.matcher(params.structured_outputs)
@@ -222,7 +224,7 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
             self._texts[seq.seq_id] = SequenceText(self.tokenizer, seq)
             self.scheduler.add(seq)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
                     priority: int = 0, lora_request: LoRARequest | None = None) -> None:
         self.add_prepared_request(self.prepare_request(request_id, prompt, params, priority=priority,
                                                        lora_request=lora_request))

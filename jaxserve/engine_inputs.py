@@ -16,14 +16,35 @@ log = logging.getLogger(__name__)
 
 
 def normalise_prompts(prompts) -> list:
-    """A str, a list of str, a list of token ids (one prompt) or a list of token-id lists -> list of prompts."""
-    if isinstance(prompts, str):
+    """A prompt (a str, a list of token ids, or vLLM's dict: see split_prompt) or a list of prompts -> a list."""
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]
-    if isinstance(prompts, (list, tuple)) and all(isinstance(p, (str, list)) for p in prompts):
+    if isinstance(prompts, (list, tuple)) and all(isinstance(p, (str, list, dict)) for p in prompts):
         return list(prompts)
-    raise ValueError("prompts must be a str, a list of str, a list of token ids, or a list of token-id lists")
+    raise ValueError("prompts must be a str, a list of str, a list of token ids, a list of token-id lists, or "
+                     "prompt dicts ({'prompt': text} or {'prompt_token_ids': ids})")
+
+
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+Prompt = str | list[int] | dict  # text, token ids, or vLLM's prompt dict (split_prompt)
+
+
+def split_prompt(prompt) -> tuple[str | list[int], str | None]:
+    """vLLM's prompt dicts, {"prompt": text} or {"prompt_token_ids": ids}, each with an optional "cache_salt"
+    (requests with different salts never share prefix-cache blocks) -> (text or ids, salt). Others pass as they are."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = sorted(set(prompt) - set(PROMPT_DICT_KEYS))
+    if unknown:
+        raise ValueError(f"prompt dict key {unknown[0]!r} is not supported; the keys are {', '.join(PROMPT_DICT_KEYS)}")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("a prompt dict needs exactly one of 'prompt' (text) and 'prompt_token_ids'")
+    salt = prompt.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return prompt.get("prompt", prompt.get("prompt_token_ids")), salt
 
 
 def normalise_conversations(messages) -> list[list[dict]]:
@@ -80,7 +101,9 @@ def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int
     for field in ("logprobs", "prompt_logprobs"):
         value = getattr(params, field)
         if value is not None and value > config.max_logprobs:
-            raise ValueError(f"{field}={value} exceeds the maximum of {config.max_logprobs}")
+            also = " (chat's top_logprobs)" if field == "logprobs" else ""
+            raise ValueError(f"{field}={value}{also} exceeds the maximum of {config.max_logprobs}; the engine's "
+                             "max_logprobs (serve --max-logprobs) sets it")
     vocab = config.model.vocab_size
     for field, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids or [])):
         bad = [t for t in ids if not 0 <= t < vocab]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import types
 
 import pytest
 
@@ -61,3 +63,18 @@ def tiny_checkpoint(tmp_path_factory, smollm2_gguf_path):
         return cache[key]
 
     return make
+
+
+@pytest.fixture
+def fake_engine_module(monkeypatch, smol_tokenizer):
+    """Stand `jaxserve.engine` in with the fake engine (the CLI tests), recording how it was built."""
+    from tests.server.fake_engine import FakeEngine
+
+    built = {}
+
+    def make_engine(model, **kwargs):
+        built.update(kwargs, model=model)
+        return FakeEngine(smol_tokenizer)
+
+    monkeypatch.setitem(sys.modules, "jaxserve.engine", types.SimpleNamespace(Engine=make_engine))
+    return built

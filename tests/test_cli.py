@@ -107,21 +107,6 @@ def test_busy_port_is_a_user_error(capsys):
         assert "cannot listen on 127.0.0.1" in user_error(capsys, ["serve", "--port", str(port)])
 
 
-@pytest.fixture
-def fake_engine_module(monkeypatch, tokenizer):
-    """Stand `jaxserve.engine` in with the fake engine, recording how it was built."""
-    from tests.server.fake_engine import FakeEngine
-
-    built = {}
-
-    def make_engine(model, **kwargs):
-        built.update(kwargs, model=model)
-        return FakeEngine(tokenizer)
-
-    monkeypatch.setitem(sys.modules, "jaxserve.engine", types.SimpleNamespace(Engine=make_engine))
-    return built
-
-
 @pytest.fixture(scope="module")
 def tokenizer(smol_tokenizer):
     return smol_tokenizer

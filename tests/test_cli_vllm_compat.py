@@ -10,7 +10,7 @@ from jaxserve import cli, cli_serve
 from jaxserve.cli_args import token_count
 from jaxserve.cli_compat import normalize_option_spelling
 from jaxserve.config import resolve_dtype
-from tests.test_cli import fake_engine_module, key_required, parse, tokenizer, user_error  # noqa: F401 (fixtures)
+from tests.test_cli import key_required, parse, user_error
 
 
 def generate(*flags):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from ..lora_request import LoRARequest
 from ..sampling_params import SamplingParams
@@ -59,11 +61,16 @@ class Sequence:
     # probabilities are taken from the hidden state there, and no token is generated.
     pooling: object | None = None
     pooled: list[float] | None = None
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
 
-    @property
+    @cached_property  # read at every step
     def cache_root(self) -> bytes:
-        """The root of its blocks' prefix-cache hash chain: the adapter's, so KV never matches across adapters."""
-        return b"" if self.lora_request is None else self.lora_request.cache_root
+        """The root of its blocks' prefix-cache hash chain: the adapter's, so KV never matches across adapters,
+        salted, so that one tenant's requests cannot tell from timings which prompts another has sent."""
+        adapter = b"" if self.lora_request is None else self.lora_request.cache_root
+        if self.cache_salt is None:
+            return adapter
+        return hashlib.sha256(b"salt\0" + self.cache_salt.encode() + b"\0" + adapter).digest()
 
     @property
     def grammar_active(self) -> bool:

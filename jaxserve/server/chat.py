@@ -58,7 +58,7 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, request_id
                                               state.tool_parser, state.reasoning_parser)
     reasoning = state.reasoning_parser and state.reasoning_parser.bind(prompts[0], params)
     arrival_time = time.monotonic()
-    streams = await start_requests(state, prompts, params, request_id, body.priority, model)
+    streams = await start_requests(state, prompts, params, request_id, body.priority, model, body.cache_salt)
     job = ChatJob(body, model, request_id, state.engine.tokenizer, state.tool_parser, reasoning,
                   state.output_options, state=state, arrival_time=arrival_time, stream=streams[0])
     return job, streams
@@ -67,6 +67,7 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, request_id
 async def _stream_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionStreamResponse]:
     progress: dict[int, ChoiceProgress] = {}  # per choice index
     last_output = None
+    send_prompt_ids = bool(job.request.return_token_ids)  # vLLM's: in the first chunk
     async with aclosing(observed(job.state, [job.stream], job.arrival_time)) as outputs:
         async for _, output in outputs:
             last_output = output
@@ -74,8 +75,10 @@ async def _stream_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionStreamResp
                 choice = delta_choice(job, completion, progress)
                 if choice is not None:
                     usage = choice_usage(output, completion) if job.request.usage_in_every_chunk else None
-                    yield ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[choice],
-                                                       usage=usage)
+                    yield ChatCompletionStreamResponse(
+                        id=job.request_id, model=job.model, choices=[choice], usage=usage,
+                        prompt_token_ids=output.prompt_token_ids if send_prompt_ids else None)
+                    send_prompt_ids = False
     if job.request.include_usage_chunk and last_output is not None:
         yield ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[],
                                            usage=job.options.usage([last_output]))
@@ -112,7 +115,7 @@ def delta_choice(job: ChatJob, completion: CompletionOutput, progress: dict[int,
     sent.tokens, sent.finished = len(completion.token_ids), completion.finished
     return ChatStreamChoice(index=completion.index, delta=delta or DeltaMessage(content=""),
                             logprobs=job.logprobs(completion, tokens_sent), finish_reason=finish_reason,
-                            stop_reason=completion.stop_reason)
+                            stop_reason=completion.stop_reason, token_ids=job.token_ids(completion, tokens_sent))
 
 
 def _delta(job: ChatJob, completion: CompletionOutput, sent: ChoiceProgress, first_chunk: bool

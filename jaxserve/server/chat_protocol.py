@@ -8,13 +8,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server.protocol import OpenAIModel, SamplingFields, UsageInfo
+from jaxserve.server.protocol import OpenAIModel, PromptLogprobs, SamplingFields, UsageInfo
 from jaxserve.server.tools import ToolChoice, template_tool_calls, tool_choice_of, tool_constraint
 from jaxserve.structured_outputs import StructuredOutputsParams
-
-# OpenAI's cap on top_logprobs for chat.
-MAX_TOP_LOGPROBS = 20
-
 
 class ChatMessageParam(BaseModel):
     """One input message. Extra keys (name, tool_calls, ...) are kept and handed to the chat template."""
@@ -52,6 +48,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the last (assistant) message is left open to go on with
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables (enable_thinking...)
+    reasoning_effort: str | None = None  # OpenAI's; reaches the chat template as `reasoning_effort`, as in vLLM
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the message (--reasoning-parser)
     tool_choice: Any = None
     tools: list[dict[str, Any]] | None = None  # tool calls: server/tools.py
     parallel_tool_calls: bool | None = None  # OpenAI's default (None) is true; false: at most one call
@@ -82,14 +80,16 @@ class ChatCompletionRequest(SamplingFields):
         return tool_constraint(choice, self.tools)
 
     def to_sampling_params(self, model_defaults: dict[str, Any] | None = None) -> SamplingParams:
+        # As vLLM: top_logprobs 0 asks for nothing, so it needs no logprobs; the most is the server's --max-logprobs.
         if self.top_logprobs is not None:
-            if not self.logprobs:
+            if self.top_logprobs < 0:
+                raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+            if self.top_logprobs > 0 and not self.logprobs:
                 raise ValueError("top_logprobs needs logprobs set to true")
-            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(model_defaults, max_tokens=max_tokens,
-                                     logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+                                     logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+                                     prompt_logprobs=self.prompt_logprobs)
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [message.to_template_dict() for message in self.messages]
@@ -98,8 +98,14 @@ class ChatCompletionRequest(SamplingFields):
         """encode_chat's options beyond the messages; the request's template variables win over the server's
         `--default-chat-template-kwargs`."""
         return {"continue_final_message": self.continue_final_message,
-                "chat_template_kwargs": template_kwargs(default_kwargs, self.chat_template_kwargs),
+                "chat_template_kwargs": template_kwargs(default_kwargs, self._own_template_kwargs()),
                 "tools": self.tools or None}  # also under tool_choice "none", as in vLLM
+
+    def _own_template_kwargs(self) -> dict[str, Any] | None:
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
+
 
 
 def template_kwargs(server_defaults: dict[str, Any] | None, own: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -134,6 +140,7 @@ class ChatChoice(OpenAIModel):
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ChatCompletionResponse(OpenAIModel):
@@ -143,6 +150,8 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when the request asks for them
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class DeltaMessage(OpenAIModel):
@@ -158,6 +167,7 @@ class ChatStreamChoice(OpenAIModel):
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids: this chunk's new tokens
 
 
 class ChatCompletionStreamResponse(OpenAIModel):
@@ -167,3 +177,4 @@ class ChatCompletionStreamResponse(OpenAIModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids: in the first chunk

@@ -45,7 +45,7 @@ async def create_completion(request: Request) -> Response:
     prompts, params = completion_inputs(body, state.engine.generation_defaults)
     arrival_time = time.monotonic()
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await start_requests(state, prompts, params, request_id, body.priority, model)
+    streams = await start_requests(state, prompts, params, request_id, body.priority, model, body.cache_salt)
     job = CompletionJob(body, model, request_id, state.engine.tokenizer, state.output_options, state=state,
                         arrival_time=arrival_time, streams=streams)
     if body.stream:
@@ -102,7 +102,11 @@ def _delta_choice(job: CompletionJob, prompt_index: int, output: RequestOutput, 
         logprobs = job.generated_logprobs(completion, sent.tokens_sent, sent.echo_chars + sent.chars_sent)
         if prefix:
             logprobs = concat_logprobs(job.prompt_logprobs(output), logprobs)
+    ids = bool(job.request.return_token_ids)  # vLLM's: the prompt's in the first chunk, then each chunk's new ones
+    new_ids = list(completion.token_ids[sent.tokens_sent:]) if ids else None
     sent.chars_sent, sent.tokens_sent = len(completion.text), len(completion.token_ids)
     sent.finished = completion.finished
     return CompletionChoice(index=index, text=prefix + text, logprobs=logprobs,
-                            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+                            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                            prompt_token_ids=output.prompt_token_ids if ids and first_chunk else None,
+                            token_ids=new_ids)

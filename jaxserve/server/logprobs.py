@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from jaxserve.outputs import Logprob, PositionLogprobs
+from jaxserve.outputs import Logprob, PositionLogprobs, RequestOutput
 from jaxserve.server.chat_protocol import ChatLogProb, ChatLogProbs, ChatLogProbsContent
-from jaxserve.server.protocol import CompletionLogProbs
+from jaxserve.server.protocol import CompletionLogProbs, PromptLogprob, PromptLogprobs
 
 # JSON has no -inf; vLLM sends this floor instead, and clients treat it as "impossible".
 LOGPROB_FLOOR = -9999.0
@@ -78,3 +78,19 @@ def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs
 
 def _chat_logprob(token: str, logprob: float) -> ChatLogProb:
     return ChatLogProb(token=token, logprob=_finite(logprob), bytes=list(token.encode("utf-8")))
+
+
+def prompt_logprobs_by_id(output: RequestOutput, top_n: int, name: TokenName) -> PromptLogprobs:
+    """vLLM's prompt_logprobs: per prompt token, None for the first, else its own entry and the top-N others,
+    keyed by token id."""
+    positions = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+    result: PromptLogprobs = []
+    for token_id, position in zip(output.prompt_token_ids, positions):
+        if position is None:
+            result.append(None)
+            continue
+        kept = [(token_id, position[token_id])] if token_id in position else []
+        kept += [(tid, lp) for tid, lp in _top_entries(position, top_n) if tid != token_id]
+        result.append({str(tid): PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=name(tid, lp))
+                       for tid, lp in kept})
+    return result

@@ -1,26 +1,41 @@
 """Request and response schemas of the OpenAI-compatible API (pydantic), as OpenAI and vLLM clients send them.
 
-Unknown request fields are ignored, as vLLM does, so clients written for newer API versions still work; tool
-calls, which change what a right answer is and which this server does not implement, are refused by name.
+Unknown request fields are ignored, as vLLM does, so clients written for newer API versions still work, and named
+in a warning in the log (a misspelt option shows there); fields that would change what a right answer is and
+which this server does not implement are refused by name.
 Chat schemas live in `chat_protocol.py`; this file holds the shared pieces, completions, tokenize and models.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from jaxserve.beam_search_params import BeamSearchParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_outputs import StructuredOutputsParams
 
+logger = logging.getLogger("jaxserve.server")
 PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    EXTRA_FIELDS_USED: ClassVar[frozenset[str]] = frozenset()  # extras a model with extra="allow" reads itself
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_ignored_fields(cls, data: Any, handler):
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {field.alias for field in cls.model_fields.values() if field.alias}
+            known |= cls.EXTRA_FIELDS_USED
+            ignored = sorted(str(key) for key in data.keys() - known)
+            if ignored:
+                logger.warning("these fields of the request were ignored: %s", ", ".join(ignored))
+        return handler(data)
 
 
 # --- errors -------------------------------------------------------------------------------------------------
@@ -37,7 +52,7 @@ class ErrorResponse(OpenAIModel):
 
 # --- shared -------------------------------------------------------------------------------------------------
 class StreamOptions(OpenAIModel):
-    include_usage: bool = False
+    include_usage: bool = True  # as vLLM: `"stream_options": {}` asks for the usage chunk
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
@@ -103,6 +118,9 @@ class SamplingFields(OpenAIModel):
     bad_words: list[str] | None = None
     use_beam_search: bool = False  # vLLM's: `n` beams, all returned, best first
     length_penalty: float = 1.0  # beam search: scores are cumulative logprob / length ** length_penalty
+    cache_salt: str | None = Field(None, min_length=1)  # only requests with the same salt share prefix-cache blocks
+    prompt_logprobs: int | None = Field(None, ge=0)  # vLLM's: each prompt token's logprob and its top alternatives
+    return_token_ids: bool | None = None  # vLLM's: responses carry the prompt's and each choice's token ids
 
     @property
     def include_usage_chunk(self) -> bool:
@@ -124,6 +142,8 @@ class SamplingFields(OpenAIModel):
             value = getattr(self, name)
             return value if value is not None else (model_defaults or {}).get(name, fallback)
 
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true (as in vLLM); leave one out")
         cap = (model_defaults or {}).get("max_tokens")
         if cap is not None and specific.get("max_tokens") is not None:
             specific["max_tokens"] = min(specific["max_tokens"], cap)
@@ -168,7 +188,8 @@ class SamplingFields(OpenAIModel):
                      "repetition_penalty": self.repetition_penalty not in (None, 1.0),
                      "logit_bias": bool(self.logit_bias), "allowed_token_ids": params.allowed_token_ids is not None,
                      "bad_words": bool(params.bad_words),
-                     "truncate_prompt_tokens": params.truncate_prompt_tokens is not None}
+                     "truncate_prompt_tokens": params.truncate_prompt_tokens is not None,
+                     "cache_salt": self.cache_salt is not None}
         if params.constrained:
             source = params.structured_outputs.source or "structured_outputs"
             conflicts["tool_choice" if source.startswith("tools") else source] = True
@@ -253,11 +274,10 @@ class CompletionRequest(SamplingFields):
     def to_sampling_params(self, model_defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.suffix:
             raise ValueError("suffix is not supported")
-        # Echoing the prompt with logprobs needs the prompt's logprobs too.
-        prompt_logprobs = self.logprobs if self.echo else None
+        # Echoing the prompt with logprobs needs the prompt's logprobs too (each view keeps its own top-N).
+        asked = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs) if n is not None]
         return self._sampling_params(model_defaults, max_tokens=self.max_tokens, best_of=self.best_of,
-                                     logprobs=self.logprobs,
-                                     prompt_logprobs=prompt_logprobs)
+                                     logprobs=self.logprobs, prompt_logprobs=max(asked, default=None))
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of single prompts (text or token ids)."""
@@ -274,12 +294,29 @@ class CompletionLogProbs(OpenAIModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIModel):
+    """One entry of vLLM's prompt_logprobs, keyed by token id."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token: None for the first (nothing predicts it), else {token id: its entry} for the prompt's own token
+# and the top alternatives.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when the request asks for them
+    # vLLM's, with return_token_ids (streamed: the prompt's in a choice's first chunk, each chunk's new tokens)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(OpenAIModel):

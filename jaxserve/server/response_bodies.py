@@ -18,7 +18,7 @@ from jaxserve.server.chat_protocol import (
     ChatLogProbs,
     ChatMessage,
 )
-from jaxserve.server.logprobs import TokenName, chat_logprobs, completion_logprobs, token_namer
+from jaxserve.server.logprobs import TokenName, chat_logprobs, completion_logprobs, prompt_logprobs_by_id, token_namer
 from jaxserve.server.reasoning_parsers import PromptReasoning, ThinkReasoningParser
 from jaxserve.server.tool_parsers import ToolParser
 from jaxserve.server.tools import ToolChoice, parse_forced_calls
@@ -27,6 +27,7 @@ from jaxserve.server.protocol import (
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprobs,
     UsageInfo,
 )
 
@@ -44,6 +45,12 @@ class OutputOptions:
 
     def token_name(self, tokenizer) -> TokenName:
         return token_namer(lambda token_id: tokenizer.decode([token_id]), self.tokens_as_ids)
+
+    def prompt_logprobs(self, output: RequestOutput, request, tokenizer) -> PromptLogprobs | None:
+        """vLLM's prompt_logprobs field, for a request that asks for them (None otherwise)."""
+        if request.prompt_logprobs is None:
+            return None
+        return prompt_logprobs_by_id(output, request.prompt_logprobs, self.token_name(tokenizer))
 
 
 def completion_token_count(outputs: list[RequestOutput]) -> int:
@@ -96,9 +103,13 @@ class CompletionRendering:
             logprobs = self.generated_logprobs(completion, 0, len(prefix))
             if self.request.echo:
                 logprobs = concat_logprobs(self.prompt_logprobs(output), logprobs)
+        ids = bool(self.request.return_token_ids)
         return CompletionChoice(index=self.choice_index(prompt_index, completion), text=prefix + completion.text,
                                 logprobs=logprobs, finish_reason=completion.finish_reason,
-                                stop_reason=completion.stop_reason)
+                                stop_reason=completion.stop_reason,
+                                prompt_logprobs=self.options.prompt_logprobs(output, self.request, self.tokenizer),
+                                prompt_token_ids=output.prompt_token_ids if ids else None,
+                                token_ids=list(completion.token_ids) if ids else None)
 
 
 def concat_logprobs(first: CompletionLogProbs, second: CompletionLogProbs) -> CompletionLogProbs:
@@ -145,7 +156,8 @@ class ChatRendering:
         """(reasoning, the answer's text) of the output so far (`split` of the reasoning parser, if any)."""
         if self.reasoning is None:
             return None, completion.text
-        return self.reasoning.split(completion.text, final)
+        reasoning, text = self.reasoning.split(completion.text, final)
+        return (reasoning if self.request.include_reasoning else None), text
 
     def message(self, completion: CompletionOutput) -> tuple[ChatMessage, str | None]:
         """A finished choice's message and finish reason: its text, or the tool calls in it, after any reasoning.
@@ -171,10 +183,18 @@ class ChatRendering:
     def full_response(self, output: RequestOutput) -> ChatCompletionResponse:
         """The whole (non-streamed) response from the request's final output."""
         choices = [self._full_choice(completion) for completion in sorted(output.outputs, key=lambda c: c.index)]
+        prompt_logprobs = self.options.prompt_logprobs(output, self.request, self.tokenizer)
+        prompt_ids = output.prompt_token_ids if self.request.return_token_ids else None
         return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices,
-                                      usage=self.options.usage([output]))
+                                      usage=self.options.usage([output]), prompt_logprobs=prompt_logprobs,
+                                      prompt_token_ids=prompt_ids)
 
     def _full_choice(self, completion: CompletionOutput) -> ChatChoice:
         message, finish_reason = self.message(completion)
         return ChatChoice(index=completion.index, message=message, logprobs=self.logprobs(completion),
-                          finish_reason=finish_reason, stop_reason=completion.stop_reason)
+                          finish_reason=finish_reason, stop_reason=completion.stop_reason,
+                          token_ids=self.token_ids(completion, 0))
+
+    def token_ids(self, completion: CompletionOutput, first_token: int) -> list[int] | None:
+        """vLLM's token_ids (with return_token_ids): the choice's tokens from `first_token` on."""
+        return list(completion.token_ids[first_token:]) if self.request.return_token_ids else None

@@ -45,6 +45,7 @@ UNSUPPORTED_FIELDS = {
 
 class ResponsesRequest(OpenAIModel):
     model_config = ConfigDict(extra="allow")  # vLLM's sampling extras (top_k, seed, ...): FORWARDED_FIELDS
+    EXTRA_FIELDS_USED = frozenset(FORWARDED_FIELDS | set(MISPLACED_FIELDS) | set(UNSUPPORTED_FIELDS))
 
     input: str | list[dict[str, Any]]
     model: str | None = None

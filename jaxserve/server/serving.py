@@ -62,10 +62,11 @@ class ServerState:
 
 
 async def start_requests(state: ServerState, prompts: list[str | list[int]],
-                         params: SamplingParams | BeamSearchParams, request_id: str, priority: int, model: str
-                         ) -> list[RequestStream | BeamSearchStream]:
+                         params: SamplingParams | BeamSearchParams, request_id: str, priority: int, model: str,
+                         cache_salt: str | None = None) -> list[RequestStream | BeamSearchStream]:
     """Queue one engine request (or beam search) per prompt (with the adapter `model` names, if it names one);
-    if any is refused, abort those already queued and re-raise."""
+    if any is refused, abort those already queued and re-raise. `cache_salt`: vLLM's request field (the prefix
+    cache is shared only between requests with the same salt; beam searches take none)."""
     streams: list[RequestStream | BeamSearchStream] = []
     lora = state.lora_for(model)
     try:
@@ -74,6 +75,8 @@ async def start_requests(state: ServerState, prompts: list[str | list[int]],
             if isinstance(params, BeamSearchParams):
                 streams.append(await state.engine.beam_search(prompt, params, sub_id, priority, lora_request=lora))
                 continue
+            if cache_salt is not None:
+                prompt = {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt, "cache_salt": cache_salt}
             streams.append(await state.engine.add_request(prompt, params.clone(), sub_id, priority=priority,
                                                           lora_request=lora))
     except BaseException:

@@ -179,7 +179,7 @@ def test_bad_requests_are_refused_with_clear_errors(smol_engine):
         e.generate([[1, 2, 10**9]], SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
         e.generate([[]], SamplingParams(max_tokens=4), use_tqdm=False)
-    with pytest.raises(ValueError, match="logprobs=21 exceeds the maximum of 20"):
+    with pytest.raises(ValueError, match=r"logprobs=21 \(chat.s top_logprobs\) exceeds the maximum of 20"):
         e.generate("hi", SamplingParams(logprobs=21), use_tqdm=False)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=1.5)

@@ -93,6 +93,8 @@ class FakeEngine:
     def prepare_request(self, request_id, prompt, params, *, priority=0, lora_request=None):
         self.lora_requests[request_id] = lora_request
         self.prompts[request_id], self.sampling_params[request_id] = prompt, params
+        if isinstance(prompt, dict):  # vLLM's prompt dict (a cache_salt given): the salt changes no output here
+            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
         if isinstance(params, PoolingParams):  # an embedding: the prompt's token count, then zeros
             token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             if params.task == "classify":  # one class, certain

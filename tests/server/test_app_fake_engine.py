@@ -93,6 +93,49 @@ def test_streaming_multiple_prompts_with_usage_chunk(server):
 
 
 @pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Hello there"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello there"}]}),
+])
+def test_return_token_ids_whole_and_streamed(server, tokenizer, path, body):
+    """vLLM's return_token_ids: the prompt's ids (chat: at the top; completions: per choice) and each choice's
+    generated ids; streamed, the prompt's in the first chunk only and each chunk's new ids, adding up."""
+    def prompt_ids_of(payload):
+        return (payload["choices"][0] if path == "/v1/completions" else payload)["prompt_token_ids"]
+
+    body = {**body, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    whole = post(server, path, body).json()
+    generated = whole["choices"][0]["token_ids"]
+    assert len(prompt_ids_of(whole)) == whole["usage"]["prompt_tokens"] and len(generated) == 4
+    assert tokenizer.decode(generated) == " one two three four"
+    if path == "/v1/completions":
+        assert prompt_ids_of(whole) == tokenizer.encode(body["prompt"])
+    with httpx.stream("POST", server[0] + path, json={**body, "stream": True}, headers=AUTH) as response:
+        chunks = sse_payloads(response)
+    assert [prompt_ids_of(chunk) for chunk in chunks] == [prompt_ids_of(whole)] + [None] * (len(chunks) - 1)
+    assert [t for chunk in chunks for t in chunk["choices"][0]["token_ids"]] == generated
+    assert post(server, path, {**body, "return_token_ids": None}).json()["choices"][0]["token_ids"] is None
+
+
+def test_ignored_fields_are_named_in_the_log(server, caplog):
+    caplog.set_level("WARNING", logger="jaxserve.server")
+    response = post(server, "/v1/completions", {"prompt": "a", "max_tokens": 1, "max_tokns": 5, "vllm_xargs": {},
+                                                "stream_options": {"include_usgae": False}})
+    assert response.status_code == 200
+    warnings = [record.getMessage() for record in caplog.records]
+    assert "these fields of the request were ignored: max_tokns, vllm_xargs" in warnings
+    assert "these fields of the request were ignored: include_usgae" in warnings
+
+
+@pytest.mark.parametrize("options, usage_chunk", [({}, True), ({"include_usage": False}, False), (None, False)])
+def test_stream_options_ask_for_the_usage_chunk_unless_they_say_no(server, options, usage_chunk):
+    """As vLLM: include_usage defaults to true once stream_options is sent at all."""
+    body = {"prompt": "a", "max_tokens": 2, "stream": True, "stream_options": options}
+    with httpx.stream("POST", server[0] + "/v1/completions", json=body, headers=AUTH) as response:
+        payloads = sse_payloads(response)
+    assert (payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 2) == usage_chunk
+
+
+@pytest.mark.parametrize("path, body", [
     ("/v1/completions", {"prompt": "a\x85b\u2028c\u2029d", "echo": True, "max_tokens": 2}),
     ("/v1/responses", {"input": "x", "instructions": "a\x85b\u2028c\u2029d", "max_output_tokens": 2}),  # echoed
 ])
@@ -197,6 +240,13 @@ def test_chat_validation_errors_are_400(server):
     assert_error(post(server, "/v1/chat/completions",
                       {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}), 400,
                  param="top_logprobs")
+    assert_error(post(server, "/v1/chat/completions",
+                      {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": -1}), 400,
+                 param="top_logprobs")
+    # As vLLM: top_logprobs 0 asks for no alternatives, so it needs no logprobs.
+    zero = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 0,
+                                                 "max_tokens": 1})
+    assert zero.status_code == 200 and zero.json()["choices"][0]["logprobs"] is None
 
 
 @pytest.mark.parametrize("path, extra, param, contains", [
@@ -410,6 +460,28 @@ def test_server_default_chat_template_kwargs_under_the_requests_own(tokenizer):
 
         assert rendered({}) == "hi and think"
         assert rendered({"chat_template_kwargs": {"thinking": False}}) == "hi"
+
+
+def test_reasoning_effort_reaches_the_chat_template(tokenizer):
+    """OpenAI's reasoning_effort is a template variable, as in vLLM (gpt-oss and others read it); the request's own
+    chat_template_kwargs win."""
+    import copy
+
+    own = copy.deepcopy(tokenizer)
+    own.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if reasoning_effort %} effort " \
+                        "{{ reasoning_effort }}{% endif %}"
+    fake = FakeEngine(own)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False, "max_tokens": 1}
+    with serve_in_thread(build_app(AsyncEngine(fake))) as url:
+        def rendered(extra):
+            reply = httpx.post(url + "/v1/chat/completions", json={**chat, **extra})
+            assert reply.status_code == 200, reply.text
+            return own.decode(list(fake.prompts.values())[-1])  # the latest request's prompt
+
+        assert rendered({}) == "hi"
+        assert rendered({"reasoning_effort": "high"}) == "hi effort high"
+        assert rendered({"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}}) == \
+            "hi effort low"
 
 
 def test_tools_reach_the_template_in_chat_and_tokenize_alike(tokenizer):

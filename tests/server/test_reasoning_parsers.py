@@ -119,6 +119,16 @@ def test_reasoning_and_content_whole_and_streamed(qwen3_client, tokenizer):
                for c in chunks), "a chunk with nothing in it"
 
 
+def test_include_reasoning_false_leaves_the_reasoning_out(qwen3_client, tokenizer):
+    """vLLM's include_reasoning: the answer alone, whole and streamed."""
+    n, body = len(tokenizer.encode(THINKING)), {"include_reasoning": False}
+    message = _chat(qwen3_client, max_tokens=n, extra_body=body).choices[0].message
+    assert (getattr(message, "reasoning", None), message.content) == (None, "\n\nIt is sunny.")
+    chunks = [c.choices[0] for c in _chat(qwen3_client, stream=True, max_tokens=n, extra_body=body) if c.choices]
+    assert not any(getattr(c.delta, "reasoning", None) for c in chunks)
+    assert "".join(c.delta.content or "" for c in chunks) == message.content
+
+
 def test_an_answer_cut_short_while_thinking_is_all_reasoning(qwen3_client):
     choice = _chat(qwen3_client, max_tokens=6).choices[0]
     assert choice.finish_reason == "length" and choice.message.content is None

@@ -54,6 +54,61 @@ def test_prompt_tokens_details_count_the_cached_prefix(openai_client):
     assert streamed[-1].usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens_details.cached_tokens
 
 
+def test_cache_salt_keeps_the_prefix_cache_apart(openai_client, real_server):
+    """vLLM's cache_salt: a prompt cached under one salt (or none) is found again only under the same salt, in
+    chat too; an empty salt or one with beam search is a 400 naming the field."""
+    prompt = "A salted prefix stays with the tenant that salted it. " * 6
+
+    def cached(salt=None, **kwargs):
+        body = {} if salt is None else {"cache_salt": salt}
+        return completion(openai_client, prompt=prompt, max_tokens=1, extra_body=body,
+                          **kwargs).usage.prompt_tokens_details.cached_tokens
+
+    assert cached() == 0 and cached() > 0
+    assert cached("tenant-a") == 0 and cached("tenant-b") == 0
+    assert cached("tenant-a") > 0 and cached("tenant-b") > 0
+
+    def chat_cached(salt=None):
+        return openai_client.chat.completions.create(
+            model=REAL_MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=1,
+            extra_body={} if salt is None else {"cache_salt": salt}).usage.prompt_tokens_details.cached_tokens
+
+    chat_cached()
+    assert chat_cached() > 0 and chat_cached("tenant-c") == 0
+    for body in ({"cache_salt": ""}, {"cache_salt": "x", "use_beam_search": True, "n": 2}):
+        refused = httpx.post(f"{real_server.url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                             json={"model": REAL_MODEL, "prompt": "x", "max_tokens": 1, **body})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "cache_salt", refused.text
+
+
+def test_prompt_logprobs_in_vllms_format(real_server, tokenizer):
+    """vLLM's prompt_logprobs: per prompt token None (the first), else {token id: {logprob, rank, decoded_token}}
+    holding the prompt's own token and the top alternatives; the same values echo's logprobs give."""
+    def post(path, body):
+        return httpx.post(f"{real_server.url}{path}", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,
+                          json={"model": REAL_MODEL, "max_tokens": 1, **body})
+
+    choice = post("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 2, "echo": True, "logprobs": 1}) \
+        .json()["choices"][0]
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    positions = choice["prompt_logprobs"]
+    assert len(positions) == len(prompt_ids) and positions[0] is None
+    for token_id, position in zip(prompt_ids[1:], positions[1:]):
+        assert str(token_id) in position and 2 <= len(position) <= 3
+        assert sorted(entry["rank"] for entry in position.values())[:2] == [1, 2]
+        assert position[str(token_id)]["decoded_token"] == tokenizer.decode([token_id])
+    echoed = choice["logprobs"]["token_logprobs"][1:len(prompt_ids)]
+    assert [position[str(t)]["logprob"] for t, position in zip(prompt_ids[1:], positions[1:])] == echoed
+    plain = post("/v1/completions", {"prompt": PROMPT}).json()["choices"][0]
+    assert plain["prompt_logprobs"] is None
+    chat = post("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "prompt_logprobs": 0})
+    body = chat.json()
+    assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+    assert all(len(position) == 1 for position in body["prompt_logprobs"][1:])  # the prompt's own token only
+    streamed = post("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_same_seed_gives_same_text(openai_client):
     first = completion(openai_client, temperature=1.0, seed=1234)
     second = completion(openai_client, temperature=1.0, seed=1234)

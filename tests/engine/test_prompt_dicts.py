@@ -1,0 +1,42 @@
+"""vLLM's prompt dicts in Engine.generate: {"prompt": text} or {"prompt_token_ids": ids}, with an optional
+"cache_salt" that keeps the prefix cache apart between salts (the same salt shares it, as no salt does)."""
+
+import pytest
+
+from jaxserve import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=3)
+PROMPT = "Salted prompts share cached blocks only with prompts of the same salt. " * 3  # several full blocks
+
+
+def run(engine, prompt):
+    return engine.generate([prompt], GREEDY, use_tqdm=False)[0]
+
+
+def test_prompt_dicts_give_the_plain_prompts_outputs(smol_engine):
+    plain = run(smol_engine, PROMPT)
+    ids = plain.prompt_token_ids
+    for prompt in ({"prompt": PROMPT}, {"prompt_token_ids": ids}, {"prompt": PROMPT, "cache_salt": "s"}):
+        out = run(smol_engine, prompt)
+        assert (out.prompt_token_ids, out.outputs[0].token_ids) == (ids, plain.outputs[0].token_ids)
+    assert run(smol_engine, {"prompt": PROMPT}).prompt == PROMPT
+
+
+def test_cache_salt_matches_only_its_own_salt(smol_engine):
+    run(smol_engine, PROMPT)
+    assert run(smol_engine, PROMPT).num_cached_tokens > 0  # no salt: shared
+    assert run(smol_engine, {"prompt": PROMPT, "cache_salt": "tenant-1"}).num_cached_tokens == 0
+    assert run(smol_engine, {"prompt": PROMPT, "cache_salt": "tenant-2"}).num_cached_tokens == 0
+    assert run(smol_engine, {"prompt": PROMPT, "cache_salt": "tenant-1"}).num_cached_tokens > 0
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ({"prompt": "x", "prompt_token_ids": [1]}, "exactly one of"),
+    ({"cache_salt": "x"}, "exactly one of"),
+    ({"prompt": "x", "multi_modal_data": {}}, "'multi_modal_data' is not supported"),
+    ({"prompt": "x", "cache_salt": ""}, "non-empty string"),
+    ({"prompt": "x", "cache_salt": 3}, "non-empty string"),
+])
+def test_bad_prompt_dicts_are_value_errors(smol_engine, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        smol_engine.generate([prompt], GREEDY, use_tqdm=False)
