@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_with_config(parser, subparsers, argv)
         args.argv = argv  # the Ray launcher starts followers with these same arguments
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        fold_model_option(args)
+        fold_model_option(args, subparsers[args.command].get_default("model"))
         check_vllm_options(args)
         return SUBCOMMANDS[args.command].run(args) or 0
     except UserError as exc:

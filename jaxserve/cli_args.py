@@ -53,7 +53,7 @@ def token_count(text: str) -> int:
         return positive_int(text)
     number, suffix = match.groups()
     multiplier = _DECIMAL_SUFFIXES.get(suffix) or _BINARY_SUFFIXES[suffix]
-    value = float(number) * multiplier
+    value = round(float(number) * multiplier, 6)  # 1.001 * 1000 is 1000.999...
     if value != int(value) or value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
     return int(value)

@@ -59,12 +59,13 @@ def normalize_option_spelling(argv: list[str]) -> list[str]:
     return normalized
 
 
-def fold_model_option(args: argparse.Namespace) -> None:
-    """vLLM's `--model NAME` is the MODEL positional's other spelling: afterwards only `args.model` holds it."""
+def fold_model_option(args: argparse.Namespace, config_model: str | None = None) -> None:
+    """vLLM's `--model NAME` is the MODEL positional's other spelling: afterwards only `args.model` holds it.
+    `config_model`: a config file's `model`, which --model overrides as the command line overrides the file."""
     option = vars(args).pop("model_option", None)
     if option is None:
         return
-    if args.model is not None and args.model != option:
+    if args.model not in (None, option, config_model):
         raise UserError(f"the model is given twice ({args.model} and --model {option}); give it once")
     args.model = option
 

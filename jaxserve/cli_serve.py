@@ -35,12 +35,26 @@ def api_key_from_environment() -> list[str] | None:
     return None
 
 
+def check_model_not_taken_as_a_key(args: argparse.Namespace) -> None:
+    """`serve --api-key KEY org/model`: --api-key takes several keys (as vLLM's), so the model would be read as a
+    second key, and the default model served with it as a valid key. Several keys with no MODEL are refused."""
+    argv = getattr(args, "argv", [])
+    if args.model is not None:
+        return
+    for start in (i + 1 for i, word in enumerate(argv) if word == "--api-key"):
+        after = argv[start:]
+        given = next((i for i, word in enumerate(after) if word.startswith("-")), len(after))
+        if given > 1:
+            raise UserError(f"--api-key got {given} values and no MODEL was given: if {after[given - 1]!r} is the "
+                            "model, put it before --api-key (or pass --model); for several keys, repeat --api-key")
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     server.add_argument("--port", type=port_number, default=8000, help="0 picks a free port")
-    server.add_argument("--api-key", nargs="+", metavar="KEY",
+    server.add_argument("--api-key", nargs="+", action="extend", metavar="KEY",
                         help="require 'Authorization: Bearer KEY' (any of the keys given) on /v1 routes (default: "
                              f"${' or $'.join(API_KEY_VARIABLES)} when set, as vLLM reads VLLM_API_KEY)")
     server.add_argument("--served-model-name", nargs="+", metavar="NAME",
@@ -141,6 +155,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UserError("--enable-auto-tool-choice needs --tool-call-parser to say how the model writes tool calls "
                         f"(one of: {', '.join(TOOL_CALL_PARSERS)})")
     args.enable_lora = args.enable_lora or args.enable_runtime_lora_updating
+    check_model_not_taken_as_a_key(args)
     args.api_key = args.api_key or api_key_from_environment()
     sock = None  # followers serve no HTTP
     if is_leader(args):

@@ -7,7 +7,7 @@ import dataclasses
 
 from jaxserve.beam_search import BeamSearch, BeamSearchOutput, top_logprobs_of
 from jaxserve.beam_search_params import BeamSearchParams, check_beam_width
-from jaxserve.engine_inputs import normalise_prompts, prompt_token_ids, validate_lengths
+from jaxserve.engine_inputs import normalise_prompts, prompt_token_ids, split_prompt, validate_lengths
 from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
@@ -15,11 +15,14 @@ from jaxserve.sampling_params import SamplingParams
 class BeamSearchAPI:
     """Mixed into Engine. Needs: tokenizer, config, max_model_len, eos_token_ids, _run_all."""
 
-    def prepare_beam_search(self, prompt: str | list[int], params: BeamSearchParams) -> BeamSearch:
+    def prepare_beam_search(self, prompt: str | list[int] | dict, params: BeamSearchParams) -> BeamSearch:
         """Tokenize and validate one prompt's search (no device work, safe from any thread): a ValueError for a
         beam too wide for the engine's logprobs, a bad token id, or beams that cannot fit the context or cache."""
         eos = self.eos_token_ids()
         check_beam_width(params, eos, self.config.max_logprobs)
+        prompt, cache_salt = split_prompt(prompt)
+        if cache_salt is not None:
+            raise ValueError("cache_salt cannot be combined with beam search; leave one out")
         ids = prompt_token_ids(self.tokenizer, prompt, self.config.model.vocab_size)
         # As for a request of beam_width sequences: each beam may grow to prompt + max_tokens.
         checked = validate_lengths(SamplingParams(n=params.beam_width, max_tokens=params.max_tokens), len(ids),

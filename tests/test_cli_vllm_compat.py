@@ -27,6 +27,23 @@ def test_model_as_an_option_and_underscore_spellings_reach_the_engine(capsys, fa
     assert "given twice" in user_error(capsys, ["generate", "--prompt", "x", "org/a", "--model", "org/b"])
 
 
+def test_model_option_overrides_a_config_files_model(tmp_path, fake_engine_module):
+    config = tmp_path / "job.yaml"
+    config.write_text("model: org/from-file\n")
+    assert generate("--config", str(config), "--model", "org/from-flag") == 0
+    assert fake_engine_module["model"] == "org/from-flag"
+    assert generate("--config", str(config)) == 0
+    assert fake_engine_module["model"] == "org/from-file"
+
+
+def test_a_model_after_several_api_key_values_is_refused_not_taken_for_a_key(capsys):
+    """vLLM's --api-key takes several keys: `--api-key KEY org/model` would serve the default model with the model's
+    name as a second valid key."""
+    error = user_error(capsys, ["serve", "--api-key", "k", "org/model", "--port", "0"])
+    assert "'org/model' is the model, put it before --api-key" in error
+    assert parse(["serve", "org/model", "--api-key", "k1", "k2"]).api_key == ["k1", "k2"]
+
+
 def test_underscores_are_rewritten_in_option_names_only():
     assert normalize_option_spelling(["serve", "my_model", "--served_model_name", "a_b", "--max_model_len=4_000",
                                       "--", "--x_y"]) == [
@@ -102,7 +119,7 @@ def test_serve_takes_several_keys_or_vllms_variable(fake_engine_module, monkeypa
         app.state.server.engine.shutdown()
         return [key for key in ("k1", "k2", "k3", "from-env") if key_required(app, key)]
 
-    assert keys_opening("--api-key", "k1", "k2") == ["k1", "k2"]
+    assert keys_opening("--api-key", "k1", "--api-key", "k2") == ["k1", "k2"]
     monkeypatch.setenv("VLLM_API_KEY", "from-env")
     assert keys_opening() == ["from-env"]
     assert keys_opening("--api-key", "k3") == ["k3"]  # the flag wins

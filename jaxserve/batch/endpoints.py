@@ -96,6 +96,7 @@ class PreparedRequest:
     params: SamplingParams | PoolingParams
     priority: int
     lora_request: LoRARequest | None = None  # the adapter the body's `model` names
+    cache_salt: str | None = None  # vLLM's: the prefix cache is shared only between requests with the same salt
 
     @property
     def request_id(self) -> str:
@@ -107,11 +108,13 @@ class PreparedRequest:
 
 
 def parse_body(url: str, body: dict, defaults: dict) -> tuple[Any, SamplingParams]:
-    """The body (over the job's sampling defaults) parsed and its params built; an APIError as HTTP gives."""
-    merged = {**defaults, **body}
+    """The body (over the job's sampling defaults: those its endpoint has) parsed and its params built; an
+    APIError as HTTP gives."""
+    schema = ENDPOINTS[url].schema
+    merged = {**{key: value for key, value in defaults.items() if key in schema.model_fields}, **body}
     if merged.get("stream"):
         raise bad_request("stream is not supported in a batch job; remove it from the body", param="stream")
-    request = parse_request(ENDPOINTS[url].schema, merged)
+    request = parse_request(schema, merged)
     return request, build_sampling_params(request) if isinstance(request, SamplingFields) else None
 
 
@@ -131,7 +134,8 @@ def prepare(url: str, body: dict, defaults: dict, request_id: str, engine, serve
     model = resolve_model_name(request.model, served_model_names + list(adapters))
     prompts, params = endpoint.inputs(request, engine, parsers)
     rendering = endpoint.rendering(request, model, request_id, engine.tokenizer, parsers, prompts, params)
-    return PreparedRequest(endpoint, rendering, prompts, params, request.priority, adapters.get(model))
+    return PreparedRequest(endpoint, rendering, prompts, params, request.priority, adapters.get(model),
+                           getattr(request, "cache_salt", None))
 
 
 def sampling_default_problems(sampling: dict) -> list[str]:

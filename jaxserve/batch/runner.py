@@ -19,6 +19,7 @@ from jaxserve.batch.result_log import ResultLog
 from jaxserve.beam_search_params import BeamSearchParams
 from jaxserve.outputs import RequestOutput
 from jaxserve.server.errors import APIError, bad_request
+from jaxserve.server.request_bodies import with_cache_salt
 from jaxserve.server.response_bodies import OutputParsers
 
 
@@ -87,8 +88,9 @@ class BatchRunner:
             if isinstance(prepared.params, BeamSearchParams):
                 self._start_beam_searches(entry, prepared)
                 return
-            requests = [self.engine.prepare_request(engine_id, prompt, prepared.params.clone(),
-                                                    priority=prepared.priority, lora_request=prepared.lora_request)
+            requests = [self.engine.prepare_request(engine_id, with_cache_salt(prompt, prepared.cache_salt),
+                                                    prepared.params.clone(), priority=prepared.priority,
+                                                    lora_request=prepared.lora_request)
                         for engine_id, prompt in zip(_engine_ids(request_id, prepared), prepared.prompts)]
         except APIError as exc:
             self._save(refused(entry.custom_id, request_id, exc))

@@ -25,9 +25,12 @@ class SequenceText:
     def add_token(self, seq: Sequence, token: int) -> str | None:
         """Decode the new token; return the stop string it completed, if any (none within min_tokens, as vLLM)."""
         self.num_tokens += 1
-        stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
-        if stopped_by_token and not seq.params.include_stop_str_in_output:
-            return None  # EOS or a stop token id ended it: not part of the text unless asked for
+        if seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str):
+            # EOS or a stop token id ended it: not part of the text unless asked for, and no stop string's stop
+            if seq.params.include_stop_str_in_output:
+                self.detok.push([token])
+                self.text = self.detok.text
+            return None
         delta = self.detok.push([token])
         self.text = self.detok.text
         if not delta or not self.stops or self.num_tokens <= seq.params.min_tokens:

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from jaxserve.outputs import EmbeddingRequestOutput
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.server.errors import bad_request, parse_json
-from jaxserve.server.protocol import OpenAIModel, UsageInfo
+from jaxserve.server.protocol import OpenAIModel, RequestModel, UsageInfo
 from jaxserve.server.request_bodies import checked_params, parse_request
 from jaxserve.server.serving import ServerState, collect_final_outputs, start_requests
 from jaxserve.server.streaming import cancel_on_disconnect
@@ -27,7 +27,7 @@ from jaxserve.server.streaming import cancel_on_disconnect
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
 
 
-class PooledRequest(OpenAIModel):
+class PooledRequest(RequestModel):
     """What `serve_pooled` reads from a body that pools texts: its fields below and `engine_inputs()` (by default
     its `prompts()` with its `pooling_params()`)."""
 

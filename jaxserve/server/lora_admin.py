@@ -13,18 +13,18 @@ from starlette.responses import PlainTextResponse
 
 from jaxserve.lora_request import LoRARequest
 from jaxserve.server.errors import APIError, bad_request, parse_json
-from jaxserve.server.protocol import OpenAIModel
+from jaxserve.server.protocol import RequestModel
 from jaxserve.server.request_bodies import parse_request
 from jaxserve.server.serving import ServerState
 
 
-class LoadLoRAAdapterRequest(OpenAIModel):
+class LoadLoRAAdapterRequest(RequestModel):
     lora_name: str
     lora_path: str
     load_inplace: bool = False  # vLLM's: replace the adapter already served under this name
 
 
-class UnloadLoRAAdapterRequest(OpenAIModel):
+class UnloadLoRAAdapterRequest(RequestModel):
     lora_name: str
     lora_int_id: int | None = None  # vLLM's; the name alone picks the adapter here
 

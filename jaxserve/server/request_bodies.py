@@ -20,6 +20,14 @@ Prompt = str | list[int]
 ChatEncoder = Callable[..., list[int]]  # (messages, add_generation_prompt, **rendering) -> token ids
 
 
+def with_cache_salt(prompt: Prompt, cache_salt: str | None) -> Prompt | dict:
+    """The engine's prompt for a body's prompt and its vLLM cache_salt (the prefix cache is shared only between
+    requests with the same salt): vLLM's prompt dict, or the prompt itself when there is no salt."""
+    if cache_salt is None:
+        return prompt
+    return {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt, "cache_salt": cache_salt}
+
+
 def parse_request(schema: type[pydantic.BaseModel], body: dict):
     try:
         return schema.model_validate(body)

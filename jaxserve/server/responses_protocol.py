@@ -17,14 +17,15 @@ from pydantic import ConfigDict, Field
 from jaxserve.outputs import RequestOutput
 from jaxserve.server.chat_protocol import ChatCompletionRequest, ChatMessage
 from jaxserve.server.errors import bad_request
-from jaxserve.server.protocol import OpenAIModel, SamplingFields
+from jaxserve.server.protocol import RequestModel, SamplingFields
 from jaxserve.server.request_bodies import parse_request
 
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 # vLLM's sampling extras a Responses body may carry, handed to the chat request as they are; the fields the
 # Responses API names itself (and those it has no use for) are not.
 FORWARDED_FIELDS = (set(SamplingFields.model_fields) - {"model", "n", "stream", "stream_options", "temperature",
-                                                        "top_p", "user", "response_format"}) | {"chat_template_kwargs"}
+                                                        "top_p", "user", "response_format", "prompt_logprobs",
+                                                        "return_token_ids"}) | {"chat_template_kwargs"}
 
 
 def new_id(prefix: str) -> str:
@@ -43,7 +44,7 @@ UNSUPPORTED_FIELDS = {
 }
 
 
-class ResponsesRequest(OpenAIModel):
+class ResponsesRequest(RequestModel):
     model_config = ConfigDict(extra="allow")  # vLLM's sampling extras (top_k, seed, ...): FORWARDED_FIELDS
     EXTRA_FIELDS_USED = frozenset(FORWARDED_FIELDS | set(MISPLACED_FIELDS) | set(UNSUPPORTED_FIELDS))
 

@@ -18,7 +18,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.errors import APIError
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.reasoning_parsers import ThinkReasoningParser
-from jaxserve.server.request_bodies import resolve_model_name
+from jaxserve.server.request_bodies import resolve_model_name, with_cache_salt
 from jaxserve.server.response_bodies import OutputOptions
 from jaxserve.server.response_store import ResponseStore
 from jaxserve.server.streaming import merge_streams
@@ -75,10 +75,8 @@ async def start_requests(state: ServerState, prompts: list[str | list[int]],
             if isinstance(params, BeamSearchParams):
                 streams.append(await state.engine.beam_search(prompt, params, sub_id, priority, lora_request=lora))
                 continue
-            if cache_salt is not None:
-                prompt = {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt, "cache_salt": cache_salt}
-            streams.append(await state.engine.add_request(prompt, params.clone(), sub_id, priority=priority,
-                                                          lora_request=lora))
+            streams.append(await state.engine.add_request(with_cache_salt(prompt, cache_salt), params.clone(), sub_id,
+                                                          priority=priority, lora_request=lora))
     except BaseException:
         close_all(streams)
         raise

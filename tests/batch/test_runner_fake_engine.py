@@ -10,6 +10,7 @@ from tests.batch.helpers import (
     answers_over_http,
     chat_line,
     completion_line,
+    embedding_line,
     read_jsonl,
     results_by_custom_id,
     write_job,
@@ -178,3 +179,16 @@ def test_the_jobs_reasoning_parser_splits_reasoning_from_the_answer(tmp_path, sm
     assert status == 200
     assert (body["choices"][0]["message"]["reasoning"], body["choices"][0]["message"]["content"]) == \
         (THOUGHT, "\n\nIt is sunny.")
+
+
+def test_cache_salt_reaches_the_engine_and_job_defaults_raise_no_ignored_field_warnings(tmp_path, fake_engine,
+                                                                                        caplog):
+    """A line's cache_salt keeps its prefix cache apart as over HTTP; the job's sampling defaults are applied to the
+    endpoints that have them, so an embeddings or score line does not report them as fields it ignored."""
+    caplog.set_level("WARNING", logger="jaxserve.server")
+    lines = [completion_line("salted", "Hello there", cache_salt="tenant-a"),
+             embedding_line("embed", "Hello")]
+    summary = run_job(write_job(tmp_path, lines, sampling=SAMPLING), engine=fake_engine, show_progress=False)
+    assert summary.totals.succeeded == 2
+    assert {"prompt": "Hello there", "cache_salt": "tenant-a"} in fake_engine.prompts.values()
+    assert "ignored" not in caplog.text

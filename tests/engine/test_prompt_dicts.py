@@ -3,7 +3,7 @@
 
 import pytest
 
-from jaxserve import SamplingParams
+from jaxserve import BeamSearchParams, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=3)
 PROMPT = "Salted prompts share cached blocks only with prompts of the same salt. " * 3  # several full blocks
@@ -28,6 +28,15 @@ def test_cache_salt_matches_only_its_own_salt(smol_engine):
     assert run(smol_engine, {"prompt": PROMPT, "cache_salt": "tenant-1"}).num_cached_tokens == 0
     assert run(smol_engine, {"prompt": PROMPT, "cache_salt": "tenant-2"}).num_cached_tokens == 0
     assert run(smol_engine, {"prompt": PROMPT, "cache_salt": "tenant-1"}).num_cached_tokens > 0
+
+
+def test_beam_search_takes_prompt_dicts_but_no_salt(smol_engine):
+    params = BeamSearchParams(beam_width=2, max_tokens=2)
+    plain = smol_engine.beam_search(["The capital of France is"], params, use_tqdm=False)[0]
+    from_dict = smol_engine.beam_search([{"prompt": "The capital of France is"}], params, use_tqdm=False)[0]
+    assert [beam.tokens for beam in from_dict.sequences] == [beam.tokens for beam in plain.sequences]
+    with pytest.raises(ValueError, match="cache_salt cannot be combined with beam search"):
+        smol_engine.beam_search([{"prompt": "x", "cache_salt": "s"}], params, use_tqdm=False)
 
 
 @pytest.mark.parametrize("prompt, message", [

@@ -99,6 +99,10 @@ def test_include_stop_str_in_output_keeps_a_stop_tokens_text(smol_engine):
     assert kept.token_ids == dropped.token_ids == free.token_ids[:4]
     assert kept.text == smol_engine.tokenizer.decode(free.token_ids[:4])
     assert dropped.text == smol_engine.tokenizer.decode(free.token_ids[:3])
+    # The stop token ended it: its text, kept, is no stop string's stop (as vLLM)
+    token_text = smol_engine.tokenizer.decode([stop_token])
+    both = greedy_output(smol_engine, stop_token_ids=[stop_token], stop=[token_text], include_stop_str_in_output=True)
+    assert (both.stop_reason, both.text) == (stop_token, kept.text)
 
 
 def test_a_stream_left_early_is_aborted(smol_engine):
