@@ -96,6 +96,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="logprobs name tokens 'token_id:N' instead of their text (as vLLM), which maps back even "
                              "where a token is part of a character")
+    server.add_argument("--vllm-metric-names", action="store_true",
+                        help="name /metrics series vllm:NAME instead of jaxserve:NAME, so dashboards and autoscalers "
+                             "written for vLLM (vllm:num_requests_waiting, ...) read them unchanged")
     server.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="usage reports prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served")
     add_logging_arguments(parser)

@@ -119,7 +119,10 @@ def test_serve_takes_several_keys_or_vllms_variable(fake_engine_module, monkeypa
         app.state.server.engine.shutdown()
         return [key for key in ("k1", "k2", "k3", "from-env") if key_required(app, key)]
 
-    assert keys_opening("--api-key", "k1", "--api-key", "k2") == ["k1", "k2"]
+    assert keys_opening("--api-key", "k1", "--api-key", "k2", "--vllm-metric-names") == ["k1", "k2"]
+    from starlette.testclient import TestClient
+
+    assert "\nvllm:num_requests_waiting{" in TestClient(started["app"]).get("/metrics").text
     monkeypatch.setenv("VLLM_API_KEY", "from-env")
     assert keys_opening() == ["from-env"]
     assert keys_opening("--api-key", "k3") == ["k3"]  # the flag wins

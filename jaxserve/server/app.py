@@ -36,7 +36,7 @@ from jaxserve.server.errors import (
 )
 from jaxserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from jaxserve.server.lora_admin import load_lora_adapter, unload_lora_adapter
-from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.metrics import PREFIX, VLLM_PREFIX, ServerMetrics
 from jaxserve.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -188,7 +188,7 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
               reasoning_parser=None, lora_adapters: dict | None = None,
               runtime_lora_updating: bool = False, cors: CORSPolicy | None = None, root_path: str = "",
               log_stats_interval: float | None = None, output_options: OutputOptions | None = None,
-              request_id_headers: bool = False) -> Starlette:
+              request_id_headers: bool = False, vllm_metric_names: bool = False) -> Starlette:
     """The HTTP app over `async_engine`; it serves the model under `served_model_names` (default: its name),
     and each of `lora_adapters` (name -> LoRARequest) under its name; `runtime_lora_updating` opens the routes
     that load and unload adapters.
@@ -198,10 +198,12 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
     it (None: no CORS headers, so only same-origin pages). `root_path`: the prefix a proxy serves it under
     (server/transport.py). `log_stats_interval`: seconds between the engine stats lines in the log (None: none).
     `output_options`: what completion and chat bodies carry beyond OpenAI's fields (vLLM's flags).
-    `request_id_headers`: every response carries an X-Request-Id header.
+    `request_id_headers`: every response carries an X-Request-Id header. `vllm_metric_names`: /metrics names its
+    series vllm:NAME instead of jaxserve:NAME.
     """
     names = list(served_model_names or [async_engine.model_name])
-    state = ServerState(async_engine, names, ServerMetrics(async_engine, names[0]),
+    metrics = ServerMetrics(async_engine, names[0], VLLM_PREFIX if vllm_metric_names else PREFIX)
+    state = ServerState(async_engine, names, metrics,
                         default_chat_template_kwargs, tool_parser=tool_parser, reasoning_parser=reasoning_parser,
                         lora_adapters=dict(lora_adapters or {}), runtime_lora_updating=runtime_lora_updating,
                         output_options=output_options or OutputOptions())

@@ -1,4 +1,5 @@
-"""Prometheus metrics (prometheus_client, in a registry of our own), named as vLLM names them.
+"""Prometheus metrics (prometheus_client, in a registry of our own), named as vLLM names them: `jaxserve:NAME`, or
+with `serve --vllm-metric-names` `vllm:NAME`, so dashboards and autoscalers written for vLLM read them unchanged.
 
 Latencies and token counts are observed as outputs reach the server; engine gauges (running and waiting
 requests, KV cache usage, preemptions) are read from `AsyncEngine.stats()` at scrape time.
@@ -14,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.outputs import PoolingRequestOutput, RequestOutput
 
-PREFIX = "jaxserve:"
+PREFIX, VLLM_PREFIX = "jaxserve:", "vllm:"
 # Seconds; chosen to resolve both fast GPU steps and slow CPU ones.
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                    40.0, 80.0, 160.0)
@@ -23,26 +24,26 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
 class EngineStatsCollector:
     """Turns the engine's counters into gauges and counters on every scrape."""
 
-    def __init__(self, async_engine, model_name: str):
+    def __init__(self, async_engine, model_name: str, prefix: str = PREFIX):
         self.async_engine = async_engine
         self.model_name = model_name
+        self.prefix = prefix
 
     def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(PREFIX + name, documentation, labels=["model_name"])
+        family = GaugeMetricFamily(self.prefix + name, documentation, labels=["model_name"])
         family.add_metric([self.model_name], value)
         return family
 
     def _counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
-        family = CounterMetricFamily(PREFIX + name, documentation, labels=["model_name"])
+        family = CounterMetricFamily(self.prefix + name, documentation, labels=["model_name"])
         family.add_metric([self.model_name], value)
         return family
 
-    @staticmethod
-    def _lora_info(stats: dict) -> GaugeMetricFamily:
+    def _lora_info(self, stats: dict) -> GaugeMetricFamily:
         """vLLM's vllm:lora_requests_info: the adapters in use as labels (names joined by commas), the time of the
         reading as the value; dashboards show the series with the latest value."""
-        family = GaugeMetricFamily(PREFIX + "lora_requests_info", "LoRA adapters of running and waiting requests.",
-                                   labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        family = GaugeMetricFamily(self.prefix + "lora_requests_info",
+                                   "LoRA adapters of running and waiting requests.", labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
         family.add_metric([str(stats["max_loras"]), ",".join(stats["waiting_lora_adapters"]),
                            ",".join(stats["running_lora_adapters"])], time.time())
         return family
@@ -74,7 +75,7 @@ class EngineStatsCollector:
                             stats.get("spec_decode_num_accepted_tokens", 0))
         if "max_loras" in stats:
             yield self._lora_info(stats)
-        per_position = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        per_position = CounterMetricFamily(self.prefix + "spec_decode_num_accepted_tokens_per_pos",
                                            "Drafts whose token at this position was accepted.",
                                            labels=["model_name", "position"])
         for position, accepted in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", [])):
@@ -83,24 +84,24 @@ class EngineStatsCollector:
 
 
 class ServerMetrics:
-    def __init__(self, async_engine, model_name: str):
+    def __init__(self, async_engine, model_name: str, prefix: str = PREFIX):
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", labels,
+        self.prompt_tokens = Counter(prefix + "prompt_tokens", "Prompt tokens processed.", labels,
                                      registry=self.registry)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", labels,
+        self.generation_tokens = Counter(prefix + "generation_tokens", "Tokens generated.", labels,
                                          registry=self.registry)
-        self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+        self.request_success = Counter(prefix + "request_success", "Finished requests by finish reason.",
                                        labels + ["finished_reason"], registry=self.registry)
-        self.time_to_first_token = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
+        self.time_to_first_token = Histogram(prefix + "time_to_first_token_seconds", "Time to first token.",
                                              labels, buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.inter_token_latency = Histogram(PREFIX + "inter_token_latency_seconds",
+        self.inter_token_latency = Histogram(prefix + "inter_token_latency_seconds",
                                              "Time between successive outputs of a request.", labels,
                                              buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.e2e_latency = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token.", labels,
+        self.e2e_latency = Histogram(prefix + "e2e_request_latency_seconds", "Arrival to last token.", labels,
                                      buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.registry.register(EngineStatsCollector(async_engine, model_name))
+        self.registry.register(EngineStatsCollector(async_engine, model_name, prefix))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -317,6 +317,17 @@ def test_metrics_count_tokens_and_latencies(server, client):
     assert float(generated[0].split()[-1]) >= 4
 
 
+def test_vllm_metric_names(tokenizer):
+    """serve --vllm-metric-names: every series is vllm:NAME, for dashboards and autoscalers written for vLLM."""
+    app = build_app(AsyncEngine(FakeEngine(tokenizer)), vllm_metric_names=True)
+    with serve_in_thread(app) as url:
+        assert httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}).status_code == 200
+        series = [line for line in httpx.get(url + "/metrics").text.splitlines() if not line.startswith("#")]
+    assert series and all(line.startswith("vllm:") for line in series)
+    assert any(line.startswith('vllm:num_requests_waiting{model_name="fake-model"}') for line in series)
+    assert any(line.startswith("vllm:generation_tokens_total") and float(line.split()[-1]) == 2 for line in series)
+
+
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     url, fake, engine = server
     fake.step_delay = 0.02
