@@ -43,7 +43,8 @@ class EngineStatsCollector:
         """vLLM's vllm:lora_requests_info: the adapters in use as labels (names joined by commas), the time of the
         reading as the value; dashboards show the series with the latest value."""
         family = GaugeMetricFamily(self.prefix + "lora_requests_info",
-                                   "LoRA adapters of running and waiting requests.", labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+                                   "LoRA adapters of running and waiting requests.",
+                                   labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
         family.add_metric([str(stats["max_loras"]), ",".join(stats["waiting_lora_adapters"]),
                            ",".join(stats["running_lora_adapters"])], time.time())
         return family
