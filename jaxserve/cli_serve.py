@@ -84,7 +84,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
                         help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, "
                              "Hermes), llama3_json (Llama 3.1-3.3), pythonic (Llama 3.2, 4: [f(x=1)]), mistral "
-                             "([TOOL_CALLS])")
+                             "([TOOL_CALLS]), qwen3_coder (Qwen3-Coder: <function=f><parameter=x>)")
     server.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                         help="split the model's <think>...</think> reasoning into the chat message's `reasoning`, "
                              "apart from its `content` (as in vLLM): qwen3 (Qwen3, QwQ, SmolLM3; reasoning only "

@@ -145,6 +145,8 @@ class ChatRendering:
 
     def __post_init__(self) -> None:
         self.tool_choice = self.request.resolved_tool_choice()
+        if self.tool_parser is not None:  # a parser may read a call by the request's tool schemas
+            self.tool_parser = self.tool_parser.for_tools(self.request.tools)
 
     def logprobs(self, completion: CompletionOutput, first_token: int = 0) -> ChatLogProbs | None:
         if not self.request.logprobs:

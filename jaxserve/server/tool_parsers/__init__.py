@@ -4,7 +4,9 @@
 - `hermes` (hermes.py): `<tool_call>{...}</tool_call>` blocks: Qwen2.5, Qwen3, QwQ, Hermes;
 - `llama3_json` (or `llama4_json`) and `pythonic` (or `llama4_pythonic`) (llama.py): Llama 3.1 to 3.3's JSON calls;
   Llama 3.2 and 4's Python-style list;
-- `mistral` (mistral.py): `[TOOL_CALLS]` and what follows, in both of Mistral's forms.
+- `mistral` (mistral.py): `[TOOL_CALLS]` and what follows, in both of Mistral's forms;
+- `qwen3_coder` (or `qwen3_xml`) (qwen3_coder.py): Qwen3-Coder's `<function=NAME><parameter=P>` blocks, whose values
+  take their types from the request's tool schemas.
 
 A parser's `split(text, final)` gives the message's content and its calls. While streaming (`final` False) it
 releases only what more tokens cannot change, so content grows and calls are only added; what is malformed
@@ -19,6 +21,7 @@ from jaxserve.server.tool_parsers.common import partial_suffix
 from jaxserve.server.tool_parsers.hermes import HermesToolParser
 from jaxserve.server.tool_parsers.llama import Llama3JsonToolParser, PythonicToolParser
 from jaxserve.server.tool_parsers.mistral import MistralToolParser
+from jaxserve.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 from jaxserve.server.tools import ToolCall
 
 if TYPE_CHECKING:
@@ -31,6 +34,9 @@ class ToolParser(Protocol):
     def adjust(self, params: SamplingParams) -> SamplingParams:
         """The request's params as the parser needs them (e.g. special-token markers kept in the text)."""
 
+    def for_tools(self, tools: list[dict] | None) -> ToolParser:
+        """The parser for a request that offers `tools` (most parsers read every request alike)."""
+
     def split(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
         """(content, calls) of the reply so far."""
 
@@ -42,6 +48,8 @@ TOOL_CALL_PARSERS: dict[str, type[ToolParser]] = {  # --tool-call-parser NAME ->
     "llama4_pythonic": PythonicToolParser,
     "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
+    "qwen3_xml": Qwen3CoderToolParser,
 }
 
 

@@ -8,11 +8,17 @@ argument string does not end its block: a block ends where its JSON parses.
 
 from __future__ import annotations
 
-from jaxserve.server.tool_parsers.common import JSON_BLANKS, call_from_object, decode_json_at, partial_suffix
+from jaxserve.server.tool_parsers.common import (
+    JSON_BLANKS,
+    RequestIndependent,
+    call_from_object,
+    decode_json_at,
+    partial_suffix,
+)
 from jaxserve.server.tools import ToolCall
 
 
-class HermesToolParser:
+class HermesToolParser(RequestIndependent):
     start, end = "<tool_call>", "</tool_call>"
 
     def adjust(self, params):

@@ -14,13 +14,18 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from jaxserve.server.tool_parsers.common import arguments_json, call_from_object, decode_json_at
+from jaxserve.server.tool_parsers.common import (
+    RequestIndependent,
+    arguments_json,
+    call_from_object,
+    decode_json_at,
+)
 from jaxserve.server.tools import ToolCall
 
 SEPARATORS = " \t\r\n;"
 
 
-class Llama3JsonToolParser:
+class Llama3JsonToolParser(RequestIndependent):
     tag = "<|python_tag|>"
 
     def adjust(self, params):
@@ -54,7 +59,7 @@ def _skip(text: str, pos: int) -> int:
     return pos
 
 
-class PythonicToolParser:
+class PythonicToolParser(RequestIndependent):
     start, end = "<|python_start|>", "<|python_end|>"
 
     def adjust(self, params):

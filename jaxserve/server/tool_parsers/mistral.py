@@ -15,7 +15,12 @@ from __future__ import annotations
 import secrets
 import string
 
-from jaxserve.server.tool_parsers.common import call_from_object, decode_json_at, partial_suffix
+from jaxserve.server.tool_parsers.common import (
+    RequestIndependent,
+    call_from_object,
+    decode_json_at,
+    partial_suffix,
+)
 from jaxserve.server.tools import ToolCall
 
 ID_ALPHABET = string.ascii_letters + string.digits
@@ -25,7 +30,7 @@ def mistral_call_id() -> str:
     return "".join(secrets.choice(ID_ALPHABET) for _ in range(9))
 
 
-class MistralToolParser:
+class MistralToolParser(RequestIndependent):
     tag, args_tag = "[TOOL_CALLS]", "[ARGS]"
 
     def adjust(self, params):

@@ -1,0 +1,119 @@
+"""`qwen3_coder` (vLLM's name): Qwen3-Coder's XML-style calls, one block per call:
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+A parameter's value is raw text, so its JSON type comes from the request's tool schema (as vLLM reads it): text
+for strings, a number for "integer"/"number", true/false for "boolean", JSON (or a Python literal) for objects
+and arrays; "null" is null. Text before the first block is the content; a block that does not parse is content
+as written, so nothing the model wrote is lost.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from typing import Any
+
+from jaxserve.server.tool_parsers.common import arguments_json, partial_suffix
+from jaxserve.server.tools import ToolCall
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+class Qwen3CoderToolParser:
+    start, end = "<tool_call>", "</tool_call>"
+
+    def __init__(self, schemas: dict[str, dict] | None = None):
+        self.schemas = schemas or {}  # function name -> its parameters' JSON schema (the request's tools)
+
+    def adjust(self, params):
+        return params.replace(skip_special_tokens=False)  # <tool_call> is a special token in Qwen3's vocabulary
+
+    def for_tools(self, tools: list[dict] | None) -> Qwen3CoderToolParser:
+        schemas = {}
+        for tool in tools or []:
+            function = tool.get("function") or {}
+            schemas[function.get("name")] = function.get("parameters") or {}
+        return Qwen3CoderToolParser(schemas)
+
+    def split(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        """(content, calls): the text before the first block, then any block that is no call, as written (text
+        after the calls is left out, as vLLM does). Unless `final`, a possible `<tool_call>` beginning and an
+        unclosed block are held back."""
+        first = text.find(self.start)
+        if first < 0:
+            return (text if final else text[: len(text) - partial_suffix(text, self.start)]), []
+        content, calls, pos = [text[:first]], [], first
+        while pos >= 0:
+            close = text.find(self.end, pos)
+            if close < 0 and not final:
+                break  # more tokens may close it
+            block_end = len(text) if close < 0 else close + len(self.end)
+            call = self._call(text[pos + len(self.start): close if close >= 0 else len(text)])
+            if call is None:
+                content.append(text[pos:block_end])
+            else:
+                calls.append(call)
+            pos = text.find(self.start, block_end)
+        return "".join(content), calls
+
+    def _call(self, body: str) -> ToolCall | None:
+        match = _FUNCTION.fullmatch(body)
+        if match is None:
+            return None
+        name, inner = match.group(1).strip(), match.group(2)
+        if _PARAMETER.sub("", inner).strip():  # text that is no parameter: not a call of this format
+            return None
+        properties = (self.schemas.get(name) or {}).get("properties") or {}
+        arguments = {key.strip(): _typed(_value_text(value), properties.get(key.strip()))
+                     for key, value in _PARAMETER.findall(inner)}
+        text = arguments_json(arguments)
+        return None if text is None else ToolCall(name, text)
+
+
+def _value_text(raw: str) -> str:
+    """The value as written between its tags, less the one line break the format puts on each side."""
+    return raw.removeprefix("\n").removesuffix("\n")
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """The value as its schema's type, as vLLM converts it; text when the schema says string, names no type, or
+    the text is not of the type it names."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if value.strip().lower() == "null" and kinds != ["string"]:  # ["string", "null"] takes null
+        return None
+    kind = next((kind for kind in kinds if kind != "null"), None)
+    if kind in ("integer", "int"):
+        return _or_text(value, lambda text: int(text.strip()))
+    if kind in ("number", "float"):
+        return _or_text(value, _number)
+    if kind in ("boolean", "bool") and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if kind in ("object", "array"):
+        return _or_text(value, json.loads, ast.literal_eval)
+    return value
+
+
+def _number(text: str) -> int | float:
+    number = float(text.strip())
+    if number != number or number in (float("inf"), float("-inf")):
+        raise ValueError(text)  # JSON has no NaN or Infinity
+    return int(number) if number.is_integer() and not any(c in text for c in ".eE") else number
+
+
+def _or_text(value: str, *readers) -> Any:
+    for read in readers:
+        try:
+            return read(value.strip())
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            continue
+    return value
