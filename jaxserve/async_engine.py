@@ -35,7 +35,7 @@ DEFAULT_MAX_WAITING_REQUESTS = 1024
 # A step longer than this marks the engine unhealthy (/health 503) until it returns. Warmed-up steps take
 # milliseconds to a second; a compile-on-demand step (--no-warmup) takes seconds to a minute on a CPU.
 DEFAULT_STEP_TIMEOUT_S = 180.0
-# A logged prompt is cut to this many characters: enough to recognise it, not a copy of a whole document.
+# A logged prompt is cut to this many characters by default: enough to recognise it, not a copy of a document.
 MAX_LOGGED_PROMPT_CHARS = 1000
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineShuttingDown", "QueueFull", "RequestTimedOut"]
@@ -48,10 +48,11 @@ class AsyncEngine:
     """Serve an `Engine` to asyncio code. The engine must not be used by anyone else while this runs."""
 
     def __init__(self, engine, *, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
-                 request_timeout: float | None = None, log_prompts: bool = False,
-                 step_timeout: float | None = DEFAULT_STEP_TIMEOUT_S):
+                 request_timeout: float | None = None, step_timeout: float | None = DEFAULT_STEP_TIMEOUT_S,
+                 log_prompts: bool = False, max_log_len: int | None = MAX_LOGGED_PROMPT_CHARS):
         """`request_timeout`: seconds after which an unfinished request is aborted (None: no limit).
-        `log_prompts`: log each request's prompt; off by default, since prompts may hold private data.
+        `log_prompts`: log each request's prompt (cut to `max_log_len` characters; None: whole); off by default,
+        since prompts may hold private data.
         `step_timeout`: a step running longer reports the engine unhealthy, so a hung device (which neither
         fails nor returns) takes the server out of a load balancer's rotation (None: never)."""
         self.admission = Admission(max_waiting_requests)
@@ -62,7 +63,7 @@ class AsyncEngine:
         self._step_started: float | None = None  # monotonic start of the step running now, if any
         self.engine = engine
         self.request_timeout = request_timeout
-        self.log_prompts = log_prompts
+        self.log_prompts, self.max_log_len = log_prompts, max_log_len
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # guards _stats and _loop_exited, shared by both sides
         self._streams: dict[str, RequestStream] = {}  # owned by the loop thread
@@ -248,8 +249,8 @@ class AsyncEngine:
     def _log_admission(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams) -> None:
         if self.log_prompts:
             shown = repr(prompt)
-            if len(shown) > MAX_LOGGED_PROMPT_CHARS:
-                shown = shown[:MAX_LOGGED_PROMPT_CHARS] + f"... ({len(shown)} characters)"
+            if self.max_log_len is not None and len(shown) > self.max_log_len:
+                shown = shown[:self.max_log_len] + f"... ({len(shown)} characters)"
             logger.info("request %s: prompt %s, params %s", request_id, shown, params)
         else:  # never the prompt itself: it may hold private data (--log-prompts opts in)
             logger.debug("request %s admitted", request_id)

@@ -23,6 +23,8 @@ NO_EFFECT = {
     "guided_decoding_backend": "structured outputs always use llguidance",
     "max_parallel_loading_workers": "weights load as one sharded read per process",
     "enable_chunked_prefill": "prefills are always chunked to --max-num-batched-tokens",
+    "disable_fastapi_docs": "jaxserve serves no /docs pages",
+    "disable_frontend_multiprocessing": "the HTTP server and the engine loop share one process",
 }
 NEGATABLE = {"enable_chunked_prefill"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "float32")
@@ -44,6 +46,12 @@ def add_vllm_compat_arguments(parser: argparse.ArgumentParser) -> None:
                        help="auto only: the KV cache is kept in the model's dtype")
     group.add_argument("--tokenizer-mode", default="auto", choices=TOKENIZER_MODES,
                        help="auto/hf: the model's Hugging Face tokenizer (the only kind jaxserve reads)")
+
+
+def add_vllm_serve_compat_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("vLLM server options accepted for its command lines (no effect here)")
+    group.add_argument("--disable-fastapi-docs", action="store_true")
+    group.add_argument("--disable-frontend-multiprocessing", action="store_true")
 
 
 def normalize_option_spelling(argv: list[str]) -> list[str]:

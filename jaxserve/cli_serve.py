@@ -7,17 +7,19 @@ import argparse
 import os
 import socket
 
-from jaxserve.async_engine import DEFAULT_STEP_TIMEOUT_S
+from jaxserve.async_engine import DEFAULT_STEP_TIMEOUT_S, MAX_LOGGED_PROMPT_CHARS
 from jaxserve.cli_args import (
     UserError,
     json_object,
     non_negative_float,
+    non_negative_int,
     port_number,
     positive_float,
     positive_int,
     string_list,
     url_root_path,
 )
+from jaxserve.cli_compat import add_vllm_serve_compat_arguments
 from jaxserve.cli_engine import add_engine_arguments, build_engine, mesh_from_args
 from jaxserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from jaxserve.server.reasoning_parsers import REASONING_PARSERS
@@ -102,6 +104,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="usage reports prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served")
     add_logging_arguments(parser)
+    add_vllm_serve_compat_arguments(parser)
     web = parser.add_argument_group("CORS, TLS and proxies (vLLM's options)")
     web.add_argument("--allowed-origins", type=string_list, metavar="JSON",
                      help="origins whose browser pages may call the API, e.g. '[\"https://app.example\"]' "
@@ -126,6 +129,8 @@ def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
     logs.add_argument("--log-prompts", "--enable-log-requests", dest="log_prompts", action="store_true",
                       help="log each request's prompt and parameters (kept out of the logs unless set: prompts may be "
                            "private)")
+    logs.add_argument("--max-log-len", type=non_negative_int, default=MAX_LOGGED_PROMPT_CHARS, metavar="N",
+                      help="characters of a prompt --enable-log-requests logs (default: %(default)s)")
     logs.add_argument("--disable-log-requests", action="store_true",
                       help="requests are not logged unless --enable-log-requests is given (vLLM's old flag)")
     logs.add_argument("--disable-log-stats", action="store_true",

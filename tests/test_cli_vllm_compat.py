@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve import cli, cli_serve
 from jaxserve.cli_args import token_count
-from jaxserve.cli_compat import normalize_option_spelling
+from jaxserve.cli_compat import check_vllm_options, normalize_option_spelling
 from jaxserve.config import resolve_dtype
 from tests.test_cli import key_required, parse, user_error
 
@@ -132,3 +132,11 @@ def test_serve_takes_several_keys_or_vllms_variable(fake_engine_module, monkeypa
 
 def test_float_is_float32_everywhere():
     assert resolve_dtype("float", "gpu") == "float32"
+
+
+def test_server_options_without_effect_are_warned_about(caplog):
+    caplog.set_level(logging.WARNING, logger="jaxserve.cli")
+    check_vllm_options(parse(["serve", "--disable-fastapi-docs", "--disable-frontend-multiprocessing"]))
+    assert [record.getMessage().split(" has no effect")[0] for record in caplog.records] == [
+        "--disable-fastapi-docs", "--disable-frontend-multiprocessing"]
+    assert parse(["serve", "--max-log-len", "64"]).max_log_len == 64

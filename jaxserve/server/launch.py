@@ -27,6 +27,7 @@ def serve_engine(engine, args: argparse.Namespace, sock: socket.socket, mesh: st
     cors, tls = CORSPolicy.from_args(args), ssl_options(args)
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests,
                                request_timeout=args.request_timeout, log_prompts=args.log_prompts,
+                               max_log_len=args.max_log_len,
                                step_timeout=args.step_timeout or None)  # 0: off
     app = build_app(async_engine, served_model_names=names, api_key=args.api_key,
                     max_body_bytes=args.max_request_body_bytes,

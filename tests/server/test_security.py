@@ -184,10 +184,19 @@ def test_prompts_are_logged_only_when_asked(tokenizer, caplog, log_prompts):
     assert (SECRET in caplog.text) == log_prompts
 
 
+def test_max_log_len_cuts_logged_prompts(tokenizer, caplog):
+    caplog.set_level(logging.INFO, logger="jaxserve")
+    engine = AsyncEngine(FakeEngine(tokenizer, step_delay=0), log_prompts=True, max_log_len=8)
+    with serve_in_thread(build_app(engine)) as url:
+        httpx.post(url + "/v1/completions", json={"prompt": SECRET, "max_tokens": 1}, timeout=10)
+    logged = [record.getMessage() for record in caplog.records if "prompt" in record.getMessage()]
+    assert logged and all(SECRET not in line and SECRET[:7] in line for line in logged)
+
+
 def test_serve_options_reach_the_server(tokenizer_dir, tmp_path):  # noqa: F811 - the fixture
     """--log-prompts, --request-timeout, --max-request-body-bytes and --max-waiting-requests, through the real
     `serve` command line."""
-    args = ["--log-prompts", "--request-timeout", "0.5", "--max-request-body-bytes", "2000",
+    args = ["--log-prompts", "--max-log-len", "500", "--request-timeout", "0.5", "--max-request-body-bytes", "2000",
             "--max-waiting-requests", "1"]
     with fake_server_process(tokenizer_dir, args, tmp_path / "serve.log", step_delay=0.02) as server:
         send_prompts_everywhere(server.url)
