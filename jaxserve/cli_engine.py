@@ -74,6 +74,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "file's original model)")
     engine.add_argument("--revision", metavar="REV", help="branch, tag or commit of a hub model id")
     engine.add_argument("--tokenizer-revision", metavar="REV", help="branch, tag or commit of a hub --tokenizer")
+    engine.add_argument("--hf-token", nargs="?", const=True, metavar="TOKEN",
+                        help="the Hugging Face token for gated or private hub models (vLLM's; default: $HF_TOKEN or "
+                             "the `hf auth login` one; given without a value, that one)")
     engine.add_argument("--download-dir", metavar="DIR",
                         help="where hub models and tokenizers are downloaded to (default: the Hugging Face cache)")
     engine.add_argument("--chat-template", metavar="TEMPLATE",
@@ -152,6 +155,8 @@ def build_engine(args: argparse.Namespace):
     """The Engine the options describe; its user-facing errors (bad mesh, missing file...) become UserError."""
     mesh = mesh_from_args(args)
     check_model_path(args.model)
+    if isinstance(args.hf_token, str):  # what huggingface_hub reads for every download, the tokenizer's included
+        os.environ["HF_TOKEN"] = args.hf_token
     from jaxserve.parallel.multinode import is_leader, start_cluster
 
     cluster = start_cluster(args, mesh)  # None on one process; joins the others before jax starts its backends

@@ -3,6 +3,7 @@
 mean nothing under JAX (accepted with a warning naming why); what cannot be honoured is a one-line refusal."""
 
 import logging
+import os
 
 import pytest
 
@@ -140,3 +141,12 @@ def test_server_options_without_effect_are_warned_about(caplog):
     assert [record.getMessage().split(" has no effect")[0] for record in caplog.records] == [
         "--disable-fastapi-docs", "--disable-frontend-multiprocessing"]
     assert parse(["serve", "--max-log-len", "64"]).max_log_len == 64
+
+
+def test_hf_token_reaches_hub_downloads(fake_engine_module, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "")  # monkeypatch restores the variable as it was: the command sets it
+    monkeypatch.delenv("HF_TOKEN")
+    assert generate("--hf-token") == 0  # no value: the stored login, as before
+    assert "HF_TOKEN" not in os.environ
+    assert generate("--hf-token", "hf_abc") == 0
+    assert os.environ["HF_TOKEN"] == "hf_abc"

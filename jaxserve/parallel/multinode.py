@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 # cache (each node's own directory).
 PER_PROCESS_OPTIONS = {"process_id", "coordinator", "num_processes", "distributed_executor_backend",
                        "distributed_timeout", "log_level", "config", "seed", "chat_template", "compilation_cache_dir",
-                       "generation_config", "download_dir",
+                       "generation_config", "download_dir", "hf_token",
                        "argv"}  # the raw command line, kept by cli.main; its parsed options are compared
 ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES", "process_id": "JAX_PROCESS_ID"}
 
