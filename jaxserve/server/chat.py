@@ -76,11 +76,11 @@ async def _stream_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionStreamResp
                 if choice is not None:
                     usage = choice_usage(output, completion) if job.request.usage_in_every_chunk else None
                     yield ChatCompletionStreamResponse(
-                        id=job.request_id, model=job.model, choices=[choice], usage=usage,
+                        id=job.request_id, model=job.model, choices=[choice], usage=usage, created=job.created,
                         prompt_token_ids=output.prompt_token_ids if send_prompt_ids else None)
                     send_prompt_ids = False
     if job.request.include_usage_chunk and last_output is not None:
-        yield ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[],
+        yield ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[], created=job.created,
                                            usage=job.options.usage([last_output]))
 
 

@@ -63,7 +63,8 @@ class _ChoiceProgress:
 
     chars_sent: int = 0
     tokens_sent: int = 0
-    echo_chars: int = 0  # length of the echoed prompt, where text offsets of generated tokens start
+    # Where the next token's text_offset is: after the echoed prompt and the tokens sent, held-back text included
+    next_offset: int = 0
     finished: bool = False
 
 
@@ -72,15 +73,18 @@ async def _stream_chunks(job: CompletionJob) -> AsyncIterator[CompletionStreamRe
     last_outputs: dict[int, RequestOutput] = {}
     async with aclosing(observed(job.state, job.streams, job.arrival_time)) as outputs:
         async for prompt_index, output in outputs:
+            output = job.shown(output)
             last_outputs[prompt_index] = output
             for completion in output.outputs:
                 choice = _delta_choice(job, prompt_index, output, completion, progress)
                 if choice is not None:
                     usage = choice_usage(output, completion) if job.request.usage_in_every_chunk else None
-                    yield CompletionStreamResponse(id=job.request_id, model=job.model, choices=[choice], usage=usage)
+                    yield CompletionStreamResponse(id=job.request_id, model=job.model, choices=[choice], usage=usage,
+                                                   created=job.created)
     if job.request.include_usage_chunk:
         finals = list(last_outputs.values())
-        yield CompletionStreamResponse(id=job.request_id, model=job.model, choices=[], usage=job.options.usage(finals))
+        yield CompletionStreamResponse(id=job.request_id, model=job.model, choices=[], usage=job.options.usage(finals),
+                                       created=job.created)
 
 
 def _delta_choice(job: CompletionJob, prompt_index: int, output: RequestOutput, completion: CompletionOutput,
@@ -96,10 +100,12 @@ def _delta_choice(job: CompletionJob, prompt_index: int, output: RequestOutput, 
     if not text and new_tokens <= 0 and not completion.finished:
         return None
     prefix = job.prompt_text(output) if first_chunk and job.request.echo else ""
-    sent.echo_chars += len(prefix)
+    sent.next_offset += len(prefix)
     logprobs = None
     if job.request.logprobs is not None:
-        logprobs = job.generated_logprobs(completion, sent.tokens_sent, sent.echo_chars + sent.chars_sent)
+        logprobs = job.generated_logprobs(completion, sent.tokens_sent, sent.next_offset)
+        if logprobs.tokens:
+            sent.next_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         if prefix:
             logprobs = concat_logprobs(job.prompt_logprobs(output), logprobs)
     ids = bool(job.request.return_token_ids)  # vLLM's: the prompt's in the first chunk, then each chunk's new ones

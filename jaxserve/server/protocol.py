@@ -20,6 +20,8 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger("jaxserve.server")
+# Every stop string is looked for after every token, on the engine's thread: a huge list would slow every request.
+MAX_STOP_STRINGS = 256
 PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
 
@@ -155,6 +157,10 @@ class SamplingFields(RequestModel):
 
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs are not available when stream is true (as in vLLM); leave one out")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be given with stream: true (as in vLLM)")
         cap = (model_defaults or {}).get("max_tokens")
         if cap is not None and specific.get("max_tokens") is not None:
             specific["max_tokens"] = min(specific["max_tokens"], cap)
@@ -285,10 +291,19 @@ class CompletionRequest(SamplingFields):
     def to_sampling_params(self, model_defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.stream and self.best_of not in (None, self.n):
+            raise ValueError("best_of cannot be streamed (the best are known only at the end); leave one out")
         # Echoing the prompt with logprobs needs the prompt's logprobs too (each view keeps its own top-N).
         asked = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs) if n is not None]
-        return self._sampling_params(model_defaults, max_tokens=self.max_tokens, best_of=self.best_of,
+        max_tokens = 1 if self.echo_only else self.max_tokens  # the one token generated is not shown
+        return self._sampling_params(model_defaults, max_tokens=max_tokens, best_of=self.best_of,
                                      logprobs=self.logprobs, prompt_logprobs=max(asked, default=None))
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) alone, vLLM's echo_without_generation (scoring and
+        perplexity tools, lm-evaluation-harness among them, ask for prompt logprobs so)."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of single prompts (text or token ids)."""

@@ -7,6 +7,8 @@ jobs extend them.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,8 +73,18 @@ class CompletionRendering:
     tokenizer: Any
     options: OutputOptions = field(default_factory=OutputOptions)
 
+    created: int = field(default_factory=lambda: int(time.time()), init=False)  # one time for every chunk
+
     def choice_index(self, prompt_index: int, completion: CompletionOutput) -> int:
         return prompt_index * self.request.n + completion.index
+
+    def shown(self, output: RequestOutput) -> RequestOutput:
+        """The output as the response shows it: under echo with max_tokens 0, without the one token generated."""
+        if not self.request.echo_only:
+            return output
+        hidden = [dataclasses.replace(completion, text="", token_ids=[], logprobs=[], cumulative_logprob=None)
+                  for completion in output.outputs]
+        return dataclasses.replace(output, outputs=hidden)
 
     def prompt_text(self, output: RequestOutput) -> str:
         return output.prompt if output.prompt is not None else self.tokenizer.decode(output.prompt_token_ids)
@@ -89,11 +101,12 @@ class CompletionRendering:
 
     def full_response(self, finals: list[RequestOutput]) -> CompletionResponse:
         """The whole (non-streamed) response, from each prompt's final output in prompt order."""
+        finals = [self.shown(output) for output in finals]
         choices = [self._full_choice(prompt_index, output, completion)
                    for prompt_index, output in enumerate(finals) for completion in output.outputs]
         choices.sort(key=lambda choice: choice.index)
         return CompletionResponse(id=self.request_id, model=self.model, choices=choices,
-                                  usage=self.options.usage(finals))
+                                  usage=self.options.usage(finals), created=self.created)
 
     def _full_choice(self, prompt_index: int, output: RequestOutput, completion: CompletionOutput
                      ) -> CompletionChoice:
@@ -142,6 +155,7 @@ class ChatRendering:
     reasoning: PromptReasoning | None = None  # splits the reasoning off the answer (--reasoning-parser)
     options: OutputOptions = field(default_factory=OutputOptions)
     tool_choice: ToolChoice | None = field(init=False)
+    created: int = field(default_factory=lambda: int(time.time()), init=False)  # one time for every chunk
 
     def __post_init__(self) -> None:
         self.tool_choice = self.request.resolved_tool_choice()
@@ -189,7 +203,7 @@ class ChatRendering:
         prompt_ids = output.prompt_token_ids if self.request.return_token_ids else None
         return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices,
                                       usage=self.options.usage([output]), prompt_logprobs=prompt_logprobs,
-                                      prompt_token_ids=prompt_ids)
+                                      prompt_token_ids=prompt_ids, created=self.created)
 
     def _full_choice(self, completion: CompletionOutput) -> ChatChoice:
         message, finish_reason = self.message(completion)

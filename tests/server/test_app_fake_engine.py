@@ -119,7 +119,7 @@ def test_return_token_ids_whole_and_streamed(server, tokenizer, path, body):
 def test_ignored_fields_are_named_in_the_log(server, caplog):
     caplog.set_level("WARNING", logger="jaxserve.server")
     response = post(server, "/v1/completions", {"prompt": "a", "max_tokens": 1, "max_tokns": 5, "vllm_xargs": {},
-                                                "stream_options": {"include_usgae": False}})
+                                                "stream": True, "stream_options": {"include_usgae": False}})
     assert response.status_code == 200
     warnings = [record.getMessage() for record in caplog.records]
     assert "these fields of the request were ignored: max_tokns, vllm_xargs" in warnings
@@ -183,6 +183,51 @@ def test_echo_with_logprobs(client, tokenizer):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+
+
+def test_echo_with_max_tokens_0_gives_the_prompt_and_its_logprobs_alone(server, tokenizer):
+    """vLLM's echo_without_generation: how scoring tools (lm-evaluation-harness) ask for a prompt's logprobs."""
+    body = {"prompt": "Hello there", "echo": True, "max_tokens": 0, "logprobs": 1}
+    whole = post(server, "/v1/completions", body).json()
+    choice = whole["choices"][0]
+    assert choice["text"] == "Hello there" and whole["usage"]["completion_tokens"] == 0
+    assert len(choice["logprobs"]["tokens"]) == len(tokenizer.encode("Hello there"))
+    assert choice["logprobs"]["token_logprobs"][0] is None
+    with httpx.stream("POST", server[0] + "/v1/completions", headers=AUTH,
+                      json={**body, "stream": True, "stream_options": {}}) as response:
+        chunks = sse_payloads(response)
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "Hello there"
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
+    assert_error(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 0}), 400, param="max_tokens")
+
+
+def test_streamed_text_offsets_are_the_whole_responses_when_text_is_held_back(server):
+    """A token held back as a possible stop string's beginning still sends its logprobs: the next chunk's offsets
+    continue after it, as the whole response's do."""
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "logprobs": 1, "stop": [" twoX"]}
+    whole = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    with httpx.stream("POST", server[0] + "/v1/completions", json={**body, "stream": True}, headers=AUTH) as response:
+        chunks = [c["choices"][0]["logprobs"] for c in sse_payloads(response) if c["choices"]]
+    assert [offset for lp in chunks for offset in lp["text_offset"]] == whole["text_offset"] == [0, 4, 8, 14]
+
+
+def test_one_created_time_for_every_chunk(server, monkeypatch):
+    ticks = iter(range(1_000_000, 2_000_000, 7))
+    monkeypatch.setattr(time, "time", lambda: float(next(ticks)))  # every reading of the clock a new second
+    for path, body in (("/v1/completions", {"prompt": "Hello"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        body = {**body, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", server[0] + path, json=body, headers=AUTH) as response:
+            assert len({chunk["created"] for chunk in sse_payloads(response)}) == 1, path
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream": True, "n": 1, "best_of": 2}, "best_of"),
+    ({"stop": [f"s{i}" for i in range(257)]}, "stop"),
+])
+def test_vllms_streaming_and_stop_limits_are_400s(server, body, param):
+    assert_error(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, **body}), 400, param=param)
 
 
 def test_chat_logprobs(client):
