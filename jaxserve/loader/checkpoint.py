@@ -3,6 +3,7 @@ source, a tokenizer and generation defaults."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 from dataclasses import dataclass, field, replace
@@ -79,8 +80,11 @@ def _open(model: str | None, weights: bool, hf_overrides: dict, revision: str | 
                          "has none (a GGUF file or a `jaxserve convert` checkpoint): give the HF model directory")
     if model is None:
         return _open_gguf(path, DEFAULT_MODEL_NAME, tokenizer)
-    if path.is_file() and path.suffix == ".gguf":
-        return _open_gguf(path, path.stem, tokenizer)
+    if path.is_file() and (path.suffix.lower() == ".gguf" or _has_gguf_magic(path)):
+        return _open_gguf(path, path.stem, tokenizer)  # ollama's blobs are GGUF files named by their hash
+    if path.is_file():
+        raise ValueError(f"{model} is a file jaxserve cannot serve alone: give a GGUF file, or the Hugging Face "
+                         "model directory holding it (config.json beside the .safetensors files)")
     if path.is_dir() and is_orbax_checkpoint(path):
         if not weights:
             raise ValueError(f"{model} is a `jaxserve convert` checkpoint, which load_format='dummy' cannot "
@@ -103,6 +107,11 @@ def _open_gguf(path: Path, name: str, tokenizer: TokenizerChoice) -> Checkpoint:
     config = f.model_config()
     return Checkpoint(name=name, config=config, tensors=_split_fused(f, config),
                       tokenizer=tokenizer.resolve(f.tokenizer, config.vocab_size))
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with path.open("rb") as file:
+        return file.read(4) == b"GGUF"
 
 
 def _split_fused(tensors: TensorSource, config: ModelConfig) -> TensorSource:
@@ -134,13 +143,18 @@ def _open_hf_dir(directory: Path, name: str, weights: bool = True, hf_overrides:
     gen_path = directory / "generation_config.json"
     generation = _read_json(gen_path) if gen_path.exists() else {}
     raw = with_overrides(_read_json(config_path), hf_overrides or {})
+    refuse_quantized(raw, config_path)
     try:
         config = model_config_from_hf(causal_config(text_model_config(raw)), generation)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, AttributeError) as exc:  # a key missing or of the wrong shape
+        given = f" with hf_overrides {hf_overrides!r}" if hf_overrides else ""
+        problem = f"lacks {exc}" if isinstance(exc, KeyError) else f"has a value of the wrong shape ({exc})"
+        raise ValueError(f"{config_path}{given} {problem}: it is not a config jaxserve can serve") from None
+    except ValueError as exc:
         if not hf_overrides:
             raise
         raise ValueError(f"config.json with hf_overrides {hf_overrides!r} is not a config jaxserve can "
-                         f"serve ({type(exc).__name__}: {exc})") from None
+                         f"serve ({exc})") from None
     tensors = text_model_tensors(raw, SafetensorsSource(directory)) if weights else None
     # A repository that ships its weights alone has no tokenizer files: say how to give one.
     own = partial(load_tokenizer, directory, advice="if the model ships its weights alone, give its tokenizer "
@@ -153,16 +167,35 @@ def _open_hf_dir(directory: Path, name: str, weights: bool = True, hf_overrides:
                       pooling=declared_pooling(directory), head=head)
 
 
+def refuse_quantized(raw: dict[str, Any], config_path: Path) -> None:
+    """A checkpoint quantized ahead of time (FP8, GPTQ, AWQ, bitsandbytes...) stores weights jaxserve does not read:
+    say so, rather than fail on a tensor's dtype or a missing weight later."""
+    method = (raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {})
+    if method:
+        name = method.get("quant_method", "quantized") if isinstance(method, dict) else "quantized"
+        raise ValueError(f"{config_path} describes a {name} checkpoint, whose weights jaxserve cannot read: serve "
+                         "the unquantized model (and --quantization int8 or w8a8 to quantize it here)")
+
+
 def _download_from_hub(repo_id: str, weights: bool = True, revision: str | None = None,
                        download_dir: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "tokenizer*", "*.model", "*.jinja", "*.txt"] + (["*.safetensors"] if weights else [])
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns, revision=revision, cache_dir=download_dir))
-    except Exception as e:  # offline, unknown repo or revision, gated repo: all end the same way for the user
+        # consolidated*.safetensors: Mistral's own format, the same weights again beside the HF shards
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, ignore_patterns=["consolidated*"],
+                                      revision=revision, cache_dir=download_dir))
+    except Exception as e:
+        if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:  # a full disk, an unwritable cache: not the id
+            raise OSError(f"could not store {repo_id!r} under {download_dir or 'the Hugging Face cache'}: "
+                          f"{e.strerror or e}; free space there or pass --download-dir DIR") from None
+        # Offline, an unknown repo or revision, a gated repo: all end the same way for the user.
         at = "" if revision is None else f" at revision {revision!r}"
         raise FileNotFoundError(
             f"could not fetch {repo_id!r}{at} from the Hugging Face hub ({type(e).__name__}); "
             "check the id, the revision and network access, or pass a local model directory or GGUF file"
         ) from None
+
+
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS}

@@ -102,6 +102,8 @@ def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 # Special tokens of a GGUF tokenizer and the metadata keys (under tokenizer.ggml.) holding their ids.
+# Tokens that end an assistant's turn in the chat templates of the families served (llama.cpp stops at them too).
+END_OF_TURN_TOKENS = {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>"}
 SPECIAL_TOKEN_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
                      "pad_token": "padding_token_id"}
 
@@ -168,7 +170,6 @@ class GGUFFile:
             raise ValueError(f"{self.path.name} rotates {rotary} of each head's {head_dim} dimensions (partial rotary "
                              f"embedding), which jaxserve supports for phi3 only")
         theta = float(self.field(f"{a}.rope.freq_base", 10000.0))
-        eos = self.field("tokenizer.ggml.eos_token_id")
         embed, _ = self._tensors["model.embed_tokens.weight"]
         layers = int(self.field(f"{a}.block_count"))
         fields = dict(
@@ -191,9 +192,18 @@ class GGUFFile:
             sliding_window=int(self.field(f"{a}.attention.sliding_window", 0)) or None,
             rope_layers=rope_layer_flags(layers, SMOLLM3_NOPE_INTERVAL) if a == "smollm3" else (),
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=() if eos is None else (int(eos),),
+            eos_token_ids=self._end_token_ids(),
         )
         return ModelConfig(**(fields | self._experts() | self._granite() | self._gemma(fields)))
+
+    def _end_token_ids(self) -> tuple[int, ...]:
+        """The ids generation stops at: EOS, and, as llama.cpp stops, the end of a turn where the file names it
+        (eot/eom ids) or its vocabulary has a known end-of-turn token: a Gemma or Phi-3 chat's EOS is not the token
+        that ends the assistant's turn, and generation would run on into made-up turns."""
+        named = [self.field(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
+        tokens = self.field("tokenizer.ggml.tokens") or []
+        by_text = [i for i, text in enumerate(tokens) if text in END_OF_TURN_TOKENS]
+        return tuple(dict.fromkeys(int(i) for i in (*named, *by_text) if i is not None))
 
     def _experts(self) -> dict:
         """Mixtral's and Qwen3-MoE's experts; intermediate_size becomes each expert's MLP width."""

@@ -95,6 +95,31 @@ def test_gemma_27b_ggufs_get_the_query_scale_llama_cpp_gives_them(arch, layers, 
     assert cfg.head_dim == 128 and cfg.sliding_window == 4096
 
 
+@pytest.mark.parametrize("eot_field", [True, False])
+def test_gguf_chats_stop_at_the_end_of_a_turn_not_only_at_eos(tmp_path, eot_field):
+    """A Gemma chat's EOS is <eos>, its turn ends at <end_of_turn>: llama.cpp stops at both, named in the file
+    (tokenizer.ggml.eot_token_id) or known by the token's text."""
+    import gguf
+
+    from jaxserve.loader.gguf import GGUFFile
+
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    for key, value in {"block_count": 2, "embedding_length": 64, "attention.head_count": 4,
+                       "attention.head_count_kv": 1, "attention.key_length": 16, "feed_forward_length": 128}.items():
+        writer.add_uint32(f"gemma3.{key}", value)
+    writer.add_token_list(["<pad>", "<eos>", "<bos>", "hello", "<end_of_turn>" if not eot_field else "turn-end"])
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 1)
+    if eot_field:
+        writer.add_uint32("tokenizer.ggml.eot_token_id", 4)
+    writer.add_tensor("token_embd.weight", np.zeros((5, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert GGUFFile(path).model_config().eos_token_ids == (1, 4)
+
+
 def test_one_expert_of_a_quantized_stacked_expert_tensor_reads_as_its_slice(tmp_path):
     """Quantized blocks run along rows, so an expert's rows are dequantized alone: Mixtral 8x7B's stacked
     experts are 1.4 GB per layer as float32, read one expert at a time."""

@@ -1,0 +1,79 @@
+"""Checkpoints jaxserve cannot serve, or finds where users keep them, answered with one clear error naming the file
+and the fix: quantized-ahead configs, configs missing keys, GGUF files without the suffix, hub downloads."""
+
+import errno
+import fnmatch
+import json
+import shutil
+
+import pytest
+
+from jaxserve.loader import checkpoint
+from jaxserve.loader.checkpoint import open_checkpoint
+
+
+@pytest.fixture
+def config_of(tiny_checkpoint, tmp_path):
+    """A copy of a tiny Llama whose config.json `change` edits; returns its directory."""
+    def make(change) -> str:
+        directory = tmp_path / "m"
+        shutil.copytree(tiny_checkpoint("llama"), directory, dirs_exist_ok=True)
+        config = json.loads((directory / "config.json").read_text())
+        change(config)
+        (directory / "config.json").write_text(json.dumps(config))
+        return str(directory)
+    return make
+
+
+@pytest.mark.parametrize("method", ["fp8", "gptq", "awq", "bitsandbytes"])
+def test_a_checkpoint_quantized_ahead_is_refused_by_its_method(config_of, method):
+    path = config_of(lambda config: config.update(quantization_config={"quant_method": method, "bits": 4}))
+    with pytest.raises(ValueError, match=f"config.json describes a {method} checkpoint, whose weights jaxserve cannot "
+                                         "read: serve the unquantized model"):
+        open_checkpoint(path, load_format="dummy")
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda config: config.pop("intermediate_size"), "lacks 'intermediate_size'"),
+    (lambda config: config.update(rope_scaling="linear"), "has a value of the wrong shape"),
+    (lambda config: config.update(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "lacks 'low_freq_factor'"),
+])
+def test_a_config_missing_a_key_names_the_file_and_the_key(config_of, change, message):
+    with pytest.raises(ValueError, match=f"config.json {message}"):
+        open_checkpoint(config_of(change), load_format="dummy")
+
+
+def test_a_gguf_file_without_its_suffix_is_read_by_its_magic(smollm2_gguf_path, tmp_path):
+    """ollama keeps its models as blobs named by their hash."""
+    blob = tmp_path / "sha256-0123abcd"
+    blob.symlink_to(smollm2_gguf_path)
+    assert open_checkpoint(str(blob)).config.num_layers == 30
+    other = tmp_path / "model.safetensors"
+    other.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with pytest.raises(ValueError, match="a file jaxserve cannot serve alone: give a GGUF file, or the Hugging Face "
+                                         "model directory holding it"):
+        open_checkpoint(str(other))
+
+
+def test_hub_downloads_skip_mistrals_consolidated_copy_and_name_a_full_disk(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    asked = {}
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo_id, ignore_patterns, **_: asked.update(ignore=ignore_patterns) or str(tmp_path))
+    checkpoint._download_from_hub("mistralai/model")
+    assert any(fnmatch.fnmatch("consolidated.safetensors", pattern) for pattern in asked["ignore"])
+    assert not any(fnmatch.fnmatch("model-00001-of-00003.safetensors", pattern) for pattern in asked["ignore"])
+
+    def fail(error):
+        def download(*args, **kwargs):
+            raise error
+        return download
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fail(OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(OSError, match="could not store 'mistralai/model' under /models: No space left on device; free "
+                                      "space there or pass --download-dir DIR"):
+        checkpoint._download_from_hub("mistralai/model", download_dir="/models")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fail(ConnectionError("offline")))
+    with pytest.raises(FileNotFoundError, match="could not fetch 'mistralai/model' from the Hugging Face hub"):
+        checkpoint._download_from_hub("mistralai/model")
