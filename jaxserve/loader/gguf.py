@@ -117,6 +117,10 @@ class GGUFFile:
         except Exception as e:  # the gguf package raises assorted errors on a damaged file
             raise ValueError(f"{path} is not a readable GGUF file ({e}); it may be truncated: re-download it") from None
         self.path = path
+        splits = self.field("split.count")
+        if splits is not None and int(splits) > 1:
+            raise ValueError(f"{path.name} is one of {int(splits)} parts of a split GGUF: merge them into one file "
+                             "(llama.cpp's `llama-gguf-split --merge FIRST-PART OUT.gguf`) and serve that")
         self.arch = self.field("general.architecture")
         if self.arch not in GGUF_ARCHITECTURES:
             raise ValueError(f"GGUF architecture {self.arch!r} in {path.name} is not supported; supported: "

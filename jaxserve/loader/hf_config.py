@@ -245,7 +245,8 @@ def model_config_from_hf(d: dict[str, Any], generation: dict[str, Any] | None = 
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        # transformers' defaults when the key is absent: SmolLM3 ties (Gemma too: _gemma), the others do not
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", arch.startswith("SmolLM3"))),
         qkv_bias=arch.startswith("Qwen2") or bool(d.get("attention_bias", False)),
         qk_norm=arch.startswith("Qwen3"),
         sliding_window=window,

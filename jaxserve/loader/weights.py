@@ -97,6 +97,17 @@ def _expert_weight(cfg: ModelConfig, src: TensorSource, hf: str, dtype) -> np.nd
     return out
 
 
+def _stacked(num_layers: int, layer: Callable[[int], np.ndarray], dtype) -> np.ndarray:
+    """[L, ...] of each layer's array, filled in place in `dtype`: one stacked copy held, not np.stack's list of
+    layers and then a cast's second copy (a 70B model's stacked MLP weight is tens of GB)."""
+    first = layer(0)
+    out = np.empty((num_layers,) + first.shape, dtype)
+    out[0] = first
+    for i in range(1, num_layers):
+        out[i] = layer(i)
+    return out
+
+
 def load_params(cfg: ModelConfig, src: TensorSource, dtype) -> Iterator[tuple[ParamPath, np.ndarray]]:
     """Yield (parameter path, array in our layout) one parameter at a time, so at most one stacked tensor
     is materialised beyond the checkpoint itself."""
@@ -105,8 +116,7 @@ def load_params(cfg: ModelConfig, src: TensorSource, dtype) -> Iterator[tuple[Pa
     if not cfg.tie_word_embeddings:
         yield ("lm_head",), src.get("lm_head.weight").T.astype(dtype)
     for ours, (hf, transform) in _layer_weights(cfg).items():
-        stacked = np.stack([transform(src.get(f"model.layers.{i}.{hf}")) for i in range(cfg.num_layers)])
-        yield ("layers", ours), stacked.astype(dtype)
+        yield ("layers", ours), _stacked(cfg.num_layers, lambda i: transform(src.get(f"model.layers.{i}.{hf}")), dtype)
     if cfg.num_experts:
         for ours, hf in moe_names(cfg)[1].items():
             yield ("layers", ours), _expert_weight(cfg, src, hf, dtype)

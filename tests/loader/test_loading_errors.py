@@ -77,3 +77,28 @@ def test_hub_downloads_skip_mistrals_consolidated_copy_and_name_a_full_disk(monk
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fail(ConnectionError("offline")))
     with pytest.raises(FileNotFoundError, match="could not fetch 'mistralai/model' from the Hugging Face hub"):
         checkpoint._download_from_hub("mistralai/model")
+
+
+def test_a_part_of_a_split_gguf_says_to_merge_the_parts(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "model-00001-of-00003.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint16("split.count", 3)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="is one of 3 parts of a split GGUF: merge them into one file"):
+        open_checkpoint(str(path))
+
+
+def test_an_absent_tie_word_embeddings_takes_transformers_default():
+    from jaxserve.loader.hf_config import model_config_from_hf
+
+    config = {"architectures": ["SmolLM3ForCausalLM"], "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+              "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1}
+    assert model_config_from_hf(config).tie_word_embeddings is True  # as SmolLM3Config's default
+    assert model_config_from_hf({**config, "architectures": ["LlamaForCausalLM"]}).tie_word_embeddings is False

@@ -1,0 +1,25 @@
+"""Loading holds one stacked copy of a layer weight, not two: a 70B model's stacked MLP weight is tens of GB."""
+
+import tracemalloc
+
+import numpy as np
+
+from jaxserve.loader.weights import _stacked
+
+
+def test_stacking_layers_holds_one_copy_of_the_result_in_the_target_dtype():
+    layers, shape = 16, (256, 512)
+    rng = np.random.default_rng(0)
+    tensors = [rng.standard_normal(shape, dtype=np.float32) for _ in range(layers)]
+    result_bytes = layers * np.prod(shape) * 2  # float16 target: half the float32 source
+    tracemalloc.start()
+    try:
+        stacked = _stacked(layers, lambda i: tensors[i] * 1.0, np.float16)  # each layer a fresh float32 array
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert stacked.dtype == np.float16 and stacked.shape == (layers, *shape)
+    np.testing.assert_array_equal(stacked[3], tensors[3].astype(np.float16))
+    layer_bytes = np.prod(shape) * 4
+    # np.stack then astype held the float32 layers, their stack and the result: over 3x this bound
+    assert peak <= result_bytes + 3 * layer_bytes
