@@ -86,6 +86,17 @@ def _rope(arch: str, d: dict[str, Any], width: int) -> tuple[float, RopeScaling 
     return theta, scaling, None if local is None else float(local)
 
 
+def _context_length(d: dict[str, Any]) -> int:
+    """The longest context: max_position_embeddings, or what YaRN extends the original length to, as vLLM derives
+    it (Qwen3's recipe for 128K adds the rope_scaling alone: factor 4 over 32768)."""
+    longest = int(d.get("max_position_embeddings", 2048))
+    scaling = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    if (scaling.get("rope_type") or scaling.get("type")) != "yarn" or not scaling.get("factor"):
+        return longest
+    original = scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+    return max(longest, int(int(original) * float(scaling["factor"]))) if original else longest
+
+
 # transformers' default for Qwen2/Qwen3 configs that leave max_window_layers out.
 QWEN_MAX_WINDOW_LAYERS = 28
 # transformers' default for Gemma 3 configs that list neither layer_types nor sliding_window_pattern.
@@ -244,7 +255,7 @@ def model_config_from_hf(d: dict[str, Any], generation: dict[str, Any] | None = 
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+        max_position_embeddings=_context_length(d),
         # transformers' defaults when the key is absent: SmolLM3 ties (Gemma too: _gemma), the others do not
         tie_word_embeddings=bool(d.get("tie_word_embeddings", arch.startswith("SmolLM3"))),
         qkv_bias=arch.startswith("Qwen2") or bool(d.get("attention_bias", False)),

@@ -102,3 +102,15 @@ def test_an_absent_tie_word_embeddings_takes_transformers_default():
               "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1}
     assert model_config_from_hf(config).tie_word_embeddings is True  # as SmolLM3Config's default
     assert model_config_from_hf({**config, "architectures": ["LlamaForCausalLM"]}).tie_word_embeddings is False
+
+
+def test_yarn_extends_the_context_as_vllm_derives_it():
+    """Qwen3's recipe for 128K: the rope_scaling alone (factor 4 over 32768), no max_position_embeddings."""
+    from jaxserve.loader.hf_config import model_config_from_hf
+
+    config = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+              "max_position_embeddings": 40960}
+    assert model_config_from_hf(config).max_position_embeddings == 40960
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert model_config_from_hf({**config, "rope_scaling": yarn}).max_position_embeddings == 131072
