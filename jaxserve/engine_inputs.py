@@ -90,7 +90,8 @@ def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int
             f"the prompt has {prompt_len} tokens but the model's maximum context length is {max_model_len}; "
             "shorten the prompt"
         )
-    if params.max_tokens is None:
+    filled = params.max_tokens is None
+    if filled:
         params = params.replace(max_tokens=min(max_model_len - prompt_len, max_tokens_cap or max_model_len))
     elif prompt_len + params.max_tokens > max_model_len:
         raise ValueError(
@@ -111,8 +112,11 @@ def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int
             raise ValueError(f"{field} has token id {bad[0]}, outside the vocabulary (0..{vocab - 1})")
     capacity = (config.cache.num_blocks - 1) * config.cache.block_size
     # Every sequence (n, or best_of) may grow to prompt + max_tokens. Checked before the sequences are made, so a
-    # request for a billion of them is refused at once rather than exhausting host memory.
-    needed = params.num_sequences * (prompt_len + params.max_tokens)
+    # request for a billion of them is refused at once rather than exhausting host memory. A max_tokens the request
+    # left out (the room left in the context) is no budget it asked for: as in vLLM, its sequences share the cache,
+    # preempted and recomputed while it is short (one alone always fits: max_model_len fits the cache), so only
+    # their start is checked.
+    needed = params.num_sequences * (prompt_len + (1 if filled else params.max_tokens))
     if needed > capacity:
         each = f"{params.num_sequences} sequences x " if params.num_sequences > 1 else ""
         raise ValueError(

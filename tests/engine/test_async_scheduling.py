@@ -52,6 +52,19 @@ def test_lengths_of_one_to_three_tokens_and_the_context_limit(engines):
     assert fast.blocks.num_free_blocks == fast.config.cache.num_blocks - 1  # every block back, null block aside
 
 
+def test_n_sequences_up_to_the_context_share_a_cache_too_small_for_all_of_them(engines):
+    """max_tokens left out: each of 4 sequences may grow to max_model_len (4 x 128 tokens), more than the whole cache
+    (23 blocks x 16): admitted as vLLM admits it, they take turns, preempted and recomputed, and all finish."""
+    fast, _ = engines
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=None, ignore_eos=True)
+    out = both(engines, PROMPTS[:1], params)
+    prompt_len = len(fast.tokenizer(PROMPTS[0])["input_ids"])
+    assert [len(choice[0]) for choice in out[0]] == [128 - prompt_len] * 4
+    assert fast.blocks.num_free_blocks == fast.config.cache.num_blocks - 1
+    with pytest.raises(ValueError, match="KV cache"):  # a budget it asks for is still checked
+        fast.generate(PROMPTS[:1], params.replace(max_tokens=120), use_tqdm=False)
+
+
 def test_stop_strings_and_tokens_found_while_the_next_step_runs(engines):
     _, slow = engines
     free = slow.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
