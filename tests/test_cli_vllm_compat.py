@@ -91,7 +91,8 @@ def test_async_scheduling_has_both_spellings():
 def test_config_file_keys_may_be_any_option_spelling(tmp_path):
     config = tmp_path / "vllm.yaml"
     config.write_text("enable-log-requests: true\nno-enable-prefix-caching: true\nasync-scheduling: false\n"
-                      "api-key: [k1, k2]\nlora-modules:\n  - {name: sql, path: /adapters/sql}\n  - chat=/adapters/chat\n"
+                      "api-key: [k1, k2]\nlora-modules:\n  - {name: sql, path: /adapters/sql}\n"
+                      "  - chat=/adapters/chat\n"
                       "max-model-len: 32k\nnum-gpu-blocks-override: 12\nuvicorn-log-level: debug\n")
     args = parse(["serve", "--config", str(config)])
     assert args.log_prompts is True and args.enable_prefix_caching is False and args.no_async_scheduling is True

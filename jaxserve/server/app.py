@@ -37,14 +37,6 @@ from jaxserve.server.errors import (
 from jaxserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from jaxserve.server.lora_admin import load_lora_adapter, unload_lora_adapter
 from jaxserve.server.metrics import PREFIX, VLLM_PREFIX, ServerMetrics
-from jaxserve.server.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-)
 from jaxserve.server.request_bodies import parse_request
 from jaxserve.server.response_bodies import OutputOptions
 from jaxserve.server.responses import create_response, delete_response, retrieve_response
@@ -52,6 +44,14 @@ from jaxserve.server.scores import create_rerank, create_score
 from jaxserve.server.serving import ServerState
 from jaxserve.server.stats_log import StatsLogger
 from jaxserve.server.transport import CORSPolicy, RequestIdMiddleware, RootPathMiddleware, route_path
+from jaxserve.server.utility_protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 
 # Only the API routes need a key; health, metrics and tokenisation stay open, as in vLLM.
 PROTECTED_PREFIXES = ("/v1/", "/v2/")

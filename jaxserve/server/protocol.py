@@ -3,7 +3,8 @@
 Unknown request fields are ignored, as vLLM does, so clients written for newer API versions still work, and named
 in a warning in the log (a misspelt option shows there); fields that would change what a right answer is and
 which this server does not implement are refused by name.
-Chat schemas live in `chat_protocol.py`; this file holds the shared pieces, completions, tokenize and models.
+Chat schemas live in `chat_protocol.py`, those of /v1/models and /tokenize in `utility_protocol.py`; this file
+holds the shared pieces and completions.
 """
 
 from __future__ import annotations
@@ -356,49 +357,3 @@ class CompletionResponse(OpenAIModel):
 
 class CompletionStreamResponse(CompletionResponse):
     """One SSE chunk: choices carry text deltas; the optional last chunk has no choices and the usage."""
-
-
-# --- models, tokenize, detokenize ---------------------------------------------------------------------------
-class ModelCard(OpenAIModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "jaxserve"
-    root: str | None = None
-    parent: str | None = None  # a LoRA adapter's base model
-    max_model_len: int | None = None
-
-
-class ModelList(OpenAIModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizeRequest(RequestModel):
-    """Either `prompt` (text) or `messages` (a chat, through the chat template)."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None  # rendered by templates that describe tools, as chat renders them
-    return_token_strs: bool = False
-
-
-class TokenizeResponse(OpenAIModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeRequest(RequestModel):
-    model: str | None = None
-    tokens: list[int]
-
-
-class DetokenizeResponse(OpenAIModel):
-    prompt: str
