@@ -119,9 +119,10 @@ def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int
     needed = params.num_sequences * (prompt_len + (1 if filled else params.max_tokens))
     if needed > capacity:
         each = f"{params.num_sequences} sequences x " if params.num_sequences > 1 else ""
+        growth = "1 token to start" if filled else f"{params.max_tokens} max_tokens"
         raise ValueError(
-            f"the request needs up to {needed} tokens of KV cache ({each}{prompt_len} prompt + {params.max_tokens} "
-            f"max_tokens) but the whole cache holds {capacity}; lower n or max_tokens, or raise num_kv_blocks"
+            f"the request needs up to {needed} tokens of KV cache ({each}{prompt_len} prompt + {growth}) but the "
+            f"whole cache holds {capacity}; lower n{'' if filled else ' or max_tokens'}, or raise num_kv_blocks"
         )
     return params
 

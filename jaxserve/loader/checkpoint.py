@@ -75,13 +75,14 @@ def _open(model: str | None, weights: bool, hf_overrides: dict, revision: str | 
             log.warning("tokenizer_revision %r ignored: %s is a local file or directory, not a hub id",
                         tokenizer.revision, model)
         tokenizer = TokenizerChoice() if local else replace(tokenizer, given=model)
-    if hf_overrides and (path.suffix == ".gguf" or (path.is_dir() and is_orbax_checkpoint(path))):
+    gguf = path.is_file() and (path.suffix.lower() == ".gguf" or _has_gguf_magic(path))  # ollama's blobs have no suffix
+    if hf_overrides and (gguf or (path.is_dir() and is_orbax_checkpoint(path))):
         raise ValueError(f"hf_overrides applies to a Hugging Face config.json, and {model or DEFAULT_MODEL_NAME} "
                          "has none (a GGUF file or a `jaxserve convert` checkpoint): give the HF model directory")
     if model is None:
         return _open_gguf(path, DEFAULT_MODEL_NAME, tokenizer)
-    if path.is_file() and (path.suffix.lower() == ".gguf" or _has_gguf_magic(path)):
-        return _open_gguf(path, path.stem, tokenizer)  # ollama's blobs are GGUF files named by their hash
+    if gguf:
+        return _open_gguf(path, path.stem, tokenizer)
     if path.is_file():
         raise ValueError(f"{model} is a file jaxserve cannot serve alone: give a GGUF file, or the Hugging Face "
                          "model directory holding it (config.json beside the .safetensors files)")
@@ -143,7 +144,8 @@ def _open_hf_dir(directory: Path, name: str, weights: bool = True, hf_overrides:
     gen_path = directory / "generation_config.json"
     generation = _read_json(gen_path) if gen_path.exists() else {}
     raw = with_overrides(_read_json(config_path), hf_overrides or {})
-    refuse_quantized(raw, config_path)
+    if weights:  # random weights need none of the file's
+        refuse_quantized(raw, config_path)
     try:
         config = model_config_from_hf(causal_config(text_model_config(raw)), generation)
     except (KeyError, TypeError, AttributeError) as exc:  # a key missing or of the wrong shape

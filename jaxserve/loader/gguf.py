@@ -204,10 +204,12 @@ class GGUFFile:
         """The ids generation stops at: EOS, and, as llama.cpp stops, the end of a turn where the file names it
         (eot/eom ids) or its vocabulary has a known end-of-turn token: a Gemma or Phi-3 chat's EOS is not the token
         that ends the assistant's turn, and generation would run on into made-up turns."""
-        named = [self.field(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
+        eos = self.field("tokenizer.ggml.eos_token_id")
         tokens = self.field("tokenizer.ggml.tokens") or []
-        by_text = [i for i, text in enumerate(tokens) if text in END_OF_TURN_TOKENS]
-        return tuple(dict.fromkeys(int(i) for i in (*named, *by_text) if i is not None))
+        turn_ends = [self.field(f"tokenizer.ggml.{kind}_token_id") for kind in ("eot", "eom")]
+        turn_ends += [i for i, text in enumerate(tokens) if text in END_OF_TURN_TOKENS]
+        turn_ends = [int(i) for i in turn_ends if i is not None and 0 <= int(i) < len(tokens)]  # a bad id stops nothing
+        return tuple(dict.fromkeys(([] if eos is None else [int(eos)]) + turn_ends))
 
     def _experts(self) -> dict:
         """Mixtral's and Qwen3-MoE's experts; intermediate_size becomes each expert's MLP width."""

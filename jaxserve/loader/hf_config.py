@@ -93,7 +93,7 @@ def _context_length(d: dict[str, Any]) -> int:
     scaling = d.get("rope_scaling") or d.get("rope_parameters") or {}
     if (scaling.get("rope_type") or scaling.get("type")) != "yarn" or not scaling.get("factor"):
         return longest
-    original = scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+    original = d.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")  # _yarn's
     return max(longest, int(int(original) * float(scaling["factor"]))) if original else longest
 
 

@@ -97,14 +97,19 @@ def _expert_weight(cfg: ModelConfig, src: TensorSource, hf: str, dtype) -> np.nd
     return out
 
 
-def _stacked(num_layers: int, layer: Callable[[int], np.ndarray], dtype) -> np.ndarray:
+def _stacked(name: str, num_layers: int, layer: Callable[[int], np.ndarray], dtype) -> np.ndarray:
     """[L, ...] of each layer's array, filled in place in `dtype`: one stacked copy held, not np.stack's list of
     layers and then a cast's second copy (a 70B model's stacked MLP weight is tens of GB)."""
-    first = layer(0)
-    out = np.empty((num_layers,) + first.shape, dtype)
-    out[0] = first
-    for i in range(1, num_layers):
-        out[i] = layer(i)
+    out = None
+    for i in range(num_layers):
+        array = layer(i)
+        if out is None:
+            out = np.empty((num_layers,) + array.shape, dtype)
+        elif array.shape != out.shape[1:]:  # assignment would broadcast a damaged tensor over the layer's row
+            raise ValueError(f"{name.replace('*', str(i))} has shape {array.shape}, layer 0's {out.shape[1:]}: "
+                             "the checkpoint is damaged or mixes models")
+        out[i] = array
+        del array  # one layer's source at a time
     return out
 
 
@@ -116,7 +121,8 @@ def load_params(cfg: ModelConfig, src: TensorSource, dtype) -> Iterator[tuple[Pa
     if not cfg.tie_word_embeddings:
         yield ("lm_head",), src.get("lm_head.weight").T.astype(dtype)
     for ours, (hf, transform) in _layer_weights(cfg).items():
-        yield ("layers", ours), _stacked(cfg.num_layers, lambda i: transform(src.get(f"model.layers.{i}.{hf}")), dtype)
+        yield ("layers", ours), _stacked(f"model.layers.*.{hf}", cfg.num_layers,
+                                         lambda i: transform(src.get(f"model.layers.{i}.{hf}")), dtype)
     if cfg.num_experts:
         for ours, hf in moe_names(cfg)[1].items():
             yield ("layers", ours), _expert_weight(cfg, src, hf, dtype)

@@ -59,8 +59,12 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, request_id
     reasoning = state.reasoning_parser and state.reasoning_parser.bind(prompts[0], params)
     arrival_time = time.monotonic()
     streams = await start_requests(state, prompts, params, request_id, body.priority, model, body.cache_salt)
-    job = ChatJob(body, model, request_id, state.engine.tokenizer, state.tool_parser, reasoning,
-                  state.output_options, state=state, arrival_time=arrival_time, stream=streams[0])
+    try:
+        job = ChatJob(body, model, request_id, state.engine.tokenizer, state.tool_parser, reasoning,
+                      state.output_options, state=state, arrival_time=arrival_time, stream=streams[0])
+    except BaseException:  # no one would read the requests: stop them
+        close_all(streams)
+        raise
     return job, streams
 
 

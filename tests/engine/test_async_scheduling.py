@@ -61,8 +61,10 @@ def test_n_sequences_up_to_the_context_share_a_cache_too_small_for_all_of_them(e
     prompt_len = len(fast.tokenizer(PROMPTS[0])["input_ids"])
     assert [len(choice[0]) for choice in out[0]] == [128 - prompt_len] * 4
     assert fast.blocks.num_free_blocks == fast.config.cache.num_blocks - 1
-    with pytest.raises(ValueError, match="KV cache"):  # a budget it asks for is still checked
+    with pytest.raises(ValueError, match=r"\+ 120 max_tokens\) .* lower n or max_tokens"):  # a budget it asks for
         fast.generate(PROMPTS[:1], params.replace(max_tokens=120), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"400 sequences x \d+ prompt \+ 1 token to start\) .* lower n, or"):
+        fast.generate(PROMPTS[:1], params.replace(n=400), use_tqdm=False)  # even their starts do not fit
 
 
 def test_stop_strings_and_tokens_found_while_the_next_step_runs(engines):

@@ -112,6 +112,7 @@ def test_gguf_chats_stop_at_the_end_of_a_turn_not_only_at_eos(tmp_path, eot_fiel
     writer.add_uint32("tokenizer.ggml.eos_token_id", 1)
     if eot_field:
         writer.add_uint32("tokenizer.ggml.eot_token_id", 4)
+        writer.add_uint32("tokenizer.ggml.eom_token_id", 99)  # outside the vocabulary: stops nothing
     writer.add_tensor("token_embd.weight", np.zeros((5, 64), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

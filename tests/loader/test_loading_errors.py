@@ -30,7 +30,8 @@ def test_a_checkpoint_quantized_ahead_is_refused_by_its_method(config_of, method
     path = config_of(lambda config: config.update(quantization_config={"quant_method": method, "bits": 4}))
     with pytest.raises(ValueError, match=f"config.json describes a {method} checkpoint, whose weights jaxserve cannot "
                                          "read: serve the unquantized model"):
-        open_checkpoint(path, load_format="dummy")
+        open_checkpoint(path)
+    assert open_checkpoint(path, load_format="dummy").config.num_layers  # random weights read none of the file's
 
 
 @pytest.mark.parametrize("change, message", [
@@ -48,6 +49,8 @@ def test_a_gguf_file_without_its_suffix_is_read_by_its_magic(smollm2_gguf_path, 
     blob = tmp_path / "sha256-0123abcd"
     blob.symlink_to(smollm2_gguf_path)
     assert open_checkpoint(str(blob)).config.num_layers == 30
+    with pytest.raises(ValueError, match="hf_overrides applies to a Hugging Face config.json"):
+        open_checkpoint(str(blob), hf_overrides={"max_position_embeddings": 4096})
     other = tmp_path / "model.safetensors"
     other.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     with pytest.raises(ValueError, match="a file jaxserve cannot serve alone: give a GGUF file, or the Hugging Face "

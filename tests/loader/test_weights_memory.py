@@ -3,6 +3,7 @@
 import tracemalloc
 
 import numpy as np
+import pytest
 
 from jaxserve.loader.weights import _stacked
 
@@ -14,7 +15,7 @@ def test_stacking_layers_holds_one_copy_of_the_result_in_the_target_dtype():
     result_bytes = layers * np.prod(shape) * 2  # float16 target: half the float32 source
     tracemalloc.start()
     try:
-        stacked = _stacked(layers, lambda i: tensors[i] * 1.0, np.float16)  # each layer a fresh float32 array
+        stacked = _stacked("w", layers, lambda i: tensors[i] * 1.0, np.float16)  # each layer a fresh float32 array
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -23,3 +24,9 @@ def test_stacking_layers_holds_one_copy_of_the_result_in_the_target_dtype():
     layer_bytes = np.prod(shape) * 4
     # np.stack then astype held the float32 layers, their stack and the result: over 3x this bound
     assert peak <= result_bytes + 3 * layer_bytes
+
+
+def test_a_layer_of_another_shape_is_named_not_broadcast():
+    shapes = [(4, 8), (4, 8), (1,)]
+    with pytest.raises(ValueError, match=r"model.layers.2.w has shape \(1,\), layer 0's \(4, 8\)"):
+        _stacked("model.layers.*.w", 3, lambda i: np.ones(shapes[i], np.float32), np.float32)

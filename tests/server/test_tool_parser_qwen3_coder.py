@@ -63,6 +63,17 @@ def test_what_is_not_a_call_is_content_as_written(reply):
     assert parsed("Hi " + reply) == ("Hi " + reply, [])
 
 
+def test_a_value_whose_closing_tag_is_missing_ends_at_the_next_parameter():
+    reply = "<tool_call>\n<function=search>\n<parameter=query>\njax\n<parameter=limit>\n3\n</function>\n</tool_call>"
+    assert parsed(reply)[1] == [("search", {"query": "jax", "limit": 3})]
+
+
+def test_tools_of_the_wrong_shape_type_nothing_and_break_nothing():
+    tools = [{"type": "function", "function": "search"}, "x",
+             {"type": "function", "function": {"name": "search", "parameters": {"properties": ["limit"]}}}]
+    assert parsed(block("search", limit="3"), tools=tools)[1] == [("search", {"limit": "3"})]
+
+
 def test_streaming_content_only_grows_and_calls_are_only_added():
     for n in range(len(REPLY) + 1):
         content, calls = parsed(REPLY[:n], final=False)

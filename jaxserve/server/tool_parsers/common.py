@@ -7,14 +7,14 @@ from typing import Any
 
 from jaxserve.server.tools import ToolCall
 
-JSON_BLANKS = " \t\n\r"
+JSON_BLANKS = " \t\n\r"  # JSON's whitespace: str.strip() alone would take Unicode spaces JSON does not allow
 
 
 class RequestIndependent:
     """A parser that reads every request alike: `for_tools` (the parser for a request's tools) is the parser."""
 
     def for_tools(self, tools: list[dict] | None):
-        return self  # JSON's whitespace: str.strip() alone would take Unicode spaces JSON does not allow
+        return self
 
 
 def partial_suffix(text: str, marker: str) -> int:

@@ -25,7 +25,8 @@ from jaxserve.server.tool_parsers.common import arguments_json, partial_suffix
 from jaxserve.server.tools import ToolCall
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+# A value ends at its </parameter>, or, where the model left that out, at the next parameter or the function's end.
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 
 
 class Qwen3CoderToolParser:
@@ -38,10 +39,11 @@ class Qwen3CoderToolParser:
         return params.replace(skip_special_tokens=False)  # <tool_call> is a special token in Qwen3's vocabulary
 
     def for_tools(self, tools: list[dict] | None) -> Qwen3CoderToolParser:
-        schemas = {}
+        schemas = {}  # tools of the wrong shape (which tool_choice "none" does not check) type nothing
         for tool in tools or []:
-            function = tool.get("function") or {}
-            schemas[function.get("name")] = function.get("parameters") or {}
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("parameters"), dict):
+                schemas[function.get("name")] = function["parameters"]
         return Qwen3CoderToolParser(schemas)
 
     def split(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
@@ -72,7 +74,8 @@ class Qwen3CoderToolParser:
         name, inner = match.group(1).strip(), match.group(2)
         if _PARAMETER.sub("", inner).strip():  # text that is no parameter: not a call of this format
             return None
-        properties = (self.schemas.get(name) or {}).get("properties") or {}
+        properties = (self.schemas.get(name) or {}).get("properties")
+        properties = properties if isinstance(properties, dict) else {}
         arguments = {key.strip(): _typed(_value_text(value), properties.get(key.strip()))
                      for key, value in _PARAMETER.findall(inner)}
         text = arguments_json(arguments)
