@@ -2,6 +2,7 @@
 what is no call kept as content, and while streaming only what cannot change released; served whole and streamed."""
 
 import json
+import time
 
 import openai
 import pytest
@@ -101,3 +102,26 @@ def test_served_whole_and_streamed_with_the_requests_schemas(tokenizer):
     assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in streamed] == \
         [(i, name, arguments) for i, (name, arguments) in enumerate(CALLS)]
     assert "".join(c.delta.content or "" for c in chunks) == "Let me look.\n"
+
+
+def test_a_chat_whose_rendering_fails_stops_its_request(tokenizer):
+    """The engine request starts before the response's rendering is built: if building it fails, the request is
+    aborted, not left generating unread."""
+    class BrokenParser:
+        def adjust(self, params):
+            return params
+
+        def for_tools(self, tools):
+            raise RuntimeError("broken")
+
+    fake = FakeEngine(tokenizer, step_delay=0.05)
+    engine = AsyncEngine(fake)
+    with serve_in_thread(build_app(engine, tool_parser=BrokenParser())) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.InternalServerError):
+            client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x"}],
+                                           tools=TOOLS, max_tokens=200)  # 10 s of steps if it ran on
+        deadline = time.monotonic() + 2
+        while fake.has_unfinished_requests() and time.monotonic() < deadline:  # the abort reaches the loop thread
+            time.sleep(0.01)
+        assert engine.num_in_flight == 0 and not fake.has_unfinished_requests()
