@@ -59,10 +59,8 @@ class AsyncEngine:
         for name, value in (("request_timeout", request_timeout), ("step_timeout", step_timeout)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds or None, got {value}")
-        self.step_timeout = step_timeout
+        self.engine, self.request_timeout, self.step_timeout = engine, request_timeout, step_timeout
         self._step_started: float | None = None  # monotonic start of the step running now, if any
-        self.engine = engine
-        self.request_timeout = request_timeout
         self.log_prompts, self.max_log_len = log_prompts, max_log_len
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # guards _stats and _loop_exited, shared by both sides

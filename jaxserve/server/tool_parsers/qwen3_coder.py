@@ -21,7 +21,8 @@ import json
 import re
 from typing import Any
 
-from jaxserve.server.tool_parsers.common import arguments_json, partial_suffix
+from jaxserve.server.tool_parsers.common import arguments_json
+from jaxserve.server.tool_parsers.hermes import HermesToolParser
 from jaxserve.server.tools import ToolCall
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
@@ -29,14 +30,12 @@ _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 
 
-class Qwen3CoderToolParser:
-    start, end = "<tool_call>", "</tool_call>"
+class Qwen3CoderToolParser(HermesToolParser):
+    """Hermes' blocks (the content before the first, a malformed block kept as written, special tokens kept in the
+    text, a possible `<tool_call>` beginning held back while streaming), holding XML-style calls."""
 
     def __init__(self, schemas: dict[str, dict] | None = None):
         self.schemas = schemas or {}  # function name -> its parameters' JSON schema (the request's tools)
-
-    def adjust(self, params):
-        return params.replace(skip_special_tokens=False)  # <tool_call> is a special token in Qwen3's vocabulary
 
     def for_tools(self, tools: list[dict] | None) -> Qwen3CoderToolParser:
         schemas = {}  # tools of the wrong shape (which tool_choice "none" does not check) type nothing
@@ -46,26 +45,13 @@ class Qwen3CoderToolParser:
                 schemas[function.get("name")] = function["parameters"]
         return Qwen3CoderToolParser(schemas)
 
-    def split(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
-        """(content, calls): the text before the first block, then any block that is no call, as written (text
-        after the calls is left out, as vLLM does). Unless `final`, a possible `<tool_call>` beginning and an
-        unclosed block are held back."""
-        first = text.find(self.start)
-        if first < 0:
-            return (text if final else text[: len(text) - partial_suffix(text, self.start)]), []
-        content, calls, pos = [text[:first]], [], first
-        while pos >= 0:
-            close = text.find(self.end, pos)
-            if close < 0 and not final:
-                break  # more tokens may close it
-            block_end = len(text) if close < 0 else close + len(self.end)
-            call = self._call(text[pos + len(self.start): close if close >= 0 else len(text)])
-            if call is None:
-                content.append(text[pos:block_end])
-            else:
-                calls.append(call)
-            pos = text.find(self.start, block_end)
-        return "".join(content), calls
+    def _block(self, text: str, pos: int, final: bool) -> tuple[int, ToolCall | None] | None:
+        """(where the block opening at `pos` ends, its call or None when malformed), or None until it closes."""
+        close = text.find(self.end, pos)
+        if close < 0 and not final:
+            return None
+        block_end = len(text) if close < 0 else close + len(self.end)
+        return block_end, self._call(text[pos + len(self.start): close if close >= 0 else len(text)])
 
     def _call(self, body: str) -> ToolCall | None:
         match = _FUNCTION.fullmatch(body)
