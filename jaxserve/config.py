@@ -12,6 +12,8 @@ from typing import Any
 
 # Engine(attention_impl=...): "auto" takes the Pallas kernels on GPU/TPU and the reference on CPU.
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas-interpret")
+# Engine(layer_loop=...): "auto" unrolls the layers over per-layer weights on GPU, scans stacked ones elsewhere.
+LAYER_LOOPS = ("auto", "scan", "unrolled")
 
 
 @dataclass(frozen=True)

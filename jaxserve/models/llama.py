@@ -55,8 +55,9 @@ class DecoderLayers(nnx.Module):
         self.w_up, self.w_up_scale = weight((L, D, F), ("layers", "embed", "mlp"), dtype, ("embed",), q)
         self.w_down, self.w_down_scale = weight((L, F, D), ("layers", "mlp", "embed"), dtype, ("mlp",), q)
 
-    def arrays(self) -> dict[str, jax.Array]:
-        return {name: p[...] for name, p in vars(self).items() if isinstance(p, nnx.Param)}
+    def arrays(self) -> dict[str, jax.Array | tuple[jax.Array, ...]]:
+        """Each weight stacked [L, ...], or as a tuple of per-layer arrays once unstacked (runner/layer_loop.py)."""
+        return {name: p.get_value() for name, p in vars(self).items() if isinstance(p, nnx.Param)}
 
 
 def mlp(cfg: ModelConfig, w: dict[str, jax.Array], h: jax.Array, adapters: jax.Array | None = None) -> jax.Array:

@@ -19,6 +19,7 @@ from jaxserve.parallel.pipeline import pipeline_layers
 from jaxserve.parallel.sharding import make_mesh, named_sharding
 from jaxserve.runner.attention_impl import make_attention_fn, resolve_attention_impl
 from jaxserve.runner.kv_cache import KV_LOGICAL_AXES, allocate_kv_cache
+from jaxserve.runner.layer_loop import resolve_layer_loop, unrolled_layers, unstack_layers
 from jaxserve.runner.plan import PlanShape, empty_inputs
 from jaxserve.runner.sampler import SamplerFlags
 from jaxserve.runner.step import StepFunctions, StepInputs, StepStatics
@@ -54,7 +55,8 @@ class StepResult:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, tensors: TensorSource, dtype: str, block_size: int,
                  mesh_shape: tuple[int, int] = (1, 1), attention_impl: str = "auto",
-                 pp_layer_partition: list[int] | None = None, quantization: str | None = None):
+                 pp_layer_partition: list[int] | None = None, quantization: str | None = None,
+                 layer_loop: str = "auto"):
         self.dtype = jnp.dtype(dtype)
         self.block_size = block_size
         self.mesh = make_mesh(*mesh_shape)
@@ -70,10 +72,14 @@ class ModelRunner:
             self.layout.pp == 1
         self.graphdef, self.params = load_weights(cfg, tensors, self.dtype, self.mesh, self.layout,
                                                   quantization)
+        self.layer_loop = resolve_layer_loop(layer_loop, platform, self.layout.pp)
+        if self.layer_loop == "unrolled":
+            self.params = unstack_layers(self.params)
         self.kv = None
         attention = partial(attention_fn, scale=cfg.attention_scale or cfg.head_dim**-0.5,
                             windows=cfg.attention_windows, softcap=cfg.attn_logit_softcap)
-        run_layers = pipeline_layers(self.mesh, scan_layers) if self.layout.pp > 1 else None
+        run_layers = pipeline_layers(self.mesh, scan_layers) if self.layout.pp > 1 else \
+            unrolled_layers if self.layer_loop == "unrolled" else None
         self.fns = StepFunctions(self.graphdef, attention, run_layers)
 
     @property

@@ -1,0 +1,65 @@
+"""How the decoder layers run: one `lax.scan` over weights stacked on a `layers` axis, or an unrolled loop over
+per-layer arrays.
+
+Weights are loaded stacked (the sharding table, the pipeline's stages and LoRA's adapter slots all work on the
+`layers` axis). Under a scan, XLA:GPU copies each layer's slice of every stacked weight out of the stack before
+its matmul (an async dynamic-slice fusion per weight in the compiled HLO), so a decode step moves the layer
+weights three times: read, write, read again. Measured on an H100 at the Llama-3-8B shape (BENCHMARKS.md), a
+batch-1 pass over the 32 layers' matmuls took 15.97 ms scanned and 7.32 ms unrolled over per-layer arrays.
+
+"unrolled" splits each stacked weight into per-layer arrays once, after loading, and runs the layers as a Python
+loop: every matmul reads its own buffer in place. The program grows with depth, so compiles take longer; "auto"
+unrolls on GPU only. CPU keeps the scan (compile time dominates there: tests and warm-up compile every bucket),
+as does TPU (not measured here), and a pipeline (pp > 1) always scans: its stages split the stacked axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxserve.config import LAYER_LOOPS
+
+
+def resolve_layer_loop(choice: str, platform: str, pp: int) -> str:
+    if choice not in LAYER_LOOPS:
+        raise ValueError(f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, got {choice!r}")
+    if pp > 1:
+        return "scan"
+    if choice == "auto":
+        return "unrolled" if platform == "gpu" else "scan"
+    return choice
+
+
+def stays_stacked(name: str) -> bool:
+    """LoRA adapter slots are written into their stacked arrays at run time (runner/lora_weights.py)."""
+    return "lora" in name
+
+
+def unstack_layers(params):
+    """`params` with each stacked layer weight [L, ...] replaced by a tuple of L arrays [...], placed with the
+    stacked array's sharding less its `layers` axis. Each stacked array is freed as soon as it is split, so the
+    weights take at most one extra weight's worth of memory meanwhile; `params` must not be used afterwards."""
+    flat = dict(nnx.to_flat_state(params))
+    for key, var in flat.items():
+        if key[0] != "layers" or stays_stacked(key[-1]):
+            continue
+        stacked = var[...]
+        sharding = stacked.sharding
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+        split = jax.jit(lambda a: tuple(a[i] for i in range(a.shape[0])), out_shardings=sharding)
+        flat[key] = var.replace(split(stacked))
+        stacked.delete()
+    return nnx.from_flat_state(list(flat.items()))
+
+
+def unrolled_layers(layer_fn, weights: dict, x: jax.Array, kv, meta):
+    """The drop-in for the model's `scan_layers` over unstacked weights: tuples are indexed per layer (their own
+    buffers); what stayed stacked is sliced statically."""
+    num_layers = next(len(v) for v in weights.values() if isinstance(v, tuple))
+    for i in range(num_layers):
+        x, kv = layer_fn((x, kv), {name: w[i] for name, w in weights.items()}, jnp.int32(i), meta)
+    return x, kv
