@@ -110,8 +110,11 @@ def table(rows: list[Row]) -> str:
 def append_results(path: str, rows: list[Row], device: str, bandwidth: float, command: str) -> None:
     commit = current_commit()
     header = "## Paged decode kernel: jaxserve Pallas vs jax.experimental.pallas.ops.gpu.paged_attention"
-    with open(path) as f:
-        has_header = header in f.read()
+    try:
+        with open(path) as f:
+            has_header = header in f.read()
+    except FileNotFoundError:  # a fresh file (a GPU session's $OUT)
+        has_header = False
     with open(path, "a") as f:
         if not has_header:
             f.write(f"\n{header}\n\nbf16, 32 q heads, 8 kv heads, head_dim 128, 16-token pages, shuffled block tables; "

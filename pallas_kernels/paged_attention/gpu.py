@@ -57,10 +57,14 @@ def default_splits(B: int, K: int, num_page_blocks: int) -> int:
                                              "num_warps", "num_stages", "interpret"))
 def paged_decode_gpu(q, k_cache, v_cache, block_tables, context_lens, *, layer=0, scale: float,
                      sliding_window: int | None = None, softcap: float | None = None,
-                     pages_per_block: int = 8, num_splits: int | None = None,
-                     num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> jax.Array:
+                     pages_per_block: int = 4, num_splits: int | None = None,
+                     num_warps: int = 4, num_stages: int = 1, interpret: bool = False) -> jax.Array:
     """q [B, H, d]; caches [L, K, NB, bs, d] (or one layer's [K, NB, bs, d]); block_tables [B, MB];
-    context_lens [B] (including this step's token, whose K/V is already in the cache) -> [B, H, d]."""
+    context_lens [B] (including this step's token, whose K/V is already in the cache) -> [B, H, d].
+
+    The defaults were the fastest of a sweep on an H100 (bf16, 32 q / 8 kv heads, head_dim 128, 16-token pages;
+    BENCHMARKS.md): 4 pages a load, 4 warps, no software pipelining (num_stages 1: more programs fit an SM at once,
+    which hides the gathered loads' latency better than a pipeline within one program)."""
     k_cache, v_cache = as_layered(k_cache), as_layered(v_cache)
     K, G = check_shapes(q, k_cache, v_cache)
     B, H, d = q.shape
