@@ -45,13 +45,13 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxserve.runner.top_filter import filter_top, filter_top_reference
+    from jaxserve.runner.top_filter import filter_top, filter_top_sorted
 
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.standard_normal((args.rows, args.vocab)).astype(np.float32) * 3)
     inputs = (logits, jnp.full(args.rows, 50, jnp.int32), jnp.full(args.rows, 0.9, jnp.float32),
               jnp.full(args.rows, 0.05, jnp.float32))
-    search, sort = jax.jit(filter_top), jax.jit(filter_top_reference)
+    search, sort = jax.jit(filter_top), jax.jit(filter_top_sorted)
     if not np.array_equal(np.asarray(search(*inputs)), np.asarray(sort(*inputs))):
         sys.exit("the two filters kept different tokens")
     times = {"sort": [], "search": []}

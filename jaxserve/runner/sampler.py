@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxserve.runner.top_filter import filter_top
+from jaxserve.runner.top_filter import filter_for
 
 GREEDY_EPS = 1e-5
 BIAS_SLOTS = 320  # logit_bias entries (OpenAI allows 300) plus EOS/stop-token bans, per row; fixed to bound compiles
@@ -147,7 +147,7 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, fed_token
     if not flags.all_greedy:
         scaled = x / jnp.maximum(t.temperature, GREEDY_EPS)[:, None]
         if flags.top_filter:
-            scaled = filter_top(scaled, t.top_k, t.top_p, t.min_p)
+            scaled = filter_for(jax.default_backend())(scaled, t.top_k, t.top_p, t.min_p)
         sampled = first_argmax(scaled + _gumbel(t, logits.shape[-1]))
         tokens = jnp.where(t.temperature < GREEDY_EPS, tokens, sampled)
     if flags.num_logprobs < 0:
