@@ -51,7 +51,14 @@ def hf_smollm2(smollm2_gguf_path):
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory, smollm2_gguf_path):
+def tiny_tokenizer_source(request) -> str:
+    """Where tiny checkpoints take their tokenizer: the SmolLM2 GGUF, or a directory holding that tokenizer saved
+    by transformers ($JAXSERVE_TEST_TOKENIZER_DIR: a GPU session, where the GGUF cannot be fetched or carried)."""
+    return os.environ.get("JAXSERVE_TEST_TOKENIZER_DIR") or request.getfixturevalue("smollm2_gguf_path")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, tiny_tokenizer_source):
     """Factory: tiny_checkpoint("llama", **config overrides) -> directory of a random-weight HF model."""
     cache = {}
 
@@ -59,7 +66,7 @@ def tiny_checkpoint(tmp_path_factory, smollm2_gguf_path):
         key = (arch, repr(sorted(overrides.items())))
         if key not in cache:
             out = tmp_path_factory.mktemp(f"tiny-{arch}")
-            cache[key] = make_tiny_checkpoint(arch, out, smollm2_gguf_path, **overrides)
+            cache[key] = make_tiny_checkpoint(arch, out, tiny_tokenizer_source, **overrides)
         return cache[key]
 
     return make

@@ -13,12 +13,16 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_atte
             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.08)
 
 
-def make_tiny_checkpoint(arch: str, out: Path, gguf_path: str, **overrides) -> Path:
+def make_tiny_checkpoint(arch: str, out: Path, tokenizer_source: str, **overrides) -> Path:
+    """`tokenizer_source`: a GGUF file holding the tokenizer, or a directory transformers saved one in."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    d, f = os.path.split(gguf_path)
-    tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    if os.path.isdir(tokenizer_source):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    else:
+        d, f = os.path.split(tokenizer_source)
+        tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
     settings = dict(TINY, vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2) | overrides
     config = AutoConfig.for_model(arch, **settings)
     config.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
