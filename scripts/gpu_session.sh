@@ -16,8 +16,9 @@
 #                               run(command="bash scripts/gpu_session.sh sync", carry=[".whl"])
 #
 #   kernels    compiled Pallas kernels against their references, engine parity through them (float32, tiny
-#              Llama), then scripts/bench_kernels.py (decode kernel vs JAX's bundled one and the roofline) and
-#              scripts/bench_sampler.py (the top-k/p filter, search vs sort, 256 x 128256)
+#              Llama), then scripts/bench_kernels.py (decode kernel vs JAX's bundled one and the roofline),
+#              scripts/bench_layer_loop.py (scan vs unrolled layers, 8B shape) and scripts/bench_sampler.py (the
+#              top-k/p filter, search vs sort, 256 x 128256)
 #   synthetic  scripts/bench_synthetic.py: Llama-3-8B shape, bfloat16: batch-1 decode vs the roofline, 1000 x
 #              (1000 in + 100 out) offline throughput, transformers on the same GPU
 #   sync       the same without transformers and with --no-async-scheduling: what overlapping host work buys
@@ -56,6 +57,8 @@ case "$step" in
     PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider pallas_kernels tests/models/test_parity_pallas.py \
       -k "not test_only_the_kernels_compile_decode_variants" 2>&1 | tee "$out/kernel_tests.log"
     python3 scripts/bench_kernels.py --append "$out/benchmark_rows.md" 2>&1 | tee "$out/bench_kernels.log"
+    # The layer loop, scanned over stacked weights vs unrolled over per-layer ones (runner/layer_loop.py).
+    python3 scripts/bench_layer_loop.py --append "$out/benchmark_rows.md" 2>&1 | tee "$out/bench_layer_loop.log"
     # The sampler's top-k/p filter at GPU batch and Llama-3 vocabulary sizes: sort-free search vs a sort.
     python3 scripts/bench_sampler.py --rows 256 --vocab 128256 --append "$out/benchmark_rows.md" 2>&1 \
       | tee "$out/bench_sampler.log"

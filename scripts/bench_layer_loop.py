@@ -1,0 +1,111 @@
+#!/usr/bin/env python
+"""The decoder layers' matmuls at a model shape, run two ways side by side: one `lax.scan` over weights stacked
+on a layers axis, and an unrolled loop over per-layer arrays (runner/layer_loop.py chooses between them).
+
+    python scripts/bench_layer_loop.py [--append BENCHMARKS.md]     # on a GPU: Llama-3-8B shape, bfloat16
+    python scripts/bench_layer_loop.py --shape tiny                 # CI, on CPU: checks that the script works
+
+Each layer: RMS norm, q/k/v/o and gate/up/down projections (attention itself left out: it reads the KV cache,
+not weights). Reports ms per pass and the weight bytes read per second at batch 1, 8 and 64, and counts the
+dynamic-slice ops in the scan's compiled program (XLA:GPU copies each stacked weight's slice out before its
+matmul). The last line is the scan's time over the unrolled loop's at batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from benchmark_table import append_row, command_line
+
+SHAPES = {  # layers, hidden, MLP, q width, kv width
+    "llama3-8b": (32, 4096, 14336, 4096, 1024),
+    "tiny": (2, 64, 128, 64, 16),
+}
+BATCHES = (1, 8, 64)
+
+
+def make_layers(shape: str, dtype):
+    import jax
+
+    L, D, F, Q, K = SHAPES[shape]
+    shapes = {"wq": (D, Q), "wk": (D, K), "wv": (D, K), "wo": (Q, D), "wg": (D, F), "wu": (D, F), "wd": (F, D)}
+    layers = []
+    for i in range(L):
+        keys = jax.random.split(jax.random.key(i), len(shapes))
+        layers.append({n: (jax.random.normal(k, s, dtype) * 0.02) for k, (n, s) in zip(keys, shapes.items())})
+    return layers
+
+
+def layer(x, w):
+    import jax
+    import jax.numpy as jnp
+
+    def rms(h):
+        return h * jax.lax.rsqrt(jnp.mean(jnp.square(h.astype(jnp.float32)), -1, keepdims=True)).astype(h.dtype)
+
+    h = rms(x)
+    q, kv = h @ w["wq"], h @ w["wk"] + h @ w["wv"]
+    x = x + (q + jnp.tile(kv, (1, q.shape[-1] // kv.shape[-1]))) @ w["wo"]
+    h = rms(x)
+    return x + (jax.nn.silu(h @ w["wg"]) * (h @ w["wu"])) @ w["wd"]
+
+
+def scanned(x, stacked):
+    import jax
+
+    return jax.lax.scan(lambda x, w: (layer(x, w), None), x, stacked)[0]
+
+
+def unrolled(x, layers):
+    for w in layers:
+        x = layer(x, w)
+    return x
+
+
+def median_seconds(compiled, *args, iters: int) -> float:
+    import jax
+
+    jax.block_until_ready(compiled(*args))
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        samples.append(time.perf_counter() - t0)
+    return sorted(samples)[len(samples) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--append", metavar="BENCHMARKS.md", help="append the result row to this file")
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices()[0]
+    dtype = jnp.float32 if device.platform == "cpu" else jnp.bfloat16
+    layers = make_layers(args.shape, dtype)
+    weight_bytes = sum(a.nbytes for w in layers for a in w.values())
+    stacked = {n: jnp.stack([w[n] for w in layers]) for n in layers[0]}
+    ms = {"scan": [], "unrolled": []}
+    for B in BATCHES:
+        x = jnp.ones((B, SHAPES[args.shape][1]), dtype)
+        for name, fn, weights in (("scan", scanned, stacked), ("unrolled", unrolled, layers)):
+            compiled = jax.jit(fn).lower(x, weights).compile()
+            if B == 1 and name == "scan":
+                print(f"scan program: {compiled.as_text().count('dynamic-slice(')} dynamic-slice ops")
+            seconds = median_seconds(compiled, x, weights, iters=args.iters)
+            ms[name].append(1e3 * seconds)
+            print(f"{name:8s} batch {B:3d}: {1e3 * seconds:8.2f} ms, {weight_bytes / seconds / 1e9:7.0f} GB/s of weights")
+    if args.append:
+        cells = [" / ".join(f"{t:.2f}" for t in ms[name]) for name in ("scan", "unrolled")]
+        append_row(args.append, device.device_kind, command_line("bench_layer_loop.py", args.append),
+                   args.shape, f"{weight_bytes / 1e9:.2f}", *cells, f"**{ms['scan'][0] / ms['unrolled'][0]:.2f}x**")
+    print(f"scan / unrolled at batch 1: {ms['scan'][0] / ms['unrolled'][0]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
