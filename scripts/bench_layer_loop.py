@@ -75,6 +75,23 @@ def median_seconds(compiled, *args, iters: int) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
+HEADER = "### The layer loop: scan over stacked weights vs unrolled over per-layer arrays"
+COLUMNS = ("| date | machine | commit | command | shape | layer weights GB | scan ms (batch 1 / 8 / 64) "
+           "| unrolled ms (batch 1 / 8 / 64) | scan / unrolled at batch 1 |\n" + "| --- " * 9 + "|\n")
+
+
+def write_header_once(path: str) -> None:
+    """The table's heading and columns, unless the file already has them (BENCHMARKS.md does)."""
+    try:
+        with open(path) as f:
+            if HEADER in f.read():
+                return
+    except FileNotFoundError:
+        pass
+    with open(path, "a") as f:
+        f.write(f"\n{HEADER}\n\n{COLUMNS}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
@@ -101,6 +118,7 @@ def main() -> None:
             ms[name].append(1e3 * seconds)
             print(f"{name:8s} batch {B:3d}: {1e3 * seconds:8.2f} ms, {weight_bytes / seconds / 1e9:7.0f} GB/s of weights")
     if args.append:
+        write_header_once(args.append)
         cells = [" / ".join(f"{t:.2f}" for t in ms[name]) for name in ("scan", "unrolled")]
         append_row(args.append, device.device_kind, command_line("bench_layer_loop.py", args.append),
                    args.shape, f"{weight_bytes / 1e9:.2f}", *cells, f"**{ms['scan'][0] / ms['unrolled'][0]:.2f}x**")

@@ -1,8 +1,9 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral with its sliding window, Qwen2 with q/k/v bias, Qwen3
 with its q/k norms; Gemma's norms after attention and MLP, GeGLU, soft-capping and per-layer windows too).
 
-Architecture only: weights are stacked on a leading `layers` axis and the layers run under one `lax.scan`,
-so compile time does not grow with depth. Attention over the paged cache is passed in (`attention_fn`).
+Architecture only: weights are stacked on a leading `layers` axis and the layers run under one `lax.scan` (compile
+time does not grow with depth), or, on GPU, unrolled over per-layer arrays (runner/layer_loop.py). Attention over
+the paged cache is passed in (`attention_fn`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from jaxserve.models.lora import add_lora_slots
 
 
 class DecoderLayers(nnx.Module):
-    """The weights of all L decoder layers, each stacked on a leading `layers` axis."""
+    """The weights of all L decoder layers, each stacked on a leading `layers` axis (or, unrolled, a tuple of L
+    per-layer arrays: runner/layer_loop.py)."""
 
     def __init__(self, cfg: ModelConfig, dtype, quantization: str | None = None):
         L, D, H, K, d = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -141,8 +143,8 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = param((D, V), ("embed", "vocab"), dtype)
 
     def __call__(self, token_ids: jax.Array, kv, meta, attention_fn, run_layers=scan_layers):
-        """Hidden states [T, D] after the final norm, and the updated cache. `run_layers` runs the stacked
-        layers: a plain scan, or the pipeline over stages."""
+        """Hidden states [T, D] after the final norm, and the updated cache. `run_layers` runs the layers: a
+        plain scan, the unrolled loop over per-layer arrays (runner/layer_loop.py), or the pipeline over stages."""
         x = self.embed_tokens(token_ids)
         layer_fn = partial(decoder_layer, self.cfg, attention_fn, self.mlp_fn)
         x, kv = run_layers(layer_fn, self.layers.arrays(), x, kv, meta)

@@ -7,13 +7,16 @@ its matmul (an async dynamic-slice fusion per weight in the compiled HLO), so a 
 weights three times: read, write, read again. Measured on an H100 at the Llama-3-8B shape (BENCHMARKS.md), a
 batch-1 pass over the 32 layers' matmuls took 15.97 ms scanned and 7.32 ms unrolled over per-layer arrays.
 
-"unrolled" splits each stacked weight into per-layer arrays once, after loading, and runs the layers as a Python
-loop: every matmul reads its own buffer in place. The program grows with depth, so compiles take longer; "auto"
+"unrolled" places each layer weight as per-layer arrays (split on the host while loading, runner/weights.py;
+`unstack_layers` splits what arrives stacked) and runs the layers as a Python loop: every matmul reads its own
+buffer in place. The program grows with depth, so compiles take longer; "auto"
 unrolls on GPU only. CPU keeps the scan (compile time dominates there: tests and warm-up compile every bucket),
 as does TPU (not measured here), and a pipeline (pp > 1) always scans: its stages split the stacked axis.
 """
 
 from __future__ import annotations
+
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -21,30 +24,33 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import LAYER_LOOPS
+from jaxserve.models.lora import is_lora_path
+
+log = logging.getLogger(__name__)
 
 
 def resolve_layer_loop(choice: str, platform: str, pp: int) -> str:
     if choice not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, got {choice!r}")
     if pp > 1:
+        if choice == "unrolled":
+            log.warning("layer_loop='unrolled' runs as a scan with pipeline parallelism (its stages split the "
+                        "stacked layers)")
         return "scan"
     if choice == "auto":
         return "unrolled" if platform == "gpu" else "scan"
     return choice
 
 
-def stays_stacked(name: str) -> bool:
-    """LoRA adapter slots are written into their stacked arrays at run time (runner/lora_weights.py)."""
-    return "lora" in name
-
-
 def unstack_layers(params):
-    """`params` with each stacked layer weight [L, ...] replaced by a tuple of L arrays [...], placed with the
-    stacked array's sharding less its `layers` axis. Each stacked array is freed as soon as it is split, so the
-    weights take at most one extra weight's worth of memory meanwhile; `params` must not be used afterwards."""
+    """`params` with each layer weight still stacked [L, ...] (a `jaxserve convert` checkpoint's, restored so)
+    replaced by a tuple of L arrays [...], placed with the stacked array's sharding less its `layers` axis. LoRA
+    adapter slots stay stacked: runner/lora_weights.py writes into them at run time. Each stacked array is freed
+    as soon as it is split; `params` must not be used afterwards. The device holds one weight twice meanwhile,
+    which the KV cache sizing counts (it reads the peak memory in use)."""
     flat = dict(nnx.to_flat_state(params))
     for key, var in flat.items():
-        if key[0] != "layers" or stays_stacked(key[-1]):
+        if key[0] != "layers" or is_lora_path(key) or isinstance(var.get_value(), tuple):
             continue
         stacked = var[...]
         sharding = stacked.sharding

@@ -70,17 +70,18 @@ class ModelRunner:
         # split a step's tokens but not its sequences, which breaks the token i = row i pairing it needs.
         self.decode_kernel = resolve_attention_impl(attention_impl, platform, self.cfg) != "reference" and \
             self.layout.pp == 1
-        self.graphdef, self.params = load_weights(cfg, tensors, self.dtype, self.mesh, self.layout,
-                                                  quantization)
         self.layer_loop = resolve_layer_loop(layer_loop, platform, self.layout.pp)
-        if self.layer_loop == "unrolled":
+        unrolled = self.layer_loop == "unrolled"
+        self.graphdef, self.params = load_weights(cfg, tensors, self.dtype, self.mesh, self.layout,
+                                                  quantization, per_layer=unrolled)
+        if unrolled:
             self.params = unstack_layers(self.params)
         self.kv = None
         attention = partial(attention_fn, scale=cfg.attention_scale or cfg.head_dim**-0.5,
                             windows=cfg.attention_windows, softcap=cfg.attn_logit_softcap)
         run_layers = pipeline_layers(self.mesh, scan_layers) if self.layout.pp > 1 else \
             unrolled_layers if self.layer_loop == "unrolled" else None
-        self.fns = StepFunctions(self.graphdef, attention, run_layers)
+        self.fns = StepFunctions(self.graphdef, attention, run_layers, platform)
 
     @property
     def num_compiles(self) -> int:

@@ -136,8 +136,10 @@ def _gumbel(t: SamplingTensors, vocab: int):
     return jax.vmap(one)(t.seeds, t.counters)
 
 
-def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, fed_tokens: jax.Array) -> SamplerOutput:
-    """`fed_tokens`: the previous step's sampled tokens (async scheduling), which penalties and bad words may need."""
+def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, fed_tokens: jax.Array,
+           platform: str = "cpu") -> SamplerOutput:
+    """`fed_tokens`: the previous step's sampled tokens (async scheduling), which penalties and bad words may need.
+    `platform`: the devices' (the top-k/p filter differs by platform, top_filter.filter_for)."""
     x = _apply_bias(logits, t, fed_tokens)
     if flags.penalties:
         x = _apply_penalties(x, t, fed_tokens)
@@ -147,7 +149,7 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, fed_token
     if not flags.all_greedy:
         scaled = x / jnp.maximum(t.temperature, GREEDY_EPS)[:, None]
         if flags.top_filter:
-            scaled = filter_for(jax.default_backend())(scaled, t.top_k, t.top_p, t.min_p)
+            scaled = filter_for(platform)(scaled, t.top_k, t.top_p, t.min_p)
         sampled = first_argmax(scaled + _gumbel(t, logits.shape[-1]))
         tokens = jnp.where(t.temperature < GREEDY_EPS, tokens, sampled)
     if flags.num_logprobs < 0:

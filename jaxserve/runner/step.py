@@ -53,8 +53,9 @@ class TraceCounter:
 
 
 class StepFunctions:
-    def __init__(self, graphdef, attention_fn, run_layers=None):
-        """`run_layers`: how the stacked layers run (None: the model's own scan; a pipeline on pp > 1)."""
+    def __init__(self, graphdef, attention_fn, run_layers=None, platform: str = "cpu"):
+        """`run_layers`: how the layers run (None: the model's own scan; the unrolled loop, runner/layer_loop.py;
+        a pipeline on pp > 1). `platform`: the devices', for the sampler."""
         self.traces = TraceCounter()
         traces = self.traces
         layer_runner = {} if run_layers is None else {"run_layers": run_layers}
@@ -71,7 +72,7 @@ class StepFunctions:
             size for every step, so the forward compiles once per shape, not once per previous shape too). It
             reads this step's `fed_tokens` too: penalties count the tokens the host does not know yet."""
             traces.count += 1
-            out = sample(nnx.merge(graphdef, params).logits(rows), sampling, flags, fed_tokens)
+            out = sample(nnx.merge(graphdef, params).logits(rows), sampling, flags, fed_tokens, platform)
             return out, jnp.zeros(feed_rows, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
 
         def prompt_rows(params, hidden, targets, num):

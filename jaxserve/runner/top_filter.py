@@ -1,10 +1,10 @@
-"""Top-k, top-p and min-p filtering without sorting the vocabulary.
+"""Top-k, top-p and min-p filtering, without sorting the vocabulary on CPU and with a sort on GPU (`filter_for`).
 
-Sorting [B, V] logits is what a filter needs on paper, and it is slow: XLA:CPU takes 0.5 s for 64 rows of SmolLM2's
-49152 logits (BENCHMARKS.md). Both thresholds are found instead by a binary search per row over the logits' float
-order, 32 passes of a compare-and-reduce each: the k-th largest value is the largest t with count(x >= t) >= k, and
-the nucleus keeps exactly the tokens whose mass strictly above them is below top_p, which is monotone in the
-value. The kept set is the one a sort would give (ties at a threshold are all kept, as there).
+Sorting [B, V] logits is what a filter needs on paper, and on CPU it is slow: XLA:CPU takes 0.5 s for 64 rows of
+SmolLM2's 49152 logits (BENCHMARKS.md). Both thresholds are found instead by a binary search per row over the
+logits' float order, 32 passes of a compare-and-reduce each: the k-th largest value is the largest t with
+count(x >= t) >= k, and the nucleus keeps exactly the tokens whose mass strictly above them is below top_p, which
+is monotone in the value. The kept set is the one a sort would give (ties at a threshold are all kept, as there).
 """
 
 from __future__ import annotations

@@ -35,9 +35,11 @@ def _flat_abstract(cfg: ModelConfig, dtype, quantization: str | None = None):
 
 
 def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, layout: ParallelLayout | None = None,
-                 quantization: str | None = None):
+                 quantization: str | None = None, per_layer: bool = False):
     """-> (graphdef, params) of the model under `layout`'s effective config (default: no padding, one stage);
-    with `quantization="int8"`, every matmul weight is quantized on the host as it is read."""
+    with `quantization="int8"`, every matmul weight is quantized on the host as it is read. `per_layer`: each
+    layer weight is placed as a tuple of per-layer arrays (runner/layer_loop.py), split on the host so the device
+    never holds a stacked copy beside them (except a `jaxserve convert` checkpoint's, restored stacked)."""
     layout = layout or plan_layout(cfg, 1, 1)
     if hasattr(tensors, "restore"):  # a `jaxserve convert` checkpoint: stored padded, each process reads its shards
         if cfg.lora_slots:
@@ -59,14 +61,15 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
         var = flat[path]
         logical = var.get_metadata()["logical"]
         array = pad_weight(array, logical, layout, cfg.num_kv_heads)
+        split = per_layer and path[0] == "layers"
         scale_path = path[:-1] + (path[-1] + "_scale",)
         if scale_path in flat:  # quantized: int8 values and float32 scales replace the float weight
             scale_var = flat[scale_path]
             scale_logical = scale_var.get_metadata()["logical"]
             contract = tuple(i for i, name in enumerate(logical) if name not in scale_logical)
             array, scale = quantize_int8(array, contract)
-            placed[scale_path] = scale_var.replace(jax.device_put(scale, named_sharding(mesh, scale_logical)))
-        placed[path] = var.replace(jax.device_put(array, named_sharding(mesh, logical)))
+            placed[scale_path] = scale_var.replace(_place(scale, scale_logical, mesh, split))
+        placed[path] = var.replace(_place(array, logical, mesh, split))
         del array
     for path in filter(is_lora_path, flat):  # adapter slots start empty (zeros); runner/lora_weights.py fills them
         var = flat[path]
@@ -77,3 +80,10 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
         raise ValueError(f"the checkpoint provides no weights for {sorted('.'.join(p) for p in missing)}")
     return graphdef, nnx.from_flat_state(list(placed.items()))
 
+
+def _place(array: np.ndarray, logical: tuple[str, ...], mesh: Mesh, per_layer: bool):
+    """The host array on the mesh; a stacked layer weight as one array per layer when `per_layer`."""
+    if not per_layer:
+        return jax.device_put(array, named_sharding(mesh, logical))
+    sharding = named_sharding(mesh, logical[1:])  # less the leading `layers` axis
+    return tuple(jax.device_put(layer, sharding) for layer in array)

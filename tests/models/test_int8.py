@@ -66,15 +66,23 @@ def int8_case(tiny_checkpoint, tmp_path_factory):
     return get
 
 
-def int8_engine(path, mesh=None):
+def int8_engine(path, mesh=None, layer_loop="auto"):
     return Engine(str(path), quantization="int8", mesh=mesh, num_kv_blocks=64, max_num_batched_tokens=64,
-                  max_num_seqs=4, warmup=False)
+                  max_num_seqs=4, warmup=False, layer_loop=layer_loop)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_int8_logits_match_transformers_on_dequantized_weights(name, int8_case):
     path, reference = int8_case(name)
     check_parity(int8_engine(path), reference, PROMPTS)
+
+
+def test_int8_with_unrolled_layers_matches_too(int8_case):
+    """Unrolled (GPU's default): the int8 weights and their scales are both split per layer."""
+    path, reference = int8_case("llama-odd-sizes")
+    engine = int8_engine(path, layer_loop="unrolled")
+    assert isinstance(engine.runner.params["layers"]["wq_scale"].get_value(), tuple)
+    check_parity(engine, reference, PROMPTS)
 
 
 def test_int8_on_a_padded_2d_mesh_matches_too(int8_case):

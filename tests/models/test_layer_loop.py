@@ -44,3 +44,41 @@ def test_layer_loop_choice():
     assert resolve_layer_loop("unrolled", "cpu", pp=2) == "scan"  # pipeline stages split the stacked axis
     with pytest.raises(ValueError, match="layer_loop must be one of auto, scan, unrolled, got 'unroll'"):
         resolve_layer_loop("unroll", "cpu", pp=1)
+
+
+
+def test_per_layer_weights_are_placed_from_the_host(tiny_checkpoint, monkeypatch):
+    """Unrolled, no stacked layer weight reaches the device: each arrives as its per-layer arrays (the KV cache
+    sizing reads the peak device memory, which a stacked copy split on the device would inflate)."""
+    placed, device_put = [], jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **kw: placed.append(getattr(x, "shape", None))
+                        or device_put(x, *a, **kw))
+    engine, _ = engine_and_reference(tiny_checkpoint, "llama-tied")
+    cfg = engine.runner.cfg
+    per_layer = (cfg.hidden_size, cfg.num_heads, cfg.head_dim)
+    assert placed.count(per_layer) == cfg.num_layers  # wq, one layer at a time
+    assert (cfg.num_layers, *per_layer) not in placed
+
+
+def test_stacked_weights_are_split_on_their_mesh(tiny_checkpoint):
+    """What arrives stacked (a `jaxserve convert` checkpoint restores so) is split on the devices: the same values,
+    each layer's array with the stack's sharding less its `layers` axis, the stack freed."""
+    import numpy as np
+
+    from jaxserve.loader.checkpoint import open_checkpoint
+    from jaxserve.parallel.layout import plan_layout
+    from jaxserve.parallel.sharding import make_mesh
+    from jaxserve.runner.layer_loop import unstack_layers
+    from jaxserve.runner.weights import load_weights
+
+    ckpt = open_checkpoint(str(tiny_checkpoint("llama", tie_word_embeddings=True)))
+    layout = plan_layout(ckpt.config, 2, 1)
+    _, params = load_weights(ckpt.config, ckpt.tensors, "float32", make_mesh(2, 1), layout)
+    stacked = params["layers"]["w_down"].get_value()
+    want, spec = np.asarray(stacked), stacked.sharding.spec
+    split = unstack_layers(params)["layers"]["w_down"].get_value()
+    assert stacked.is_deleted()
+    assert len(split) == len(want)
+    for i, layer in enumerate(split):
+        np.testing.assert_array_equal(np.asarray(layer), want[i])
+        assert tuple(layer.sharding.spec) == tuple(spec)[1:] and "tp" in jax.tree.leaves(tuple(spec))

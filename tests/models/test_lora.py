@@ -58,12 +58,13 @@ def check_lora_parity(engine: Engine, references: dict, prompts, loras, tol: flo
     return outs
 
 
-@pytest.mark.parametrize("mesh", [None, "4x2"])
-def test_adapters_and_base_in_one_batch_match_peft(mesh, llama_with_adapters):
-    """On 4x2, tp pads the 2 kv heads to 4 (replicated) and pp pads 3 layers to 4 slots: the factors pad alike."""
+@pytest.mark.parametrize("mesh, layer_loop", [(None, "scan"), ("4x2", "scan"), (None, "unrolled")])
+def test_adapters_and_base_in_one_batch_match_peft(mesh, layer_loop, llama_with_adapters):
+    """On 4x2, tp pads the 2 kv heads to 4 (replicated) and pp pads 3 layers to 4 slots: the factors pad alike.
+    Unrolled (GPU's default), the adapter slots stay stacked beside the per-layer weights."""
     base, adapters, references = llama_with_adapters
     engine = Engine(str(base), mesh=mesh, enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64,
-                    max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
+                    max_num_batched_tokens=64, max_num_seqs=4, warmup=False, layer_loop=layer_loop)
     outs = check_lora_parity(engine, references, PROMPTS, [adapters["every"], adapters["attention"], None])
     base_outs = engine.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     # The adapters do change the text (else the parity above would not show the adapters were applied).
