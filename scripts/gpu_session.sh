@@ -22,6 +22,7 @@
 #   synthetic  scripts/bench_synthetic.py: Llama-3-8B shape, bfloat16: batch-1 decode vs the roofline, 1000 x
 #              (1000 in + 100 out) offline throughput, transformers on the same GPU
 #   sync       the same without transformers and with --no-async-scheduling: what overlapping host work buys
+#   tune       scripts/tune_decode_kernel.py: the decode kernel's knobs swept at six shapes (~5 minutes)
 #
 # Logs and BENCHMARKS.md rows land in $OUT (the device tool brings them back); copy the rows into BENCHMARKS.md.
 #
@@ -31,7 +32,7 @@
 # read from jaxserve's persistent compilation cache (~/.cache/jaxserve/xla there), and the log in $OUT says
 # how far the first call got.
 set -uo pipefail
-step=${1:?usage: scripts/gpu_session.sh kernels|synthetic|sync}
+step=${1:?usage: scripts/gpu_session.sh kernels|synthetic|sync|tune}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -70,8 +71,11 @@ case "$step" in
     python3 scripts/bench_synthetic.py --no-transformers --no-async-scheduling --append "$out/benchmark_rows.md" \
       2>&1 | tee "$out/bench_synthetic_sync.log"
     ;;
+  tune)
+    python3 scripts/tune_decode_kernel.py 2>&1 | tee "$out/tune_decode_kernel.log"
+    ;;
   *)
-    echo "unknown step $step: use kernels, synthetic or sync" >&2
+    echo "unknown step $step: use kernels, synthetic, sync or tune" >&2
     exit 2
     ;;
 esac

@@ -1,0 +1,18 @@
+"""scripts/tune_decode_kernel.py --tiny: the GPU tuning sweep's code path, on CPU in interpret mode."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tune_decode_kernel_tiny_runs():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune_decode_kernel.py"), "--tiny"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "batch 2 x context 32:" and len(lines) == 4  # the shape, its 2 settings, the best
+    assert lines[-1].startswith("best over 1 shapes (geometric mean): {'pages_per_block': ")
