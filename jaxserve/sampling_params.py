@@ -110,8 +110,8 @@ def _normalise_bad_words(words: Any) -> list[str]:
 
 
 def _logit_bias_token_id(key: Any) -> int:
-    # OpenAI JSON sends token ids as string keys ("50256").
-    if _is_int(key) or (isinstance(key, str) and key.strip().isdigit()):
+    # OpenAI JSON sends token ids as string keys ("50256"); isdigit alone also passes "²", which int() refuses.
+    if _is_int(key) or (isinstance(key, str) and key.strip().isascii() and key.strip().isdigit()):
         if int(key) >= 0:
             return int(key)
     raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")

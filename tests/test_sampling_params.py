@@ -29,6 +29,9 @@ def test_normalisation():
 def test_logit_bias_keys_coerced_and_values_clamped():
     p = SamplingParams(logit_bias={"50256": -1000, 7: 5.5, "9": 250})
     assert p.logit_bias == {50256: -100.0, 7: 5.5, 9: 100.0}
+    for key in ("²", "-1", "x"):
+        with pytest.raises(ValueError, match=f"logit_bias keys must be token ids \\(integers >= 0\\), got '{key}'"):
+            SamplingParams(logit_bias={key: 1})
 
 
 def test_properties():
