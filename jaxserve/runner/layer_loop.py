@@ -21,10 +21,10 @@ import logging
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import LAYER_LOOPS
 from jaxserve.models.lora import is_lora_path
+from jaxserve.parallel.sharding import named_sharding
 
 log = logging.getLogger(__name__)
 
@@ -44,18 +44,16 @@ def resolve_layer_loop(choice: str, platform: str, pp: int) -> str:
 
 def unstack_layers(params):
     """`params` with each layer weight still stacked [L, ...] (a `jaxserve convert` checkpoint's, restored so)
-    replaced by a tuple of L arrays [...], placed with the stacked array's sharding less its `layers` axis. LoRA
-    adapter slots stay stacked: runner/lora_weights.py writes into them at run time. Each stacked array is freed
-    as soon as it is split; `params` must not be used afterwards. The device holds one weight twice meanwhile,
-    which the KV cache sizing counts (it reads the peak memory in use)."""
+    replaced by a tuple of L arrays [...], sharded by the weight's logical axes less `layers` (as loading places
+    them, runner/weights.py). LoRA adapter slots stay stacked: runner/lora_weights.py writes into them at run
+    time. Each stacked array is freed as soon as it is split; `params` must not be used afterwards. The device
+    holds one weight twice meanwhile, which the KV cache sizing counts (it reads the peak memory in use)."""
     flat = dict(nnx.to_flat_state(params))
     for key, var in flat.items():
         if key[0] != "layers" or is_lora_path(key) or isinstance(var.get_value(), tuple):
             continue
         stacked = var[...]
-        sharding = stacked.sharding
-        if isinstance(sharding, NamedSharding):
-            sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+        sharding = named_sharding(stacked.sharding.mesh, var.get_metadata()["logical"][1:])  # less `layers`
         split = jax.jit(lambda a: tuple(a[i] for i in range(a.shape[0])), out_shardings=sharding)
         flat[key] = var.replace(split(stacked))
         stacked.delete()
