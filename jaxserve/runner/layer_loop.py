@@ -9,9 +9,9 @@ batch-1 pass over the 32 layers' matmuls took 15.97 ms scanned and 7.32 ms unrol
 
 "unrolled" places each layer weight as per-layer arrays (split on the host while loading, runner/weights.py;
 `unstack_layers` splits what arrives stacked) and runs the layers as a Python loop: every matmul reads its own
-buffer in place. The program grows with depth, so compiles take longer; "auto"
-unrolls on GPU only. CPU keeps the scan (compile time dominates there: tests and warm-up compile every bucket),
-as does TPU (not measured here), and a pipeline (pp > 1) always scans: its stages split the stacked axis.
+buffer in place. The program grows with depth, so compiles take longer; "auto" unrolls on GPU only. CPU keeps
+the scan (compile time dominates there: tests and warm-up compile every bucket), as does TPU (not measured
+here), and a pipeline (pp > 1) always scans: its stages split the stacked axis.
 """
 
 from __future__ import annotations
