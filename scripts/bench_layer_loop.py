@@ -14,8 +14,8 @@ matmul). The last line is the scan's time over the unrolled loop's at batch 1.
 from __future__ import annotations
 
 import argparse
-import time
 
+from bench_kernels import timed
 from benchmark_table import append_row, command_line
 
 SHAPES = {  # layers, hidden, MLP, q width, kv width
@@ -63,18 +63,6 @@ def unrolled(x, layers):
     return x
 
 
-def median_seconds(compiled, *args, iters: int) -> float:
-    import jax
-
-    jax.block_until_ready(compiled(*args))
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        samples.append(time.perf_counter() - t0)
-    return sorted(samples)[len(samples) // 2]
-
-
 HEADER = "### The layer loop: scan over stacked weights vs unrolled over per-layer arrays"
 COLUMNS = ("| date | machine | commit | command | shape | layer weights GB | scan ms (batch 1 / 8 / 64) "
            "| unrolled ms (batch 1 / 8 / 64) | scan / unrolled at batch 1 |\n" + "| --- " * 9 + "|\n")
@@ -114,7 +102,7 @@ def main() -> None:
             compiled = jax.jit(fn).lower(x, weights).compile()
             if B == 1 and name == "scan":
                 print(f"scan program: {compiled.as_text().count('dynamic-slice(')} dynamic-slice ops")
-            seconds = median_seconds(compiled, x, weights, iters=args.iters)
+            seconds = timed(compiled, x, weights, iters=args.iters)
             ms[name].append(1e3 * seconds)
             print(f"{name:8s} batch {B:3d}: {1e3 * seconds:8.2f} ms, {weight_bytes / seconds / 1e9:7.0f} GB/s of weights")
     if args.append:
