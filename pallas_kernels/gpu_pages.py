@@ -11,26 +11,40 @@ from pallas_kernels.common import (MASK_VALUE, cap_scores, cdiv, dot_nt, next_po
 
 
 def attend_pages(q, q_pos, k_ref, v_ref, tables_ref, row, layer, h, lo, num_blocks, *, pages_per_block: int,
-                 scale: float, window: int | None, precision, softcap: float | None = None):
+                 scale: float, window: int | None, precision, softcap: float | None = None, prefetch: bool = False):
     """Attend queries q [R, d] at positions q_pos [R, 1] (or a scalar) to the keys of pages
     [lo, lo + num_blocks * P) of block-table row `row`; returns the online-softmax state (m, l, acc).
 
     k_ref/v_ref are the whole cache [L, K, NB, bs, d]; the P pages of a block come in one gathered load.
+    With `prefetch`, each step issues the next block's loads before this block's math (the tiles ride in the
+    loop carry), so a program's memory latency overlaps its own compute rather than only other programs'. The
+    last step reloads its own block, in range: one extra block read per program.
     """
     P = pages_per_block
     bs, d = k_ref.shape[-2:]
 
-    def body(i, carry):
-        first = lo + i * P
-        pages = tables_ref[row, pl.ds(first, P)]
-        k = k_ref[layer, h, pages].reshape(P * bs, d)
-        v = v_ref[layer, h, pages].reshape(P * bs, d)
-        s = cap_scores(dot_nt(q, k, precision) * scale, softcap)
-        k_pos = first * bs + jnp.arange(P * bs)[None, :]
-        s = jnp.where(visible(q_pos, k_pos, window), s, MASK_VALUE)
-        return online_softmax_step(carry, s, v, precision)
+    def load(i):
+        pages = tables_ref[row, pl.ds(lo + i * P, P)]
+        return k_ref[layer, h, pages].reshape(P * bs, d), v_ref[layer, h, pages].reshape(P * bs, d)
 
-    return jax.lax.fori_loop(0, num_blocks, body, softmax_init(q.shape[0], d))
+    def attend(i, state, k, v):
+        s = cap_scores(dot_nt(q, k, precision) * scale, softcap)
+        k_pos = (lo + i * P) * bs + jnp.arange(P * bs)[None, :]
+        s = jnp.where(visible(q_pos, k_pos, window), s, MASK_VALUE)
+        return online_softmax_step(state, s, v, precision)
+
+    init = softmax_init(q.shape[0], d)
+    if not prefetch:
+        return jax.lax.fori_loop(0, num_blocks, lambda i, state: attend(i, state, *load(i)), init)
+
+    def body(i, carry):
+        state, k, v = carry
+        upcoming = load(jnp.minimum(i + 1, num_blocks - 1))
+        return (attend(i, state, k, v), *upcoming)
+
+    # Block 0 is in range even when num_blocks is 0: tables are padded to whole splits (the null page).
+    state, _, _ = jax.lax.fori_loop(0, num_blocks, body, (init, *load(0)))
+    return state
 
 
 def block_count(lo, hi, pages_per_block: int):

@@ -7,7 +7,8 @@ measured copy bandwidth). bf16, 32 q heads, 8 kv heads, head_dim 128, 16-token p
     python scripts/bench_kernels.py --tiny                       # CPU, interpret mode: checks that the script works
 
 Prints one row per configuration and, as the last line, the ratio (JAX's time / ours, geometric mean).
-Timings are only meaningful on a GPU; --tiny figures are interpreter speed.
+Times are per call, the kernel called 20 times in one compiled loop (device time, no host dispatch between
+calls; `timed_in_loop`). They are only meaningful on a GPU; --tiny figures are interpreter speed.
 """
 
 from __future__ import annotations
@@ -58,6 +59,26 @@ def timed(fn, *args, iters: int) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
+LOOP_CALLS = 20
+
+
+def timed_in_loop(kernel, q, *rest, iters: int) -> float:
+    """Median seconds per kernel call, the calls made LOOP_CALLS at a time inside one compiled loop: device time,
+    as the kernel runs inside the engine's step program, with no host dispatch between calls. Each call's q
+    takes the previous output times a zero passed in at run time, so the calls form a chain XLA can neither
+    hoist out of the loop nor fold away."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def chain(q, zero, *rest):
+        def call(_, q_in):
+            return q + (kernel(q_in, *rest) * zero).astype(q.dtype)
+        return jax.lax.fori_loop(0, LOOP_CALLS, call, q)
+
+    return timed(chain, q, jnp.zeros((), q.dtype), *rest, iters=iters) / LOOP_CALLS
+
+
 def copy_bandwidth(nbytes: int, iters: int) -> float:
     """Bytes/s of an elementwise pass over `nbytes` (read once, written once): the achievable memory bandwidth."""
     import jax
@@ -102,8 +123,8 @@ def bench_one(B: int, ctx: int, cfg: dict, bandwidth: float, interpret: bool, it
     diff = float(jnp.max(jnp.abs(ours(q, k, v, tables, lens).astype(jnp.float32)
                                  - theirs(q, k, v, tables, lens).astype(jnp.float32))))
     kv_bytes = 2 * B * ctx * cfg["K"] * cfg["d"] * jnp.dtype(cfg["dtype"]).itemsize
-    return Row(B, ctx, 1e6 * timed(ours, q, k, v, tables, lens, iters=iters),
-               1e6 * timed(theirs, q, k, v, tables, lens, iters=iters), 1e6 * kv_bytes / bandwidth, diff)
+    return Row(B, ctx, 1e6 * timed_in_loop(ours, q, k, v, tables, lens, iters=iters),
+               1e6 * timed_in_loop(theirs, q, k, v, tables, lens, iters=iters), 1e6 * kv_bytes / bandwidth, diff)
 
 
 def table(rows: list[Row]) -> str:
@@ -135,11 +156,13 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes in interpret mode (CPU): checks the script")
     ap.add_argument("--iters", type=int, default=None, help="timed calls per kernel and configuration")
     ap.add_argument("--append", metavar="BENCHMARKS.md", help="append the table to this file")
+    ap.add_argument("--shapes", nargs="+", metavar="BATCHxCONTEXT", help="only these (default: all 12)")
     for flag in ("pages-per-block", "num-splits", "num-warps", "num-stages"):
         ap.add_argument(f"--{flag}", type=int, help="override the decode kernel's default (for tuning)")
+    ap.add_argument("--prefetch", action="store_true", help="load each next block ahead (for tuning)")
     args = ap.parse_args()
-    tuning = {k: v for k in ("pages_per_block", "num_splits", "num_warps", "num_stages")
-              if (v := getattr(args, k)) is not None}
+    tuning = {k: v for k in ("pages_per_block", "num_splits", "num_warps", "num_stages", "prefetch")
+              if (v := getattr(args, k)) not in (None, False)}
 
     import jax
 
@@ -149,13 +172,14 @@ def main() -> None:
         raise SystemExit(f"this benchmark needs a GPU (found {device.platform}); use --tiny to check it on CPU")
     iters = args.iters or (2 if args.tiny else 20)
     bandwidth = copy_bandwidth((64 << 20) if args.tiny else (2 << 30), iters)
-    rows = [bench_one(B, ctx, cfg, bandwidth, args.tiny, iters, tuning)
-            for B in cfg["batches"] for ctx in cfg["contexts"]]
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else \
+        [(B, ctx) for B in cfg["batches"] for ctx in cfg["contexts"]]
+    rows = [bench_one(B, ctx, cfg, bandwidth, args.tiny, iters, tuning) for B, ctx in shapes]
     print(f"device: {device.device_kind}; measured copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     print(table(rows))
     if args.append:
         command = " ".join(["scripts/bench_kernels.py", *(["--tiny"] if args.tiny else []),
-                            *(f"--{k.replace('_', '-')} {v}" for k, v in tuning.items())])
+                            *(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in tuning.items())])
         append_results(args.append, rows, device.device_kind, bandwidth, command)
     ratio = math.exp(sum(math.log(r.speedup) for r in rows) / len(rows))
     print(f"ratio JAX paged_attention time / ours (geometric mean over {len(rows)} configs): {ratio:.2f}x")

@@ -23,6 +23,8 @@
 #              (1000 in + 100 out) offline throughput, transformers on the same GPU
 #   sync       the same without transformers and with --no-async-scheduling: what overlapping host work buys
 #   tune       scripts/tune_decode_kernel.py: the decode kernel's knobs swept at six shapes (~5 minutes)
+#   profile    Nsight Compute on both decode kernels at batch 64 x 2048 (issue 4's bandwidth goal): duration, DRAM
+#              throughput, occupancy, registers, warp stalls; then ours with --prefetch
 #
 # Logs and BENCHMARKS.md rows land in $OUT (the device tool brings them back); copy the rows into BENCHMARKS.md.
 #
@@ -32,7 +34,7 @@
 # read from jaxserve's persistent compilation cache (~/.cache/jaxserve/xla there), and the log in $OUT says
 # how far the first call got.
 set -uo pipefail
-step=${1:?usage: scripts/gpu_session.sh kernels|synthetic|sync|tune}
+step=${1:?usage: scripts/gpu_session.sh kernels|synthetic|sync|tune|profile}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -74,8 +76,16 @@ case "$step" in
   tune)
     python3 scripts/tune_decode_kernel.py 2>&1 | tee "$out/tune_decode_kernel.log"
     ;;
+  profile)
+    # The first two matching launches at the one shape: ours, then JAX's (bench_kernels compares them first).
+    for extra in "" "--prefetch"; do
+      ncu --clock-control none -k regex:paged --launch-count 2 --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+        python3 scripts/bench_kernels.py --shapes 64x2048 --iters 1 $extra 2>&1 | tee -a "$out/ncu_decode.log"
+    done
+    ;;
   *)
-    echo "unknown step $step: use kernels, synthetic, sync or tune" >&2
+    echo "unknown step $step: use kernels, synthetic, sync, tune or profile" >&2
     exit 2
     ;;
 esac

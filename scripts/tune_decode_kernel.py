@@ -2,7 +2,7 @@
 """Sweep the Pallas GPU decode kernel's tuning knobs at the shapes of scripts/bench_kernels.py and print the
 fastest settings per shape: how its defaults (pallas_kernels/paged_attention/gpu.py) were chosen.
 
-    python scripts/tune_decode_kernel.py                    # on a GPU: pages per load x warps x stages (x splits)
+    python scripts/tune_decode_kernel.py                    # on a GPU: pages x warps x stages x prefetch (x splits)
     python scripts/tune_decode_kernel.py --shapes 64x2048   # one shape
     python scripts/tune_decode_kernel.py --tiny             # CPU, interpret mode: checks the script
 
@@ -16,17 +16,19 @@ import argparse
 import itertools
 import math
 
-from bench_kernels import FULL, TINY, make_inputs, timed
+from bench_kernels import FULL, TINY, make_inputs, timed_in_loop
 
-GRID = dict(pages_per_block=(2, 4, 8, 16), num_warps=(4, 8), num_stages=(1, 2, 3, 4), num_splits=(None, 2, 4, 8, 16))
-TINY_GRID = dict(pages_per_block=(1, 2), num_warps=(4,), num_stages=(1,), num_splits=(None,))
+GRID = dict(pages_per_block=(2, 4, 8, 16), num_warps=(4, 8), num_stages=(1, 2, 3), prefetch=(False, True),
+            num_splits=(None, 4, 16))
+TINY_GRID = dict(pages_per_block=(1, 2), num_warps=(4,), num_stages=(1,), prefetch=(False,), num_splits=(None,))
 SHAPES = ((64, 2048), (1, 512), (8, 8192), (256, 2048), (64, 8192), (256, 512))
 
 
 def settings(grid: dict, batch: int):
     splits = grid["num_splits"] if batch < 64 else (None,)
-    for p, w, s, n in itertools.product(grid["pages_per_block"], grid["num_warps"], grid["num_stages"], splits):
-        yield dict(pages_per_block=p, num_warps=w, num_stages=s, num_splits=n)
+    for p, w, s, f, n in itertools.product(grid["pages_per_block"], grid["num_warps"], grid["num_stages"],
+                                           grid["prefetch"], splits):
+        yield dict(pages_per_block=p, num_warps=w, num_stages=s, prefetch=f, num_splits=n)
 
 
 def sweep(batch: int, context: int, cfg: dict, grid: dict, interpret: bool, iters: int) -> dict[tuple, float]:
@@ -41,7 +43,7 @@ def sweep(batch: int, context: int, cfg: dict, grid: dict, interpret: bool, iter
     for knobs in settings(grid, batch):
         fn = jax.jit(lambda q, k, v, t, n, knobs=knobs: paged_decode_gpu(q, k, v, t, n, scale=scale,
                                                                           interpret=interpret, **knobs))
-        times[tuple(knobs.items())] = 1e6 * timed(fn, *inputs, iters=iters)
+        times[tuple(knobs.items())] = 1e6 * timed_in_loop(fn, *inputs, iters=iters)
     return times
 
 

@@ -27,7 +27,7 @@ TARGET_PROGRAMS = 512  # enough (sequence, head, split) programs to fill a GPU's
 
 
 def _decode_kernel(layer_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, pages_per_block,
-                   pages_per_split, scale, window, softcap, precision):
+                   pages_per_split, scale, window, softcap, precision, prefetch):
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     P, bs = pages_per_block, k_ref.shape[-2]
     q_pos = lens_ref[b] - 1
@@ -37,7 +37,7 @@ def _decode_kernel(layer_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, 
     hi = jnp.minimum(hi, split_lo + pages_per_split)
     m, l, acc = attend_pages(q_ref[...], q_pos, k_ref, v_ref, tables_ref, b, layer_ref[0], h, lo,
                              block_count(lo, hi, P), pages_per_block=P, scale=scale, window=window,
-                             softcap=softcap, precision=precision)
+                             softcap=softcap, precision=precision, prefetch=prefetch)
     o_ref[...] = normalise(l, acc)
     lse_ref[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), MASK_VALUE).reshape(l.shape[0])
 
@@ -54,11 +54,12 @@ def default_splits(B: int, K: int, num_page_blocks: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "softcap", "pages_per_block", "num_splits",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "num_warps", "num_stages", "prefetch", "interpret"))
 def paged_decode_gpu(q, k_cache, v_cache, block_tables, context_lens, *, layer=0, scale: float,
                      sliding_window: int | None = None, softcap: float | None = None,
                      pages_per_block: int = 4, num_splits: int | None = None,
-                     num_warps: int = 4, num_stages: int = 1, interpret: bool = False) -> jax.Array:
+                     num_warps: int = 4, num_stages: int = 1, prefetch: bool = False,
+                     interpret: bool = False) -> jax.Array:
     """q [B, H, d]; caches [L, K, NB, bs, d] (or one layer's [K, NB, bs, d]); block_tables [B, MB];
     context_lens [B] (including this step's token, whose K/V is already in the cache) -> [B, H, d].
 
@@ -79,7 +80,7 @@ def paged_decode_gpu(q, k_cache, v_cache, block_tables, context_lens, *, layer=0
     qg = pad_axis(q.reshape(B, K, G, d), 2, R)
     kernel = functools.partial(_decode_kernel, pages_per_block=P, pages_per_split=pages_per_split, scale=scale,
                                window=sliding_window, softcap=softcap,
-                               precision=dot_precision(q.dtype))
+                               precision=dot_precision(q.dtype), prefetch=prefetch)
     whole = pl.BlockSpec()
     o, lse = pl.pallas_call(
         kernel,

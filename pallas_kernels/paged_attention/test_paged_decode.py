@@ -77,3 +77,14 @@ def test_bad_shapes_are_refused(backend):
     case = random_paged_case(3, kv_lens=[5], num_tokens=1, H=2, K=2, d=48)
     with pytest.raises(ValueError, match="head_dim to be a power of two"):
         decode(backend, case, scale=1.0)
+
+
+@pytest.mark.parametrize("backend", GPU_ONLY)
+@pytest.mark.parametrize("num_splits,window", [(1, None), (3, 20)])
+def test_gpu_prefetch_matches_reference(backend, num_splits, window):
+    """Loading the next block ahead (the tiles in the loop carry) changes no result: splits shorter than a
+    block, a window that starts mid-context, empty splits."""
+    case = random_paged_case(5, kv_lens=KV_LENS, num_tokens=len(KV_LENS), H=8, K=2, d=64)
+    kw = dict(scale=0.125, sliding_window=window)
+    out = decode(backend, case, pages_per_block=2, num_splits=num_splits, prefetch=True, **kw)
+    assert max_abs_diff(out, exact(case, **kw)) <= 1e-5
