@@ -80,8 +80,8 @@ def self_attention(cfg: ModelConfig, attention_fn, w: dict[str, jax.Array], h: j
     if cfg.qk_norm:  # over head_dim, each head alike (zero heads padded for tp stay zero)
         q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
     inv_freqs, factors = rope_tables(cfg)
-    if kind is None:
-        inv_freq, factor = inv_freqs[0], float(factors[0])
+    if kind is None or isinstance(kind, int):  # one kind, or this layer's known while tracing (unrolled)
+        inv_freq, factor = inv_freqs[kind or 0], float(factors[kind or 0])
     else:
         inv_freq, factor = jnp.asarray(inv_freqs)[kind], jnp.asarray(factors)[kind]
     q = apply_rope(q, meta.positions, inv_freq, factor)

@@ -35,11 +35,12 @@ class AttentionMetadata:
 NO_WINDOW = 2**30
 
 
-def layer_window(windows: tuple[int | None, ...], kind: jax.Array | None):
+def layer_window(windows: tuple[int | None, ...], kind: int | jax.Array | None):
     """The window of a layer of attention kind `kind` (an index into `windows`): static when every layer
-    attends alike (kind None), else a traced int32 (NO_WINDOW for full attention)."""
-    if kind is None:
-        return windows[0]
+    attends alike (kind None) or the kind is known while tracing (an int: unrolled layers), else a traced int32
+    (NO_WINDOW for full attention)."""
+    if kind is None or isinstance(kind, int):
+        return windows[kind or 0]
     return jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)[kind]
 
 

@@ -60,10 +60,18 @@ def unstack_layers(params):
     return nnx.from_flat_state(list(flat.items()))
 
 
-def unrolled_layers(layer_fn, weights: dict, x: jax.Array, kv, meta):
+def unrolled_layers(layer_fn, weights: dict, x: jax.Array, kv, meta, *, kinds: list[int] | None = None):
     """The drop-in for the model's `scan_layers` over unstacked weights: tuples are indexed per layer (their own
-    buffers); what stayed stacked is sliced statically."""
+    buffers); what stayed stacked is sliced statically.
+
+    `kinds`: each layer's attention kind (`cfg.layer_kinds()`) when layers differ (Gemma 2/3). Unrolled, a
+    layer's kind is known while tracing, so it goes in as a Python int in place of the traced `attn_kind`: the
+    layer's program holds only its own kind's attention, not a `lax.switch` over every kind's kernel (a run-time
+    branch per layer, and each kernel variant compiled into every layer)."""
     num_layers = next(len(v) for v in weights.values() if isinstance(v, tuple))
     for i in range(num_layers):
-        x, kv = layer_fn((x, kv), {name: w[i] for name, w in weights.items()}, jnp.int32(i), meta)
+        layer_weights = {name: w[i] for name, w in weights.items()}
+        if kinds is not None:
+            layer_weights["attn_kind"] = kinds[i]
+        x, kv = layer_fn((x, kv), layer_weights, jnp.int32(i), meta)
     return x, kv

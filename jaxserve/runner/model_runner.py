@@ -80,7 +80,8 @@ class ModelRunner:
         attention = partial(attention_fn, scale=cfg.attention_scale or cfg.head_dim**-0.5,
                             windows=cfg.attention_windows, softcap=cfg.attn_logit_softcap)
         run_layers = pipeline_layers(self.mesh, scan_layers) if self.layout.pp > 1 else \
-            unrolled_layers if self.layer_loop == "unrolled" else None
+            partial(unrolled_layers, kinds=self.cfg.layer_kinds() if self.cfg.layers_differ else None) \
+            if self.layer_loop == "unrolled" else None
         self.fns = StepFunctions(self.graphdef, attention, run_layers, platform)
 
     @property

@@ -57,10 +57,11 @@ def _attend(q, k, v, kv: KVCache, layer, meta: AttentionMetadata, kind=None, *, 
     kv = write_kv(kv, layer, k, v, meta.slot_mapping)
     call = partial(_kernel_call, q, kv, meta, layer, scale=scale, softcap=softcap, backend=backend,
                    interpret=interpret)
-    if kind is None:
-        return call(window=windows[0]), kv
-    # Layers of several kinds (Gemma): the window is a compile-time constant of the kernel, so each kind has its
-    # own, and the layer's kind picks one at run time. The cache write stays outside, so the branches only read.
+    if kind is None or isinstance(kind, int):  # one kind, or this layer's known while tracing (unrolled)
+        return call(window=windows[kind or 0]), kv
+    # Layers of several kinds (Gemma) under a scan: the window is a compile-time constant of the kernel, so each
+    # kind has its own, and the layer's kind picks one at run time. The cache write stays outside, so the
+    # branches only read.
     return jax.lax.switch(kind, [partial(call, window=w) for w in windows]), kv
 
 
@@ -79,7 +80,9 @@ def pallas_attention_fn(backend: str, interpret: bool, mesh: Mesh | None):
         everywhere = partition_spec(())
         body = partial(attend, scale=scale, windows=windows, softcap=softcap)
         args, specs = (q, k, v, kv, layer, meta), (heads, kv_heads, kv_heads, cache, everywhere, everywhere)
-        if kind is not None:
+        if isinstance(kind, int):  # static: bound into the body, not mapped
+            body = partial(body, kind=kind)
+        elif kind is not None:
             args, specs = args + (kind,), specs + (everywhere,)
         outer, manual = nested_map_mesh(mesh)  # inside a pipeline stage, pp is manual already
         # check_vma=False: pallas_call has no replication rule; the kernel is purely per-device anyway.

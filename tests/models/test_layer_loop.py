@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from jaxserve import Engine
+from jaxserve.runner import paged_attention_xla
 from jaxserve.runner.layer_loop import resolve_layer_loop
 from tests.models.test_parity import ARCHITECTURES, PROMPTS, check_parity
 
@@ -21,12 +22,21 @@ def engine_and_reference(tiny_checkpoint, name: str, **engine_options):
 
 
 @pytest.mark.parametrize("name", ["llama-untied-llama3-rope", "gemma2-softcap-mixed-windows"])
-def test_unrolled_layers_match_transformers(name, tiny_checkpoint):
-    """Gemma 2's layers alternate sliding and full attention: each layer's kind comes from its own array."""
+def test_unrolled_layers_match_transformers(name, tiny_checkpoint, monkeypatch):
+    """Gemma 2's layers alternate sliding and full attention: unrolled, each layer's window is fixed while
+    tracing (its kind a Python int from the config), not looked up at run time."""
+    windows_seen = []
+    layer_window = paged_attention_xla.layer_window  # CPU's attention (make_attention_fn's "auto")
+    monkeypatch.setattr(paged_attention_xla, "layer_window", lambda windows, kind: windows_seen.append(
+        (windows, kind)) or layer_window(windows, kind))
     engine, reference = engine_and_reference(tiny_checkpoint, name)
     wq = engine.runner.params["layers"]["wq"].get_value()
     assert isinstance(wq, tuple) and len(wq) == engine.runner.cfg.num_layers
     check_parity(engine, reference, PROMPTS)
+    cfg = engine.runner.cfg
+    if cfg.layers_differ:
+        assert all(isinstance(kind, int) for _, kind in windows_seen), windows_seen
+        assert [kind for _, kind in windows_seen[: cfg.num_layers]] == cfg.layer_kinds()
 
 
 def test_unrolled_layers_keep_their_tensor_parallel_sharding(tiny_checkpoint):

@@ -98,24 +98,29 @@ def test_decode_only_steps_run_the_decode_kernel_and_match_the_reference(tp, mon
 WINDOWS = (None, 6)  # kind 0 attends to everything, kind 1 through a window of 6
 
 
-@pytest.mark.parametrize("impl, tp, decode_only", [("reference", 1, False), ("pallas-interpret", 2, False),
-                                                   ("pallas-interpret", 1, True)])
-def test_each_layer_kind_attends_with_its_window_and_the_soft_cap(impl, tp, decode_only):
-    """Gemma's layers: the layer's kind is a traced value (one compiled layer body for every layer) that picks
-    its window at run time, and Gemma 2's soft cap applies to the scores. Checked against the reference given
-    that window as a constant, for both kinds, which must differ (row 1 sees 21 keys, 6 through the window)."""
+@pytest.mark.parametrize("impl, tp, decode_only, static_kind", [
+    ("reference", 1, False, False), ("pallas-interpret", 2, False, False), ("pallas-interpret", 1, True, False),
+    ("reference", 1, False, True), ("pallas-interpret", 2, False, True), ("pallas-interpret", 1, True, True)])
+def test_each_layer_kind_attends_with_its_window_and_the_soft_cap(impl, tp, decode_only, static_kind, monkeypatch):
+    """Gemma's layers: under a scan the layer's kind is a traced value (one compiled layer body for every layer)
+    that picks its window at run time; unrolled, it is a Python int and only that kind's attention is built (no
+    lax.switch). Gemma 2's soft cap applies to the scores. Checked against the reference given that window as a
+    constant, for both kinds, which must differ (row 1 sees 21 keys, 6 through the window)."""
+    if static_kind:
+        monkeypatch.setattr(jax.lax, "switch", lambda *a, **kw: pytest.fail("a static kind went through switch"))
     if decode_only:
         q, k, v, kv, layer, meta = decode_step()
         args, real = (q, k, v, kv, layer, dataclasses.replace(meta, decode_only=True)), 3
     else:
         args, real = mixed_step()
     fn = make_attention_fn(impl, "cpu", CFG, make_mesh(tp, 1))
-    by_kind = jax.jit(lambda kind, *a: fn(*a, kind, scale=0.125, windows=WINDOWS, softcap=2.0))
+    by_kind = jax.jit(lambda kind, *a: fn(*a, kind, scale=0.125, windows=WINDOWS, softcap=2.0),
+                      static_argnums=0 if static_kind else ())
     outs = []
     for kind, window in enumerate(WINDOWS):
         want_out, want_kv = jax.jit(lambda *a: reference_attention_fn(*a, scale=0.125, windows=(window,),
                                                                       softcap=2.0))(*args)
-        out, kv = by_kind(jnp.int32(kind), *args)
+        out, kv = by_kind(kind if static_kind else jnp.int32(kind), *args)
         assert float(jnp.abs(out[:real] - want_out[:real]).max()) <= 1e-5
         assert jnp.array_equal(kv.k, want_kv.k) and jnp.array_equal(kv.v, want_kv.v)
         outs.append(out[:real])
