@@ -1,7 +1,7 @@
 """vLLM's command lines, taken as they are: `--model`, `--max_model_len` spellings, and the vLLM options that
 mean nothing under JAX (CUDA graphs, swap space, custom all-reduce...), accepted with a warning naming why, so a
 launch command or manifest written for `vllm serve` starts jaxserve unchanged. Options jaxserve cannot honour
-(an fp8 KV cache, the Mistral tokenizer) stop it with a one-line reason instead."""
+(float16 weights, the Mistral tokenizer) stop it with a one-line reason instead."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ NO_EFFECT = {
     "disable_frontend_multiprocessing": "the HTTP server and the engine loop share one process",
 }
 NEGATABLE = {"enable_chunked_prefill"}
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "float32")
 TOKENIZER_MODES = ("auto", "hf", "slow", "mistral", "custom")
 
 
@@ -42,8 +41,6 @@ def add_vllm_compat_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--guided-decoding-backend", metavar="NAME")
     group.add_argument("--max-parallel-loading-workers", type=positive_int, metavar="N")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
-    group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                       help="auto only: the KV cache is kept in the model's dtype")
     group.add_argument("--tokenizer-mode", default="auto", choices=TOKENIZER_MODES,
                        help="auto/hf: the model's Hugging Face tokenizer (the only kind jaxserve reads)")
 
@@ -88,9 +85,6 @@ def check_vllm_options(args: argparse.Namespace) -> None:
                         "option out (auto) and give a model that has .safetensors or .gguf files")
     if getattr(args, "load_format", None) in ("safetensors", "gguf"):
         args.load_format = "auto"  # the loader reads whichever the model has
-    if getattr(args, "kv_cache_dtype", "auto") != "auto":
-        raise UserError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported: jaxserve keeps the KV cache in "
-                        "the model's dtype; leave it out (or give auto)")
     mode = getattr(args, "tokenizer_mode", "auto")
     if mode in ("mistral", "custom"):
         raise UserError(f"--tokenizer-mode {mode} is not supported: jaxserve reads Hugging Face tokenizers "

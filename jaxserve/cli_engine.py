@@ -21,7 +21,7 @@ from jaxserve.cli_args import (
     token_count,
 )
 from jaxserve.cli_compat import add_vllm_compat_arguments
-from jaxserve.config import ATTENTION_IMPLS, LAYER_LOOPS
+from jaxserve.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, LAYER_LOOPS
 
 DEFAULT_MODEL_NOTE = "default: SmolLM2-135M-Instruct"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -69,6 +69,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--attention-impl", default="auto", choices=ATTENTION_IMPLS,
                         help="auto: the Pallas kernels on GPU/TPU, the XLA reference on CPU; pallas-interpret "
                              "runs the kernels in Pallas's interpreter (slow; for debugging)")
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2 stores K/V in one byte a value, "
+                             "twice a bf16 cache's tokens in the same memory (unscaled, as vLLM without scales)")
     engine.add_argument("--layer-loop", default="auto", choices=LAYER_LOOPS,
                         help="auto: unrolled over per-layer weights on GPU (each matmul reads its weights in place), "
                              "one scan over stacked weights elsewhere (faster compiles)")
@@ -174,7 +177,7 @@ def build_engine(args: argparse.Namespace):
                         load_format=args.load_format, async_scheduling=not args.no_async_scheduling,
                         kv_cache_memory_fraction=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching, attention_impl=args.attention_impl,
-                        layer_loop=args.layer_loop,
+                        layer_loop=args.layer_loop, kv_cache_dtype=args.kv_cache_dtype,
                         chat_template=args.chat_template if is_leader(args) else None,  # only it sees prompts
                         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         lora_modules=lora_modules_dict(args.lora_modules), speculative_config=args.speculative_config,

@@ -63,11 +63,12 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
                  speculative_config: dict | SpeculativeConfig | None = None, hf_overrides: dict | None = None,
                  generation_config: str = "auto", override_generation_config: dict | None = None,
                  revision: str | None = None, tokenizer_revision: str | None = None,
-                 download_dir: str | None = None, layer_loop: str = "auto"):
+                 download_dir: str | None = None, layer_loop: str = "auto", kv_cache_dtype: str = "auto"):
         """`tokenizer`: a tokenizer object, or a Hugging Face directory or hub id to load one from (vLLM's
         `tokenizer`); None serves the model's own. `revision`, `tokenizer_revision`: hub branches, tags or commits.
         `download_dir`: where hub models and tokenizers are downloaded to (None: the Hugging Face cache).
-        `layer_loop`: "scan", "unrolled" or "auto" (unrolled on GPU: runner/layer_loop.py)."""
+        `layer_loop`: "scan", "unrolled" or "auto" (unrolled on GPU: runner/layer_loop.py). `kv_cache_dtype`:
+        "auto" (the model's dtype), a float dtype, or "fp8"/"fp8_e4m3"/"fp8_e5m2" (runner/kv_cache.py)."""
         speculative = SpeculativeConfig.from_dict(speculative_config)
         check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
                              recompile_guard, quantization)
@@ -92,7 +93,7 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         if enable_lora:  # the layers get adapter slots beside their weights (models/lora.py)
             cfg = dataclasses.replace(cfg, lora_slots=max_loras, lora_rank=max_lora_rank)
         self.runner = ModelRunner(cfg, ckpt.tensors, dtype, block_size, self.mesh_shape, attention_impl,
-                                  pp_layer_partition, quantization, layer_loop)
+                                  pp_layer_partition, quantization, layer_loop, kv_cache_dtype)
         self.adapters = EngineAdapters(self.runner, cfg, max_loras, max_lora_rank, enable_lora)
         for name, path in (lora_modules or {}).items():
             self.adapters.preload(name, path)
@@ -146,7 +147,7 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
             T, B = max(self.plan_shape.buckets.forward_shapes())
             self.runner.execute(*profile_step_inputs(T, B, self.plan_shape))
             free = free_bytes_for_cache(self.runner.mesh.local_devices, memory_fraction)
-            num_blocks = num_blocks_for(self.runner.cfg, self.runner.block_size, self.runner.dtype, free,
+            num_blocks = num_blocks_for(self.runner.cfg, self.runner.block_size, self.runner.kv_dtype, free,
                                         shards=self.mesh_shape[0] * self.mesh_shape[1])
         num_blocks = agree_on_min(num_blocks)  # across processes: all need the same cache; the fullest device decides
         if num_blocks < 2:

@@ -23,9 +23,10 @@ def attend_pages(q, q_pos, k_ref, v_ref, tables_ref, row, layer, h, lo, num_bloc
     P = pages_per_block
     bs, d = k_ref.shape[-2:]
 
-    def load(i):
+    def load(i):  # in the compute dtype: a float8 cache is widened as it is read
         pages = tables_ref[row, pl.ds(lo + i * P, P)]
-        return k_ref[layer, h, pages].reshape(P * bs, d), v_ref[layer, h, pages].reshape(P * bs, d)
+        return (k_ref[layer, h, pages].reshape(P * bs, d).astype(q.dtype),
+                v_ref[layer, h, pages].reshape(P * bs, d).astype(q.dtype))
 
     def attend(i, state, k, v):
         s = cap_scores(dot_nt(q, k, precision) * scale, softcap)
@@ -64,3 +65,11 @@ def check_gpu_tiles(block_size: int, head_dim: int):
         if n & (n - 1) or n < least:
             raise ValueError(f"the Triton paged-attention kernels need {name} to be a power of two >= {least}, "
                              f"got {n}")
+
+
+def check_gpu_cache_dtype(dtype, compute_capability: str | None):
+    """Triton widens float8_e4m3fn (an fp8 KV cache's pages) with an instruction of compute capability 8.9 (Ada,
+    Hopper) and later; Pallas refuses the cast below that, inside the first compile."""
+    if jnp.dtype(dtype) == jnp.float8_e4m3fn and compute_capability and float(compute_capability) < 8.9:
+        raise ValueError(f"an fp8 (e4m3) KV cache needs compute capability 8.9 or later for the Triton attention "
+                         f"kernels, and this GPU has {compute_capability}: use kv_cache_dtype fp8_e5m2 or auto")

@@ -46,8 +46,8 @@ def attend_pages(q, q_pos, kv_refs, tables_ref, table_base, layer, h, c_lo, c_hi
 
         for cp in copies(c, slot):
             cp.wait()
-        k = k_buf[slot].reshape(P * bs, d)
-        v = v_buf[slot].reshape(P * bs, d)
+        k = k_buf[slot].reshape(P * bs, d).astype(q.dtype)  # a float8 cache is widened as it is read
+        v = v_buf[slot].reshape(P * bs, d).astype(q.dtype)
         s = cap_scores(dot_nt(q, k, precision) * scale, softcap)
         k_pos = c * (P * bs) + jax.lax.broadcasted_iota(jnp.int32, (1, P * bs), 1)
         s = jnp.where(visible(q_pos, k_pos, window), s, MASK_VALUE)

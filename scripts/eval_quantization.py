@@ -1,14 +1,16 @@
 #!/usr/bin/env python
-"""Accuracy of a quantization (weight-only int8, or w8a8: int8 weights and activations) against the float model,
-on the same weights (default: SmolLM2, float32 on CPU).
+"""Accuracy of a quantization (weight-only int8, or w8a8: int8 weights and activations) and/or a float8 KV cache
+against the float model, on the same weights (default: SmolLM2, float32 on CPU).
 
-    python scripts/eval_quantization.py [--model PATH] [--quantization int8|w8a8] [--max-tokens 64] [--append BENCHMARKS.md]
+    python scripts/eval_quantization.py [--model PATH] [--quantization int8|w8a8|none] [--kv-cache-dtype fp8]
+                                        [--max-tokens 64] [--append BENCHMARKS.md]
 
 Three measures, each side by side:
 - perplexity of a fixed English text (teacher-forced, from prompt logprobs);
 - next-token agreement: how often the two models' most likely next token is the same, over that text;
 - greedy continuations of a few prompts: how many tokens match before the first difference.
-The last line is the perplexity ratio quantized / float, e.g. "perplexity ratio int8/float: 1.0050".
+The last line is the perplexity ratio quantized / float, e.g. "perplexity ratio int8/float: 1.0050" (the
+quantized side named by what it changes: "int8", "fp8 KV cache", "int8 + fp8 KV cache").
 """
 
 from __future__ import annotations
@@ -59,26 +61,31 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def evaluate(model: str, max_tokens: int, quantization: str = "int8") -> dict:
+def variant_name(quantization: str | None, kv_cache_dtype: str) -> str:
+    parts = ([quantization] if quantization else []) + ([] if kv_cache_dtype == "auto" else [f"{kv_cache_dtype} KV cache"])
+    return " + ".join(parts) or "float"
+
+
+def evaluate(model: str, max_tokens: int, quantization: str | None = "int8", kv_cache_dtype: str = "auto") -> dict:
     import math
 
     from jaxserve import Engine
 
-    def engine(quantization):
-        return Engine(model, quantization=quantization, max_model_len=512, num_kv_blocks=128, max_num_seqs=8,
-                      max_num_batched_tokens=512, warmup=False)
+    def engine(quantization, kv_cache_dtype):
+        return Engine(model, quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_model_len=512,
+                      num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=512, warmup=False)
 
     results = {}
-    for name, chosen in (("float", None), ("int8", quantization)):
-        e = engine(chosen)
+    for name, options in (("float", (None, "auto")), ("variant", (quantization, kv_cache_dtype))):
+        e = engine(*options)
         ids = e.tokenizer(TEXT)["input_ids"]
         results[name] = (teacher_forced(e, ids), greedy(e, PROMPTS, max_tokens))
         del e
-    (ref_tf, ref_greedy), (q_tf, q_greedy) = results["float"], results["int8"]
+    (ref_tf, ref_greedy), (q_tf, q_greedy) = results["float"], results["variant"]
     ppl = {name: math.exp(-sum(lp for lp, _ in tf) / len(tf)) for name, (tf, _) in results.items()}
     agree = sum(a[1] == b[1] for a, b in zip(ref_tf, q_tf)) / len(ref_tf)
     prefixes = [common_prefix(a, b) for a, b in zip(ref_greedy, q_greedy)]
-    return dict(ppl_float=ppl["float"], ppl_int8=ppl["int8"], top1_agreement=agree, positions=len(ref_tf),
+    return dict(ppl_float=ppl["float"], ppl_variant=ppl["variant"], top1_agreement=agree, positions=len(ref_tf),
                 greedy_prefixes=prefixes, max_tokens=max_tokens)
 
 
@@ -86,23 +93,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model to evaluate (default: the built-in SmolLM2 GGUF)")
     ap.add_argument("--max-tokens", type=int, default=64, help="length of each greedy continuation")
-    ap.add_argument("--quantization", choices=("int8", "w8a8"), default="int8", help="what to compare with float")
+    ap.add_argument("--quantization", choices=("int8", "w8a8", "none"), default="int8",
+                    help="the weights' quantization to compare with float (none: float weights)")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16"), default="auto",
+                    help="the KV cache's dtype on the compared side (auto: the model's)")
     ap.add_argument("--append", metavar="BENCHMARKS.md", help="append a result row to this file")
     args = ap.parse_args()
     from jaxserve.loader.default_model import default_model_path
 
     model = args.model or str(default_model_path())
-    r, q = evaluate(model, args.max_tokens, args.quantization), args.quantization
-    ratio = r["ppl_int8"] / r["ppl_float"]
+    quantization = None if args.quantization == "none" else args.quantization
+    r = evaluate(model, args.max_tokens, quantization, args.kv_cache_dtype)
+    q = variant_name(quantization, args.kv_cache_dtype)
+    ratio = r["ppl_variant"] / r["ppl_float"]
     prefixes = "/".join(map(str, r["greedy_prefixes"]))
-    print(f"perplexity: float {r['ppl_float']:.3f}, {q} {r['ppl_int8']:.3f} ({r['positions']} tokens)   "
+    print(f"perplexity: float {r['ppl_float']:.3f}, {q} {r['ppl_variant']:.3f} ({r['positions']} tokens)   "
           f"next-token agreement {100 * r['top1_agreement']:.1f}%   "
           f"greedy tokens equal before the first difference: {prefixes} of {r['max_tokens']}")
     if args.append:
         append_row(args.append, f"{platform.node() or 'cpu'} ({os.cpu_count()} cores)",
                    f"scripts/eval_quantization.py --max-tokens {args.max_tokens}"
-                   + ("" if q == "int8" else f" --quantization {q}"), f"{r['ppl_float']:.3f}",
-                   f"{r['ppl_int8']:.3f} ({q}, {100 * (ratio - 1):+.1f}%)", f"{100 * r['top1_agreement']:.1f}%",
+                   + ("" if args.quantization == "int8" else f" --quantization {args.quantization}")
+                   + ("" if args.kv_cache_dtype == "auto" else f" --kv-cache-dtype {args.kv_cache_dtype}"),
+                   f"{r['ppl_float']:.3f}",
+                   f"{r['ppl_variant']:.3f} ({q}, {100 * (ratio - 1):+.1f}%)", f"{100 * r['top1_agreement']:.1f}%",
                    f"{prefixes} of {r['max_tokens']}")
     print(f"perplexity ratio {q}/float: {ratio:.4f}")
 

@@ -61,7 +61,7 @@ def test_token_counts_read_vllms_suffixes(text, tokens):
     (["serve", "--max-model-len", "1.0001k"], "not a whole number"),
     (["serve", "--max-model-len", "0k"], "not a whole number"),
     (["serve", "--max-model-len", "lots"], "expected a whole number"),
-    (["serve", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 is not supported"),
+    (["serve", "--kv-cache-dtype", "fp4"], "argument --kv-cache-dtype: invalid choice: 'fp4'"),
     (["serve", "--tokenizer-mode", "mistral"], "--tokenizer-mode mistral is not supported"),
     (["serve", "--dtype", "half"], "use --dtype bfloat16"),
 ])
@@ -78,9 +78,15 @@ def test_options_without_effect_are_accepted_with_a_warning_each(capsys, caplog,
     assert warned == ["--enforce-eager", "--max-seq-len-to-capture", "--swap-space", "--disable-custom-all-reduce",
                       "--trust-remote-code", "--no-enable-chunked-prefill"]
     assert fake_engine_module["load_format"] == "auto"  # the loader reads whichever format the model has
+    assert fake_engine_module["kv_cache_dtype"] == "auto"
     caplog.clear()
     assert generate() == 0
     assert caplog.records == []  # nothing given, nothing warned
+
+
+def test_an_fp8_kv_cache_reaches_the_engine(fake_engine_module):
+    assert generate("--kv-cache-dtype", "fp8_e5m2") == 0
+    assert fake_engine_module["kv_cache_dtype"] == "fp8_e5m2"
 
 
 def test_async_scheduling_has_both_spellings():

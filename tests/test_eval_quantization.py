@@ -1,8 +1,9 @@
-"""int8 SmolLM2 against the float model (scripts/eval_quantization.py): the accuracy BENCHMARKS.md states.
+"""int8 SmolLM2 and its fp8 KV cache against the float model (scripts/eval_quantization.py): the accuracy
+BENCHMARKS.md states.
 
-Measured: perplexity 15.461 -> 15.538 (+0.5%), next-token agreement 98.2%. The bounds leave room for the
-summation-order noise between platforms, and fail on any real quantization error (a wrong scale axis or a lost
-channel multiplies the perplexity)."""
+Measured: int8 perplexity 15.461 -> 15.538 (+0.5%), next-token agreement 98.2%; fp8 (e4m3) KV cache 15.725
+(+1.7%), 96.0%. The bounds leave room for the summation-order noise between platforms, and fail on any real
+quantization error (a wrong scale axis, a lost channel or a value that overflowed multiplies the perplexity)."""
 
 import re
 import subprocess
@@ -23,3 +24,14 @@ def test_int8_smollm2_stays_close_to_float(smollm2_gguf_path, tmp_path):
     assert 0.98 < ratio < 1.02, summary
     assert agreement >= 95.0, summary
     assert "eval_quantization.py --max-tokens 16" in table.read_text()
+
+
+def test_an_fp8_kv_cache_stays_close_to_float(smollm2_gguf_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--max-tokens", "8", "--quantization", "none",
+                           "--kv-cache-dtype", "fp8"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary, last = done.stdout.strip().splitlines()[-2:]
+    ratio = float(re.fullmatch(r"perplexity ratio fp8 KV cache/float: ([\d.]+)", last).group(1))
+    agreement = float(re.search(r"next-token agreement ([\d.]+)%", summary).group(1))
+    assert 1.0 < ratio < 1.04, summary  # float8 rounds K and V: some loss, and a small one
+    assert agreement >= 93.0, summary

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.models.layers import soft_cap
-from jaxserve.runner.kv_cache import KVCache
+from jaxserve.runner.kv_cache import KVCache, to_cache_dtype
 
 
 @jax.tree_util.register_dataclass
@@ -50,8 +50,8 @@ def write_kv(kv: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, slot_map
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     # Index arrays split by a slice: numpy puts their [T] dim first, so the update is [T, K, d], like k.
     return KVCache(
-        kv.k.at[layer, :, blocks, offsets].set(k.astype(kv.k.dtype)),
-        kv.v.at[layer, :, blocks, offsets].set(v.astype(kv.v.dtype)),
+        kv.k.at[layer, :, blocks, offsets].set(to_cache_dtype(k, kv.k.dtype)),
+        kv.v.at[layer, :, blocks, offsets].set(to_cache_dtype(v, kv.v.dtype)),
     )
 
 
@@ -69,8 +69,8 @@ def paged_attention_reference(
     K, _, bs, _ = k_pages.shape
     rows = meta.block_tables[meta.token_seq]  # [T, MB]
     S = rows.shape[1] * bs
-    k = k_pages[:, rows].reshape(K, T, S, d)
-    v = v_pages[:, rows].reshape(K, T, S, d)
+    k = k_pages[:, rows].reshape(K, T, S, d).astype(q.dtype)  # a float8 cache is read in the compute dtype
+    v = v_pages[:, rows].reshape(K, T, S, d).astype(q.dtype)
     qg = q.reshape(T, K, H // K, d)
     scores = soft_cap(jnp.einsum("TKGd,KTSd->TKGS", qg, k, preferred_element_type=jnp.float32) * scale, softcap)
     kv_pos = jnp.arange(S)[None, :]

@@ -33,9 +33,9 @@ def resolve_attention_impl(impl: str, platform: str, cfg: ModelConfig) -> str:
     return impl
 
 
-def make_attention_fn(impl: str, platform: str, cfg: ModelConfig, mesh: Mesh | None = None):
+def make_attention_fn(impl: str, platform: str, cfg: ModelConfig, mesh: Mesh | None = None, kv_dtype=None):
     """-> fn(q, k, v, kv, layer, meta, *, scale, sliding_window) -> (out, kv), like reference_attention_fn, for
-    the implementation `resolve_attention_impl` names."""
+    the implementation `resolve_attention_impl` names. `kv_dtype`: the cache's, checked against the kernel."""
     impl = resolve_attention_impl(impl, platform, cfg)
     backend = KERNEL_PLATFORMS.get(platform)
     if impl == "reference":
@@ -46,10 +46,12 @@ def make_attention_fn(impl: str, platform: str, cfg: ModelConfig, mesh: Mesh | N
         raise ValueError(f"attention_impl='pallas' needs a GPU or TPU, but the platform is {platform!r}; use "
                          "'pallas-interpret' to run the kernels' interpreter here, or 'reference'")
     kernel = backend or "gpu"  # the interpreter runs the TPU kernel on a TPU, the (quicker) GPU one elsewhere
-    if kernel == "gpu":
-        from pallas_kernels.gpu_pages import check_gpu_tiles
+    if kernel == "gpu":  # fail at start-up, not inside the first compile
+        from pallas_kernels.gpu_pages import check_gpu_cache_dtype, check_gpu_tiles
 
-        check_gpu_tiles(16, cfg.head_dim)  # fail at start-up, not inside the first compile
+        check_gpu_tiles(16, cfg.head_dim)
+        if impl == "pallas" and kv_dtype is not None and mesh is not None:
+            check_gpu_cache_dtype(kv_dtype, getattr(mesh.devices.flat[0], "compute_capability", None))
     from jaxserve.runner.pallas_attention import pallas_attention_fn
 
     return pallas_attention_fn(kernel, interpret=impl == "pallas-interpret", mesh=mesh)

@@ -18,7 +18,7 @@ from jaxserve.parallel.multihost import host_copy
 from jaxserve.parallel.pipeline import pipeline_layers
 from jaxserve.parallel.sharding import make_mesh, named_sharding
 from jaxserve.runner.attention_impl import make_attention_fn, resolve_attention_impl
-from jaxserve.runner.kv_cache import KV_LOGICAL_AXES, allocate_kv_cache
+from jaxserve.runner.kv_cache import KV_LOGICAL_AXES, allocate_kv_cache, resolve_kv_cache_dtype
 from jaxserve.runner.layer_loop import resolve_layer_loop, unrolled_layers, unstack_layers
 from jaxserve.runner.plan import PlanShape, empty_inputs
 from jaxserve.runner.sampler import SamplerFlags
@@ -56,8 +56,9 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, tensors: TensorSource, dtype: str, block_size: int,
                  mesh_shape: tuple[int, int] = (1, 1), attention_impl: str = "auto",
                  pp_layer_partition: list[int] | None = None, quantization: str | None = None,
-                 layer_loop: str = "auto"):
+                 layer_loop: str = "auto", kv_cache_dtype: str = "auto"):
         self.dtype = jnp.dtype(dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         self.block_size = block_size
         self.mesh = make_mesh(*mesh_shape)
         # The runner works on the effective config: heads, MLP, vocab and layers padded to split evenly.
@@ -65,7 +66,7 @@ class ModelRunner:
         log.info(describe(self.layout, self.mesh.devices))
         self.cfg = self.layout.effective_config(cfg)
         platform = self.mesh.devices.flat[0].platform
-        attention_fn = make_attention_fn(attention_impl, platform, self.cfg, self.mesh)
+        attention_fn = make_attention_fn(attention_impl, platform, self.cfg, self.mesh, self.kv_dtype)
         # The Pallas attention has a decode kernel for steps of one token per sequence. Pipeline micro-batches
         # split a step's tokens but not its sequences, which breaks the token i = row i pairing it needs.
         self.decode_kernel = resolve_attention_impl(attention_impl, platform, self.cfg) != "reference" and \
@@ -90,7 +91,7 @@ class ModelRunner:
 
     def allocate_cache(self, num_blocks: int) -> None:
         self.kv = None  # free the old cache first
-        self.kv = allocate_kv_cache(self.cfg, num_blocks, self.block_size, self.dtype,
+        self.kv = allocate_kv_cache(self.cfg, num_blocks, self.block_size, self.kv_dtype,
                                     named_sharding(self.mesh, KV_LOGICAL_AXES))
 
     def set_token_feed(self, max_rows: int) -> None:

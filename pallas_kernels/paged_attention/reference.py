@@ -20,8 +20,8 @@ def attend_tokens(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, rows: ja
     k_pages, v_pages = as_layered(k_cache)[layer], as_layered(v_cache)[layer]  # [K, NB, bs, d]
     K, _, bs, _ = k_pages.shape
     S = rows.shape[1] * bs
-    k = k_pages[:, rows].reshape(K, T, S, d)
-    v = v_pages[:, rows].reshape(K, T, S, d)
+    k = k_pages[:, rows].reshape(K, T, S, d).astype(q.dtype)  # a float8 cache is read in the compute dtype
+    v = v_pages[:, rows].reshape(K, T, S, d).astype(q.dtype)
     qg = q.reshape(T, K, H // K, d)
     scores = cap_scores(jnp.einsum("TKGd,KTSd->TKGS", qg, k, preferred_element_type=jnp.float32,
                                    precision=jax.lax.Precision.HIGHEST) * scale, softcap)

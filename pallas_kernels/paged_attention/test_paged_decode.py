@@ -5,6 +5,8 @@ float32 on the same bf16 inputs (the exact answer the kernel rounds), with value
 that keeps outputs below 0.5, where half a bf16 ulp is under 1e-3.
 """
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -88,3 +90,15 @@ def test_gpu_prefetch_matches_reference(backend, num_splits, window):
     kw = dict(scale=0.125, sliding_window=window)
     out = decode(backend, case, pages_per_block=2, num_splits=num_splits, prefetch=True, **kw)
     assert max_abs_diff(out, exact(case, **kw)) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cache_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_a_float8_cache_is_read_in_the_queries_dtype(backend, cache_dtype):
+    """An fp8 KV cache (Engine(kv_cache_dtype="fp8")): the kernel widens the pages it loads, giving the reference
+    over the same values held in float32."""
+    case = random_paged_case(7, kv_lens=KV_LENS, num_tokens=len(KV_LENS), H=4, K=2, d=64)
+    fp8 = dataclasses.replace(case, k_cache=case.k_cache.astype(cache_dtype), v_cache=case.v_cache.astype(cache_dtype))
+    out = decode(backend, fp8, scale=0.125, pages_per_block=2)
+    assert out.dtype == jnp.float32
+    assert max_abs_diff(out, exact(fp8, scale=0.125)) <= 1e-5
