@@ -41,6 +41,7 @@ def add_vllm_compat_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--guided-decoding-backend", metavar="NAME")
     group.add_argument("--max-parallel-loading-workers", type=positive_int, metavar="N")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    group.add_argument("--calculate-kv-scales", action="store_true")
     group.add_argument("--tokenizer-mode", default="auto", choices=TOKENIZER_MODES,
                        help="auto/hf: the model's Hugging Face tokenizer (the only kind jaxserve reads)")
 
@@ -85,6 +86,9 @@ def check_vllm_options(args: argparse.Namespace) -> None:
                         "option out (auto) and give a model that has .safetensors or .gguf files")
     if getattr(args, "load_format", None) in ("safetensors", "gguf"):
         args.load_format = "auto"  # the loader reads whichever the model has
+    if getattr(args, "calculate_kv_scales", False):
+        raise UserError("--calculate-kv-scales is not supported: jaxserve's fp8 KV cache is unscaled (a scale of 1, "
+                        "saturating at the format's largest value); leave the option out")
     mode = getattr(args, "tokenizer_mode", "auto")
     if mode in ("mistral", "custom"):
         raise UserError(f"--tokenizer-mode {mode} is not supported: jaxserve reads Hugging Face tokenizers "

@@ -71,7 +71,7 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         "auto" (the model's dtype), a float dtype, or "fp8"/"fp8_e4m3"/"fp8_e5m2" (runner/kv_cache.py)."""
         speculative = SpeculativeConfig.from_dict(speculative_config)
         check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
-                             recompile_guard, quantization)
+                             recompile_guard, quantization, kv_cache_dtype)
         enable_lora, max_loras = check_lora_options(enable_lora, max_loras, max_lora_rank, lora_modules)
         template = None if chat_template is None else read_chat_template(chat_template)  # before the load
         enable_compilation_cache(compilation_cache_dir)
@@ -111,7 +111,7 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_memory_fraction)
         max_model_len = fit_context_to_cache(max_model_len, requested_len, (num_kv_blocks - 1) * block_size)
         self.plan_shape = dataclasses.replace(self.plan_shape, max_model_len=max_model_len)
-        log.info(capacity_line(num_kv_blocks, block_size, max_model_len))
+        log.info(capacity_line(num_kv_blocks, block_size, max_model_len, self.runner.kv_dtype))
         self.config = EngineConfig(
             model=cfg,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks),

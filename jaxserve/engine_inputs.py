@@ -8,6 +8,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models.layers import QUANTIZATIONS
+from jaxserve.runner.kv_cache import check_kv_cache_dtype
 from jaxserve.runner.sampler import BIAS_SLOTS
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.token_rules import allowed_bitmask, bad_words_token_ids, check_some_token_allowed
@@ -145,7 +146,7 @@ def resolve_token_rules(params: SamplingParams, tokenizer, config: EngineConfig,
 
 
 def check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, memory_fraction, recompile_guard,
-                         quantization) -> None:
+                         quantization, kv_cache_dtype) -> None:
     """The Engine's own keyword arguments, checked before anything loads."""
     for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens)):
@@ -158,6 +159,7 @@ def check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, memor
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r} is not supported; use None (weights in dtype), 'int8' "
                          "(int8 weights) or 'w8a8' (int8 weights and activations)")
+    check_kv_cache_dtype(kv_cache_dtype)
 
 
 def model_for_context(cfg: ModelConfig, max_model_len: int) -> ModelConfig:

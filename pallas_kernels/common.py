@@ -78,7 +78,8 @@ def online_softmax_step(carry, s: jax.Array, v: jax.Array, precision):
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new)
     l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-    # Probabilities go to the value matmul in the cache dtype (bf16 on accelerators), accumulating in f32.
+    # Probabilities go to the value matmul in v's dtype (the compute dtype: bf16 on accelerators; pages of an fp8
+    # cache are widened to it as they load), accumulating in f32.
     acc = alpha * acc + dot_nn(p.astype(v.dtype), v, precision)
     return m_new, l, acc
 

@@ -18,7 +18,8 @@ def attend_pages(q, q_pos, k_ref, v_ref, tables_ref, row, layer, h, lo, num_bloc
     k_ref/v_ref are the whole cache [L, K, NB, bs, d]; the P pages of a block come in one gathered load.
     With `prefetch`, each step issues the next block's loads before this block's math (the tiles ride in the
     loop carry), so a program's memory latency overlaps its own compute rather than only other programs'. The
-    last step reloads its own block, in range: one extra block read per program.
+    last step reloads its own block: one extra block read per program. Block 0 is loaded even when num_blocks
+    is 0, so the caller must keep [lo, lo + P) inside the table (the decode kernel pads it to whole splits).
     """
     P = pages_per_block
     bs, d = k_ref.shape[-2:]
@@ -43,7 +44,6 @@ def attend_pages(q, q_pos, k_ref, v_ref, tables_ref, row, layer, h, lo, num_bloc
         upcoming = load(jnp.minimum(i + 1, num_blocks - 1))
         return (attend(i, state, k, v), *upcoming)
 
-    # Block 0 is in range even when num_blocks is 0: tables are padded to whole splits (the null page).
     state, _, _ = jax.lax.fori_loop(0, num_blocks, body, (init, *load(0)))
     return state
 
@@ -72,4 +72,5 @@ def check_gpu_cache_dtype(dtype, compute_capability: str | None):
     Hopper) and later; Pallas refuses the cast below that, inside the first compile."""
     if jnp.dtype(dtype) == jnp.float8_e4m3fn and compute_capability and float(compute_capability) < 8.9:
         raise ValueError(f"an fp8 (e4m3) KV cache needs compute capability 8.9 or later for the Triton attention "
-                         f"kernels, and this GPU has {compute_capability}: use kv_cache_dtype fp8_e5m2 or auto")
+                         f"kernels, and this GPU has {compute_capability}: use kv_cache_dtype (--kv-cache-dtype) "
+                         "fp8_e5m2, or attention_impl (--attention-impl) reference")

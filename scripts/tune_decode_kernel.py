@@ -16,7 +16,7 @@ import argparse
 import itertools
 import math
 
-from bench_kernels import FULL, TINY, make_inputs, timed_in_loop
+from bench_kernels import FULL, LOOP_CALLS, TINY, make_inputs, timed_in_loop
 
 GRID = dict(pages_per_block=(2, 4, 8, 16), num_warps=(4, 8), num_stages=(1, 2, 3), prefetch=(False, True),
             num_splits=(None, 4, 16))
@@ -43,7 +43,7 @@ def sweep(batch: int, context: int, cfg: dict, grid: dict, interpret: bool, iter
     for knobs in settings(grid, batch):
         fn = jax.jit(lambda q, k, v, t, n, knobs=knobs: paged_decode_gpu(q, k, v, t, n, scale=scale,
                                                                           interpret=interpret, **knobs))
-        times[tuple(knobs.items())] = 1e6 * timed_in_loop(fn, *inputs, iters=iters)
+        times[tuple(knobs.items())] = 1e6 * timed_in_loop(fn, *inputs, iters=iters, calls=2 if interpret else LOOP_CALLS)
     return times
 
 

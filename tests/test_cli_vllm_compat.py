@@ -157,3 +157,8 @@ def test_hf_token_reaches_hub_downloads(fake_engine_module, monkeypatch):
     assert "HF_TOKEN" not in os.environ
     assert generate("--hf-token", "hf_abc") == 0
     assert os.environ["HF_TOKEN"] == "hf_abc"
+
+
+def test_kv_scales_are_refused_in_one_line(capsys):
+    assert "--calculate-kv-scales is not supported" in user_error(
+        capsys, ["serve", "--kv-cache-dtype", "fp8", "--calculate-kv-scales"])

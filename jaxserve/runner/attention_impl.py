@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.config import ATTENTION_IMPLS, ModelConfig
@@ -46,6 +47,11 @@ def make_attention_fn(impl: str, platform: str, cfg: ModelConfig, mesh: Mesh | N
         raise ValueError(f"attention_impl='pallas' needs a GPU or TPU, but the platform is {platform!r}; use "
                          "'pallas-interpret' to run the kernels' interpreter here, or 'reference'")
     kernel = backend or "gpu"  # the interpreter runs the TPU kernel on a TPU, the (quicker) GPU one elsewhere
+    if kernel == "tpu" and impl == "pallas" and kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1:
+        # TPUs tile 8-bit arrays 32 rows deep: 16-token pages would be padded (no memory saved, sizing wrong),
+        # and the kernels' fp8 loads have never run on a TPU.
+        raise ValueError("an fp8 KV cache is not supported by the TPU attention kernels yet: use kv_cache_dtype "
+                         "(--kv-cache-dtype) auto or bfloat16, or attention_impl (--attention-impl) reference")
     if kernel == "gpu":  # fail at start-up, not inside the first compile
         from pallas_kernels.gpu_pages import check_gpu_cache_dtype, check_gpu_tiles
 

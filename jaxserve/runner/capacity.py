@@ -42,8 +42,8 @@ def num_blocks_for(cfg: ModelConfig, block_size: int, dtype, free_bytes: int, sh
     return max(2, int(free_bytes // per_block))
 
 
-def capacity_line(num_blocks: int, block_size: int, max_model_len: int) -> str:
+def capacity_line(num_blocks: int, block_size: int, max_model_len: int, kv_dtype) -> str:
     usable = num_blocks - 1  # block 0 is the null block
     tokens = usable * block_size
-    return (f"# KV blocks: {usable} ({tokens} tokens; max concurrency {tokens / max_model_len:.1f}x at "
-            f"max_model_len {max_model_len})")
+    return (f"# KV blocks: {usable} ({tokens} tokens in {kv_dtype}; max concurrency {tokens / max_model_len:.1f}x "
+            f"at max_model_len {max_model_len})")

@@ -19,6 +19,11 @@ KV_LOGICAL_AXES = ("layers", "kv_heads", None, None, "head_dim")
 FP8_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 
 
+def check_kv_cache_dtype(choice: str) -> None:
+    if choice not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {choice!r}")
+
+
 def resolve_kv_cache_dtype(choice: str, model_dtype) -> jnp.dtype:
     """The dtype K/V are stored in: the model's ("auto"), another float, or a float8 (vLLM's fp8 cache names).
 
@@ -26,18 +31,18 @@ def resolve_kv_cache_dtype(choice: str, model_dtype) -> jnp.dtype:
     e4m3 keeps 3 mantissa bits up to +-448, e5m2 2 bits up to +-57344. Attention reads them back in the compute
     dtype. Half the bytes of a bf16 cache: twice the tokens in the same memory, and half the bytes each decode
     step reads."""
-    if choice not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {choice!r}")
+    check_kv_cache_dtype(choice)
     if choice == "auto":
         return jnp.dtype(model_dtype)
     return jnp.dtype(FP8_DTYPES.get(choice, choice))
 
 
 def to_cache_dtype(x: jax.Array, dtype) -> jax.Array:
-    """Cast K/V for storing. A float8 cache saturates at its largest finite value, as vLLM's does: a plain cast
-    would turn an out-of-range value into NaN (e4m3 has no infinity) and poison every later step's attention."""
+    """Cast K/V for storing. A narrower cache saturates at its largest finite value, as vLLM's fp8 cache does: a
+    plain cast would turn an out-of-range value into NaN (e4m3 has no infinity) or inf, and poison every later
+    step's attention."""
     dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
+    if jnp.finfo(dtype).max < jnp.finfo(x.dtype).max:
         largest = float(jnp.finfo(dtype).max)
         x = jnp.clip(x, -largest, largest)
     return x.astype(dtype)

@@ -7,6 +7,7 @@ that keeps outputs below 0.5, where half a bf16 ulp is under 1e-3.
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -97,6 +98,9 @@ def test_gpu_prefetch_matches_reference(backend, num_splits, window):
 def test_a_float8_cache_is_read_in_the_queries_dtype(backend, cache_dtype):
     """An fp8 KV cache (Engine(kv_cache_dtype="fp8")): the kernel widens the pages it loads, giving the reference
     over the same values held in float32."""
+    if not INTERPRET and cache_dtype == jnp.float8_e4m3fn and jax.devices()[0].platform == "gpu" and \
+            float(jax.devices()[0].compute_capability) < 8.9:
+        pytest.skip("Triton widens e4m3 on compute capability 8.9+ only (the engine refuses it below)")
     case = random_paged_case(7, kv_lens=KV_LENS, num_tokens=len(KV_LENS), H=4, K=2, d=64)
     fp8 = dataclasses.replace(case, k_cache=case.k_cache.astype(cache_dtype), v_cache=case.v_cache.astype(cache_dtype))
     out = decode(backend, fp8, scale=0.125, pages_per_block=2)

@@ -78,10 +78,12 @@ def test_no_compiles_after_warmup_for_200_random_requests(tiny, caplog):
                         recompile_guard="error")
     # The capacity line is logged as vLLM users know it, and agrees with stats().
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("# KV blocks:"))
-    blocks, tokens, concurrency, max_len = re.match(
-        r"# KV blocks: (\d+) \((\d+) tokens; max concurrency ([\d.]+)x at max_model_len (\d+)\)", line).groups()
+    blocks, tokens, dtype, concurrency, max_len = re.match(
+        r"# KV blocks: (\d+) \((\d+) tokens in (\w+); max concurrency ([\d.]+)x at max_model_len (\d+)\)",
+        line).groups()
     stats = engine.stats()
     assert int(blocks) == stats["total_blocks"] == 127 and int(tokens) == 127 * 16 and int(max_len) == 512
+    assert dtype == str(engine.runner.kv.k.dtype) == "float32"
     assert float(concurrency) == pytest.approx(127 * 16 / 512, abs=0.05)
 
     rng = random.Random(1)

@@ -24,13 +24,20 @@ def test_choices_resolve_to_dtypes():
     assert resolve_kv_cache_dtype("fp8_e4m3", "float32") == jnp.float8_e4m3fn
     assert resolve_kv_cache_dtype("fp8_e5m2", "float32") == jnp.float8_e5m2
     assert resolve_kv_cache_dtype("bfloat16", "float32") == jnp.bfloat16
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, .*fp8_e5m2, got 'int4'"):
-        resolve_kv_cache_dtype("int4", "float32")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, fp8, fp8_e4m3, fp8_e5m2, "
+                                         "got 'float16'"):
+        resolve_kv_cache_dtype("float16", "float32")
+
+
+def test_a_bad_kv_cache_dtype_is_refused_before_the_model_loads(monkeypatch):
+    monkeypatch.setattr("jaxserve.engine.open_checkpoint", lambda *a, **kw: pytest.fail("the model was opened"))
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of .*, got 'int4'"):
+        Engine("any/model", kv_cache_dtype="int4")
 
 
 @pytest.mark.parametrize("dtype, largest", [(jnp.float8_e4m3fn, 448.0), (jnp.float8_e5m2, 57344.0)])
 def test_float8_stores_saturate_instead_of_overflowing(dtype, largest):
-    x = jnp.asarray([1e6, -1e6, 500.0, 1.5, -0.25], jnp.float32)
+    x = jnp.asarray([1e6, -1e6, 500.0, 1.5, -0.25], jnp.bfloat16)
     stored = np.asarray(to_cache_dtype(x, dtype).astype(jnp.float32))
     assert np.all(np.isfinite(stored))
     assert stored[0] == largest and stored[1] == -largest and stored[3:].tolist() == [1.5, -0.25]
@@ -107,9 +114,16 @@ def test_the_cache_is_sized_in_its_own_dtype(tiny_checkpoint, monkeypatch):
 def test_the_triton_kernels_refuse_e4m3_below_compute_capability_8_9():
     from pallas_kernels.gpu_pages import check_gpu_cache_dtype
 
-    with pytest.raises(ValueError, match="compute capability 8.9 or later .* this GPU has 8.0: use kv_cache_dtype "
-                                         "fp8_e5m2 or auto"):
+    with pytest.raises(ValueError, match=r"compute capability 8.9 or later .* this GPU has 8.0: use kv_cache_dtype "
+                                         r"\(--kv-cache-dtype\) fp8_e5m2, or attention_impl \(--attention-impl\) "
+                                         "reference"):
         check_gpu_cache_dtype(jnp.float8_e4m3fn, "8.0")
     check_gpu_cache_dtype(jnp.float8_e4m3fn, "9.0")
     check_gpu_cache_dtype(jnp.float8_e5m2, "8.0")
     check_gpu_cache_dtype(jnp.bfloat16, "8.0")
+
+
+def test_the_tpu_kernels_refuse_an_fp8_cache_at_start_up():
+    with pytest.raises(ValueError, match="fp8 KV cache is not supported by the TPU attention kernels yet"):
+        make_attention_fn("pallas", "tpu", CFG, None, jnp.float8_e4m3fn)
+    make_attention_fn("pallas-interpret", "cpu", CFG, None, jnp.float8_e4m3fn)  # the interpreter takes it
