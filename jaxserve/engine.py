@@ -68,7 +68,7 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         `tokenizer`); None serves the model's own. `revision`, `tokenizer_revision`: hub branches, tags or commits.
         `download_dir`: where hub models and tokenizers are downloaded to (None: the Hugging Face cache).
         `layer_loop`: "scan", "unrolled" or "auto" (unrolled on GPU: runner/layer_loop.py). `kv_cache_dtype`:
-        "auto" (the model's dtype), a float dtype, or "fp8"/"fp8_e4m3"/"fp8_e5m2" (runner/kv_cache.py)."""
+        "auto" (the model's dtype), "bfloat16", or "fp8"/"fp8_e4m3"/"fp8_e5m2" (runner/kv_cache.py)."""
         speculative = SpeculativeConfig.from_dict(speculative_config)
         check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
                              recompile_guard, quantization, kv_cache_dtype)

@@ -25,7 +25,7 @@ def check_kv_cache_dtype(choice: str) -> None:
 
 
 def resolve_kv_cache_dtype(choice: str, model_dtype) -> jnp.dtype:
-    """The dtype K/V are stored in: the model's ("auto"), another float, or a float8 (vLLM's fp8 cache names).
+    """The dtype K/V are stored in: the model's ("auto"), bfloat16, or a float8 (vLLM's fp8 cache names).
 
     float8 values are stored unscaled (a scale of 1, vLLM's default when a checkpoint has no calibrated scales):
     e4m3 keeps 3 mantissa bits up to +-448, e5m2 2 bits up to +-57344. Attention reads them back in the compute
