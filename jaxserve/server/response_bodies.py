@@ -21,7 +21,7 @@ from jaxserve.server.chat_protocol import (
     ChatMessage,
 )
 from jaxserve.server.logprobs import TokenName, chat_logprobs, completion_logprobs, prompt_logprobs_by_id, token_namer
-from jaxserve.server.reasoning_parsers import PromptReasoning, ThinkReasoningParser
+from jaxserve.server.reasoning_parsers import PromptReasoning, ReasoningParser
 from jaxserve.server.tool_parsers import ToolParser
 from jaxserve.server.tools import ToolChoice, parse_forced_calls
 from jaxserve.server.protocol import (
@@ -137,7 +137,7 @@ class OutputParsers:
     """How chat output is read beyond its text: tool calls (tool_choice "auto") and reasoning, as configured."""
 
     tool: ToolParser | None = None
-    reasoning: ThinkReasoningParser | None = None
+    reasoning: ReasoningParser | None = None
 
     def bind_reasoning(self, prompt_token_ids: list[int], params) -> PromptReasoning | None:
         return self.reasoning and self.reasoning.bind(prompt_token_ids, params)

@@ -17,7 +17,7 @@ from jaxserve.request_stream import RequestStream
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.errors import APIError
 from jaxserve.server.metrics import ServerMetrics
-from jaxserve.server.reasoning_parsers import ThinkReasoningParser
+from jaxserve.server.reasoning_parsers import ReasoningParser
 from jaxserve.server.request_bodies import resolve_model_name, with_cache_salt
 from jaxserve.server.response_bodies import OutputOptions
 from jaxserve.server.response_store import ResponseStore
@@ -34,7 +34,7 @@ class ServerState:
     metrics: ServerMetrics
     default_chat_template_kwargs: dict | None = None  # --default-chat-template-kwargs; a request's own win
     tool_parser: ToolParser | None = None  # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto"
-    reasoning_parser: ThinkReasoningParser | None = None  # --reasoning-parser: `reasoning` apart from `content`
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser: `reasoning` apart from `content`
     # --lora-modules: a request whose `model` names one runs with that adapter (vLLM's convention)
     lora_adapters: dict[str, LoRARequest] = field(default_factory=dict)
     runtime_lora_updating: bool = False  # --enable-runtime-lora-updating: adapters loaded and unloaded over HTTP

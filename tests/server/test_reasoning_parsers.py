@@ -1,4 +1,5 @@
-"""--reasoning-parser: <think> blocks split into the chat message's `reasoning`, whole and streamed."""
+"""--reasoning-parser: <think> blocks (and Granite's plain-text markers) split into the chat message's `reasoning`,
+whole and streamed."""
 
 import copy
 import json
@@ -10,7 +11,7 @@ import pytest
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.app import build_app
-from jaxserve.server.reasoning_parsers import PromptReasoning, reasoning_parser
+from jaxserve.server.reasoning_parsers import GRANITE, PromptReasoning, reasoning_parser
 from jaxserve.server.tool_parsers.hermes import HermesToolParser
 from jaxserve.structured_outputs import StructuredOutputsParams
 from tests.server.fake_engine import FakeEngine
@@ -46,6 +47,40 @@ def test_while_streaming_each_part_only_grows(text, starts_in_block):
         assert reasoning is None or (final_reasoning or "").startswith(reasoning), (n, reasoning)
     assert bound.split("<think>ab</thi", final=False) == ("ab", "")
     assert bound.split(" <thi", final=False) == (None, "")  # may yet open a block
+
+
+GRANITE_REPLY = "Here is my thought process:\nWeather needs a lookup.\nHere is my response:\nIt is sunny."
+
+
+@pytest.mark.parametrize("text, expected", [
+    (GRANITE_REPLY, ("\nWeather needs a lookup.\n", "\nIt is sunny.")),
+    ("Here's my thought process: a. Here's my response: b", (" a. ", " b")),  # as quantized Granites write it
+    ("Here is my thought process: a. Here's my response: b", (" a. ", " b")),
+    ("It is sunny.", (None, "It is sunny.")),  # thinking off: no markers, all content
+    ("Here is my thought process: still thinking", (" still thinking", "")),  # cut by max_tokens
+    ("Here is the weather.", (None, "Here is the weather.")),
+])
+def test_granite_markers_split_reasoning_from_the_answer(tokenizer, text, expected):
+    bound = reasoning_parser("granite", tokenizer).bind(tokenizer.encode("<|im_start|>assistant\n"), SamplingParams())
+    assert bound == PromptReasoning(False, GRANITE)
+    assert bound.split(text, final=True) == expected
+    for n in range(len(text) + 1):  # while streaming each part only grows
+        reasoning, content = bound.split(text[:n], final=False)
+        assert expected[1].startswith(content), (n, content)
+        assert reasoning is None or (expected[0] or "").startswith(reasoning), (n, reasoning)
+    assert bound.split("Here is my thought process: a Here is my resp", final=False) == (" a ", "")
+    assert bound.split("Here is", final=False) == (None, "")  # may yet open the block
+
+
+def test_granite_reasoning_served_whole_and_streamed(tokenizer):
+    with _client(tokenizer, GRANITE_REPLY, reasoning_parser=reasoning_parser("granite", tokenizer)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        n = len(tokenizer.encode(GRANITE_REPLY))
+        message = _chat(client, max_tokens=n).choices[0].message
+        chunks = [c.choices[0] for c in _chat(client, stream=True, max_tokens=n) if c.choices]
+    assert (message.reasoning, message.content) == ("\nWeather needs a lookup.\n", "\nIt is sunny.")
+    assert "".join(getattr(c.delta, "reasoning", None) or "" for c in chunks) == message.reasoning
+    assert "".join(c.delta.content or "" for c in chunks) == message.content
 
 
 def test_the_prompt_says_where_the_output_starts(tokenizer):
@@ -86,8 +121,8 @@ def test_special_markers_are_kept_in_the_text(tokenizer):
     special.encode, special.decode = (lambda text, add_special_tokens: [7]), (lambda ids: "</think>")
     assert reasoning_parser("qwen3", special).adjust(SamplingParams(), [1]).skip_special_tokens is False
     assert reasoning_parser("qwen3", tokenizer).adjust(SamplingParams(), [1]).skip_special_tokens is True
-    with pytest.raises(ValueError, match="'granite' is not supported; supported: deepseek_r1, qwen3"):
-        reasoning_parser("granite", tokenizer)
+    with pytest.raises(ValueError, match="'step3' is not supported; supported: deepseek_r1, granite, qwen3"):
+        reasoning_parser("step3", tokenizer)
 
 
 def _client(tokenizer, script_text, **app_options):
@@ -196,7 +231,7 @@ def test_serve_reasoning_parser_reaches_the_app(tokenizer, monkeypatch):
     built["engine"].shutdown()
     assert built["reasoning_parser"] == reasoning_parser("qwen3", tokenizer)
     with pytest.raises(SystemExit):
-        build_parser()[0].parse_args(["serve", "--reasoning-parser", "granite"])
+        build_parser()[0].parse_args(["serve", "--reasoning-parser", "step3"])
 
 
 def test_a_forced_tool_call_after_the_reasoning_whole_and_streamed(tokenizer):

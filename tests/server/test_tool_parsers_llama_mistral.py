@@ -1,4 +1,4 @@
-"""The llama3_json, pythonic and mistral tool-call parsers: calls read out of each family's format, what is not a call
+"""The llama3_json, pythonic, mistral, granite and phi4_mini_json tool-call parsers: calls read out of each family's format, what is not a call
 kept as content, and while streaming only what cannot change released."""
 
 import json
@@ -31,6 +31,12 @@ REPLIES = [
                 '{"name": "get_time", "arguments": {}}]', "", [WEATHER, TIME]),
     ("mistral", 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
      "Checking.", [WEATHER, TIME]),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "get_time", "arguments": {}}]', "", [WEATHER, TIME]),
+    ("granite", ' <tool_call> [{"name": "get_weather", "arguments": {"city": "Paris"}}]', "", [WEATHER]),
+    ("granite", '[{"name": "get_time", "arguments": {}}]\nDone.', "Done.", [TIME]),
+    ("phi4_mini_json", 'Checking. functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                       '{"name": "get_time", "parameters": {}}]', "Checking. ", [WEATHER, TIME]),
 ]
 
 
@@ -79,6 +85,12 @@ def test_json_calls_are_released_as_each_object_closes():
     ("llama3_json", '{"name": "f", "arguments": "not json"}'),
     ("llama3_json", '{"name": "f", "parameters": {"n": ' + "9" * 5000 + "}}"),  # too long for Python's int()
     ("mistral", '[TOOL_CALLS]a[ARGS]{"x": "[TOOL_CALLS]b[ARGS]{}" tail'),  # cut inside a string: all of it is text
+    ("granite", "[1] Paris is the capital."),  # a list, but of no calls
+    ("granite", "<tool_call>[]"),
+    ("granite", 'The answer: [{"name": "get_time", "arguments": {}}]'),  # a list after text is no call here
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": '),  # cut short
+    ("phi4_mini_json", 'functools[{"name": "get_time", "arguments": {}}, 7]'),
+    ("phi4_mini_json", "I will use functools to answer."),
 ])
 def test_what_is_not_a_call_is_content_as_written(name, reply):
     assert tool_call_parser(name).split(reply, final=True) == (reply, [])
@@ -86,7 +98,8 @@ def test_what_is_not_a_call_is_content_as_written(name, reply):
 
 @pytest.mark.parametrize("name, opening", [
     ("hermes", "<tool_call>"), ("llama3_json", '{"name": "f", "parameters": '), ("pythonic", "[f(x="),
-    ("mistral", "[TOOL_CALLS]"), ("mistral", '[TOOL_CALLS]f[ARGS]{"a": ')])
+    ("mistral", "[TOOL_CALLS]"), ("mistral", '[TOOL_CALLS]f[ARGS]{"a": '), ("granite", "<tool_call>"),
+    ("phi4_mini_json", "functools[")])
 def test_nesting_too_deep_for_the_decoder_is_content_not_an_error(name, opening):
     """A thousand "[" take a model a few hundred tokens; Python's parsers give up with RecursionError."""
     reply = opening + "[" * 5000
@@ -108,6 +121,17 @@ def test_a_malformed_call_after_good_ones_is_kept_as_content():
     reply = 'Hi[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]oops'
     assert mistral.split(reply, final=True) == ("Hi[TOOL_CALLS]oops", [WEATHER])
     assert mistral.split(reply, final=False) == ("Hi", [WEATHER])  # the last segment may yet parse
+
+
+def test_json_list_calls_wait_for_the_list_to_close():
+    granite, phi4 = tool_call_parser("granite"), tool_call_parser("phi4_mini_json")
+    for undecided in (" ", "<|tool_", "<|tool_call|>", "<tool_call>\n"):  # may yet open a list of calls
+        assert granite.split(undecided, final=False) == ("", [])
+    assert granite.split("Paris is", final=False) == ("Paris is", [])  # plain text streams at once
+    assert granite.split('[{"name": "get_time", "arguments": {}}', final=False) == ("", [])
+    assert granite.split('[{"name": "get_time", "arguments": {}}] Do', final=False) == ("", [TIME])
+    assert phi4.split("Sure. functo", final=False) == ("Sure. ", [])  # the marker's beginning is held back
+    assert phi4.split('Sure. functools[{"name": "get_time", "arguments": {}}] ok', final=False) == ("Sure. ", [TIME])
 
 
 def test_pythonic_arguments_take_python_and_json_literals():

@@ -1,0 +1,62 @@
+"""Calls written as one JSON list after a marker, `[{"name": ..., "arguments": {...}}, ...]`:
+
+- `granite` (Granite 3.x): the reply is the list, maybe after `<|tool_call|>` (Granite 3.0) or `<tool_call>` (3.1 on);
+- `phi4_mini_json` (Phi-4-mini): `functools[...]`, maybe after some text, which is the message's content.
+
+The calls are released when the list closes; text after it is content once the reply ends. A list that does not
+parse, or holds anything but calls, is content as written, so nothing the model wrote is lost.
+"""
+
+from __future__ import annotations
+
+from jaxserve.server.tool_parsers.common import (
+    JSON_BLANKS,
+    RequestIndependent,
+    call_from_object,
+    decode_json_at,
+    partial_suffix,
+)
+from jaxserve.server.tools import ToolCall
+
+
+class GraniteToolParser(RequestIndependent):
+    markers = ("<|tool_call|>", "<tool_call>")
+
+    def adjust(self, params):
+        return params  # <|tool_call|> is skipped with the other special tokens: the list alone is read then
+
+    def split(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        body = text.lstrip()
+        marker = next((m for m in self.markers if body.startswith(m)), "")
+        body = body[len(marker):].lstrip()
+        if not body.startswith("["):
+            # Blanks, a marker half-written, or a whole one still waiting for its list: not decided yet.
+            undecided = not body or (not marker and any(m.startswith(body) for m in self.markers))
+            return ("", []) if undecided and not final else (text, [])
+        return _calls_from(text, len(text) - len(body), "", final)
+
+
+class Phi4MiniJsonToolParser(RequestIndependent):
+    opening = "functools["
+
+    def adjust(self, params):
+        return params
+
+    def split(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        first = text.find(self.opening)
+        if first < 0:
+            return (text if final else text[: len(text) - partial_suffix(text, self.opening)]), []
+        return _calls_from(text, first + len(self.opening) - 1, text[:first], final)
+
+
+def _calls_from(text: str, list_start: int, content: str, final: bool) -> tuple[str, list[ToolCall]]:
+    """(content, calls) for a reply whose list of calls opens at `list_start` after `content`. While the list is
+    open nothing after `content` is released; once it closed, its calls are, and the text after it when `final`."""
+    decoded = decode_json_at(text, list_start)
+    if decoded is None:
+        return (text, []) if final else (content, [])
+    items, end = decoded
+    calls = [call_from_object(item) for item in items] if isinstance(items, list) and items else [None]
+    if None in calls:
+        return text, []
+    return (content + text[end:].strip(JSON_BLANKS) if final else content), calls
