@@ -29,6 +29,10 @@ class Admission:
         with self._lock:
             return self._num_waiting
 
+    def holds(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._in_flight
+
     def admit(self, request_id: str, bounded: bool = True) -> None:
         """Count a new request in flight and waiting; `bounded`: refused with QueueFull when too many wait."""
         with self._lock:

@@ -4,6 +4,7 @@ jax is imported only inside `build_engine`, so `--help` and option errors answer
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from jaxserve.cli_args import (
@@ -22,6 +23,8 @@ from jaxserve.cli_args import (
 )
 from jaxserve.cli_compat import add_vllm_compat_arguments
 from jaxserve.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, LAYER_LOOPS
+
+log = logging.getLogger("jaxserve.cli")
 
 DEFAULT_MODEL_NOTE = "default: SmolLM2-135M-Instruct"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -157,8 +160,37 @@ def check_model_path(model: str | None) -> None:
                         f"or omit MODEL for the {DEFAULT_MODEL_NOTE.removeprefix('default: ')} default")
 
 
-def build_engine(args: argparse.Namespace):
-    """The Engine the options describe; its user-facing errors (bad mesh, missing file...) become UserError."""
+def build_engines(args: argparse.Namespace) -> list:
+    """The engines `serve` runs: one, or with --data-parallel-size N, N replicas on disjoint devices of this
+    process (data_parallel.py), built one after another."""
+    replicas = getattr(args, "data_parallel_size", 1)
+    if replicas == 1:
+        return [build_engine(args)]
+    from jaxserve.parallel.multinode import cluster_options
+
+    if cluster_options(args) is not None or getattr(args, "distributed_executor_backend", "mp") == "ray":
+        raise UserError(f"--data-parallel-size {replicas} runs its replicas in one process; it cannot be combined "
+                        "with several processes (--num-processes, Ray): start one server per replica instead")
+    check_model_path(args.model)
+    from jaxserve.parallel.sharding import parse_mesh, replica_device_groups  # imports jax
+
+    try:
+        groups = replica_device_groups(*parse_mesh(mesh_from_args(args)), replicas)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    engines = []
+    for rank, devices in enumerate(groups):
+        log.info("data-parallel replica %d of %d on %s", rank + 1, replicas, ", ".join(map(str, devices)))
+        engines.append(build_engine(args, devices))
+        # The others get the first's cache, so every replica takes the same requests (max_model_len follows the
+        # cache) without profiling again. On CPU, where they share host memory, each holds one engine's share.
+        args = argparse.Namespace(**{**vars(args), "num_kv_blocks": engines[0].config.cache.num_blocks})
+    return engines
+
+
+def build_engine(args: argparse.Namespace, devices=None):
+    """The Engine the options describe (on `devices`, None: the first the mesh needs); its user-facing errors (bad
+    mesh, missing file...) become UserError."""
     mesh = mesh_from_args(args)
     check_model_path(args.model)
     if isinstance(args.hf_token, str):  # what huggingface_hub reads for every download, the tokenizer's included
@@ -184,7 +216,8 @@ def build_engine(args: argparse.Namespace):
                         hf_overrides=args.hf_overrides, tokenizer=args.tokenizer, revision=args.revision,
                         tokenizer_revision=args.tokenizer_revision, download_dir=args.download_dir,
                         generation_config=args.generation_config if is_leader(args) else "auto",
-                        override_generation_config=args.override_generation_config, **compilation_cache_option(args))
+                        override_generation_config=args.override_generation_config, devices=devices,
+                        **compilation_cache_option(args))
     except (ValueError, OSError) as exc:  # the engine words these for people (DESIGN.md convention 9)
         raise UserError(str(exc)) from None
     # Process 0 gets its engine back (now driving the others); a follower follows and exits inside take_role.

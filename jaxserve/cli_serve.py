@@ -20,7 +20,7 @@ from jaxserve.cli_args import (
     url_root_path,
 )
 from jaxserve.cli_compat import add_vllm_serve_compat_arguments
-from jaxserve.cli_engine import add_engine_arguments, build_engine, mesh_from_args
+from jaxserve.cli_engine import add_engine_arguments, build_engines, mesh_from_args
 from jaxserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from jaxserve.server.reasoning_parsers import REASONING_PARSERS
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
@@ -53,6 +53,9 @@ def check_model_not_taken_as_a_key(args: argparse.Namespace) -> None:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
+    parser.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1, metavar="N",
+                        help="serve N replicas of the model, each on its own mesh of devices (N x tp x pp in all), "
+                             "each request sent to the least loaded (as vLLM's)")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     server.add_argument("--port", type=port_number, default=8000, help="0 picks a free port")
@@ -170,4 +173,4 @@ def run_serve(args: argparse.Namespace) -> int:
         CORSPolicy.from_args(args)  # both checked now, not after the model loads
         ssl_options(args)
         sock = listen_socket(args.host, args.port)
-    return serve_engine(build_engine(args), args, sock, mesh=mesh_from_args(args))
+    return serve_engine(build_engines(args), args, sock, mesh=mesh_from_args(args))

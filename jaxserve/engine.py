@@ -63,12 +63,15 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
                  speculative_config: dict | SpeculativeConfig | None = None, hf_overrides: dict | None = None,
                  generation_config: str = "auto", override_generation_config: dict | None = None,
                  revision: str | None = None, tokenizer_revision: str | None = None,
-                 download_dir: str | None = None, layer_loop: str = "auto", kv_cache_dtype: str = "auto"):
+                 download_dir: str | None = None, layer_loop: str = "auto", kv_cache_dtype: str = "auto",
+                 devices=None):
         """`tokenizer`: a tokenizer object, or a Hugging Face directory or hub id to load one from (vLLM's
         `tokenizer`); None serves the model's own. `revision`, `tokenizer_revision`: hub branches, tags or commits.
         `download_dir`: where hub models and tokenizers are downloaded to (None: the Hugging Face cache).
         `layer_loop`: "scan", "unrolled" or "auto" (unrolled on GPU: runner/layer_loop.py). `kv_cache_dtype`:
-        "auto" (the model's dtype), "bfloat16", or "fp8"/"fp8_e4m3"/"fp8_e5m2" (runner/kv_cache.py)."""
+        "auto" (the model's dtype), "bfloat16", or "fp8"/"fp8_e4m3"/"fp8_e5m2" (runner/kv_cache.py). `devices`: the
+        devices the mesh is built from (None: the first tp x pp of `jax.devices()`); data parallelism gives each
+        replica its own (data_parallel.py)."""
         speculative = SpeculativeConfig.from_dict(speculative_config)
         check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
                              recompile_guard, quantization, kv_cache_dtype)
@@ -93,7 +96,7 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         if enable_lora:  # the layers get adapter slots beside their weights (models/lora.py)
             cfg = dataclasses.replace(cfg, lora_slots=max_loras, lora_rank=max_lora_rank)
         self.runner = ModelRunner(cfg, ckpt.tensors, dtype, block_size, self.mesh_shape, attention_impl,
-                                  pp_layer_partition, quantization, layer_loop, kv_cache_dtype)
+                                  pp_layer_partition, quantization, layer_loop, kv_cache_dtype, devices)
         self.adapters = EngineAdapters(self.runner, cfg, max_loras, max_lora_rank, enable_lora)
         for name, path in (lora_modules or {}).items():
             self.adapters.preload(name, path)

@@ -75,6 +75,20 @@ def make_mesh(tp: int, pp: int, devices: Iterable[jax.Device] | None = None) -> 
     return Mesh(grid, MESH_AXES)
 
 
+def replica_device_groups(tp: int, pp: int, dp: int, devices: Iterable[jax.Device] | None = None
+                          ) -> list[list[jax.Device]]:
+    """The devices of each of `dp` data-parallel replicas, tp x pp apiece and disjoint: replica r takes the r-th run
+    of neighbouring devices, so each keeps its tensor-parallel groups on one node as `make_mesh` does."""
+    devices = list(jax.devices() if devices is None else devices)
+    per_replica = tp * pp
+    if dp < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {dp}")
+    if dp * per_replica > len(devices):
+        raise ValueError(f"{dp} data-parallel replicas of mesh {tp}x{pp} need {dp * per_replica} devices but only "
+                         f"{len(devices)} are available; lower --data-parallel-size or the mesh")
+    return [devices[r * per_replica:(r + 1) * per_replica] for r in range(dp)]
+
+
 def partition_spec(logical: tuple[str | None, ...]) -> PartitionSpec:
     return PartitionSpec(*(LOGICAL_RULES.get(name) if name else None for name in logical))
 

@@ -56,11 +56,11 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, tensors: TensorSource, dtype: str, block_size: int,
                  mesh_shape: tuple[int, int] = (1, 1), attention_impl: str = "auto",
                  pp_layer_partition: list[int] | None = None, quantization: str | None = None,
-                 layer_loop: str = "auto", kv_cache_dtype: str = "auto"):
+                 layer_loop: str = "auto", kv_cache_dtype: str = "auto", devices=None):
         self.dtype = jnp.dtype(dtype)
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         self.block_size = block_size
-        self.mesh = make_mesh(*mesh_shape)
+        self.mesh = make_mesh(*mesh_shape, devices)  # devices None: the first tp x pp of jax.devices()
         # The runner works on the effective config: heads, MLP, vocab and layers padded to split evenly.
         self.layout = plan_layout(cfg, *mesh_shape, pp_layer_partition)
         log.info(describe(self.layout, self.mesh.devices))

@@ -10,6 +10,7 @@ import logging
 import socket
 
 from jaxserve.async_engine import AsyncEngine
+from jaxserve.data_parallel import DataParallelAsyncEngine, merge_stats
 from jaxserve.server.app import build_app
 from jaxserve.server.reasoning_parsers import reasoning_parser
 from jaxserve.server.response_bodies import OutputOptions
@@ -21,14 +22,18 @@ from jaxserve.server.uvicorn_server import DrainingServer
 logger = logging.getLogger("jaxserve")
 
 
-def serve_engine(engine, args: argparse.Namespace, sock: socket.socket, mesh: str | None = None) -> int:
-    """Serve `engine` on the bound `sock` with the `serve` options in `args`; returns the exit status."""
+def serve_engine(engines, args: argparse.Namespace, sock: socket.socket, mesh: str | None = None) -> int:
+    """Serve an engine, or a list of data-parallel replicas, on the bound `sock` with the `serve` options in
+    `args`; returns the exit status."""
+    engines = engines if isinstance(engines, list) else [engines]
+    engine = engines[0]  # what every replica shares: the model, its tokenizer, adapters and options
     names = args.served_model_name or [engine.model_name]
     cors, tls = CORSPolicy.from_args(args), ssl_options(args)
-    async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests,
-                               request_timeout=args.request_timeout, log_prompts=args.log_prompts,
-                               max_log_len=args.max_log_len,
-                               step_timeout=args.step_timeout or None)  # 0: off
+    options = dict(max_waiting_requests=args.max_waiting_requests, request_timeout=args.request_timeout,
+                   log_prompts=args.log_prompts, max_log_len=args.max_log_len,
+                   step_timeout=args.step_timeout or None)  # 0: off
+    async_engine = AsyncEngine(engine, **options) if len(engines) == 1 else \
+        DataParallelAsyncEngine.serving(engines, **options)
     app = build_app(async_engine, served_model_names=names, api_key=args.api_key,
                     max_body_bytes=args.max_request_body_bytes,
                     default_chat_template_kwargs=args.default_chat_template_kwargs,
@@ -43,7 +48,7 @@ def serve_engine(engine, args: argparse.Namespace, sock: socket.socket, mesh: st
                     request_id_headers=args.enable_request_id_headers, vllm_metric_names=args.vllm_metric_names)
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
-    log_startup(engine, args, mesh, names, f"{'https' if tls else 'http'}://{host}:{port}")
+    log_startup(engines, args, mesh, names, f"{'https' if tls else 'http'}://{host}:{port}")
     if args.root_path:
         logger.info("served under %s too (--root-path, for a proxy)", args.root_path)
     if cors:
@@ -61,8 +66,8 @@ def serve_engine(engine, args: argparse.Namespace, sock: socket.socket, mesh: st
     return 0
 
 
-def log_startup(engine, args: argparse.Namespace, mesh: str | None, names: list[str], url: str) -> None:
-    stats = engine.stats()
+def log_startup(engines: list, args: argparse.Namespace, mesh: str | None, names: list[str], url: str) -> None:
+    engine, stats = engines[0], merge_stats([replica.stats() for replica in engines])
     block_size = engine.config.cache.block_size
     logger.info("model %s served as %s; max_model_len %d", engine.model_name, ", ".join(names),
                 engine.max_model_len)
@@ -72,6 +77,8 @@ def log_startup(engine, args: argparse.Namespace, mesh: str | None, names: list[
         logger.warning("LoRA adapters may be loaded and unloaded over HTTP (--enable-runtime-lora-updating): "
                        "clients can make this server read any adapter directory it can see")
     logger.info("mesh %s; dtype %s", mesh or "1x1 (one device)", engine.config.dtype)
+    if len(engines) > 1:
+        logger.info("data parallel: %d replicas of that mesh, each request to the least loaded", len(engines))
     logger.info("KV cache: %d blocks x %d tokens = %d tokens", stats["total_blocks"], block_size,
                 stats["total_blocks"] * block_size)
     logger.info("listening on %s (OpenAI API at %s/v1)", url, url)

@@ -1,0 +1,59 @@
+"""serve -dp N with real engines: replicas on disjoint devices, one cache size, the same greedy tokens on each."""
+
+import asyncio
+
+import pytest
+
+from jaxserve import engine as engine_module
+from jaxserve.cli import build_parser
+from jaxserve.cli_args import UserError
+from jaxserve.cli_engine import build_engines
+from jaxserve.data_parallel import DataParallelAsyncEngine
+from jaxserve.sampling_params import SamplingParams
+
+
+def serve_args(*options):
+    return build_parser()[0].parse_args(["serve", *options])
+
+
+def test_replicas_sit_on_their_own_devices_and_agree(tiny_checkpoint, shared_checkpoints, monkeypatch):
+    """Two replicas of a 2x1 mesh take devices 0-1 and 2-3; the second gets the first's cache size (no profiling
+    of its own); the same prompt gives the same greedy tokens on either."""
+    monkeypatch.setattr("jaxserve.runner.capacity.CPU_KV_CAP_BYTES", 1 << 20)  # a small cache for the first
+    built = []
+    real_engine = engine_module.Engine
+    monkeypatch.setattr(engine_module, "Engine", lambda *a, **kw: built.append(kw) or real_engine(*a, **kw))
+    args = serve_args(str(tiny_checkpoint("llama")), "-dp", "2", "--mesh", "2x1", "--max-num-seqs", "4",
+                      "--max-num-batched-tokens", "16", "--max-model-len", "64", "--no-warmup")
+    engines = build_engines(args)
+    assert [[d.id for d in e.runner.mesh.devices.flat] for e in engines] == [[0, 1], [2, 3]]
+    blocks = engines[0].config.cache.num_blocks
+    assert [kw["num_kv_blocks"] for kw in built] == [None, blocks] and engines[1].config.cache.num_blocks == blocks
+
+    served = DataParallelAsyncEngine.serving(engines, max_waiting_requests=8)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    async def run():
+        async def one(prompt, rid):
+            return [out async for out in served.generate(prompt, params, rid)][-1].outputs[0].token_ids
+
+        # Started together, they alternate between the two replicas: each prompt runs once on each.
+        return await asyncio.gather(*(one(p, f"{p}-{i}") for p in ("Hello", "The sky is") for i in range(2)))
+
+    try:
+        tokens = asyncio.run(run())
+    finally:
+        served.shutdown()
+    assert [e.stats()["num_steps"] > 0 for e in engines] == [True, True]
+    assert tokens[0] == tokens[1] and tokens[2] == tokens[3] and tokens[0] != tokens[2]
+
+
+@pytest.mark.parametrize("options, message", [
+    (["-dp", "3", "--mesh", "2x2"], "3 data-parallel replicas of mesh 2x2 need 12 devices but only 8 are available"),
+    (["-dp", "2", "--num-processes", "2", "--coordinator", "127.0.0.1:1", "--process-id", "0"],
+     "cannot be combined with several processes"),
+])
+def test_data_parallel_mistakes_are_one_sentence(tiny_checkpoint, options, message):
+    with pytest.raises(UserError, match=message) as info:
+        build_engines(serve_args(str(tiny_checkpoint("llama")), *options))
+    assert "\n" not in str(info.value)
