@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 from jaxserve.cli_args import (
     UserError,
@@ -162,7 +163,7 @@ def check_model_path(model: str | None) -> None:
 
 def build_engines(args: argparse.Namespace) -> list:
     """The engines `serve` runs: one, or with --data-parallel-size N, N replicas on disjoint devices of this
-    process (data_parallel.py), built one after another."""
+    process (data_parallel.py), loaded one after another and then compiled side by side."""
     replicas = getattr(args, "data_parallel_size", 1)
     if replicas == 1:
         return [build_engine(args)]
@@ -178,13 +179,17 @@ def build_engines(args: argparse.Namespace) -> list:
         groups = replica_device_groups(*parse_mesh(mesh_from_args(args)), replicas)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    engines = []
+    engines, loading = [], argparse.Namespace(**{**vars(args), "no_warmup": True})
     for rank, devices in enumerate(groups):
         log.info("data-parallel replica %d of %d on %s", rank + 1, replicas, ", ".join(map(str, devices)))
-        engines.append(build_engine(args, devices))
+        engines.append(build_engine(loading, devices))
         # The others get the first's cache, so every replica takes the same requests (max_model_len follows the
         # cache) without profiling again. On CPU, where they share host memory, each holds one engine's share.
-        args = argparse.Namespace(**{**vars(args), "num_kv_blocks": engines[0].config.cache.num_blocks})
+        loading.num_kv_blocks = engines[0].config.cache.num_blocks
+    if not args.no_warmup:  # each replica compiles its own programs: side by side, not N times as long
+        with ThreadPoolExecutor(replicas, thread_name_prefix="jaxserve-warmup") as pool:
+            list(pool.map(lambda rank: engines[rank].warmup(f"Compiling replica {rank + 1}'s step buckets"),
+                          range(replicas)))
     return engines
 
 

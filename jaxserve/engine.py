@@ -158,12 +158,12 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         self.runner.allocate_cache(num_blocks)
         return num_blocks
 
-    def warmup(self) -> None:
-        """Compile every step program now (progress bar), so serving never stalls on a compile."""
+    def warmup(self, desc: str = "Compiling step buckets") -> None:
+        """Compile every step program now (a progress bar titled `desc`), so serving never stalls on a compile."""
         from tqdm.auto import tqdm
 
         total = self.runner.warmup_size(self.plan_shape)
-        with tqdm(total=total, desc="Compiling step buckets", unit="program") as bar:
+        with tqdm(total=total, desc=desc, unit="program") as bar:
             self.runner.warmup(self.plan_shape, bar)
         self._compiles_at_warmup = self.runner.num_compiles
 

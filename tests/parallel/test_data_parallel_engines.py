@@ -16,16 +16,19 @@ def serve_args(*options):
     return build_parser()[0].parse_args(["serve", *options])
 
 
-def test_replicas_sit_on_their_own_devices_and_agree(tiny_checkpoint, shared_checkpoints, monkeypatch):
+def test_replicas_sit_on_their_own_devices_and_agree(tiny_checkpoint, shared_checkpoints, monkeypatch, capsys):
     """Two replicas of a 2x1 mesh take devices 0-1 and 2-3; the second gets the first's cache size (no profiling
-    of its own); the same prompt gives the same greedy tokens on either."""
+    of its own); both are warmed up (nothing compiles while serving); the same prompt gives the same greedy tokens
+    on either."""
     monkeypatch.setattr("jaxserve.runner.capacity.CPU_KV_CAP_BYTES", 1 << 20)  # a small cache for the first
     built = []
     real_engine = engine_module.Engine
     monkeypatch.setattr(engine_module, "Engine", lambda *a, **kw: built.append(kw) or real_engine(*a, **kw))
     args = serve_args(str(tiny_checkpoint("llama")), "-dp", "2", "--mesh", "2x1", "--max-num-seqs", "4",
-                      "--max-num-batched-tokens", "16", "--max-model-len", "64", "--no-warmup")
+                      "--max-num-batched-tokens", "16", "--max-model-len", "64")
     engines = build_engines(args)
+    progress = capsys.readouterr().err
+    assert "Compiling replica 1's step buckets" in progress and "Compiling replica 2's step buckets" in progress
     assert [[d.id for d in e.runner.mesh.devices.flat] for e in engines] == [[0, 1], [2, 3]]
     blocks = engines[0].config.cache.num_blocks
     assert [kw["num_kv_blocks"] for kw in built] == [None, blocks] and engines[1].config.cache.num_blocks == blocks
@@ -45,6 +48,7 @@ def test_replicas_sit_on_their_own_devices_and_agree(tiny_checkpoint, shared_che
     finally:
         served.shutdown()
     assert [e.stats()["num_steps"] > 0 for e in engines] == [True, True]
+    assert [e.compiles_after_warmup for e in engines] == [0, 0]
     assert tokens[0] == tokens[1] and tokens[2] == tokens[3] and tokens[0] != tokens[2]
 
 
