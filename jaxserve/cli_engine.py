@@ -4,9 +4,7 @@ jax is imported only inside `build_engine`, so `--help` and option errors answer
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 from jaxserve.cli_args import (
     UserError,
@@ -24,8 +22,6 @@ from jaxserve.cli_args import (
 )
 from jaxserve.cli_compat import add_vllm_compat_arguments
 from jaxserve.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, LAYER_LOOPS
-
-log = logging.getLogger("jaxserve.cli")
 
 DEFAULT_MODEL_NOTE = "default: SmolLM2-135M-Instruct"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -179,18 +175,14 @@ def build_engines(args: argparse.Namespace) -> list:
         groups = replica_device_groups(*parse_mesh(mesh_from_args(args)), replicas)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    engines, loading = [], argparse.Namespace(**{**vars(args), "no_warmup": True})
-    for rank, devices in enumerate(groups):
-        log.info("data-parallel replica %d of %d on %s", rank + 1, replicas, ", ".join(map(str, devices)))
-        engines.append(build_engine(loading, devices))
-        # The others get the first's cache, so every replica takes the same requests (max_model_len follows the
-        # cache) without profiling again. On CPU, where they share host memory, each holds one engine's share.
-        loading.num_kv_blocks = engines[0].config.cache.num_blocks
-    if not args.no_warmup:  # each replica compiles its own programs: side by side, not N times as long
-        with ThreadPoolExecutor(replicas, thread_name_prefix="jaxserve-warmup") as pool:
-            list(pool.map(lambda rank: engines[rank].warmup(f"Compiling replica {rank + 1}'s step buckets"),
-                          range(replicas)))
-    return engines
+    from jaxserve.data_parallel import build_replicas
+
+    def replica(devices, num_kv_blocks):
+        blocks = args.num_kv_blocks if num_kv_blocks is None else num_kv_blocks
+        return build_engine(argparse.Namespace(**{**vars(args), "no_warmup": True, "num_kv_blocks": blocks}),
+                            devices)
+
+    return build_replicas(replica, groups, warmup=not args.no_warmup)
 
 
 def build_engine(args: argparse.Namespace, devices=None):

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.beam_search_params import BeamSearchParams
@@ -20,6 +23,8 @@ from jaxserve.lora_request import LoRARequest
 from jaxserve.request_errors import QueueFull
 from jaxserve.request_stream import RequestStream
 from jaxserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 # Stats every replica reports alike: taken from the first, not summed.
 SAME_ON_EVERY_REPLICA = {"block_size", "max_loras"}
@@ -160,3 +165,20 @@ def merge_stats(parts: list[dict]) -> dict:
         else:
             merged[key] = sum(values)
     return merged
+
+
+def build_replicas(make_engine: Callable, device_groups: list[list], warmup: bool) -> list:
+    """One Engine per device group: `make_engine(devices, num_kv_blocks)` builds one unwarmed (num_kv_blocks None:
+    as the options say). They load in turn; the first sizes the KV cache and the others take its size, so every
+    replica admits the same requests (max_model_len follows the cache) and none profiles again (on CPU, where they
+    share host memory, each holds one engine's share). Then each compiles its step programs, side by side."""
+    engines, num_kv_blocks = [], None
+    for rank, devices in enumerate(device_groups):
+        log.info("data-parallel replica %d of %d on %s", rank + 1, len(device_groups), ", ".join(map(str, devices)))
+        engines.append(make_engine(devices, num_kv_blocks))
+        num_kv_blocks = engines[0].config.cache.num_blocks
+    if warmup:
+        with ThreadPoolExecutor(len(engines), thread_name_prefix="jaxserve-warmup") as pool:
+            list(pool.map(lambda rank: engines[rank].warmup(f"Compiling replica {rank + 1}'s step buckets"),
+                          range(len(engines))))
+    return engines

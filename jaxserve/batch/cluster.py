@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 
 from jaxserve.batch.job_config import BatchJob, load_job, read_job_mapping
+from jaxserve.cli_args import UserError
 from jaxserve.parallel import wire
 from jaxserve.parallel.multinode import Session, cluster_options, start_cluster
 
@@ -32,6 +33,10 @@ def join_job_cluster(args: argparse.Namespace) -> tuple[Session | None, BatchJob
     if not launches_ray and cluster_options(args) is None:
         return None, None
     job = load_job(args.job, check_paths=False)
+    if job.engine.data_parallel_size > 1:
+        raise UserError(f"engine.data_parallel_size {job.engine.data_parallel_size} runs its replicas in one "
+                        "process; it cannot be combined with several processes: split the input into one job per "
+                        "replica instead")
     return start_cluster(args, job.engine.engine_kwargs().get("mesh"), shared=shared_options(Path(args.job)),
                          wait_for_load=True), job
 

@@ -15,6 +15,7 @@ from jaxserve.batch.job_config import BatchJob, load_job
 from jaxserve.batch.problems import JobError
 from jaxserve.batch.progress import BatchProgress
 from jaxserve.batch.result_log import ResultLog
+from jaxserve.batch.replicas import run_on_replicas
 from jaxserve.batch.runner import BatchRunner, RunTotals
 from jaxserve.batch.stop import StopSignals
 from jaxserve.cli_args import UserError
@@ -38,9 +39,10 @@ class JobSummary:
 
 def run_job(path: str | Path, *, engine=None, engine_factory=None, show_progress: bool = True,
             stop: StopSignals | None = None) -> JobSummary:
-    """Run (or resume) the job in `path`. `engine`: an Engine to use instead of building the job's own;
-    `engine_factory(job)`: how to build it when there is work to do (default: `build_engine`); `stop`: checked
-    before the engine is built and between steps (JobInterrupted once a stop was asked for)."""
+    """Run (or resume) the job in `path`. `engine`: an Engine (or a list of data-parallel replicas) to use instead
+    of building the job's own; `engine_factory(job)`: how to build it when there is work to do (default:
+    `build_engines`); `stop`: checked before the engine is built and between steps (JobInterrupted once a stop was
+    asked for)."""
     job = load_job(path)
     scan = scan_input(job.input)
     if scan.duplicates:
@@ -52,17 +54,18 @@ def run_job(path: str | Path, *, engine=None, engine_factory=None, show_progress
             return JobSummary(len(scan.entries), len(scan.entries), RunTotals())
         stop_check = stop.check if stop is not None else lambda: None
         stop_check()
-        engine = engine if engine is not None else (engine_factory or build_engine)(job)
+        engines = engine if engine is not None else (engine_factory or build_engines)(job)
+        engines = engines if isinstance(engines, list) else [engines]
         progress = BatchProgress(len(scan.entries), len(scan.entries) - len(todo), enabled=show_progress)
-        runner = BatchRunner(engine, results, progress, sampling_defaults=job.sampling,
-                             served_model_names=job.served_model_name or [engine.model_name],
-                             max_concurrency=job.max_concurrency or default_concurrency(engine),
-                             stop_check=stop_check, parsers=OutputParsers(
-                                 tool_call_parser(job.tool_call_parser),
-                                 reasoning_parser(job.reasoning_parser, engine.tokenizer)),
-                             lora_adapters=engine.adapters.preloaded)
+        runners = [BatchRunner(replica, results, progress, sampling_defaults=job.sampling,
+                               served_model_names=job.served_model_name or [replica.model_name],
+                               max_concurrency=job.max_concurrency or default_concurrency(replica),
+                               stop_check=stop_check, parsers=OutputParsers(
+                                   tool_call_parser(job.tool_call_parser),
+                                   reasoning_parser(job.reasoning_parser, replica.tokenizer)),
+                               lora_adapters=replica.adapters.preloaded) for replica in engines]
         try:
-            totals = runner.run(todo)
+            totals = run_on_replicas(runners, todo)
         finally:
             progress.close()
     summary = JobSummary(len(scan.entries), len(scan.entries) - len(todo), totals, progress.generated_tokens)
@@ -71,12 +74,33 @@ def run_job(path: str | Path, *, engine=None, engine_factory=None, show_progress
     return summary
 
 
-def build_engine(job: BatchJob):
-    """The Engine the job describes; its user-facing errors (bad mesh, missing file...) become UserError."""
+def build_engines(job: BatchJob) -> list:
+    """The job's engine, or with `data_parallel_size: N` its N replicas on disjoint devices (data_parallel.py)."""
+    replicas = job.engine.data_parallel_size
+    if replicas == 1:
+        return [build_engine(job)]
+    from jaxserve.data_parallel import build_replicas
+    from jaxserve.parallel.sharding import parse_mesh, replica_device_groups  # imports jax
+
+    try:
+        groups = replica_device_groups(*parse_mesh(job.engine.engine_kwargs().get("mesh")), replicas)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+    def replica(devices, num_kv_blocks):
+        options = {"warmup": False} if num_kv_blocks is None else {"warmup": False, "num_kv_blocks": num_kv_blocks}
+        return build_engine(job, devices=devices, **options)
+
+    return build_replicas(replica, groups, warmup=job.engine.warmup is not False)
+
+
+def build_engine(job: BatchJob, **overrides):
+    """The Engine the job describes (`overrides`: Engine keywords laid over its options); its user-facing errors
+    (bad mesh, missing file...) become UserError."""
     from jaxserve.engine import Engine  # imports jax: only now that it is needed
 
     try:
-        return Engine(job.model, **job.engine.engine_kwargs())
+        return Engine(job.model, **(job.engine.engine_kwargs() | overrides))
     except (ValueError, OSError) as exc:  # the engine words these for people (DESIGN.md convention 9)
         raise UserError(str(exc)) from None
 

@@ -32,6 +32,8 @@ class EngineOptions(BaseModel):
     mesh: str | None = None
     tensor_parallel_size: PositiveInt | None = None
     pipeline_parallel_size: PositiveInt | None = None
+    # Replicas of the model, each on its own mesh of devices; the job's lines go to whichever has room (serve -dp).
+    data_parallel_size: PositiveInt = 1
     dtype: Literal["auto", "float32", "bfloat16"] | None = None
     quantization: Literal["int8", "w8a8"] | None = None
     load_format: Literal["auto", "dummy"] | None = None
@@ -125,7 +127,8 @@ class EngineOptions(BaseModel):
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `Engine(...)`: only what the job set, with -tp/-pp folded into the mesh."""
-        kwargs = self.model_dump(exclude_none=True, exclude={"tensor_parallel_size", "pipeline_parallel_size"})
+        kwargs = self.model_dump(exclude_none=True, exclude={"tensor_parallel_size", "pipeline_parallel_size",
+                                                             "data_parallel_size"})
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         if tp is not None or pp is not None:
             if self.mesh is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 from tqdm.auto import tqdm
@@ -17,17 +18,20 @@ class BatchProgress:
         self._started = time.monotonic()
         self._last_postfix = 0.0
         self.generated_tokens = 0
+        self._lock = threading.Lock()
 
     def tokens_generated(self, count: int) -> None:
-        self.generated_tokens += count
-        now = time.monotonic()
-        if now - self._last_postfix >= POSTFIX_INTERVAL_S:
-            self._last_postfix = now
-            rate = self.generated_tokens / max(now - self._started, 1e-9)
-            self._bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
+        with self._lock:  # data-parallel replicas' runners report from their own threads
+            self.generated_tokens += count
+            now = time.monotonic()
+            if now - self._last_postfix >= POSTFIX_INTERVAL_S:
+                self._last_postfix = now
+                rate = self.generated_tokens / max(now - self._started, 1e-9)
+                self._bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
 
     def request_done(self) -> None:
-        self._bar.update(1)
+        with self._lock:
+            self._bar.update(1)
 
     @property
     def tokens_per_second(self) -> float:

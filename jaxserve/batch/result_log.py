@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -65,6 +66,7 @@ class ResultLog:
     """The output file (and the errors file, if the job has one), locked and open for appending."""
 
     def __init__(self, output: Path, errors: Path | None):
+        self._lock = threading.Lock()
         self._output = self._open_locked(output)
         self._errors = self._open_locked(errors) if errors is not None else None
         self.done: set[ResultKey] = set()
@@ -97,14 +99,17 @@ class ResultLog:
     def write(self, record: BatchOutputLine) -> None:
         """Append one result (durable after the next `commit`)."""
         file = self._errors if record.failed and self._errors is not None else self._output
-        file.write(record.model_dump_json().encode() + b"\n")
-        if record.key is not None:
-            self.done.add(record.key)
+        line = record.model_dump_json().encode() + b"\n"
+        with self._lock:  # data-parallel replicas' runners write from their own threads: whole lines, one at a time
+            file.write(line)
+            if record.key is not None:
+                self.done.add(record.key)
 
     def commit(self) -> None:
-        for file in (self._output, self._errors):
-            if file is not None:
-                _sync(file)
+        with self._lock:
+            for file in (self._output, self._errors):
+                if file is not None:
+                    _sync(file)
 
     def close(self) -> None:
         self.commit()

@@ -66,16 +66,19 @@ class BatchRunner:
         self._tokens_seen: dict[str, int] = {}  # engine request id -> generated tokens counted so far
         self._beam_searches = BeamSearches(engine)  # use_beam_search lines: their rounds of engine requests
 
-    def run(self, entries: list[InputItem | BadLine]) -> RunTotals:
-        waiting = deque(entries)
-        while waiting or self._lines_in_flight:
-            while waiting and self._lines_in_flight < self.max_concurrency:
-                self._start(waiting.popleft())
+    def run(self, waiting: deque[InputItem | BadLine]) -> RunTotals:
+        """Run lines from `waiting` until it is empty and every line started has its result. Other runners (one
+        per data-parallel replica, each in its own thread) may take from the same deque: each takes a line
+        whenever it has room for one."""
+        while True:
+            while self._lines_in_flight < self.max_concurrency and (entry := _take(waiting)) is not None:
+                self._start(entry)
             if self._lines_in_flight:
                 self._step()
             self.results.commit()  # everything finished so far is on disk before the next step
             self.stop_check()
-        return self.totals
+            if not self._lines_in_flight and not waiting:
+                return self.totals
 
     def _start(self, entry: InputItem | BadLine) -> None:
         if isinstance(entry, BadLine):
@@ -146,6 +149,14 @@ class BatchRunner:
         else:
             self.totals.succeeded += 1
         self.progress.request_done()
+
+
+def _take(waiting: deque):
+    """The next line, or None: popleft is atomic, so runners in several threads never take the same one."""
+    try:
+        return waiting.popleft()
+    except IndexError:
+        return None
 
 
 def _engine_ids(request_id: str, prepared: PreparedRequest) -> list[str]:
