@@ -1,10 +1,12 @@
 """Data parallelism (vLLM's --data-parallel-size): several replicas of the engine, each on its own tp x pp devices
 with its own KV cache and scheduler, served as one.
 
-Each replica is an `AsyncEngine` with its own loop thread (jax releases the GIL while a device computes, so the
-replicas' steps overlap). `DataParallelAsyncEngine` has the AsyncEngine surface the server uses: a request goes
+`build_replicas` loads them (for `serve -dp N` and a batch job's `data_parallel_size`). In the server each
+replica is an `AsyncEngine` with its own loop thread (jax releases the GIL while a device computes, so the
+replicas' steps overlap); `DataParallelAsyncEngine` has the AsyncEngine surface the server uses: a request goes
 to the healthy replica with the fewest requests in flight (the next one when its queue is full), and aborts,
-adapters and shutdown reach every replica. Request ids are unique across replicas. Imports no jax.
+adapters and shutdown reach every replica. Request ids are unique across replicas. Batch jobs run a runner per
+replica instead (batch/replicas.py). Imports no jax.
 """
 
 from __future__ import annotations
