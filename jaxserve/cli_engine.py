@@ -177,10 +177,10 @@ def build_engines(args: argparse.Namespace) -> list:
         raise UserError(str(exc)) from None
     from jaxserve.data_parallel import build_replicas
 
-    def replica(devices, num_kv_blocks):
+    def replica(rank, devices, num_kv_blocks):
         blocks = args.num_kv_blocks if num_kv_blocks is None else num_kv_blocks
-        return build_engine(argparse.Namespace(**{**vars(args), "no_warmup": True, "num_kv_blocks": blocks}),
-                            devices)
+        options = {**vars(args), "no_warmup": True, "num_kv_blocks": blocks, "seed": args.seed + rank}
+        return build_engine(argparse.Namespace(**options), devices)
 
     return build_replicas(replica, groups, warmup=not args.no_warmup)
 

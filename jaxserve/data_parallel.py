@@ -15,8 +15,8 @@ import asyncio
 import itertools
 import logging
 import math
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.beam_search_params import BeamSearchParams
@@ -109,12 +109,17 @@ class DataParallelAsyncEngine:
             await replica.abort(request_id)
 
     async def _place(self, request_id: str, start):
-        """`start(replica)` on the replicas from the least loaded on, until one takes it: a full queue passes it on
-        to the next (whose waiting requests may be fewer though more are in flight). Any other refusal is final."""
+        """`start(replica)` on the healthy replicas from the least loaded on, until one takes it: a full queue
+        passes it on to the next (whose waiting requests may be fewer though more are in flight), and when every
+        healthy one is full that is the answer (a 503 to retry). Only with no healthy replica are the others tried
+        (all hung in a long step, or each refusing as it is: shutting down, dead). Any refusal but a full queue is
+        final."""
         if any(replica.uses_request_id(request_id) for replica in self.replicas):
             raise ValueError(f"request id {request_id!r} is already in use")
+        by_load = self._by_load()
+        healthy = [replica for replica in by_load if replica.is_healthy]
         full = None
-        for replica in self._by_load():
+        for replica in healthy or by_load:
             try:
                 return await start(replica)
             except QueueFull as exc:
@@ -122,16 +127,23 @@ class DataParallelAsyncEngine:
         raise full
 
     def _by_load(self) -> list[AsyncEngine]:
-        """Healthy replicas first (a dead or hung one only when none is), then fewest in flight, ties in turn."""
+        """The replicas from the fewest requests in flight, ties taking turns."""
         turn, n = next(self._ties), len(self.replicas)
-        health = [replica.is_healthy for replica in self.replicas]
         loads = [replica.num_in_flight for replica in self.replicas]
-        order = sorted(range(n), key=lambda i: (not health[i], loads[i], (i - turn) % n))
-        return [self.replicas[i] for i in order]
+        return [self.replicas[i] for i in sorted(range(n), key=lambda i: (loads[i], (i - turn) % n))]
 
     # --- adapters and shutdown: every replica ------------------------------------------------------------------
     async def add_lora(self, lora_request: LoRARequest, load_inplace: bool = False) -> LoRARequest:
-        loaded = await asyncio.gather(*(replica.add_lora(lora_request, load_inplace) for replica in self.replicas))
+        """Load the adapter on every replica, or on none: where one refuses it, the others unload it again (a new
+        adapter; one replaced in place cannot be put back)."""
+        loaded = await asyncio.gather(*(replica.add_lora(lora_request, load_inplace) for replica in self.replicas),
+                                      return_exceptions=True)
+        errors = [result for result in loaded if isinstance(result, BaseException)]
+        if errors and not load_inplace:
+            for replica, result in zip(self.replicas, loaded):
+                if not isinstance(result, BaseException):
+                    replica.remove_lora(lora_request.lora_name)
+        raise_first(errors)
         return loaded[0]
 
     def remove_lora(self, lora_name: str) -> None:
@@ -170,17 +182,48 @@ def merge_stats(parts: list[dict]) -> dict:
 
 
 def build_replicas(make_engine: Callable, device_groups: list[list], warmup: bool) -> list:
-    """One Engine per device group: `make_engine(devices, num_kv_blocks)` builds one unwarmed (num_kv_blocks None:
-    as the options say). They load in turn; the first sizes the KV cache and the others take its size, so every
-    replica admits the same requests (max_model_len follows the cache) and none profiles again (on CPU, where they
-    share host memory, each holds one engine's share). Then each compiles its step programs, side by side."""
+    """One Engine per device group: `make_engine(rank, devices, num_kv_blocks)` builds replica `rank` unwarmed
+    (num_kv_blocks None: as the options say), seeded `rank` past the options' seed so that unseeded requests sample
+    differently on each replica, as they would one after another on one engine. They load in turn; the first sizes
+    the KV cache and the others take its size, so every replica admits the same requests (max_model_len follows
+    the cache) and none profiles again (on CPU, where they share host memory, each holds one engine's share). Then
+    each compiles its step programs, side by side."""
     engines, num_kv_blocks = [], None
     for rank, devices in enumerate(device_groups):
         log.info("data-parallel replica %d of %d on %s", rank + 1, len(device_groups), ", ".join(map(str, devices)))
-        engines.append(make_engine(devices, num_kv_blocks))
+        engines.append(make_engine(rank, devices, num_kv_blocks))
         num_kv_blocks = engines[0].config.cache.num_blocks
     if warmup:
-        with ThreadPoolExecutor(len(engines), thread_name_prefix="jaxserve-warmup") as pool:
-            list(pool.map(lambda rank: engines[rank].warmup(f"Compiling replica {rank + 1}'s step buckets"),
-                          range(len(engines))))
+        _, errors = run_side_by_side(
+            [lambda rank=rank: engines[rank].warmup(f"Compiling replica {rank + 1}'s step buckets")
+             for rank in range(len(engines))], "jaxserve-warmup")
+        raise_first(errors)
     return engines
+
+
+def run_side_by_side(tasks: list[Callable], name: str) -> tuple[list, list[BaseException | None]]:
+    """Run each task in a thread of its own and wait for all: (their results, their errors). The threads are
+    daemons and the wait is interruptible, so a Ctrl-C (a KeyboardInterrupt here) ends the process at once instead
+    of after every task, a compile or a device step that may take minutes, has finished."""
+    results: list = [None] * len(tasks)
+    errors: list[BaseException | None] = [None] * len(tasks)
+
+    def run(index: int) -> None:
+        try:
+            results[index] = tasks[index]()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, which decides what to raise
+            errors[index] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"{name}-{i}", daemon=True) for i in range(len(tasks))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        while thread.is_alive():
+            thread.join(0.2)
+    return results, errors
+
+
+def raise_first(errors: list[BaseException | None]) -> None:
+    first = next((error for error in errors if error is not None), None)
+    if first is not None:
+        raise first

@@ -87,8 +87,10 @@ def build_engines(job: BatchJob) -> list:
     except ValueError as exc:
         raise UserError(str(exc)) from None
 
-    def replica(devices, num_kv_blocks):
-        options = {"warmup": False} if num_kv_blocks is None else {"warmup": False, "num_kv_blocks": num_kv_blocks}
+    def replica(rank, devices, num_kv_blocks):
+        options = {"warmup": False, "seed": (job.engine.seed or 0) + rank}
+        if num_kv_blocks is not None:
+            options["num_kv_blocks"] = num_kv_blocks
         return build_engine(job, devices=devices, **options)
 
     return build_replicas(replica, groups, warmup=job.engine.warmup is not False)

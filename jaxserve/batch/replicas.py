@@ -3,17 +3,19 @@ each stepping its engine in its own thread (jax releases the GIL while the devic
 line from one shared queue whenever it has room, so a replica that finishes early takes more.
 
 The runners share the result log and the progress bar (both locked). One runner's failure, or a stop asked for,
-ends the others at their next step; every result finished by then is on disk, so a re-run resumes.
+ends the others before their next step; every result finished by then is on disk, so a re-run resumes. The
+threads are daemons, so a second Ctrl-C ends the process at once, as with one engine.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
 from jaxserve.batch.input_file import BadLine, InputItem
 from jaxserve.batch.runner import BatchRunner, RunTotals
+from jaxserve.batch.stop import JobInterrupted
+from jaxserve.data_parallel import raise_first, run_side_by_side
 
 
 class AnotherReplicaFailed(Exception):
@@ -35,13 +37,11 @@ def run_on_replicas(runners: list[BatchRunner], entries: list[InputItem | BadLin
             failed.set()
             raise
 
-    with ThreadPoolExecutor(len(runners), thread_name_prefix="jaxserve-batch") as pool:
-        futures = [pool.submit(run, runner) for runner in runners]
-    errors = [f.exception() for f in futures if f.exception() is not None]
-    first = next((e for e in errors if not isinstance(e, AnotherReplicaFailed)), None)
-    if first is not None:
-        raise first
-    return RunTotals(sum(f.result().succeeded for f in futures), sum(f.result().failed for f in futures))
+    totals, errors = run_side_by_side([lambda runner=runner: run(runner) for runner in runners], "jaxserve-batch")
+    # A replica's own failure is the job's; a stop only when nothing failed; the others' ends follow from those.
+    raise_first([e for e in errors if e is not None and not isinstance(e, (AnotherReplicaFailed, JobInterrupted))])
+    raise_first([e for e in errors if isinstance(e, JobInterrupted)])
+    return RunTotals(sum(t.succeeded for t in totals), sum(t.failed for t in totals))
 
 
 def _stopping_on(failed: threading.Event, stop_check):

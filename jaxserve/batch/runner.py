@@ -71,12 +71,12 @@ class BatchRunner:
         per data-parallel replica, each in its own thread) may take from the same deque: each takes a line
         whenever it has room for one."""
         while True:
+            self.stop_check()  # before taking more lines
             while self._lines_in_flight < self.max_concurrency and (entry := _take(waiting)) is not None:
                 self._start(entry)
             if self._lines_in_flight:
                 self._step()
             self.results.commit()  # everything finished so far is on disk before the next step
-            self.stop_check()
             if not self._lines_in_flight and not waiting:
                 return self.totals
 

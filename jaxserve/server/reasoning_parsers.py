@@ -9,8 +9,9 @@ Each parser reads a block at the start of the output, between its start and end 
   it is all content.
 - `deepseek_r1`: as qwen3, but the output is reasoning until `</think>` even when nothing opened the block
   (vLLM's rule: early DeepSeek-R1 templates left the `<think>` to the model, which sometimes skipped it).
-- `granite` (Granite 3.2 and 3.3 with `thinking: true`): plain-text markers, "Here is my thought process:" up to
-  "Here is my response:" ("Here's" too, which quantized Granite models write, as vLLM accepts).
+- `granite` (Granite 3.2 with `thinking: true`): plain-text markers, "Here is my thought process:" up to
+  "Here is my response:" ("Here's" too, which quantized Granite models write, as vLLM accepts); never read in the
+  prompt, where they could be the user's own words.
 
 An output that ends (max_tokens) before the end marker is all reasoning, with content None, as in vLLM.
 Constrained output (response_format, a forced tool call) is reasoned freely first, the grammar starting after the
@@ -39,6 +40,9 @@ class Markers:
 
     starts: tuple[str, ...]
     ends: tuple[str, ...]
+    # Whether a chat template writes these into the prompt to open or close the block (Qwen3's <think>). Plain-text
+    # markers are not read there: the user's own words could end a prompt with them.
+    read_in_prompt: bool = True
 
     def opening(self, text: str) -> str | None:
         return next((start for start in self.starts if text.startswith(start)), None)
@@ -58,7 +62,7 @@ class Markers:
 
 THINK = Markers((THINK_START,), (THINK_END,))
 GRANITE = Markers(("Here is my thought process:", "Here's my thought process:"),
-                  ("Here is my response:", "Here's my response:"))
+                  ("Here is my response:", "Here's my response:"), read_in_prompt=False)
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,8 @@ class ReasoningParser:
     def prompt_block(self, prompt_token_ids: list[int]) -> str | None:
         """The last marker at the end of the prompt: "open" (the template opened a block), "closed" (it closed
         one: thinking disabled), or None."""
+        if not self.markers.read_in_prompt:
+            return None
         tail = self.tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
         start = max(tail.rfind(marker) for marker in self.markers.starts)
         end = max(tail.rfind(marker) for marker in self.markers.ends)

@@ -75,6 +75,7 @@ def test_the_job_builds_one_replica_per_device_group(tmp_path, smol_tokenizer, m
     engines = job_module.build_engines(job)
     assert [[d.id for d in kw["devices"]] for kw in built] == [[0, 1], [2, 3]]
     assert [kw.get("num_kv_blocks") for kw in built] == [None, 77] and all(not kw["warmup"] for kw in built)
+    assert [kw["seed"] for kw in built] == [0, 1]  # unseeded requests sample differently on each replica
     assert [engine.warmed_up for engine in engines] == [True, True]
     assert "data_parallel_size" not in built[0]
 

@@ -32,6 +32,7 @@ def test_replicas_sit_on_their_own_devices_and_agree(tiny_checkpoint, shared_che
     assert [[d.id for d in e.runner.mesh.devices.flat] for e in engines] == [[0, 1], [2, 3]]
     blocks = engines[0].config.cache.num_blocks
     assert [kw["num_kv_blocks"] for kw in built] == [None, blocks] and engines[1].config.cache.num_blocks == blocks
+    assert [e.config.seed for e in engines] == [0, 1]  # unseeded requests sample differently on each replica
 
     served = DataParallelAsyncEngine.serving(engines, max_waiting_requests=8)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

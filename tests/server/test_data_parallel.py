@@ -118,6 +118,39 @@ def test_a_dead_replica_takes_no_requests_and_health_says_so(engine, fakes):
     assert set(fakes[1].prompts) == {"ok0", "ok1", "ok2"}
 
 
+def test_a_full_queue_is_the_answer_while_the_other_replica_is_dead(tokenizer):
+    """One replica dead, the other's queue full: a 503 to retry (QueueFull), not the dead one's error."""
+    fakes = [FakeEngine(tokenizer), FakeEngine(tokenizer)]
+    replicas = [AsyncEngine(fake, max_waiting_requests=1) for fake in fakes]
+    engine = DataParallelAsyncEngine(replicas)
+    fakes[0].fail_next_step = True
+    try:
+        async def run():
+            with pytest.raises(EngineDeadError):
+                async for _ in replicas[0].generate("Hello", SamplingParams(max_tokens=2), "dies"):
+                    pass
+            replicas[1].admission.admit("waiting-on-1", bounded=False)
+            with pytest.raises(QueueFull):
+                await engine.add_request("Hello", SamplingParams(max_tokens=2), "r")
+
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+
+
+def test_an_adapter_one_replica_refuses_is_unloaded_from_the_others(engine, fakes, tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{}")
+
+    def refuse(lora_request, load_inplace=False):
+        raise ValueError("adapter rank 64 is over --max-lora-rank 16")
+
+    fakes[1].add_lora = refuse
+    with pytest.raises(ValueError, match="over --max-lora-rank"):
+        asyncio.run(engine.add_lora(LoRARequest("big", 1, str(tmp_path))))
+    engine.shutdown()  # the removal is applied between steps: after the shutdown it has been
+    assert fakes[0].removed_loras == ["big"]
+
+
 def test_adapters_and_shutdown_reach_every_replica(engine, fakes, tmp_path):
     (tmp_path / "adapter_config.json").write_text("{}")
     lora = LoRARequest("adapter", 1, str(tmp_path))

@@ -70,6 +70,9 @@ def test_granite_markers_split_reasoning_from_the_answer(tokenizer, text, expect
         assert reasoning is None or (expected[0] or "").startswith(reasoning), (n, reasoning)
     assert bound.split("Here is my thought process: a Here is my resp", final=False) == (" a ", "")
     assert bound.split("Here is", final=False) == (None, "")  # may yet open the block
+    # The markers are not read in the prompt, where they may be the user's own words.
+    asked = tokenizer.encode("<|im_start|>user\nFinish this: Here is my thought process:<|im_end|>\n")
+    assert reasoning_parser("granite", tokenizer).bind(asked, SamplingParams()).starts_in_block is False
 
 
 def test_granite_reasoning_served_whole_and_streamed(tokenizer):

@@ -129,6 +129,8 @@ def test_json_list_calls_wait_for_the_list_to_close():
         assert granite.split(undecided, final=False) == ("", [])
     assert granite.split("Paris is", final=False) == ("Paris is", [])  # plain text streams at once
     assert granite.split('[{"name": "get_time", "arguments": {}}', final=False) == ("", [])
+    assert granite.split("[Python](https://py", final=False) == ("[Python](https://py", [])  # no calls: streams
+    assert phi4.split("Try functools[ 3", final=False) == ("Try functools[ 3", [])
     assert granite.split('[{"name": "get_time", "arguments": {}}] Do', final=False) == ("", [TIME])
     assert phi4.split("Sure. functo", final=False) == ("Sure. ", [])  # the marker's beginning is held back
     assert phi4.split('Sure. functools[{"name": "get_time", "arguments": {}}] ok', final=False) == ("Sure. ", [TIME])

@@ -52,6 +52,9 @@ class Phi4MiniJsonToolParser(RequestIndependent):
 def _calls_from(text: str, list_start: int, content: str, final: bool) -> tuple[str, list[ToolCall]]:
     """(content, calls) for a reply whose list of calls opens at `list_start` after `content`. While the list is
     open nothing after `content` is released; once it closed, its calls are, and the text after it when `final`."""
+    after = text[list_start + 1:].lstrip(JSON_BLANKS)
+    if after and after[0] not in "{]":  # "[1]", "[Python](...)": a list of no calls, text to release at once
+        return text, []
     decoded = decode_json_at(text, list_start)
     if decoded is None:
         return (text, []) if final else (content, [])
