@@ -129,8 +129,7 @@ class AsyncEngine:
         """Requests admitted whose consumer has not yet seen their end."""
         return self.admission.num_in_flight
 
-    def uses_request_id(self, request_id: str) -> bool:
-        """Whether a request or beam search of this id is in flight here."""
+    def uses_request_id(self, request_id: str) -> bool:  # a request or beam search of this id is in flight here
         return request_id in self._searches or self.admission.holds(request_id)
 
     def stats(self) -> dict:
