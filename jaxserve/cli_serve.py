@@ -89,11 +89,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
                         help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, "
                              "Hermes), llama3_json (Llama 3.1-3.3), pythonic (Llama 3.2, 4: [f(x=1)]), mistral "
-                             "([TOOL_CALLS]), qwen3_coder (Qwen3-Coder: <function=f><parameter=x>)")
+                             "([TOOL_CALLS]), qwen3_coder (Qwen3-Coder: <function=f><parameter=x>), granite "
+                             "(Granite 3: <tool_call>[...]), phi4_mini_json (Phi-4-mini: functools[...])")
     server.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                         help="split the model's <think>...</think> reasoning into the chat message's `reasoning`, "
                              "apart from its `content` (as in vLLM): qwen3 (Qwen3, QwQ, SmolLM3; reasoning only "
-                             "where a block is opened) or deepseek_r1 (reasoning until </think> even unopened)")
+                             "where a block is opened), deepseek_r1 (reasoning until </think> even unopened) or "
+                             "granite (Granite 3.2: 'Here is my thought process:' ... 'Here is my response:')")
     server.add_argument("--enable-runtime-lora-updating", action="store_true",
                         help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; there "
                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): anyone who can reach the server, with the "
