@@ -169,20 +169,15 @@ def build_engines(args: argparse.Namespace) -> list:
         raise UserError(f"--data-parallel-size {replicas} runs its replicas in one process; it cannot be combined "
                         "with several processes (--num-processes, Ray): start one server per replica instead")
     check_model_path(args.model)
-    from jaxserve.parallel.sharding import parse_mesh, replica_device_groups  # imports jax
-
-    try:
-        groups = replica_device_groups(*parse_mesh(mesh_from_args(args)), replicas)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
     from jaxserve.data_parallel import build_replicas
 
-    def replica(rank, devices, num_kv_blocks):
-        blocks = args.num_kv_blocks if num_kv_blocks is None else num_kv_blocks
-        options = {**vars(args), "no_warmup": True, "num_kv_blocks": blocks, "seed": args.seed + rank}
-        return build_engine(argparse.Namespace(**options), devices)
+    def replica(devices, **overrides):
+        return build_engine(argparse.Namespace(**{**vars(args), "no_warmup": True, **overrides}), devices)
 
-    return build_replicas(replica, groups, warmup=not args.no_warmup)
+    try:
+        return build_replicas(replica, mesh_from_args(args), replicas, args.seed, warmup=not args.no_warmup)
+    except ValueError as exc:  # too few devices for the replicas (an engine's own errors are UserErrors already)
+        raise UserError(str(exc)) from None
 
 
 def build_engine(args: argparse.Namespace, devices=None):

@@ -181,18 +181,20 @@ def merge_stats(parts: list[dict]) -> dict:
     return merged
 
 
-def build_replicas(make_engine: Callable, device_groups: list[list], warmup: bool) -> list:
-    """One Engine per device group: `make_engine(rank, devices, num_kv_blocks)` builds replica `rank` unwarmed
-    (num_kv_blocks None: as the options say), seeded `rank` past the options' seed so that unseeded requests sample
-    differently on each replica, as they would one after another on one engine. They load in turn; the first sizes
-    the KV cache and the others take its size, so every replica admits the same requests (max_model_len follows
-    the cache) and none profiles again (on CPU, where they share host memory, each holds one engine's share). Then
-    each compiles its step programs, side by side."""
-    engines, num_kv_blocks = [], None
-    for rank, devices in enumerate(device_groups):
-        log.info("data-parallel replica %d of %d on %s", rank + 1, len(device_groups), ", ".join(map(str, devices)))
-        engines.append(make_engine(rank, devices, num_kv_blocks))
-        num_kv_blocks = engines[0].config.cache.num_blocks
+def build_replicas(make_engine: Callable, mesh: str | None, replicas: int, seed: int, warmup: bool) -> list:
+    """`replicas` Engines of mesh `mesh`, each on its own run of devices: `make_engine(devices, **overrides)` builds
+    one unwarmed, with `overrides` (Engine keywords) laid over its options. Replica `rank` is seeded `seed + rank`,
+    so that unseeded requests sample differently on each, as they would one after another on one engine. They load
+    in turn; the first sizes the KV cache and the others take its size, so every replica admits the same requests
+    (max_model_len follows the cache) and none profiles again (on CPU, where they share host memory, each holds one
+    engine's share). Then each compiles its step programs, side by side. ValueError if the devices are too few."""
+    from jaxserve.parallel.sharding import parse_mesh, replica_device_groups  # imports jax
+
+    engines = []
+    for rank, devices in enumerate(replica_device_groups(*parse_mesh(mesh), replicas)):
+        log.info("data-parallel replica %d of %d on %s", rank + 1, replicas, ", ".join(map(str, devices)))
+        same_cache = {"num_kv_blocks": engines[0].config.cache.num_blocks} if engines else {}
+        engines.append(make_engine(devices, seed=seed + rank, **same_cache))
     if warmup:
         _, errors = run_side_by_side(
             [lambda rank=rank: engines[rank].warmup(f"Compiling replica {rank + 1}'s step buckets")

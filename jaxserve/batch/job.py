@@ -80,20 +80,15 @@ def build_engines(job: BatchJob) -> list:
     if replicas == 1:
         return [build_engine(job)]
     from jaxserve.data_parallel import build_replicas
-    from jaxserve.parallel.sharding import parse_mesh, replica_device_groups  # imports jax
+
+    def replica(devices, **overrides):
+        return build_engine(job, devices=devices, warmup=False, **overrides)
 
     try:
-        groups = replica_device_groups(*parse_mesh(job.engine.engine_kwargs().get("mesh")), replicas)
-    except ValueError as exc:
+        return build_replicas(replica, job.engine.engine_kwargs().get("mesh"), replicas, job.engine.seed or 0,
+                              warmup=job.engine.warmup is not False)
+    except ValueError as exc:  # too few devices for the replicas (an engine's own errors are UserErrors already)
         raise UserError(str(exc)) from None
-
-    def replica(rank, devices, num_kv_blocks):
-        options = {"warmup": False, "seed": (job.engine.seed or 0) + rank}
-        if num_kv_blocks is not None:
-            options["num_kv_blocks"] = num_kv_blocks
-        return build_engine(job, devices=devices, **options)
-
-    return build_replicas(replica, groups, warmup=job.engine.warmup is not False)
 
 
 def build_engine(job: BatchJob, **overrides):
