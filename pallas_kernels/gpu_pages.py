@@ -10,22 +10,35 @@ from pallas_kernels.common import (MASK_VALUE, cap_scores, cdiv, dot_nt, next_po
                                    visible)
 
 
+PREFETCH_MODES = ("none", "pages", "tiles")
+
+
 def attend_pages(q, q_pos, k_ref, v_ref, tables_ref, row, layer, h, lo, num_blocks, *, pages_per_block: int,
-                 scale: float, window: int | None, precision, softcap: float | None = None, prefetch: bool = False):
+                 scale: float, window: int | None, precision, softcap: float | None = None, prefetch: str = "none"):
     """Attend queries q [R, d] at positions q_pos [R, 1] (or a scalar) to the keys of pages
     [lo, lo + num_blocks * P) of block-table row `row`; returns the online-softmax state (m, l, acc).
 
-    k_ref/v_ref are the whole cache [L, K, NB, bs, d]; the P pages of a block come in one gathered load.
-    With `prefetch`, each step issues the next block's loads before this block's math (the tiles ride in the
-    loop carry), so a program's memory latency overlaps its own compute rather than only other programs'. The
-    last step reloads its own block: one extra block read per program. Block 0 is loaded even when num_blocks
-    is 0, so the caller must keep [lo, lo + P) inside the table (the decode kernel pads it to whole splits).
+    k_ref/v_ref are the whole cache [L, K, NB, bs, d]; the P pages of a block come in one gathered load, whose
+    addresses depend on a load of the block's P page ids from the table: two memory latencies in a row.
+    `prefetch` moves loads one step ahead, riding in the loop carry:
+      "none"   each step loads its page ids, then its tiles;
+      "pages"  the next block's page ids are loaded during this step (P ints of carry), so a step waits for one
+               latency, not two;
+      "tiles"  the next block's tiles themselves are loaded before this block's math (2 tiles of carry), so a
+               program's memory latency overlaps its own compute rather than only other programs'.
+    A prefetching last step reloads its own block. Block 0 is loaded even when num_blocks is 0, so the caller
+    must keep [lo, lo + P) inside the table (the decode kernel pads it to whole splits).
     """
+    if prefetch not in PREFETCH_MODES:
+        raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, got {prefetch!r}")
     P = pages_per_block
     bs, d = k_ref.shape[-2:]
+    last = jnp.maximum(num_blocks - 1, 0)
 
-    def load(i):  # in the compute dtype: a float8 cache is widened as it is read
-        pages = tables_ref[row, pl.ds(lo + i * P, P)]
+    def page_ids(i):
+        return tables_ref[row, pl.ds(lo + jnp.minimum(i, last) * P, P)]
+
+    def load(pages):  # in the compute dtype: a float8 cache is widened as it is read
         return (k_ref[layer, h, pages].reshape(P * bs, d).astype(q.dtype),
                 v_ref[layer, h, pages].reshape(P * bs, d).astype(q.dtype))
 
@@ -36,15 +49,24 @@ def attend_pages(q, q_pos, k_ref, v_ref, tables_ref, row, layer, h, lo, num_bloc
         return online_softmax_step(state, s, v, precision)
 
     init = softmax_init(q.shape[0], d)
-    if not prefetch:
-        return jax.lax.fori_loop(0, num_blocks, lambda i, state: attend(i, state, *load(i)), init)
+    if prefetch == "none":
+        return jax.lax.fori_loop(0, num_blocks, lambda i, state: attend(i, state, *load(page_ids(i))), init)
+
+    if prefetch == "pages":
+        def body(i, carry):
+            state, pages = carry
+            upcoming = page_ids(i + 1)
+            return attend(i, state, *load(pages)), upcoming
+
+        state, _ = jax.lax.fori_loop(0, num_blocks, body, (init, page_ids(0)))
+        return state
 
     def body(i, carry):
         state, k, v = carry
-        upcoming = load(jnp.minimum(i + 1, num_blocks - 1))
+        upcoming = load(page_ids(i + 1))
         return (attend(i, state, k, v), *upcoming)
 
-    state, _, _ = jax.lax.fori_loop(0, num_blocks, body, (init, *load(0)))
+    state, _, _ = jax.lax.fori_loop(0, num_blocks, body, (init, *load(page_ids(0))))
     return state
 
 

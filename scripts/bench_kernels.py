@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from benchmark_table import current_commit
 
+from pallas_kernels.gpu_pages import PREFETCH_MODES
+
 FULL = dict(batches=(1, 8, 64, 256), contexts=(512, 2048, 8192), H=32, K=8, d=128, bs=16, dtype="bfloat16")
 TINY = dict(batches=(1, 2), contexts=(32, 64), H=4, K=2, d=64, bs=16, dtype="float32")
 
@@ -159,12 +161,13 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=None, help="timed calls per kernel and configuration")
     ap.add_argument("--append", metavar="BENCHMARKS.md", help="append the table to this file")
     ap.add_argument("--shapes", nargs="+", metavar="BATCHxCONTEXT", help="only these (default: all 12)")
-    for flag in ("pages-per-block", "num-splits", "num-warps", "num-stages"):
+    for flag in ("pages-per-block", "num-splits", "num-warps", "num-stages", "target-programs"):
         ap.add_argument(f"--{flag}", type=int, help="override the decode kernel's default (for tuning)")
-    ap.add_argument("--prefetch", action="store_true", help="load each next block ahead (for tuning)")
+    ap.add_argument("--prefetch", choices=PREFETCH_MODES, help="load the next block's page ids or tiles ahead "
+                    "(for tuning; gpu_pages.attend_pages)")
     args = ap.parse_args()
-    tuning = {k: v for k in ("pages_per_block", "num_splits", "num_warps", "num_stages", "prefetch")
-              if (v := getattr(args, k)) not in (None, False)}
+    tuning = {k: v for k in ("pages_per_block", "num_splits", "num_warps", "num_stages", "target_programs", "prefetch")
+              if (v := getattr(args, k)) is not None}
 
     import jax
 
@@ -181,7 +184,7 @@ def main() -> None:
     print(table(rows))
     if args.append:
         command = " ".join(["scripts/bench_kernels.py", *(["--tiny"] if args.tiny else []),
-                            *(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in tuning.items())])
+                            *(f"--{k.replace('_', '-')} {v}" for k, v in tuning.items())])
         append_results(args.append, rows, device.device_kind, bandwidth, command)
     ratio = math.exp(sum(math.log(r.speedup) for r in rows) / len(rows))
     print(f"ratio JAX paged_attention time / ours (geometric mean over {len(rows)} configs): {ratio:.2f}x")

@@ -13,11 +13,11 @@ def test_bench_kernels_tiny_runs(tmp_path):
     out.write_text("# Benchmarks\n")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_kernels.py"), "--tiny", "--append", str(out),
-                           "--shapes", "1x32", "2x64", "--prefetch"],
+                           "--shapes", "1x32", "2x64", "--prefetch", "pages"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("ratio JAX paged_attention time / ours (geometric mean over 2 configs)")
     written = out.read_text()
     assert "| 1 | 32 |" in written and "| 2 | 64 |" in written and "| 2 | 32 |" not in written
-    assert "`scripts/bench_kernels.py --tiny --prefetch`" in written
+    assert "`scripts/bench_kernels.py --tiny --prefetch pages`" in written

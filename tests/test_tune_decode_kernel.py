@@ -8,11 +8,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_tune_decode_kernel_tiny_runs():
+def test_tune_decode_kernel_tiny_runs(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune_decode_kernel.py"), "--tiny"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    best = tmp_path / "best.txt"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune_decode_kernel.py"), "--tiny",
+                           "--best", str(best)], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
-    assert lines[0] == "batch 2 x context 32:" and len(lines) == 4  # the shape, its 2 settings, the best
+    assert lines[0] == "batch 2 x context 32:" and len(lines) == 6  # the shape, its 4 settings, the best
     assert lines[-1].startswith("best over 1 shapes (geometric mean): {'pages_per_block': ")
+    # The best setting as bench_kernels.py flags, which that script takes back.
+    flags = best.read_text().split()
+    assert flags[0::2] == ["--pages-per-block", "--num-warps", "--num-stages", "--prefetch", "--target-programs"]
+    assert flags[7] in ("none", "pages")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_kernels.py"), "--tiny", "--shapes", "1x32",
+                           *flags], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

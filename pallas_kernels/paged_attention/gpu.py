@@ -48,20 +48,24 @@ def merge_splits(o: jax.Array, lse: jax.Array) -> jax.Array:
     return jnp.sum(o * w[..., None], axis=-3) / jnp.sum(w, axis=-2)[..., None]
 
 
-def default_splits(B: int, K: int, num_page_blocks: int) -> int:
+def default_splits(B: int, K: int, num_page_blocks: int, target_programs: int = TARGET_PROGRAMS) -> int:
     # Split only while B * K programs leave SMs idle; a split's fixed cost (q load, merge) is a few loads.
-    return max(1, min(cdiv(TARGET_PROGRAMS, B * K), num_page_blocks))
+    return max(1, min(cdiv(target_programs, B * K), num_page_blocks))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "softcap", "pages_per_block", "num_splits",
-                                             "num_warps", "num_stages", "prefetch", "interpret"))
+                                             "num_warps", "num_stages", "prefetch", "target_programs",
+                                             "interpret"))
 def paged_decode_gpu(q, k_cache, v_cache, block_tables, context_lens, *, layer=0, scale: float,
                      sliding_window: int | None = None, softcap: float | None = None,
                      pages_per_block: int = 4, num_splits: int | None = None,
-                     num_warps: int = 4, num_stages: int = 1, prefetch: bool = False,
-                     interpret: bool = False) -> jax.Array:
+                     num_warps: int = 4, num_stages: int = 1, prefetch: str = "none",
+                     target_programs: int = TARGET_PROGRAMS, interpret: bool = False) -> jax.Array:
     """q [B, H, d]; caches [L, K, NB, bs, d] (or one layer's [K, NB, bs, d]); block_tables [B, MB];
     context_lens [B] (including this step's token, whose K/V is already in the cache) -> [B, H, d].
+
+    num_splits (flash-decoding) defaults to as many as bring the programs up to target_programs; prefetch is
+    gpu_pages.attend_pages's.
 
     The defaults were the fastest of a sweep on an H100 (bf16, 32 q / 8 kv heads, head_dim 128, 16-token pages;
     BENCHMARKS.md): 4 pages a load, 4 warps, no software pipelining (num_stages 1: more programs fit an SM at once,
@@ -73,7 +77,7 @@ def paged_decode_gpu(q, k_cache, v_cache, block_tables, context_lens, *, layer=0
     check_gpu_tiles(bs, d)
     MB = block_tables.shape[1]
     P = choose_block_pages(pages_per_block, MB, bs)
-    S = num_splits or default_splits(B, K, cdiv(MB, P))
+    S = num_splits or default_splits(B, K, cdiv(MB, P), target_programs)
     pages_per_split = cdiv(cdiv(MB, P), S) * P
     tables = pad_axis(block_tables.astype(jnp.int32), 1, pages_per_split * S)  # pad pages: the null block
     R = max(16, next_pow2(G))
@@ -94,5 +98,5 @@ def paged_decode_gpu(q, k_cache, v_cache, block_tables, context_lens, *, layer=0
         interpret=interpret,
         name="paged_decode_attention",
     )(jnp.asarray(layer, jnp.int32).reshape(1), context_lens.astype(jnp.int32), tables, qg, k_cache, v_cache)
-    out = merge_splits(o, lse)[:, :, :G]
+    out = (o[:, :, 0] if S == 1 else merge_splits(o, lse))[:, :, :G]  # one split: already normalised
     return out.reshape(B, H, d).astype(q.dtype)

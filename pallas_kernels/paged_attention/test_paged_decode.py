@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import DECODE_KERNELS, paged_decode_reference
+from pallas_kernels.paged_attention.gpu import default_splits
 from pallas_kernels.testing import BACKENDS, GPU_ONLY, INTERPRET, max_abs_diff, random_paged_case
 
 # One token; exactly one block; a partial last block; a block boundary; several blocks.
@@ -83,13 +84,14 @@ def test_bad_shapes_are_refused(backend):
 
 
 @pytest.mark.parametrize("backend", GPU_ONLY)
+@pytest.mark.parametrize("prefetch", ["pages", "tiles"])
 @pytest.mark.parametrize("num_splits,window", [(1, None), (3, 20)])
-def test_gpu_prefetch_matches_reference(backend, num_splits, window):
-    """Loading the next block ahead (the tiles in the loop carry) changes no result: splits shorter than a
-    block, a window that starts mid-context, empty splits."""
+def test_gpu_prefetch_matches_reference(backend, prefetch, num_splits, window):
+    """Loading the next block's page ids or tiles ahead (in the loop carry) changes no result: splits shorter
+    than a block, a window that starts mid-context, empty splits."""
     case = random_paged_case(5, kv_lens=KV_LENS, num_tokens=len(KV_LENS), H=8, K=2, d=64)
     kw = dict(scale=0.125, sliding_window=window)
-    out = decode(backend, case, pages_per_block=2, num_splits=num_splits, prefetch=True, **kw)
+    out = decode(backend, case, pages_per_block=2, num_splits=num_splits, prefetch=prefetch, **kw)
     assert max_abs_diff(out, exact(case, **kw)) <= 1e-5
 
 
@@ -106,3 +108,18 @@ def test_a_float8_cache_is_read_in_the_queries_dtype(backend, cache_dtype):
     out = decode(backend, fp8, scale=0.125, pages_per_block=2)
     assert out.dtype == jnp.float32
     assert max_abs_diff(out, exact(fp8, scale=0.125)) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", GPU_ONLY)
+def test_gpu_target_programs_sets_the_splits(backend):
+    """target_programs only changes how the context is split (one split for 2 x 2 programs at a target of 1;
+    as many as the pages allow at 64), never the answer; an unknown prefetch mode is refused by name."""
+    case = random_paged_case(6, kv_lens=KV_LENS, num_tokens=len(KV_LENS), H=8, K=2, d=64)
+    kw = dict(scale=0.125, sliding_window=None)
+    assert default_splits(5, 2, 7, target_programs=1) == 1 and default_splits(5, 2, 7, target_programs=64) == 7
+    assert default_splits(5, 2, 7, target_programs=40) == 4  # ceil(40 / 10) splits: 40 programs
+    want = exact(case, **kw)
+    for target in (1, 64):
+        assert max_abs_diff(decode(backend, case, pages_per_block=1, target_programs=target, **kw), want) <= 1e-5
+    with pytest.raises(ValueError, match="prefetch must be one of"):
+        decode(backend, case, prefetch="blocks", **kw)
