@@ -59,7 +59,7 @@ def default_splits(B: int, K: int, num_page_blocks: int, target_programs: int = 
 def paged_decode_gpu(q, k_cache, v_cache, block_tables, context_lens, *, layer=0, scale: float,
                      sliding_window: int | None = None, softcap: float | None = None,
                      pages_per_block: int = 4, num_splits: int | None = None,
-                     num_warps: int = 4, num_stages: int = 1, prefetch: str = "none",
+                     num_warps: int = 2, num_stages: int = 1, prefetch: str = "pages",
                      target_programs: int = TARGET_PROGRAMS, interpret: bool = False) -> jax.Array:
     """q [B, H, d]; caches [L, K, NB, bs, d] (or one layer's [K, NB, bs, d]); block_tables [B, MB];
     context_lens [B] (including this step's token, whose K/V is already in the cache) -> [B, H, d].
@@ -67,9 +67,10 @@ def paged_decode_gpu(q, k_cache, v_cache, block_tables, context_lens, *, layer=0
     num_splits (flash-decoding) defaults to as many as bring the programs up to target_programs; prefetch is
     gpu_pages.attend_pages's.
 
-    The defaults were the fastest of a sweep on an H100 (bf16, 32 q / 8 kv heads, head_dim 128, 16-token pages;
-    BENCHMARKS.md): 4 pages a load, 4 warps, no software pipelining (num_stages 1: more programs fit an SM at once,
-    which hides the gathered loads' latency better than a pipeline within one program)."""
+    The defaults were the fastest of sweeps on an H100 and an H200 (bf16, 32 q / 8 kv heads, head_dim 128,
+    16-token pages; BENCHMARKS.md): 4 pages a load, 2 warps, no software pipelining (num_stages 1: the tiles
+    take ~220 registers a thread, so few programs fit an SM, and more of them hide the gathered loads' latency
+    better than a pipeline within one), the next block's page ids loaded a step ahead."""
     k_cache, v_cache = as_layered(k_cache), as_layered(v_cache)
     K, G = check_shapes(q, k_cache, v_cache)
     B, H, d = q.shape
