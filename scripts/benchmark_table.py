@@ -9,7 +9,13 @@ import sys
 
 
 def current_commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    """HEAD's short hash, with "+changes" when tracked files differ from it. A GPU session's device receives the
+    working tree over the git directory of the session's first commit, so its HEAD alone would name a commit
+    that is not what ran; the mark says to correct the cell by hand."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                             text=True).stdout.strip()
+    return f"{head}+changes" if head and changed else head
 
 
 def command_line(script: str, append_path: str | None) -> str:
