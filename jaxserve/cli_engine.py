@@ -54,10 +54,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "auto reads safetensors or GGUF, whichever the model has (pt files are not read)")
     engine.add_argument("--max-model-len", type=token_count, metavar="N",
                         help="context length (prompt + output); 32k is 32,000 and 32K 32,768, as in vLLM")
-    engine.add_argument("--max-num-seqs", type=positive_int, default=64, metavar="N",
-                        help="most sequences in one step")
-    engine.add_argument("--max-num-batched-tokens", type=token_count, default=512, metavar="N",
-                        help="most tokens in one step (prefill chunks are cut to fit)")
+    engine.add_argument("--max-num-seqs", type=positive_int, metavar="N",
+                        help="most sequences in one step (default: 64 on CPU, 256 on GPU/TPU)")
+    engine.add_argument("--max-num-batched-tokens", type=token_count, metavar="N",
+                        help="most tokens in one step, prefill chunks cut to fit (default: 512 on CPU, 8192 on "
+                             "GPU/TPU)")
     engine.add_argument("--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block")
     engine.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=positive_int, metavar="N",
                         help="KV cache blocks (default: sized from free device memory)")

@@ -28,7 +28,7 @@ from jaxserve.engine_offline import OfflineAPI
 from jaxserve.engine_steps import InFlightStep, StepRecord
 from jaxserve.engine_inputs import (Prompt, check_engine_options, check_max_model_len, fit_context_to_cache,
                                    model_for_context, prompt_token_ids, resolve_token_rules, split_prompt,
-                                   truncate_prompt, validate_lengths)
+                                   step_limits, truncate_prompt, validate_lengths)
 from jaxserve.grammar import GrammarCompiler, grammar_ended
 from jaxserve.loader.checkpoint import open_checkpoint
 from jaxserve.loader.generation_config import generation_defaults
@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory_fraction: float = 0.9,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, seed: int = 0, mesh=None,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None, seed: int = 0,
+                 mesh=None,
                  max_logprobs: int = 20, enable_prefix_caching: bool = True, warmup: bool = True,
                  recompile_guard: str = "warn", compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
                  tokenizer=None, attention_impl: str = "auto", tensor_parallel_size: int | None = None,
@@ -71,8 +72,11 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         `layer_loop`: "scan", "unrolled" or "auto" (unrolled on GPU: runner/layer_loop.py). `kv_cache_dtype`:
         "auto" (the model's dtype), "bfloat16", or "fp8"/"fp8_e4m3"/"fp8_e5m2" (runner/kv_cache.py). `devices`: the
         devices the mesh is built from (None: the first tp x pp of `jax.devices()`); data parallelism gives each
-        replica its own (data_parallel.py)."""
+        replica its own (data_parallel.py). `max_num_seqs`, `max_num_batched_tokens`: the most sequences and tokens
+        in one step (None: 64 and 512 on CPU, 256 and 8192 on GPU/TPU; engine_inputs.step_limits)."""
         speculative = SpeculativeConfig.from_dict(speculative_config)
+        platform = (jax.devices() if devices is None else devices)[0].platform
+        max_num_seqs, max_num_batched_tokens = step_limits(max_num_seqs, max_num_batched_tokens, platform)
         check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
                              recompile_guard, quantization, kv_cache_dtype)
         enable_lora, max_loras = check_lora_options(enable_lora, max_loras, max_lora_rank, lora_modules)
@@ -91,7 +95,7 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         self.declared_pooling, self.head = ckpt.pooling, ckpt.head
         requested_len, max_model_len = max_model_len, check_max_model_len(max_model_len, cfg.max_position_embeddings)
         cfg = model_for_context(cfg, max_model_len)
-        dtype = resolve_dtype(dtype, jax.devices()[0].platform)
+        dtype = resolve_dtype(dtype, platform)
         self.mesh_shape = resolve_mesh(mesh, tensor_parallel_size, pipeline_parallel_size)
         if enable_lora:  # the layers get adapter slots beside their weights (models/lora.py)
             cfg = dataclasses.replace(cfg, lora_slots=max_loras, lora_rank=max_lora_rank)

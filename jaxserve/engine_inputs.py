@@ -145,6 +145,20 @@ def resolve_token_rules(params: SamplingParams, tokenizer, config: EngineConfig,
     return mask, bad_words
 
 
+# Per-step limits (max_num_seqs, max_num_batched_tokens) when not given. On CPU a step of 64 sequences and 512
+# tokens keeps a few-core host's steps, and so its streams' token gaps, short. On GPU and TPU: vLLM's 256 and
+# 8192, the settings the GPU figures in BENCHMARKS.md were measured with (at CPU's, a GPU step is mostly idle).
+CPU_STEP_LIMITS = (64, 512)
+ACCELERATOR_STEP_LIMITS = (256, 8192)
+
+
+def step_limits(max_num_seqs: int | None, max_num_batched_tokens: int | None, platform: str) -> tuple[int, int]:
+    """The engine's per-step limits: those given, the platform's default for the others."""
+    seqs, tokens = CPU_STEP_LIMITS if platform == "cpu" else ACCELERATOR_STEP_LIMITS
+    return (seqs if max_num_seqs is None else max_num_seqs,
+            tokens if max_num_batched_tokens is None else max_num_batched_tokens)
+
+
 def check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, memory_fraction, recompile_guard,
                          quantization, kv_cache_dtype) -> None:
     """The Engine's own keyword arguments, checked before anything loads."""
