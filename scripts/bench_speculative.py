@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Single-stream decode with and without n-gram speculative decoding, side by side, on outputs that copy their
-input (the default SmolLM2 GGUF, float32 on CPU), with transformers' batch-1 generate, plain and with its own
+input (the default SmolLM2 GGUF or --model, float32 on CPU), with transformers' batch-1 generate, plain and with its own
 prompt-lookup decoding, beside them. Prints the speedup as the last line.
 
     python scripts/bench_speculative.py --num-prompts 4 --max-tokens 96 [--append BENCHMARKS.md]
@@ -19,7 +19,7 @@ import os
 import platform
 import time
 
-from bench_throughput import best_of_interleaved, load_transformers
+from bench_throughput import best_of_interleaved, chosen_model, load_transformers, model_argument
 from benchmark_table import append_row, command_line
 
 PASSAGES = [
@@ -79,25 +79,25 @@ def main() -> None:
     ap.add_argument("--speculative-config", type=json.loads, default=DEFAULT_SPEC, metavar="JSON")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; each side's best counts")
     ap.add_argument("--no-transformers", action="store_true", help="time jaxserve's two sides only")
+    model_argument(ap)
     ap.add_argument("--append", metavar="BENCHMARKS.md", help="append a result row to this file")
     args = ap.parse_args()
     if args.repeats < 1 or args.num_prompts < 1:
         ap.error("--repeats and --num-prompts must be at least 1")
 
     from jaxserve import Engine
-    from jaxserve.loader.default_model import default_model_path
 
-    gguf = str(default_model_path())
+    model_path = chosen_model(args)
     settings = dict(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256, warmup=False)
-    plain = Engine(gguf, **settings)
-    spec = Engine(gguf, speculative_config=args.speculative_config, **settings)
+    plain = Engine(model_path, **settings)
+    spec = Engine(model_path, speculative_config=args.speculative_config, **settings)
     prompts = copy_prompts(plain, args.num_prompts)
     generated: dict[str, int] = {}
     runners = {"jaxserve": jaxserve_runner(plain, prompts, args.max_tokens, generated, "jaxserve"),
                "jaxserve ngram": jaxserve_runner(spec, prompts, args.max_tokens, generated, "jaxserve ngram")}
     k = spec.speculative_config.num_speculative_tokens
     if not args.no_transformers:
-        model = load_transformers(gguf)
+        model = load_transformers(model_path)
         runners["transformers"] = transformers_runner(model, prompts, args.max_tokens, generated, "transformers", None)
         runners["transformers prompt lookup"] = transformers_runner(model, prompts, args.max_tokens, generated,
                                                                     "transformers prompt lookup", k)

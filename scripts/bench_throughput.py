@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Offline throughput: jaxserve's Engine.generate vs transformers' batched generate, side by side, same
-prompts, same weights (the default SmolLM2 GGUF, float32 on CPU). Prints the ratio as the last line.
+prompts, same weights (the default SmolLM2 GGUF, or --model: a GGUF file or a Hugging Face directory; float32
+on CPU). Prints the ratio as the last line.
 
     python scripts/bench_throughput.py --num-prompts 64 --max-tokens 128 [--append BENCHMARKS.md]
     python scripts/bench_throughput.py --num-prompts 1 --hf-batch-sizes 1      # single-stream decode
@@ -31,11 +32,11 @@ def make_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
     return [tokenizer(" ".join(rng.choice(words) for _ in range(rng.randint(8, 40))))["input_ids"] for _ in range(n)]
 
 
-def jaxserve_runner(gguf: str, prompts, max_tokens: int, quantization: str | None):
+def jaxserve_runner(model_path: str, prompts, max_tokens: int, quantization: str | None):
     """-> run() that times one Engine.generate over every prompt, after a warm-up that compiles what it uses."""
     from jaxserve import Engine, SamplingParams
 
-    engine = Engine(gguf, max_model_len=512, max_num_seqs=len(prompts), quantization=quantization,
+    engine = Engine(model_path, max_model_len=512, max_num_seqs=len(prompts), quantization=quantization,
                     max_num_batched_tokens=min(1024, 64 * len(prompts)), warmup=False)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -49,12 +50,29 @@ def jaxserve_runner(gguf: str, prompts, max_tokens: int, quantization: str | Non
     return run
 
 
-def load_transformers(gguf: str):
+def hf_location(model: str) -> dict:
+    """from_pretrained's arguments for a model given as a GGUF file or a Hugging Face directory."""
+    if model.endswith(".gguf"):
+        d, f = os.path.split(model)
+        return dict(pretrained_model_name_or_path=d, gguf_file=f)
+    return dict(pretrained_model_name_or_path=model)
+
+
+def load_transformers(model: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    d, f = os.path.split(gguf)
-    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(**hf_location(model), dtype=torch.float32).eval()
+
+
+def model_argument(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", help="a GGUF file or a Hugging Face checkpoint directory (default: SmolLM2's GGUF)")
+
+
+def chosen_model(args) -> str:
+    from jaxserve.loader.default_model import default_model_path
+
+    return args.model or str(default_model_path())
 
 
 def transformers_runner(model, prompts, max_tokens: int, batch_size: int):
@@ -121,7 +139,8 @@ def main() -> None:
     ap.add_argument("--also-float32", action="store_true",
                     help="with --quantization: time jaxserve in float32 too, taking turns, for the quantized/float "
                          "ratio from one run")
-    ap.add_argument("--llama-cpp", action="store_true", help="also time llama.cpp on the GGUF itself (Q4_1)")
+    ap.add_argument("--llama-cpp", action="store_true", help="also time llama.cpp on the GGUF itself")
+    model_argument(ap)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; each side's best counts")
     ap.add_argument("--append", metavar="BENCHMARKS.md", help="append a result row to this file")
     args = ap.parse_args()
@@ -129,22 +148,22 @@ def main() -> None:
         ap.error("--repeats must be at least 1")
     if args.also_float32 and not args.quantization:
         ap.error("--also-float32 compares a --quantization with float32; give --quantization too")
+    if args.llama_cpp and args.model and not args.model.endswith(".gguf"):
+        ap.error("--llama-cpp runs a GGUF file: give --model a .gguf path")
 
     from transformers import AutoTokenizer
 
-    from jaxserve.loader.default_model import default_model_path
-
-    gguf = str(default_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    model_path = chosen_model(args)
+    tokenizer = AutoTokenizer.from_pretrained(**hf_location(model_path))
     prompts = make_prompts(tokenizer, args.num_prompts)
     sizes = args.hf_batch_sizes or sorted({min(b, args.num_prompts) for b in (8, 16, 32, 64)})
-    runners = {"jaxserve": jaxserve_runner(gguf, prompts, args.max_tokens, args.quantization)}
+    runners = {"jaxserve": jaxserve_runner(model_path, prompts, args.max_tokens, args.quantization)}
     if args.also_float32:
-        runners["jaxserve float32"] = jaxserve_runner(gguf, prompts, args.max_tokens, None)
-    model = load_transformers(gguf)
+        runners["jaxserve float32"] = jaxserve_runner(model_path, prompts, args.max_tokens, None)
+    model = load_transformers(model_path)
     runners |= {f"transformers batch {b}": transformers_runner(model, prompts, args.max_tokens, b) for b in sizes}
     if args.llama_cpp:
-        runners["llama.cpp"] = llama_cpp_runner(gguf, prompts, args.max_tokens)
+        runners["llama.cpp"] = llama_cpp_runner(model_path, prompts, args.max_tokens)
     tokens = args.num_prompts * args.max_tokens
     rate = {name: tokens / t for name, t in best_of_interleaved(runners, args.repeats).items()}
     ours = rate.pop("jaxserve")
@@ -160,7 +179,7 @@ def main() -> None:
         line += f"   jaxserve (float32): {ours_float:.1f} tok/s ({weights}/float32 {ours / ours_float:.2f}x)"
         weights += f" (float32 in the same run: {ours_float:.1f} tok/s, {ours / ours_float:.2f}x)"
     if llama_cpp is not None:
-        line += f"   llama.cpp (Q4_1): {llama_cpp:.1f} tok/s (jaxserve/llama.cpp {ours / llama_cpp:.2f}x)"
+        line += f"   llama.cpp: {llama_cpp:.1f} tok/s (jaxserve/llama.cpp {ours / llama_cpp:.2f}x)"
     print(line)
     if args.append:
         cpp = "" if llama_cpp is None else f"{llama_cpp:.1f}"
