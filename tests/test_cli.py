@@ -119,6 +119,7 @@ def test_generate_prints_the_completion(capsys, fake_engine_module):
     assert fake_engine_module["max_model_len"] == 128 and fake_engine_module["mesh"] == "2x1"
     assert fake_engine_module["model"] is None and fake_engine_module["quantization"] == "int8"
     assert fake_engine_module["load_format"] == "dummy" and fake_engine_module["async_scheduling"] is True
+    assert fake_engine_module["warmup"] is False  # one prompt compiles only the step shapes it meets
 
 
 def test_generate_starts_from_the_generation_config_under_its_own_flags(capsys, monkeypatch, tokenizer):
