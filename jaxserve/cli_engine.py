@@ -22,6 +22,7 @@ from jaxserve.cli_args import (
 )
 from jaxserve.cli_compat import add_vllm_compat_arguments
 from jaxserve.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, LAYER_LOOPS
+from jaxserve.loader.chat_content import CONTENT_FORMATS
 
 DEFAULT_MODEL_NOTE = "default: SmolLM2-135M-Instruct"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -86,6 +87,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "the `hf auth login` one; given without a value, that one)")
     engine.add_argument("--download-dir", metavar="DIR",
                         help="where hub models and tokenizers are downloaded to (default: the Hugging Face cache)")
+    engine.add_argument("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS,
+                        help="how message contents reach the chat template: string (text parts joined), openai (a "
+                             "list of {'type': 'text', 'text': ...} parts) or auto (openai when the template loops "
+                             "over a message's content), as in vLLM")
     engine.add_argument("--chat-template", metavar="TEMPLATE",
                         help="a Jinja chat template, or a file holding one, to use instead of the tokenizer's "
                              "(a model without one needs it for /v1/chat/completions)")
@@ -204,6 +209,7 @@ def build_engine(args: argparse.Namespace, devices=None):
                         enable_prefix_caching=args.enable_prefix_caching, attention_impl=args.attention_impl,
                         layer_loop=args.layer_loop, kv_cache_dtype=args.kv_cache_dtype,
                         chat_template=args.chat_template if is_leader(args) else None,  # only it sees prompts
+                        chat_template_content_format=args.chat_template_content_format,
                         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         lora_modules=lora_modules_dict(args.lora_modules), speculative_config=args.speculative_config,
                         hf_overrides=args.hf_overrides, tokenizer=args.tokenizer, revision=args.revision,

@@ -32,6 +32,7 @@ from jaxserve.engine_inputs import (Prompt, check_engine_options, check_max_mode
 from jaxserve.grammar import GrammarCompiler, grammar_ended
 from jaxserve.loader.checkpoint import open_checkpoint
 from jaxserve.loader.generation_config import generation_defaults
+from jaxserve.loader.chat_content import check_content_format, resolve_content_format
 from jaxserve.loader.tokenizer import TokenizerChoice, read_chat_template
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput
@@ -59,7 +60,8 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
                  tokenizer=None, attention_impl: str = "auto", tensor_parallel_size: int | None = None,
                  pipeline_parallel_size: int | None = None, pp_layer_partition: list[int] | None = None,
                  quantization: str | None = None, load_format: str = "auto", async_scheduling: bool = True,
-                 chat_template: str | None = None, enable_lora: bool = False, max_loras: int = 1,
+                 chat_template: str | None = None, chat_template_content_format: str = "auto",
+                 enable_lora: bool = False, max_loras: int = 1,
                  max_lora_rank: int = 16, lora_modules: dict[str, str] | None = None,
                  speculative_config: dict | SpeculativeConfig | None = None, hf_overrides: dict | None = None,
                  generation_config: str = "auto", override_generation_config: dict | None = None,
@@ -73,7 +75,8 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         "auto" (the model's dtype), "bfloat16", or "fp8"/"fp8_e4m3"/"fp8_e5m2" (runner/kv_cache.py). `devices`: the
         devices the mesh is built from (None: the first tp x pp of `jax.devices()`); data parallelism gives each
         replica its own (data_parallel.py). `max_num_seqs`, `max_num_batched_tokens`: the most sequences and tokens
-        in one step (None: 64 and 512 on CPU, 256 and 8192 on GPU/TPU; engine_inputs.step_limits)."""
+        in one step (None: 64 and 512 on CPU, 256 and 8192 on GPU/TPU; engine_inputs.step_limits).
+        `chat_template_content_format`: "auto", "string" or "openai" (loader/chat_content.py)."""
         speculative = SpeculativeConfig.from_dict(speculative_config)
         platform = (jax.devices() if devices is None else devices)[0].platform
         max_num_seqs, max_num_batched_tokens = step_limits(max_num_seqs, max_num_batched_tokens, platform)
@@ -81,6 +84,7 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
                              recompile_guard, quantization, kv_cache_dtype)
         enable_lora, max_loras = check_lora_options(enable_lora, max_loras, max_lora_rank, lora_modules)
         template = None if chat_template is None else read_chat_template(chat_template)  # before the load
+        check_content_format(chat_template_content_format)
         enable_compilation_cache(compilation_cache_dir)
         choice = TokenizerChoice(tokenizer, tokenizer_revision, download_dir)
         ckpt = open_checkpoint(model, load_format, hf_overrides, revision, choice, download_dir)
@@ -89,6 +93,8 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         self.tokenizer = ckpt.tokenizer
         if template is not None:  # replaces the tokenizer's own
             self.tokenizer.chat_template = template
+        self.chat_content_format = resolve_content_format(chat_template_content_format,
+                                                          getattr(self.tokenizer, "chat_template", None))
         self.generation_defaults = generation_defaults(ckpt.generation_defaults, generation_config,
                                                        override_generation_config)
         # What the final hidden state feeds: an LM head, none (embeddings only) or a classifier (loader/heads.py).

@@ -78,7 +78,8 @@ class OfflineAPI:
         chat_template_kwargs, tools (loader/tokenizer.apply_chat_template)."""
         from jaxserve.loader.tokenizer import apply_chat_template
 
-        return apply_chat_template(self.tokenizer, messages, add_generation_prompt, **rendering)
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt,
+                                   content_format=self.chat_content_format, **rendering)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that advanced it, until it finishes. A caller that stops

@@ -8,14 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from jaxserve.loader.chat_content import resolve_content_format, shape_content
+
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True, *,
                         continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-                        tools: list[dict] | None = None) -> list[int]:
+                        tools: list[dict] | None = None, content_format: str = "auto") -> list[int]:
     """Token ids of `messages` rendered by the chat template. `continue_final_message`: leave the last (assistant)
     message open for the model to go on with; `chat_template_kwargs`: extra template variables (e.g. Qwen3's
-    `enable_thinking`); `tools`: OpenAI tool definitions, for templates that describe them to the model. The
-    names are vLLM's."""
+    `enable_thinking`); `tools`: OpenAI tool definitions, for templates that describe them to the model;
+    `content_format`: how message contents reach the template (loader/chat_content.py). The names are vLLM's."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use completions with a plain prompt, or start "
                          "the server with --chat-template")
@@ -29,6 +31,7 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: they are rendering options, not "
                          f"template variables")
+    messages = shape_content(messages, resolve_content_format(content_format, tokenizer.chat_template))
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                                             continue_final_message=continue_final_message, tools=tools,

@@ -30,12 +30,10 @@ class ChatMessageParam(BaseModel):
         return content
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The message as chat templates expect it: content flattened to one string."""
+        """The message for the chat template. Its content, a string or text parts, is shaped to what the template
+        reads when rendered (--chat-template-content-format, loader/chat_content.py)."""
         message = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            message["content"] = "".join(part["text"] for part in self.content)
-        elif self.content is None:
-            message["content"] = ""
+        message.setdefault("content", "")
         return template_tool_calls(message)
 
 

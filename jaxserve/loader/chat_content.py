@@ -1,0 +1,47 @@
+"""How a message's content reaches the chat template (vLLM's `--chat-template-content-format`).
+
+"string": one string, text parts joined (what most templates expect). "openai": a list of parts,
+[{"type": "text", "text": ...}], for templates that loop over them (Llama 4's, Mistral Small 3.1's, vision
+models'). "auto" reads the template: a `for` loop over a message's content means "openai". Only text parts exist
+here (the server refuses others), so the two formats carry the same words.
+"""
+
+from __future__ import annotations
+
+import re
+
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+# `{% for part in message['content'] %}`, `message["content"]`, `message.content`, whatever the loop variables
+# are called: a template that iterates a message's content expects parts.
+_LOOP_OVER_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+\s*(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
+
+
+def check_content_format(content_format: str) -> None:
+    if content_format not in CONTENT_FORMATS:
+        raise ValueError(f"chat_template_content_format={content_format!r} is not one of {', '.join(CONTENT_FORMATS)}")
+
+
+def resolve_content_format(content_format: str, template: str | None) -> str:
+    """"string" or "openai": the given format, or for "auto" the one `template` reads."""
+    check_content_format(content_format)
+    if content_format != "auto":
+        return content_format
+    if isinstance(template, dict):  # a tokenizer's named templates ("default", "tool_use", ...)
+        template = "\n".join(t for t in template.values() if isinstance(t, str))
+    return "openai" if isinstance(template, str) and _LOOP_OVER_CONTENT.search(template) else "string"
+
+
+def shape_content(messages: list[dict], content_format: str) -> list[dict]:
+    """The messages with each content in `content_format` ("string" or "openai"); other keys are kept."""
+    return [{**m, "content": _shaped(m.get("content"), content_format)} for m in messages]
+
+
+def _shaped(content, content_format: str):
+    if content_format == "string":
+        if isinstance(content, list):
+            return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        return "" if content is None else content
+    if isinstance(content, list):
+        return content
+    return [{"type": "text", "text": content}] if content else []

@@ -1,0 +1,74 @@
+"""--chat-template-content-format: message contents reach the template as one string or as text parts, and
+"auto" reads which from the template."""
+
+import copy
+
+import pytest
+
+from jaxserve import cli
+from jaxserve.engine import Engine
+from jaxserve.loader.chat_content import resolve_content_format, shape_content
+from jaxserve.loader.tokenizer import apply_chat_template
+
+# A template that loops over content parts, as Llama 4's and vision models' do.
+PARTS_TEMPLATE = ("{% for message in messages %}<{{ message['role'] }}>{% for part in message['content'] %}"
+                  "{{ part['text'] }}{% endfor %}</{{ message['role'] }}>{% endfor %}")
+STRING_TEMPLATE = "{% for message in messages %}<{{ message['role'] }}>{{ message['content'] }}{% endfor %}"
+
+
+@pytest.mark.parametrize("template, want", [
+    (PARTS_TEMPLATE, "openai"),
+    ("{%- for m in messages %}{%- for c in m.content %}{{ c.text }}{% endfor %}{% endfor %}", "openai"),
+    ('{% for item in message["content"] %}{{ item["text"] }}{% endfor %}', "openai"),
+    (STRING_TEMPLATE, "string"),
+    ("{% for message in messages %}{% for tool_call in message.tool_calls %}{% endfor %}{% endfor %}", "string"),
+    ({"default": STRING_TEMPLATE, "tool_use": PARTS_TEMPLATE}, "openai"),
+    (None, "string"),
+])
+def test_auto_reads_the_template(template, want):
+    assert resolve_content_format("auto", template) == want
+    assert resolve_content_format("string", PARTS_TEMPLATE) == "string"  # what is given wins
+
+
+def test_an_unknown_format_is_refused_by_name():
+    with pytest.raises(ValueError, match="chat_template_content_format='parts' is not one of auto, string, openai"):
+        resolve_content_format("parts", STRING_TEMPLATE)
+
+
+def test_contents_are_shaped_both_ways():
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "you"}]},
+                {"role": "assistant", "content": "Hello", "name": "bot"}, {"role": "assistant", "content": ""}]
+    assert shape_content(messages, "string") == [{"role": "user", "content": "Hi you"},
+                                                 {"role": "assistant", "content": "Hello", "name": "bot"},
+                                                 {"role": "assistant", "content": ""}]
+    assert shape_content(messages, "openai") == [messages[0],
+                                                 {"role": "assistant", "content": [{"type": "text", "text": "Hello"}],
+                                                  "name": "bot"},
+                                                 {"role": "assistant", "content": []}]
+
+
+def test_a_parts_template_renders_plain_string_messages(smol_tokenizer):
+    """The template that loops over parts gets parts under "auto", so a plain string message keeps its words;
+    given as a string instead, the loop would walk its characters and print nothing."""
+    tokenizer = copy.deepcopy(smol_tokenizer)  # the shared one must not change
+    tokenizer.chat_template = PARTS_TEMPLATE
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    rendered = tokenizer.decode(apply_chat_template(tokenizer, messages, add_generation_prompt=False))
+    assert rendered == "<user>What is the capital of France?</user>"
+    as_string = tokenizer.decode(apply_chat_template(tokenizer, messages, add_generation_prompt=False,
+                                                     content_format="string"))
+    assert as_string == "<user></user>"
+
+
+def test_the_engine_renders_in_the_format_it_was_given(tiny_checkpoint):
+    engine = Engine(str(tiny_checkpoint("llama")), num_kv_blocks=16, warmup=False, chat_template=PARTS_TEMPLATE)
+    assert engine.chat_content_format == "openai"
+    ids = engine.encode_chat([{"role": "user", "content": "Name a fruit."}], add_generation_prompt=False)
+    assert engine.tokenizer.decode(ids) == "<user>Name a fruit.</user>"
+    with pytest.raises(ValueError, match="is not one of auto, string, openai"):
+        Engine(str(tiny_checkpoint("llama")), chat_template_content_format="parts")
+
+
+def test_the_cli_option_reaches_the_engine(fake_engine_module):
+    assert cli.main(["generate", "--prompt", "x", "--chat-template-content-format", "string", "org/model"]) == 0
+    assert fake_engine_module["chat_template_content_format"] == "string"
