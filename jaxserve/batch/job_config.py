@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationInfo, field_v
 from jaxserve.batch.problems import JobError, describe_validation_error
 from jaxserve.cli_args import mesh_shape
 from jaxserve.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, LAYER_LOOPS
+from jaxserve.loader.chat_content import CONTENT_FORMATS
 from jaxserve.loader.tokenizer import is_template_text
 from jaxserve.server.reasoning_parsers import REASONING_PARSERS
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
@@ -57,6 +58,7 @@ class EngineOptions(BaseModel):
     kv_cache_dtype: Literal[KV_CACHE_DTYPES] | None = None
     compilation_cache_dir: str | None = None
     chat_template: str | None = None  # a Jinja chat template or a file holding one (relative: to the job file)
+    chat_template_content_format: Literal[CONTENT_FORMATS] | None = None  # contents as a string or text parts
     tokenizer: str | None = None  # a tokenizer directory (relative: to the job file) or hub id, as vLLM's
     revision: str | None = None  # of a hub model id
     tokenizer_revision: str | None = None

@@ -90,9 +90,12 @@ def test_yaml_errors_and_non_mappings(tmp_path):
 
 
 def test_engine_options_map_onto_engine_keywords():
-    options = EngineOptions(mesh="2x1", max_num_seqs=8, dtype="float32", layer_loop="unrolled", kv_cache_dtype="fp8")
+    options = EngineOptions(mesh="2x1", max_num_seqs=8, dtype="float32", layer_loop="unrolled", kv_cache_dtype="fp8",
+                            chat_template_content_format="openai")
     assert options.engine_kwargs() == {"mesh": "2x1", "max_num_seqs": 8, "dtype": "float32", "layer_loop": "unrolled",
-                                       "kv_cache_dtype": "fp8"}
+                                       "kv_cache_dtype": "fp8", "chat_template_content_format": "openai"}
+    with pytest.raises(ValueError, match="chat_template_content_format"):
+        EngineOptions(chat_template_content_format="parts")
     assert EngineOptions(tensor_parallel_size=4).engine_kwargs() == {"mesh": "4x1"}
     with pytest.raises(ValueError, match="not both"):
         EngineOptions(mesh="2x1", pipeline_parallel_size=2).engine_kwargs()
