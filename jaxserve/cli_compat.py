@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from jaxserve.cli_args import UserError, positive_int
+from jaxserve.cli_args import UserError, json_object, positive_int
 
 logger = logging.getLogger("jaxserve.cli")
 
@@ -25,9 +25,19 @@ NO_EFFECT = {
     "enable_chunked_prefill": "prefills are always chunked to --max-num-batched-tokens",
     "disable_fastapi_docs": "jaxserve serves no /docs pages",
     "disable_frontend_multiprocessing": "the HTTP server and the engine loop share one process",
+    "task": "each request picks its task: completions and chat generate, /v1/embeddings, /classify and /score pool, "
+            "as the model's head allows",
+    "runner": "each request picks its task: completions and chat generate, /v1/embeddings, /classify and /score "
+              "pool, as the model's head allows",
+    "limit_mm_per_prompt": "jaxserve serves text only: a request with image or audio parts is refused with a 400",
 }
 NEGATABLE = {"enable_chunked_prefill"}
 TOKENIZER_MODES = ("auto", "hf", "slow", "mistral", "custom")
+# vLLM's --task values (its --runner's are auto, generate and pooling); the ones with no jaxserve counterpart are
+# refused when given.
+TASKS = ("auto", "generate", "embed", "embedding", "classify", "score", "reward", "transcription")
+UNSERVED_TASKS = {"reward": "reward models' per-token scores are not served",
+                  "transcription": "speech models are not served"}
 
 
 def add_vllm_compat_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +52,9 @@ def add_vllm_compat_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-parallel-loading-workers", type=positive_int, metavar="N")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     group.add_argument("--calculate-kv-scales", action="store_true")
+    group.add_argument("--task", choices=TASKS)
+    group.add_argument("--runner", choices=("auto", "generate", "pooling"))
+    group.add_argument("--limit-mm-per-prompt", type=json_object, metavar="JSON")
     group.add_argument("--tokenizer-mode", default="auto", choices=TOKENIZER_MODES,
                        help="auto/hf: the model's Hugging Face tokenizer (the only kind jaxserve reads)")
 
@@ -89,6 +102,10 @@ def check_vllm_options(args: argparse.Namespace) -> None:
     if getattr(args, "calculate_kv_scales", False):
         raise UserError("--calculate-kv-scales is not supported: jaxserve's fp8 KV cache is unscaled (a scale of 1, "
                         "saturating at the format's largest value); leave the option out")
+    task = getattr(args, "task", None)
+    if task in UNSERVED_TASKS:
+        raise UserError(f"--task {task} is not supported: {UNSERVED_TASKS[task]}; leave --task out (each request "
+                        "picks generation or pooling)")
     mode = getattr(args, "tokenizer_mode", "auto")
     if mode in ("mistral", "custom"):
         raise UserError(f"--tokenizer-mode {mode} is not supported: jaxserve reads Hugging Face tokenizers "

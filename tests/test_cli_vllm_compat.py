@@ -64,6 +64,8 @@ def test_token_counts_read_vllms_suffixes(text, tokens):
     (["serve", "--kv-cache-dtype", "fp4"], "argument --kv-cache-dtype: invalid choice: 'fp4'"),
     (["serve", "--tokenizer-mode", "mistral"], "--tokenizer-mode mistral is not supported"),
     (["serve", "--dtype", "half"], "use --dtype bfloat16"),
+    (["serve", "--task", "reward"], "--task reward is not supported: reward models' per-token scores are not served"),
+    (["serve", "--limit-mm-per-prompt", "image=2"], "--limit-mm-per-prompt"),
 ])
 def test_what_cannot_be_honoured_is_refused_in_one_line(capsys, argv, expected):
     assert expected in user_error(capsys, argv)
@@ -73,10 +75,12 @@ def test_options_without_effect_are_accepted_with_a_warning_each(capsys, caplog,
     caplog.set_level(logging.WARNING, logger="jaxserve.cli")
     assert generate("--enforce-eager", "--trust-remote-code", "--swap-space", "4", "--no-enable-chunked-prefill",
                     "--disable-custom-all-reduce", "--max-seq-len-to-capture", "8192", "--kv-cache-dtype", "auto",
-                    "--load-format", "safetensors", "--tokenizer-mode", "auto") == 0
+                    "--load-format", "safetensors", "--tokenizer-mode", "auto", "--task", "embed", "--runner",
+                    "pooling", "--limit-mm-per-prompt", '{"image": 0}') == 0
     warned = [record.getMessage().split(" has no effect")[0] for record in caplog.records]
     assert warned == ["--enforce-eager", "--max-seq-len-to-capture", "--swap-space", "--disable-custom-all-reduce",
-                      "--trust-remote-code", "--no-enable-chunked-prefill"]
+                      "--trust-remote-code", "--no-enable-chunked-prefill", "--task", "--runner",
+                      "--limit-mm-per-prompt"]
     assert fake_engine_module["load_format"] == "auto"  # the loader reads whichever format the model has
     assert fake_engine_module["kv_cache_dtype"] == "auto"
     caplog.clear()
