@@ -95,7 +95,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="split the model's <think>...</think> reasoning into the chat message's `reasoning`, "
                              "apart from its `content` (as in vLLM): qwen3 (Qwen3, QwQ, SmolLM3; reasoning only "
                              "where a block is opened), deepseek_r1 (reasoning until </think> even unopened) or "
-                             "granite (Granite 3.2: 'Here is my thought process:' ... 'Here is my response:')")
+                             "granite (Granite 3.2: 'Here is my thought process:' ... 'Here is my response:'; Granite "
+                             "3.3: <think>...</think> then <response>...</response>)")
     server.add_argument("--enable-runtime-lora-updating", action="store_true",
                         help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; there "
                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): anyone who can reach the server, with the "

@@ -9,9 +9,10 @@ Each parser reads a block at the start of the output, between its start and end 
   it is all content.
 - `deepseek_r1`: as qwen3, but the output is reasoning until `</think>` even when nothing opened the block
   (vLLM's rule: early DeepSeek-R1 templates left the `<think>` to the model, which sometimes skipped it).
-- `granite` (Granite 3.2 with `thinking: true`): plain-text markers, "Here is my thought process:" up to
-  "Here is my response:" ("Here's" too, which quantized Granite models write, as vLLM accepts); never read in the
-  prompt, where they could be the user's own words.
+- `granite` (Granite 3.2 and 3.3 with `thinking: true`): 3.2's plain-text markers, "Here is my thought process:"
+  up to "Here is my response:" ("Here's" too, which quantized Granite models write, as vLLM accepts), or 3.3's
+  `<think> ... </think>` followed by an answer wrapped in `<response> ... </response>`, whose tags are taken off
+  the content; never read in the prompt, where they could be the user's own words.
 
 An output that ends (max_tokens) before the end marker is all reasoning, with content None, as in vLLM.
 Constrained output (response_format, a forced tool call) is reasoned freely first, the grammar starting after the
@@ -43,6 +44,8 @@ class Markers:
     # Whether a chat template writes these into the prompt to open or close the block (Qwen3's <think>). Plain-text
     # markers are not read there: the user's own words could end a prompt with them.
     read_in_prompt: bool = True
+    # Tags the answer comes wrapped in (Granite 3.3's <response>, </response>), taken off the content.
+    content_tags: tuple[str, str] | None = None
 
     def opening(self, text: str) -> str | None:
         return next((start for start in self.starts if text.startswith(start)), None)
@@ -59,10 +62,27 @@ class Markers:
         """How much of the end of `text` could be the beginning of an end marker."""
         return max(partial_suffix(text, end) for end in self.ends)
 
+    def unwrap(self, content: str, final: bool) -> str:
+        """The content without its tags (`content_tags`). Unless `final`, what could still turn out to be a tag
+        is held back: leading blanks, a partial opening tag, the start of the closing one."""
+        if self.content_tags is None:
+            return content
+        opening, closing = self.content_tags
+        body = content.lstrip()
+        if body.startswith(opening):
+            content = body[len(opening):]
+        elif not final and opening.startswith(body):
+            return ""
+        cut = content.find(closing)
+        if cut >= 0:
+            return content[:cut] + content[cut + len(closing):]
+        return content if final else content[: len(content) - partial_suffix(content, closing)]
+
 
 THINK = Markers((THINK_START,), (THINK_END,))
-GRANITE = Markers(("Here is my thought process:", "Here's my thought process:"),
-                  ("Here is my response:", "Here's my response:"), read_in_prompt=False)
+GRANITE = Markers(("Here is my thought process:", "Here's my thought process:", THINK_START),
+                  ("Here is my response:", "Here's my response:", THINK_END), read_in_prompt=False,
+                  content_tags=("<response>", "</response>"))
 
 
 @dataclass(frozen=True)
@@ -117,11 +137,11 @@ class PromptReasoning:
         if opening is None and not final and self.markers.may_open(body):
             return None, ""  # "<thi" may yet open a block (or repeat the prompt's), which is not reasoning
         if opening is None and not self.starts_in_block:
-            return None, text
+            return None, self.markers.unwrap(text, final)
         reasoning = text if opening is None else body[len(opening):]
         end = self.markers.first_end(reasoning)
         if end is not None:
-            return reasoning[: end[0]], reasoning[end[0] + end[1]:]
+            return reasoning[: end[0]], self.markers.unwrap(reasoning[end[0] + end[1]:], final)
         held = 0 if final else self.markers.held_end(reasoning)
         return reasoning[: len(reasoning) - held], ""
 

@@ -1,4 +1,4 @@
-"""--reasoning-parser: <think> blocks (and Granite's plain-text markers) split into the chat message's `reasoning`,
+"""--reasoning-parser: <think> blocks (and Granite's plain-text markers and <response> tags) split into the chat message's `reasoning`,
 whole and streamed."""
 
 import copy
@@ -59,6 +59,13 @@ GRANITE_REPLY = "Here is my thought process:\nWeather needs a lookup.\nHere is m
     ("It is sunny.", (None, "It is sunny.")),  # thinking off: no markers, all content
     ("Here is my thought process: still thinking", (" still thinking", "")),  # cut by max_tokens
     ("Here is the weather.", (None, "Here is the weather.")),
+    # Granite 3.3: <think> blocks, the answer wrapped in <response> tags, which come off.
+    ("<think>Weather needs a lookup.</think><response>It is sunny.</response>", ("Weather needs a lookup.",
+                                                                                 "It is sunny.")),
+    ("<think>a</think>\n<response>\nb\n</response>", ("a", "\nb\n")),
+    ("<response>b</response>", (None, "b")),  # thinking off
+    ("<think>a</think>b <response> c", ("a", "b <response> c")),  # a tag inside the answer is the answer's
+    ("<think>still thinking", ("still thinking", "")),
 ])
 def test_granite_markers_split_reasoning_from_the_answer(tokenizer, text, expected):
     bound = reasoning_parser("granite", tokenizer).bind(tokenizer.encode("<|im_start|>assistant\n"), SamplingParams())
@@ -75,13 +82,18 @@ def test_granite_markers_split_reasoning_from_the_answer(tokenizer, text, expect
     assert reasoning_parser("granite", tokenizer).bind(asked, SamplingParams()).starts_in_block is False
 
 
-def test_granite_reasoning_served_whole_and_streamed(tokenizer):
-    with _client(tokenizer, GRANITE_REPLY, reasoning_parser=reasoning_parser("granite", tokenizer)) as url:
+@pytest.mark.parametrize("reply, expected", [
+    (GRANITE_REPLY, ("\nWeather needs a lookup.\n", "\nIt is sunny.")),  # Granite 3.2
+    ("<think>Weather needs a lookup.</think>\n<response>It is sunny.</response>",  # Granite 3.3
+     ("Weather needs a lookup.", "It is sunny.")),
+])
+def test_granite_reasoning_served_whole_and_streamed(tokenizer, reply, expected):
+    with _client(tokenizer, reply, reasoning_parser=reasoning_parser("granite", tokenizer)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-        n = len(tokenizer.encode(GRANITE_REPLY))
+        n = len(tokenizer.encode(reply))
         message = _chat(client, max_tokens=n).choices[0].message
         chunks = [c.choices[0] for c in _chat(client, stream=True, max_tokens=n) if c.choices]
-    assert (message.reasoning, message.content) == ("\nWeather needs a lookup.\n", "\nIt is sunny.")
+    assert (message.reasoning, message.content) == expected
     assert "".join(getattr(c.delta, "reasoning", None) or "" for c in chunks) == message.reasoning
     assert "".join(c.delta.content or "" for c in chunks) == message.content
 
