@@ -90,7 +90,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, "
                              "Hermes), llama3_json (Llama 3.1-3.3), pythonic (Llama 3.2, 4: [f(x=1)]), mistral "
                              "([TOOL_CALLS]), qwen3_coder (Qwen3-Coder: <function=f><parameter=x>), granite "
-                             "(Granite 3: <tool_call>[...]), phi4_mini_json (Phi-4-mini: functools[...])")
+                             "(Granite 3: <tool_call>[...]), phi4_mini_json (Phi-4-mini: functools[...]), xlam (xLAM: "
+                             "[...], maybe in a ```json fence after text)")
     server.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                         help="split the model's <think>...</think> reasoning into the chat message's `reasoning`, "
                              "apart from its `content` (as in vLLM): qwen3 (Qwen3, QwQ, SmolLM3; reasoning only "

@@ -58,7 +58,8 @@ def test_while_streaming_only_what_cannot_change_is_released():
 
 
 def test_an_unknown_parser_is_named():
-    supported = "granite, hermes, llama3_json, llama4_json, llama4_pythonic, mistral, phi4_mini_json, pythonic"
+    supported = ("granite, hermes, llama3_json, llama4_json, llama4_pythonic, mistral, phi4_mini_json, pythonic, "
+                 "qwen3_coder, qwen3_xml, xlam")
     with pytest.raises(ValueError, match=f"'kimi_k2' is not supported; supported: {supported}"):
         tool_call_parser("kimi_k2")
 

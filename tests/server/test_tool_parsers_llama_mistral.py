@@ -1,4 +1,4 @@
-"""The llama3_json, pythonic, mistral, granite and phi4_mini_json tool-call parsers: calls read out of each family's format, what is not a call
+"""The llama3_json, pythonic, mistral, granite, phi4_mini_json and xlam tool-call parsers: calls read out of each family's format, what is not a call
 kept as content, and while streaming only what cannot change released."""
 
 import json
@@ -37,6 +37,12 @@ REPLIES = [
     ("granite", '[{"name": "get_time", "arguments": {}}]\nDone.', "Done.", [TIME]),
     ("phi4_mini_json", 'Checking. functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
                        '{"name": "get_time", "parameters": {}}]', "Checking. ", [WEATHER, TIME]),
+    ("xlam", '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]', "",
+     [WEATHER, TIME]),
+    ("xlam", 'Let me check.\n```json\n[{"name": "get_weather", "arguments": {"city": "Paris"}}]\n```', "Let me check.\n",
+     [WEATHER]),
+    ("xlam", '<tool_call>[{"name": "get_time", "arguments": {}}]</tool_call>\nDone.', "Done.", [TIME]),
+    ("xlam", 'On it. [TOOL_CALLS][{"name": "get_time", "arguments": {}}]', "On it. ", [TIME]),
 ]
 
 
@@ -91,6 +97,10 @@ def test_json_calls_are_released_as_each_object_closes():
     ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": '),  # cut short
     ("phi4_mini_json", 'functools[{"name": "get_time", "arguments": {}}, 7]'),
     ("phi4_mini_json", "I will use functools to answer."),
+    ("xlam", "Here:\n```python\nprint([1, 2])\n```"),  # a fence of code
+    ("xlam", "```json\n[1, 2]\n```"),  # a list, but of no calls
+    ("xlam", 'See <tool_call>[{"name": "get_time", "arguments": {'),  # cut short
+    ("xlam", "Lists like [this] are text."),
 ])
 def test_what_is_not_a_call_is_content_as_written(name, reply):
     assert tool_call_parser(name).split(reply, final=True) == (reply, [])
@@ -99,7 +109,7 @@ def test_what_is_not_a_call_is_content_as_written(name, reply):
 @pytest.mark.parametrize("name, opening", [
     ("hermes", "<tool_call>"), ("llama3_json", '{"name": "f", "parameters": '), ("pythonic", "[f(x="),
     ("mistral", "[TOOL_CALLS]"), ("mistral", '[TOOL_CALLS]f[ARGS]{"a": '), ("granite", "<tool_call>"),
-    ("phi4_mini_json", "functools[")])
+    ("phi4_mini_json", "functools["), ("xlam", "```json\n")])
 def test_nesting_too_deep_for_the_decoder_is_content_not_an_error(name, opening):
     """A thousand "[" take a model a few hundred tokens; Python's parsers give up with RecursionError."""
     reply = opening + "[" * 5000
@@ -134,6 +144,10 @@ def test_json_list_calls_wait_for_the_list_to_close():
     assert granite.split('[{"name": "get_time", "arguments": {}}] Do', final=False) == ("", [TIME])
     assert phi4.split("Sure. functo", final=False) == ("Sure. ", [])  # the marker's beginning is held back
     assert phi4.split('Sure. functools[{"name": "get_time", "arguments": {}}] ok', final=False) == ("Sure. ", [TIME])
+    xlam = tool_call_parser("xlam")
+    assert xlam.split("Sure. ``", final=False) == ("Sure. ", [])  # a fence's beginning is held back
+    assert xlam.split("Sure. ```js", final=False) == ("Sure. ", [])  # may yet be ```json
+    assert xlam.split("Sure. ```py", final=False) == ("Sure. ```py", [])  # code: text at once
 
 
 def test_pythonic_arguments_take_python_and_json_literals():

@@ -4,8 +4,8 @@
 - `hermes` (hermes.py): `<tool_call>{...}</tool_call>` blocks: Qwen2.5, Qwen3, QwQ, Hermes;
 - `llama3_json` (or `llama4_json`) and `pythonic` (or `llama4_pythonic`) (llama.py): Llama 3.1 to 3.3's JSON calls;
   Llama 3.2 and 4's Python-style list;
-- `granite` and `phi4_mini_json` (json_list.py): a JSON list of calls, the whole reply after Granite 3's
-  `<|tool_call|>` or `<tool_call>`; after Phi-4-mini's `functools`;
+- `granite`, `phi4_mini_json` and `xlam` (json_list.py): a JSON list of calls, the whole reply after Granite 3's
+  `<|tool_call|>` or `<tool_call>`; after Phi-4-mini's `functools`; xLAM's, alone or fenced after some text;
 - `mistral` (mistral.py): `[TOOL_CALLS]` and what follows, in both of Mistral's forms;
 - `qwen3_coder` (or `qwen3_xml`) (qwen3_coder.py): Qwen3-Coder's `<function=NAME><parameter=P>` blocks, whose values
   take their types from the request's tool schemas.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from jaxserve.server.tool_parsers.common import partial_suffix
 from jaxserve.server.tool_parsers.hermes import HermesToolParser
-from jaxserve.server.tool_parsers.json_list import GraniteToolParser, Phi4MiniJsonToolParser
+from jaxserve.server.tool_parsers.json_list import GraniteToolParser, Phi4MiniJsonToolParser, XLAMToolParser
 from jaxserve.server.tool_parsers.llama import Llama3JsonToolParser, PythonicToolParser
 from jaxserve.server.tool_parsers.mistral import MistralToolParser
 from jaxserve.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
@@ -55,6 +55,7 @@ TOOL_CALL_PARSERS: dict[str, type[ToolParser]] = {  # --tool-call-parser NAME ->
     "pythonic": PythonicToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
     "qwen3_xml": Qwen3CoderToolParser,
+    "xlam": XLAMToolParser,
 }
 
 
