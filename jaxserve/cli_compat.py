@@ -12,6 +12,8 @@ from jaxserve.cli_args import UserError, json_object, positive_int
 
 logger = logging.getLogger("jaxserve.cli")
 
+PER_REQUEST_TASK = ("each request picks its task: completions and chat generate, /v1/embeddings, /classify and /score "
+                    "pool, as the model's head allows")
 # dest -> why the option changes nothing here. Each is warned about when given (None or False: not given; the one
 # option with a --no- form says so with False).
 NO_EFFECT = {
@@ -25,10 +27,8 @@ NO_EFFECT = {
     "enable_chunked_prefill": "prefills are always chunked to --max-num-batched-tokens",
     "disable_fastapi_docs": "jaxserve serves no /docs pages",
     "disable_frontend_multiprocessing": "the HTTP server and the engine loop share one process",
-    "task": "each request picks its task: completions and chat generate, /v1/embeddings, /classify and /score pool, "
-            "as the model's head allows",
-    "runner": "each request picks its task: completions and chat generate, /v1/embeddings, /classify and /score "
-              "pool, as the model's head allows",
+    "task": PER_REQUEST_TASK,
+    "runner": PER_REQUEST_TASK,
     "limit_mm_per_prompt": "jaxserve serves text only: a request with image or audio parts is refused with a 400",
 }
 NEGATABLE = {"enable_chunked_prefill"}
@@ -54,7 +54,7 @@ def add_vllm_compat_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--calculate-kv-scales", action="store_true")
     group.add_argument("--task", choices=TASKS)
     group.add_argument("--runner", choices=("auto", "generate", "pooling"))
-    group.add_argument("--limit-mm-per-prompt", type=json_object, metavar="JSON")
+    group.add_argument("--limit-mm-per-prompt", type=modality_limits, metavar="JSON|image=N,...")
     group.add_argument("--tokenizer-mode", default="auto", choices=TOKENIZER_MODES,
                        help="auto/hf: the model's Hugging Face tokenizer (the only kind jaxserve reads)")
 
@@ -63,6 +63,16 @@ def add_vllm_serve_compat_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("vLLM server options accepted for its command lines (no effect here)")
     group.add_argument("--disable-fastapi-docs", action="store_true")
     group.add_argument("--disable-frontend-multiprocessing", action="store_true")
+
+
+def modality_limits(text: str) -> dict:
+    """vLLM's --limit-mm-per-prompt: JSON ('{"image": 2}') or its older form, image=2,video=1."""
+    if text.lstrip().startswith("{"):
+        return json_object(text)
+    try:
+        return {key.strip(): int(count) for key, count in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected JSON such as '{{\"image\": 0}}' or image=0,video=0, got {text!r}")
 
 
 def normalize_option_spelling(argv: list[str]) -> list[str]:

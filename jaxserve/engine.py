@@ -78,7 +78,8 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         in one step (None: 64 and 512 on CPU, 256 and 8192 on GPU/TPU; engine_inputs.step_limits).
         `chat_template_content_format`: "auto", "string" or "openai" (loader/chat_content.py)."""
         speculative = SpeculativeConfig.from_dict(speculative_config)
-        platform = (jax.devices() if devices is None else devices)[0].platform
+        devices = None if devices is None else list(devices)
+        platform = (devices or jax.devices())[0].platform  # an empty list is refused by the mesh, by name
         max_num_seqs, max_num_batched_tokens = step_limits(max_num_seqs, max_num_batched_tokens, platform)
         check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
                              recompile_guard, quantization, kv_cache_dtype)

@@ -6,7 +6,7 @@ import logging
 
 import numpy as np
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from jaxserve.models.layers import QUANTIZATIONS
 from jaxserve.runner.kv_cache import check_kv_cache_dtype
 from jaxserve.runner.sampler import BIAS_SLOTS
@@ -148,7 +148,7 @@ def resolve_token_rules(params: SamplingParams, tokenizer, config: EngineConfig,
 # Per-step limits (max_num_seqs, max_num_batched_tokens) when not given. On CPU a step of 64 sequences and 512
 # tokens keeps a few-core host's steps, and so its streams' token gaps, short. On GPU and TPU: vLLM's 256 and
 # 8192, the settings the GPU figures in BENCHMARKS.md were measured with (at CPU's, a GPU step is mostly idle).
-CPU_STEP_LIMITS = (64, 512)
+CPU_STEP_LIMITS = (SchedulerConfig.max_num_seqs, SchedulerConfig.max_num_batched_tokens)  # 64, 512
 ACCELERATOR_STEP_LIMITS = (256, 8192)
 
 

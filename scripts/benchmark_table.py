@@ -9,12 +9,13 @@ import sys
 
 
 def current_commit() -> str:
-    """HEAD's short hash, with "+changes" when tracked files differ from it. A GPU session's device receives the
+    """HEAD's short hash, with "+changes" when tracked files other than Markdown differ from it. A GPU session's device receives the
     working tree over the git directory of the session's first commit, so its HEAD alone would name a commit
     that is not what ran; the mark says to correct the cell by hand."""
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                             text=True).stdout.strip()
+    # Markdown does not count: appending a row to BENCHMARKS.md changes no code that runs.
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!*.md"],
+                             capture_output=True, text=True).stdout.strip()
     return f"{head}+changes" if head and changed else head
 
 

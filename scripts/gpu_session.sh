@@ -27,7 +27,7 @@
 #   decode     issue 4's open goals in one call: tune_decode_kernel.py at 64x2048, 8x8192 and 1x512, bench_kernels.py
 #              at the best setting, the compiled kernel and parity tests, Nsight Compute if time is left (~9 min)
 #   profile    Nsight Compute on both decode kernels at batch 64 x 2048 (issue 4's bandwidth goal): duration, DRAM
-#              throughput, occupancy, registers, warp stalls; then ours with --prefetch
+#              throughput, occupancy, registers, warp stalls; then ours with --prefetch none
 #
 # Logs and BENCHMARKS.md rows land in $OUT (the device tool brings them back); copy the rows into BENCHMARKS.md.
 #
@@ -85,7 +85,8 @@ case "$step" in
     # setting, the compiled tests, then Nsight Compute at 64 x 2048 with whatever time is left. Each part stops
     # at its own limit so the later ones still run.
     deadline=$((SECONDS + ${DECODE_BUDGET_S:-540}))
-    left() { local n=$((deadline - SECONDS)); [ "$n" -lt "$1" ] && echo "$n" || echo "$1"; }
+    # Seconds for the next part: its own cap, or what is left (at least 1: `timeout 0` would mean no limit).
+    left() { local n=$((deadline - SECONDS)); n=$((n < $1 ? n : $1)); echo $((n > 0 ? n : 1)); }
     timeout "$(left 210)" python3 scripts/tune_decode_kernel.py --shapes 64x2048 8x8192 1x512 --iters 3 \
       --best "$out/best.txt" 2>&1 | tee "$out/tune_decode_kernel.log"
     best=$(cat "$out/best.txt" 2>/dev/null)
@@ -94,13 +95,13 @@ case "$step" in
     PALLAS_COMPILED=1 timeout "$(left 170)" python3 -m pytest -q -p no:cacheprovider pallas_kernels \
       tests/models/test_parity_pallas.py -k "not test_only_the_kernels_compile_decode_variants" 2>&1 \
       | tee "$out/kernel_tests.log"
-    [ "$(left 60)" -ge 40 ] && timeout "$(left 60)" ncu --clock-control none -k regex:paged --launch-count 2 \
+    [ "$(left 60)" -lt 40 ] || timeout "$(left 60)" ncu --clock-control none -k regex:paged --launch-count 2 \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       python3 scripts/bench_kernels.py --shapes 64x2048 --iters 1 $best 2>&1 | tee "$out/ncu_decode.log"
     ;;
   profile)
     # The first two matching launches at the one shape: ours, then JAX's (bench_kernels compares them first).
-    for extra in "" "--prefetch pages"; do
+    for extra in "" "--prefetch none"; do  # the defaults (page ids a step ahead), then without prefetching
       ncu --clock-control none -k regex:paged --launch-count 2 --section SpeedOfLight --section Occupancy \
         --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
         python3 scripts/bench_kernels.py --shapes 64x2048 --iters 1 $extra 2>&1 | tee -a "$out/ncu_decode.log"

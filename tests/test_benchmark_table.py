@@ -23,5 +23,11 @@ def test_a_changed_tree_is_marked(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes.txt").write_text("untracked files do not count\n")
     assert current_commit() == head
+    (tmp_path / "BENCH.md").write_text("| row |\n")
+    git("add", "BENCH.md", cwd=tmp_path)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "table", cwd=tmp_path)
+    head = git("rev-parse", "--short", "HEAD", cwd=tmp_path)
+    (tmp_path / "BENCH.md").write_text("| row |\n| another row |\n")  # a benchmark appending its row
+    assert current_commit() == head
     (tmp_path / "kernel.py").write_text("x = 2\n")
     assert current_commit() == f"{head}+changes"

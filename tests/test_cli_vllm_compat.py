@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve import cli, cli_serve
 from jaxserve.cli_args import token_count
-from jaxserve.cli_compat import check_vllm_options, normalize_option_spelling
+from jaxserve.cli_compat import check_vllm_options, modality_limits, normalize_option_spelling
 from jaxserve.config import resolve_dtype
 from tests.test_cli import key_required, parse, user_error
 
@@ -65,7 +65,7 @@ def test_token_counts_read_vllms_suffixes(text, tokens):
     (["serve", "--tokenizer-mode", "mistral"], "--tokenizer-mode mistral is not supported"),
     (["serve", "--dtype", "half"], "use --dtype bfloat16"),
     (["serve", "--task", "reward"], "--task reward is not supported: reward models' per-token scores are not served"),
-    (["serve", "--limit-mm-per-prompt", "image=2"], "--limit-mm-per-prompt"),
+    (["serve", "--limit-mm-per-prompt", "image"], "expected JSON such as '{\"image\": 0}' or image=0,video=0"),
 ])
 def test_what_cannot_be_honoured_is_refused_in_one_line(capsys, argv, expected):
     assert expected in user_error(capsys, argv)
@@ -86,6 +86,11 @@ def test_options_without_effect_are_accepted_with_a_warning_each(capsys, caplog,
     caplog.clear()
     assert generate() == 0
     assert caplog.records == []  # nothing given, nothing warned
+
+
+def test_both_spellings_of_the_modality_limits_are_read():
+    assert modality_limits('{"image": 0}') == {"image": 0}
+    assert modality_limits("image=2, video=1") == {"image": 2, "video": 1}  # vLLM's older form
 
 
 def test_an_fp8_kv_cache_reaches_the_engine(fake_engine_module):

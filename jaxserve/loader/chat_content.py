@@ -1,6 +1,7 @@
 """How a message's content reaches the chat template (vLLM's `--chat-template-content-format`).
 
-"string": one string, text parts joined (what most templates expect). "openai": a list of parts,
+"string": one string, text parts joined by newlines as vLLM joins them (what most templates expect). "openai": a
+list of parts,
 [{"type": "text", "text": ...}], for templates that loop over them (Llama 4's, Mistral Small 3.1's, vision
 models'). "auto" reads the template: a `for` loop over a message's content means "openai". Only text parts exist
 here (the server refuses others), so the two formats carry the same words.
@@ -12,9 +13,11 @@ import re
 
 CONTENT_FORMATS = ("auto", "string", "openai")
 
-# `{% for part in message['content'] %}`, `message["content"]`, `message.content`, whatever the loop variables
-# are called: a template that iterates a message's content expects parts.
-_LOOP_OVER_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+\s*(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
+# `{% for part in message['content'] %}`, `message["content"]`, `message.content`, maybe through a filter, whatever
+# the loop variables are called: a template that iterates a message's content expects parts. (A loop over
+# something made of the content, `message.content.split(...)`, is not one.)
+_LOOP_OVER_CONTENT = re.compile(r"\{%[-+]?\s*for\s+\w+\s+in\s+\w+\s*(?:\[\s*['\"]content['\"]\s*\]|\.content)"
+                                r"\s*(?:[-+]?%\}|\||if\b)")
 
 
 def check_content_format(content_format: str) -> None:
@@ -27,8 +30,8 @@ def resolve_content_format(content_format: str, template: str | None) -> str:
     check_content_format(content_format)
     if content_format != "auto":
         return content_format
-    if isinstance(template, dict):  # a tokenizer's named templates ("default", "tool_use", ...)
-        template = "\n".join(t for t in template.values() if isinstance(t, str))
+    if isinstance(template, dict):  # a tokenizer's named templates: "default" renders chats without tools
+        template = template.get("default")
     return "openai" if isinstance(template, str) and _LOOP_OVER_CONTENT.search(template) else "string"
 
 
@@ -38,10 +41,11 @@ def shape_content(messages: list[dict], content_format: str) -> list[dict]:
 
 
 def _shaped(content, content_format: str):
+    """None (an assistant turn of tool calls alone) is "" or no parts; any string, "" too, is one text part."""
     if content_format == "string":
         if isinstance(content, list):
-            return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+            return "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
         return "" if content is None else content
     if isinstance(content, list):
         return content
-    return [{"type": "text", "text": content}] if content else []
+    return [] if content is None else [{"type": "text", "text": content}]

@@ -33,7 +33,7 @@ class ChatMessageParam(BaseModel):
         """The message for the chat template. Its content, a string or text parts, is shaped to what the template
         reads when rendered (--chat-template-content-format, loader/chat_content.py)."""
         message = self.model_dump(exclude_none=True)
-        message.setdefault("content", "")
+        message["content"] = self.content  # None too: the format decides ("" or no parts)
         return template_tool_calls(message)
 
 

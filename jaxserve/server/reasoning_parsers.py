@@ -46,6 +46,14 @@ class Markers:
     read_in_prompt: bool = True
     # Tags the answer comes wrapped in (Granite 3.3's <response>, </response>), taken off the content.
     content_tags: tuple[str, str] | None = None
+    # For a set joining several models' markers (Granite 3.2's phrases, 3.3's tags): (starts, ends) of each, so a
+    # block is closed only by an end of the kind that opened it. Empty: any end closes any start.
+    families: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
+
+    def for_opening(self, opening: str | None) -> Markers:
+        """The markers a block opened by `opening` can end with."""
+        ends = next((ends for starts, ends in self.families if opening in starts), self.ends)
+        return dataclasses.replace(self, ends=ends)
 
     def opening(self, text: str) -> str | None:
         return next((start for start in self.starts if text.startswith(start)), None)
@@ -69,10 +77,9 @@ class Markers:
             return content
         opening, closing = self.content_tags
         body = content.lstrip()
-        if body.startswith(opening):
-            content = body[len(opening):]
-        elif not final and opening.startswith(body):
-            return ""
+        if not body.startswith(opening):  # an answer without the tags is left as written
+            return "" if not final and opening.startswith(body) else content
+        content = body[len(opening):]
         cut = content.find(closing)
         if cut >= 0:
             return content[:cut] + content[cut + len(closing):]
@@ -80,9 +87,11 @@ class Markers:
 
 
 THINK = Markers((THINK_START,), (THINK_END,))
-GRANITE = Markers(("Here is my thought process:", "Here's my thought process:", THINK_START),
-                  ("Here is my response:", "Here's my response:", THINK_END), read_in_prompt=False,
-                  content_tags=("<response>", "</response>"))
+GRANITE_32 = (("Here is my thought process:", "Here's my thought process:"),
+              ("Here is my response:", "Here's my response:"))
+GRANITE = Markers((*GRANITE_32[0], THINK_START), (*GRANITE_32[1], THINK_END), read_in_prompt=False,
+                  content_tags=("<response>", "</response>"),
+                  families=(GRANITE_32, ((THINK_START,), (THINK_END,))))
 
 
 @dataclass(frozen=True)
@@ -139,10 +148,11 @@ class PromptReasoning:
         if opening is None and not self.starts_in_block:
             return None, self.markers.unwrap(text, final)
         reasoning = text if opening is None else body[len(opening):]
-        end = self.markers.first_end(reasoning)
+        markers = self.markers.for_opening(opening)
+        end = markers.first_end(reasoning)
         if end is not None:
-            return reasoning[: end[0]], self.markers.unwrap(reasoning[end[0] + end[1]:], final)
-        held = 0 if final else self.markers.held_end(reasoning)
+            return reasoning[: end[0]], markers.unwrap(reasoning[end[0] + end[1]:], final)
+        held = 0 if final else markers.held_end(reasoning)
         return reasoning[: len(reasoning) - held], ""
 
 

@@ -67,10 +67,10 @@ def paged_decode_gpu(q, k_cache, v_cache, block_tables, context_lens, *, layer=0
     num_splits (flash-decoding) defaults to as many as bring the programs up to target_programs; prefetch is
     gpu_pages.attend_pages's.
 
-    The defaults were the fastest of sweeps on an H100 and an H200 (bf16, 32 q / 8 kv heads, head_dim 128,
-    16-token pages; BENCHMARKS.md): 4 pages a load, 2 warps, no software pipelining (num_stages 1: the tiles
-    take ~220 registers a thread, so few programs fit an SM, and more of them hide the gathered loads' latency
-    better than a pipeline within one), the next block's page ids loaded a step ahead."""
+    The defaults were the fastest of sweeps (bf16, 32 q / 8 kv heads, head_dim 128, 16-token pages;
+    BENCHMARKS.md): 4 pages a load and no software pipelining on an H100 and an H200 (num_stages 1: the tiles take
+    ~220 registers a thread, so few programs fit an SM, and more of them hide the gathered loads' latency better
+    than a pipeline within one); 2 warps and the next block's page ids loaded a step ahead on the H200."""
     k_cache, v_cache = as_layered(k_cache), as_layered(v_cache)
     K, G = check_shapes(q, k_cache, v_cache)
     B, H, d = q.shape

@@ -22,7 +22,10 @@ STRING_TEMPLATE = "{% for message in messages %}<{{ message['role'] }}>{{ messag
     ('{% for item in message["content"] %}{{ item["text"] }}{% endfor %}', "openai"),
     (STRING_TEMPLATE, "string"),
     ("{% for message in messages %}{% for tool_call in message.tool_calls %}{% endfor %}{% endfor %}", "string"),
-    ({"default": STRING_TEMPLATE, "tool_use": PARTS_TEMPLATE}, "openai"),
+    ("{%+ for part in message.content | selectattr('type', 'equalto', 'text') %}{% endfor %}", "openai"),
+    ("{% for line in message.content.split('\\n') %}{{ line }}{% endfor %}", "string"),  # loops over its lines
+    ({"default": PARTS_TEMPLATE, "tool_use": STRING_TEMPLATE}, "openai"),
+    ({"default": STRING_TEMPLATE, "tool_use": PARTS_TEMPLATE}, "string"),  # "default" renders plain chats
     (None, "string"),
 ])
 def test_auto_reads_the_template(template, want):
@@ -37,14 +40,17 @@ def test_an_unknown_format_is_refused_by_name():
 
 def test_contents_are_shaped_both_ways():
     messages = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "you"}]},
-                {"role": "assistant", "content": "Hello", "name": "bot"}, {"role": "assistant", "content": ""}]
-    assert shape_content(messages, "string") == [{"role": "user", "content": "Hi you"},
+                {"role": "assistant", "content": "Hello", "name": "bot"}, {"role": "assistant", "content": ""},
+                {"role": "assistant", "content": None, "tool_calls": []}]
+    assert shape_content(messages, "string") == [{"role": "user", "content": "Hi \nyou"},  # joined as vLLM joins
                                                  {"role": "assistant", "content": "Hello", "name": "bot"},
-                                                 {"role": "assistant", "content": ""}]
+                                                 {"role": "assistant", "content": ""},
+                                                 {"role": "assistant", "content": "", "tool_calls": []}]
     assert shape_content(messages, "openai") == [messages[0],
                                                  {"role": "assistant", "content": [{"type": "text", "text": "Hello"}],
                                                   "name": "bot"},
-                                                 {"role": "assistant", "content": []}]
+                                                 {"role": "assistant", "content": [{"type": "text", "text": ""}]},
+                                                 {"role": "assistant", "content": [], "tool_calls": []}]
 
 
 def test_a_parts_template_renders_plain_string_messages(smol_tokenizer):

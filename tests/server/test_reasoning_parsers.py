@@ -66,6 +66,11 @@ GRANITE_REPLY = "Here is my thought process:\nWeather needs a lookup.\nHere is m
     ("<response>b</response>", (None, "b")),  # thinking off
     ("<think>a</think>b <response> c", ("a", "b <response> c")),  # a tag inside the answer is the answer's
     ("<think>still thinking", ("still thinking", "")),
+    # A block ends only with its own kind of end; tags are taken off only an answer that opens with them.
+    ("<think>I think. Here is my response: no</think><response>ok</response>", ("I think. Here is my response: no",
+                                                                                "ok")),
+    ("Here is my thought process: a</think>b Here is my response: c", (" a</think>b ", " c")),
+    ("Use the </response> tag.", (None, "Use the </response> tag.")),
 ])
 def test_granite_markers_split_reasoning_from_the_answer(tokenizer, text, expected):
     bound = reasoning_parser("granite", tokenizer).bind(tokenizer.encode("<|im_start|>assistant\n"), SamplingParams())

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from jaxserve.loader.chat_content import shape_content
 from jaxserve.server.chat_protocol import ChatCompletionRequest
 from jaxserve.server.request_bodies import build_sampling_params
 from jaxserve.server.errors import APIError
@@ -118,7 +119,9 @@ def test_tool_call_arguments_in_the_history_reach_the_template_as_objects():
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
     messages = history.template_messages()
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
-    assert messages[1]["content"] == "" and messages[2]["tool_call_id"] == "call_1"
+    assert messages[1]["content"] is None and messages[2]["tool_call_id"] == "call_1"
+    # Rendered for a template that reads strings, the call's empty turn is "" (loader/chat_content.py).
+    assert shape_content(messages, "string")[1]["content"] == ""
 
 
 # ---- on the real server ------------------------------------------------------------------------------------
