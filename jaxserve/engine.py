@@ -36,11 +36,10 @@ from jaxserve.loader.chat_content import check_content_format, resolve_content_f
 from jaxserve.loader.tokenizer import TokenizerChoice, read_chat_template
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput
-from jaxserve.parallel.multihost import agree_on_min
 from jaxserve.parallel.sharding import resolve_mesh
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.runner.buckets import Buckets
-from jaxserve.runner.capacity import capacity_line, free_bytes_for_cache, num_blocks_for, profile_step_inputs
+from jaxserve.runner.capacity import capacity_line, size_kv_cache
 from jaxserve.runner.compilation_cache import DEFAULT_COMPILATION_CACHE, enable_compilation_cache
 from jaxserve.runner.model_runner import ModelRunner, StepResult
 from jaxserve.runner.plan import PlanShape, build_step_inputs
@@ -122,7 +121,7 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         # speculative decoding runs its steps one after the other).
         self.async_scheduling = async_scheduling and jax.process_count() == 1 and speculative is None
         self._launched: deque[InFlightStep] = deque()  # dispatched, not read back yet (oldest first)
-        num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_memory_fraction)
+        num_kv_blocks = size_kv_cache(self.runner, self.plan_shape, num_kv_blocks, kv_cache_memory_fraction)
         max_model_len = fit_context_to_cache(max_model_len, requested_len, (num_kv_blocks - 1) * block_size)
         self.plan_shape = dataclasses.replace(self.plan_shape, max_model_len=max_model_len)
         log.info(capacity_line(num_kv_blocks, block_size, max_model_len, self.runner.kv_dtype))
@@ -153,21 +152,6 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
             self.warmup()
         log.info("Loaded %s (%s, %s%s, mesh %dx%d)", self.model_name, cfg.architecture, dtype,
                  f", {quantization} quantization" if quantization else "", *self.mesh_shape)
-
-    def _size_kv_cache(self, num_blocks: int | None, memory_fraction: float) -> int:
-        """Fix the number of KV blocks (profiling a step at the largest bucket first) and allocate the cache."""
-        if num_blocks is None:
-            self.runner.allocate_cache(2)
-            T, B = max(self.plan_shape.buckets.forward_shapes())
-            self.runner.execute(*profile_step_inputs(T, B, self.plan_shape))
-            free = free_bytes_for_cache(self.runner.mesh.local_devices, memory_fraction)
-            num_blocks = num_blocks_for(self.runner.cfg, self.runner.block_size, self.runner.kv_dtype, free,
-                                        shards=self.mesh_shape[0] * self.mesh_shape[1])
-        num_blocks = agree_on_min(num_blocks)  # across processes: all need the same cache; the fullest device decides
-        if num_blocks < 2:
-            raise ValueError(f"num_kv_blocks={num_blocks} is too small: block 0 is reserved, so at least 2 are needed")
-        self.runner.allocate_cache(num_blocks)
-        return num_blocks
 
     def warmup(self, desc: str = "Compiling step buckets") -> None:
         """Compile every step program now (a progress bar titled `desc`), so serving never stalls on a compile."""

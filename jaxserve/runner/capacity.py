@@ -7,6 +7,7 @@ from __future__ import annotations
 import psutil
 
 from jaxserve.config import ModelConfig
+from jaxserve.parallel.multihost import agree_on_min
 from jaxserve.runner.kv_cache import kv_bytes_per_block
 
 CPU_KV_FRACTION = 0.25  # of available host memory: leaves room for weights, activations and the rest of the machine
@@ -47,3 +48,19 @@ def capacity_line(num_blocks: int, block_size: int, max_model_len: int, kv_dtype
     tokens = usable * block_size
     return (f"# KV blocks: {usable} ({tokens} tokens in {kv_dtype}; max concurrency {tokens / max_model_len:.1f}x "
             f"at max_model_len {max_model_len})")
+
+
+def size_kv_cache(runner, shape, num_blocks: int | None, memory_fraction: float) -> int:
+    """Fix the number of KV blocks (None: what memory holds after profiling a step at the largest bucket), the
+    same on every process, and allocate `runner`'s cache."""
+    if num_blocks is None:
+        runner.allocate_cache(2)
+        T, B = max(shape.buckets.forward_shapes())
+        runner.execute(*profile_step_inputs(T, B, shape))
+        free = free_bytes_for_cache(runner.mesh.local_devices, memory_fraction)
+        num_blocks = num_blocks_for(runner.cfg, runner.block_size, runner.kv_dtype, free, shards=runner.mesh.size)
+    num_blocks = agree_on_min(num_blocks)  # across processes: all need the same cache; the fullest device decides
+    if num_blocks < 2:
+        raise ValueError(f"num_kv_blocks={num_blocks} is too small: block 0 is reserved, so at least 2 are needed")
+    runner.allocate_cache(num_blocks)
+    return num_blocks
