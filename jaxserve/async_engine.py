@@ -17,7 +17,6 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator
 
 from jaxserve.admission import Admission
@@ -28,13 +27,11 @@ from jaxserve.outputs import RequestOutput
 from jaxserve.request_errors import EngineDeadError, EngineShuttingDown, QueueFull, RequestTimedOut
 from jaxserve.request_stream import END_OF_STREAM, RequestStream
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.step_watch import DEFAULT_STEP_TIMEOUT_S, StepWatch
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
-# A step longer than this marks the engine unhealthy (/health 503) until it returns. Warmed-up steps take
-# milliseconds to a second; a compile-on-demand step (--no-warmup) takes seconds to a minute on a CPU.
-DEFAULT_STEP_TIMEOUT_S = 180.0
 # A logged prompt is cut to this many characters by default: enough to recognise it, not a copy of a document.
 MAX_LOGGED_PROMPT_CHARS = 1000
 
@@ -60,7 +57,6 @@ class AsyncEngine:
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds or None, got {value}")
         self.engine, self.request_timeout, self.step_timeout = engine, request_timeout, step_timeout
-        self._step_started: float | None = None  # monotonic start of the step running now, if any
         self.log_prompts, self.max_log_len = log_prompts, max_log_len
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # guards _stats and _loop_exited, shared by both sides
@@ -72,16 +68,9 @@ class AsyncEngine:
         self._draining = False  # set by stop_admitting(): new requests are refused, admitted ones run on
         self._loop_exited = False  # set under the lock; afterwards nothing more is queued
         self._stats = self._collect_stats()
-        # Set when the loop thread ends; the watchdog waits on it, so shutdown() ends both threads at once. A
-        # daemon thread still running at interpreter exit can be killed while it frees jax arrays, which aborts
-        # the process ("FATAL: exception not rethrown").
-        self._loop_done = threading.Event()
+        self._steps = StepWatch(step_timeout)  # the watchdog ends with the loop thread, so shutdown() ends both
         self._thread = threading.Thread(target=self._run_loop, name="jaxserve-engine-loop", daemon=True)
         self._thread.start()
-        self._watchdog = None
-        if step_timeout is not None:
-            self._watchdog = threading.Thread(target=self._watch_steps, name="jaxserve-step-watchdog", daemon=True)
-            self._watchdog.start()
 
     # --- what the server may know about the engine ------------------------------------------------------------
     @property
@@ -116,9 +105,7 @@ class AsyncEngine:
     @property
     def is_hung(self) -> bool:
         """Whether the current step has run longer than `step_timeout` (the watchdog thread logs it)."""
-        started = self._step_started
-        return self.step_timeout is not None and started is not None and \
-            time.monotonic() - started > self.step_timeout
+        return self._steps.is_hung
 
     @property
     def is_draining(self) -> bool:
@@ -228,8 +215,7 @@ class AsyncEngine:
         """`stop()`, then wait for the loop thread to finish."""
         self.stop()
         self._thread.join(timeout)
-        if self._watchdog is not None and self._loop_done.is_set():
-            self._watchdog.join()  # returns at once: it wakes on _loop_done
+        self._steps.join()
 
     # --- both sides -------------------------------------------------------------------------------------------
     def _stream_done(self, request_id: str, still_running: bool) -> None:
@@ -279,7 +265,7 @@ class AsyncEngine:
         except Exception as exc:  # noqa: BLE001 - any failure leaves the engine in an unknown state
             self._die(exc)
         finally:
-            self._loop_done.set()  # first: nothing below may keep the watchdog running
+            self._steps.loop_ended()  # first: nothing below may keep the watchdog running
             self._close_command_queue()
 
     def _step_until_stopped(self) -> None:
@@ -288,29 +274,10 @@ class AsyncEngine:
             if not self._apply_commands(block=idle):
                 return
             if self.engine.has_unfinished_requests():
-                self._step_started = started = time.monotonic()
-                try:
+                with self._steps.step():
                     outputs = self.engine.step()
-                finally:
-                    self._step_started = None
-                self._log_slow_step(time.monotonic() - started)
                 self._publish_stats()  # before delivery: a client that sees its answer sees these stats too
                 self._deliver(outputs)
-
-    def _watch_steps(self) -> None:
-        """Log a step that overruns `step_timeout` while it still runs: a hung device never returns to say so."""
-        reported = None
-        while not self._loop_done.wait(min(self.step_timeout / 4, 5.0)):
-            started = self._step_started
-            if started is not None and started != reported and self.is_hung:
-                reported = started
-                logger.error("an engine step has been running for over %g s (--step-timeout): /health answers "
-                             "503 until it returns", self.step_timeout)
-
-    def _log_slow_step(self, seconds: float) -> None:
-        if self.step_timeout is not None and seconds > self.step_timeout:
-            logger.error("an engine step took %.1f s, over --step-timeout (%g s): /health answered 503 meanwhile",
-                         seconds, self.step_timeout)
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued adds and aborts (waiting for one if `block`). Returns False once asked to stop."""

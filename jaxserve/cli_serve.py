@@ -7,7 +7,8 @@ import argparse
 import os
 import socket
 
-from jaxserve.async_engine import DEFAULT_STEP_TIMEOUT_S, MAX_LOGGED_PROMPT_CHARS
+from jaxserve.async_engine import MAX_LOGGED_PROMPT_CHARS
+from jaxserve.step_watch import DEFAULT_STEP_TIMEOUT_S
 from jaxserve.cli_args import (
     UserError,
     json_object,
