@@ -156,6 +156,11 @@ def append_results(path: str, rows: list[Row], device: str, bandwidth: float, co
                 f"measured copy bandwidth {bandwidth / 1e9:.0f} GB/s:\n\n{table(rows)}\n")
 
 
+def as_flags(knobs: dict) -> str:
+    """This script's flags for the kernel settings `knobs` (keyword -> value)."""
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in knobs.items())
+
+
 def main() -> None:
     from pallas_kernels.gpu_pages import PREFETCH_MODES
 
@@ -187,7 +192,7 @@ def main() -> None:
     print(table(rows))
     if args.append:
         command = " ".join(["scripts/bench_kernels.py", *(["--tiny"] if args.tiny else []),
-                            *(f"--{k.replace('_', '-')} {v}" for k, v in tuning.items())])
+                            *([as_flags(tuning)] if tuning else [])])
         append_results(args.append, rows, device.device_kind, bandwidth, command)
     ratio = math.exp(sum(math.log(r.speedup) for r in rows) / len(rows))
     print(f"ratio JAX paged_attention time / ours (geometric mean over {len(rows)} configs): {ratio:.2f}x")

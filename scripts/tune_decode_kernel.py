@@ -18,7 +18,7 @@ import inspect
 import itertools
 import math
 
-from bench_kernels import FULL, LOOP_CALLS, TINY, make_inputs, timed_in_loop
+from bench_kernels import FULL, LOOP_CALLS, TINY, as_flags, make_inputs, timed_in_loop
 
 GRID = dict(pages_per_block=(4, 8), num_warps=(2, 4), num_stages=(1, 2), prefetch=("none", "pages", "tiles"),
             target_programs=(512, 2048))
@@ -30,11 +30,6 @@ SHAPES = ((64, 2048), (1, 512), (8, 8192), (256, 2048), (64, 8192), (256, 512))
 def settings(grid: dict):
     for values in itertools.product(*grid.values()):
         yield dict(zip(grid, values))
-
-
-def as_flags(knobs: dict) -> str:
-    """bench_kernels.py's flags for one setting."""
-    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in knobs.items())
 
 
 def sweep(batch: int, context: int, cfg: dict, grid: dict, interpret: bool, iters: int) -> dict[tuple, float]:
