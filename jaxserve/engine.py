@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import random
 from collections import deque
 
@@ -153,13 +154,15 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         log.info("Loaded %s (%s, %s%s, mesh %dx%d)", self.model_name, cfg.architecture, dtype,
                  f", {quantization} quantization" if quantization else "", *self.mesh_shape)
 
-    def warmup(self, desc: str = "Compiling step buckets") -> None:
-        """Compile every step program now (a progress bar titled `desc`), so serving never stalls on a compile."""
+    def warmup(self, desc: str = "Compiling step buckets", compile_threads: int | None = None) -> None:
+        """Compile every step program now (a progress bar titled `desc`), so serving never stalls on a compile.
+        `compile_threads`: programs compiled at once (None: one per host core, at most 8)."""
         from tqdm.auto import tqdm
 
         total = self.runner.warmup_size(self.plan_shape)
+        threads = compile_threads or min(8, os.cpu_count() or 1)
         with tqdm(total=total, desc=desc, unit="program") as bar:
-            self.runner.warmup(self.plan_shape, bar)
+            self.runner.warmup(self.plan_shape, bar, threads)
         self._compiles_at_warmup = self.runner.num_compiles
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
@@ -50,6 +51,28 @@ class StepResult:
     prompt: tuple[np.ndarray, ...] | None
     logits: np.ndarray | None = None
     hidden: np.ndarray | None = None  # [B, D] the sampled rows' final hidden states, when asked (embeddings)
+
+
+def precompile(calls: list[tuple], threads: int, tick) -> int:
+    """Trace each (jitted function, positional args) here, one after another (tracing holds the GIL), and compile
+    them on `threads` threads meanwhile (XLA compiles without it); the calls that follow find the programs in jit's
+    cache. Returns how many it compiled: 0 with one thread, where the calls themselves compile. A program whose
+    compile fails here (the GPU autotuner out of memory beside its neighbours, say) is compiled again by its call,
+    alone."""
+    if threads <= 1:
+        return 0
+
+    def compile_one(program):
+        try:
+            program.compile()
+        except Exception as e:  # noqa: BLE001 - retried, alone, when the program is called
+            log.debug("compiling in parallel failed (%s); the call will compile it alone", e)
+        tick(1)
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="jaxserve-compile") as pool:
+        for done in [pool.submit(compile_one, fn.lower(*args)) for fn, args in calls]:
+            done.result()
+    return len(calls)
 
 
 class ModelRunner:
@@ -123,30 +146,46 @@ class ModelRunner:
     def execute(self, inputs: StepInputs, statics: StepStatics) -> StepResult:
         return self.collect(self.launch(inputs, statics))
 
-    def warmup(self, shape: PlanShape, progress=None) -> None:
+    def warmup(self, shape: PlanShape, progress=None, compile_threads: int = 1) -> None:
         """Compile every program a step can need: each (T, B) forward, each sampler variant per B, and prompt
         logprobs per T. The sampler and prompt programs are fed the forward's own outputs, so they compile for
-        the same input shardings real steps have. Padding inputs write only into the null block."""
+        the same input shardings real steps have. Padding inputs write only into the null block.
+
+        With `compile_threads` > 1 the programs are traced here, one after another (tracing holds the GIL), and
+        compiled by that many threads at once (XLA compiles without the GIL); the runs that follow find them in
+        jit's cache. Each program is then run once, in the same order on every process."""
         tick = progress.update if progress is not None else (lambda n: None)
         variants = SamplerFlags.all_variants(shape.max_logprobs)
-        for T, B in shape.buckets.forward_shapes():
-            if shape.decode_kernel and T == B:  # the decode-only variant of this shape
-                x = empty_inputs(T, B, shape, decode_only=True)
-                self.kv, *_ = self.fns.forward(self.params, self.kv, x.token_ids, x.meta, x.logits_indices,
-                                               self.fed_tokens, x.token_source)
+        forwards = [(T, B, decode_only) for T, B in shape.buckets.forward_shapes()
+                    for decode_only in ((True, False) if shape.decode_kernel and T == B else (False,))]
+        forward_inputs = {key: empty_inputs(key[0], key[1], shape, decode_only=key[2]) for key in forwards}
+
+        def forward_call(x):
+            return (self.fns.forward, (self.params, self.kv, x.token_ids, x.meta, x.logits_indices, self.fed_tokens,
+                                       x.token_source))
+
+        precompiled = precompile([forward_call(forward_inputs[key]) for key in forwards], compile_threads, tick)
+        rows, hidden = {}, {}
+        for key in forwards:  # each forward once: their outputs feed the sampler and prompt programs' compiles
+            fn, args = forward_call(forward_inputs[key])
+            self.kv, h, r = fn(*args)
+            T, B, decode_only = key
+            if not decode_only and T == B:
+                rows[B] = r
+            if not decode_only and B == 1:
+                hidden[T] = h
+            if not precompiled:
                 tick(1)
-            x = empty_inputs(T, B, shape)
-            self.kv, hidden, rows = self.fns.forward(self.params, self.kv, x.token_ids, x.meta, x.logits_indices,
-                                                     self.fed_tokens, x.token_source)
-            tick(1)
-            if T == B:  # once per sequence bucket
-                for flags in variants:
-                    sampling = empty_inputs(T, B, shape, penalties=flags.penalties, constrained=flags.constrained).sampling
-                    jax.block_until_ready(self.fns.sample_rows(self.params, rows, sampling, flags, self.feed_rows,
-                                                               self.fed_tokens))
-                    tick(1)
-            if B == 1:  # once per token bucket
-                jax.block_until_ready(self.fns.prompt_rows(self.params, hidden, x.prompt_targets, shape.max_logprobs))
+        sampler_calls = [(self.fns.sample_rows, (self.params, rows[B], empty_inputs(B, B, shape, penalties=flags.penalties,
+                                                                                    constrained=flags.constrained).sampling,
+                                                 flags, self.feed_rows, self.fed_tokens))
+                         for B in shape.buckets.seqs for flags in variants]
+        prompt_calls = [(self.fns.prompt_rows, (self.params, hidden[T], forward_inputs[(T, 1, False)].prompt_targets,
+                                                shape.max_logprobs)) for T in shape.buckets.tokens]
+        precompiled = precompile(sampler_calls + prompt_calls, compile_threads, tick)
+        for fn, args in sampler_calls + prompt_calls:
+            jax.block_until_ready(fn(*args))
+            if not precompiled:
                 tick(1)
         jax.block_until_ready(self.kv)
 
