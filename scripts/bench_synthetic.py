@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A model shape with random weights, nothing downloaded: issue 9's GPU goals (Llama-3-8B shape, bfloat16).
+"""A model shape with random weights, nothing downloaded: the GPU goals at the Llama-3-8B shape, bfloat16.
 
     python scripts/bench_synthetic.py                          # on a GPU: Llama-3-8B shape, every figure below
     python scripts/bench_synthetic.py --shape tiny --num-prompts 4 --input-len 16 --output-len 4   # CI, on CPU
@@ -8,16 +8,23 @@ The model directory is written here: the shape's config.json and a stand-in toke
 as many as the vocabulary: prompts are random token ids, and detokenizing them costs what a real fast
 tokenizer's decode would). jaxserve serves it with `load_format="dummy"`; transformers builds the same config
 with its own random initialisation on the same device (values do not change speed: every request generates
-exactly --output-len tokens). Measured, in order:
+exactly --output-len tokens). Each side runs in a process of its own, jaxserve first, so each has the device's
+memory to itself. Measured, in order, each line printed (and --json written) as it is known:
 
-- memory bandwidth: an on-device elementwise copy of --bandwidth-mib (bytes read + written / time, best of 10);
+- memory bandwidth: an elementwise pass over --bandwidth-mib, 20 passes in one compiled loop (bytes read +
+  written / time; scripts/bench_kernels.py), beside the device's rated HBM bandwidth and bf16 FLOP/s
+  (scripts/roofline.py);
 - batch-1 decode: ms per token from one request run to two output lengths (the prefill cancels out), against
-  the roofline weight bytes / bandwidth (each decode step reads every weight once);
-- offline throughput: --num-prompts requests of exactly --input-len prompt and --output-len new tokens, total
-  (prompt + output) tokens/s as vLLM's benchmark_throughput reports it; best of --repeats runs, the first of
-  which compiles the step programs it needs;
-- transformers: batched greedy generate on the first --hf-num-prompts requests at each --hf-batch-sizes, the
-  best batch size counting.
+  the roofline: the bytes a decode step reads (layer weights, final norm, LM head, the KV it attends to; not
+  the input embedding table, of which a step reads one row) over the measured and over the rated bandwidth;
+- offline throughput: --num-prompts requests of exactly --input-len prompt and --output-len new tokens, output
+  tokens/s and total (prompt + output) tokens/s as vLLM's benchmark_throughput reports them; best of --repeats
+  runs, the first of which compiles the step programs it needs. Each run takes fresh random prompts, so the
+  prefix cache cannot serve one run from the last (the prefix-cache hits of the best run are printed);
+- prefill: the same number of fresh prompts with one output token each, its FLOPs (roofline.prefill_flops) over
+  its time, and that as a share of the rated bf16 FLOP/s (MFU);
+- transformers: batched greedy `generate` over the same prompts as jaxserve's runs; each --hf-batch-sizes is
+  timed on one batch, the fastest then runs every prompt, best of the same --repeats.
 
 The last line is jaxserve's offline throughput over transformers'.
 """
@@ -41,6 +48,7 @@ SHAPES = {
                  num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False),
 }
 BOS, EOS = 0, 1
+DECODE_PROMPT_LEN = 16  # the batch-1 request's prompt
 
 
 def write_model_dir(shape: str, out: Path) -> Path:
@@ -64,26 +72,46 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return rng.integers(2, vocab, size=(n, length)).tolist()  # never BOS/EOS
 
 
-def measure_bandwidth(mib: int) -> float:
-    """Bytes/s of an on-device elementwise pass: reads and writes `mib` MiB (best of 10)."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
-    scale = jax.jit(lambda x: x * 1.0001)
-    scale(x).block_until_ready()
-    best = float("inf")
-    for _ in range(10):
-        t0 = time.perf_counter()
-        scale(x).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * x.nbytes / best
+def prompt_sets(args) -> list[list[list[int]]]:
+    """One set of fresh prompts per repeat (seeds 0, 1, ...), the same for both sides."""
+    vocab = SHAPES[args.shape]["vocab_size"]
+    return [random_prompts(args.num_prompts, args.input_len, vocab, seed) for seed in range(args.repeats)]
 
 
 def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+class Results(dict):
+    """The figures so far; each `put` prints its line and rewrites --json, so a run cut short keeps them."""
+
+    def __init__(self, path: str | None):
+        super().__init__()
+        self.path = path
+
+    def put(self, line: str, **figures) -> None:
+        self.update(figures)
+        print(line, flush=True)
+        if self.path:
+            Path(self.path).write_text(json.dumps(self, indent=1))
+
+
+def param_groups(params) -> tuple[dict[str, int], int]:
+    """(bytes per top-level parameter group, elements of the layers' matmul weights)."""
+    import jax
+
+    from roofline import is_matmul_weight
+
+    groups: dict[str, int] = {}
+    matmul = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        groups[names[0]] = groups.get(names[0], 0) + leaf.nbytes
+        if names[0] == "layers" and is_matmul_weight(names[1], leaf.ndim):
+            matmul += leaf.size
+    return groups, matmul
 
 
 def decode_seconds_per_token(engine, prompt: list[int], short: int, long: int, repeats: int) -> float:
@@ -99,23 +127,89 @@ def decode_seconds_per_token(engine, prompt: list[int], short: int, long: int, r
     return (t_long - t_short) / (long - short)
 
 
-def jaxserve_offline(engine, prompts, output_len: int, repeats: int) -> tuple[float, int]:
-    """(best seconds, programs compiled during the best run)."""
-    from jaxserve import SamplingParams
+def run_jaxserve(model_dir: Path, args) -> dict:
+    """Every jaxserve figure (in its own process: see the module docstring)."""
+    import jax
 
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    best, compiles = float("inf"), 0
-    for _ in range(repeats):
-        before = engine.runner.num_compiles
+    from bench_kernels import copy_bandwidth
+    from jaxserve import Engine, SamplingParams
+    from jaxserve.config import resolve_dtype
+    from roofline import decode_step_bytes, prefill_flops, rated_limits
+
+    r = Results(args.json)
+    device = jax.devices()[0]
+    dtype = resolve_dtype("auto", device.platform)
+    rated = rated_limits(device.device_kind)
+    limits = (f"rated {rated[0] / 1e9:.0f} GB/s HBM, {rated[1] / 1e12:.0f} TFLOP/s dense bf16" if rated
+              else "no rated limits known for this device")
+    r.put(f"device: {device.device_kind} ({device.platform}, jax {jax.__version__}), {args.shape}, {dtype}; {limits}",
+          device=device.device_kind, platform=device.platform, dtype=str(dtype), host_cores=os.cpu_count(),
+          rated_bandwidth=rated and rated[0], rated_flops=rated and rated[1])
+    # The engine's options are `jaxserve serve`'s defaults unless given, so its step programs are the ones
+    # scripts/bench_coldstart.py's server compiled into a shared --compilation-cache-dir. It is built before the
+    # bandwidth is measured: the KV cache is sized from the peak memory in use, which the copy would raise.
+    short, long = args.decode_lens
+    options = {k: v for k, v in dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                     compilation_cache_dir=args.compilation_cache_dir).items() if v is not None}
+    engine = Engine(str(model_dir), load_format="dummy", warmup=False, async_scheduling=not args.no_async_scheduling,
+                    **options)
+    if engine.max_model_len < args.input_len + max(args.output_len, long):
+        raise SystemExit(f"max_model_len {engine.max_model_len} is shorter than a request of this run")
+    bandwidth = copy_bandwidth(args.bandwidth_mib << 20, iters=5)
+    r.put(f"memory bandwidth (elementwise pass over {args.bandwidth_mib} MiB, 20 in one compiled loop): "
+          f"{bandwidth / 1e9:.0f} GB/s" + (f" ({100 * bandwidth / rated[0]:.0f}% of rated)" if rated else ""),
+          bandwidth=bandwidth)
+    cfg = engine.runner.cfg
+    groups, matmul_params = param_groups(engine.runner.params)
+    kv = engine.runner.kv
+    kv_per_token = (kv.k.nbytes + kv.v.nbytes) / (kv.k.shape[2] * kv.k.shape[3])  # [L, K, blocks, block, d]
+    # The measured tokens' contexts run from prompt + short to prompt + long: count the middle one.
+    context = DECODE_PROMPT_LEN + (short + long) // 2
+    step = decode_step_bytes(groups, cfg.tie_word_embeddings, kv_per_token, [context], engine.blocks.block_size)
+    prompt = random_prompts(1, DECODE_PROMPT_LEN, cfg.vocab_size, seed=10_000)[0]
+    per_token = decode_seconds_per_token(engine, prompt, short, long, args.repeats)
+    roofline = step.total / bandwidth
+    rated_roofline = step.total / rated[0] if rated else None
+    r.put(f"batch-1 decode: {per_token * 1e3:.2f} ms/token; a step reads {step.describe()}; / measured bandwidth = "
+          f"{roofline * 1e3:.2f} ms: {per_token / roofline:.2f}x the roofline"
+          + (f"; / rated bandwidth = {rated_roofline * 1e3:.2f} ms: {per_token / rated_roofline:.2f}x" if rated else ""),
+          decode_ms=per_token * 1e3, step_bytes=step.total, step_bytes_parts=vars(step), roofline_ms=roofline * 1e3,
+          rated_roofline_ms=rated_roofline and rated_roofline * 1e3)
+
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    best, compiles, hits = float("inf"), 0, 0
+    for prompts in prompt_sets(args):
+        before = engine.stats()
         t = timed(lambda: engine.generate(prompts, params, use_tqdm=False))
+        after = engine.stats()
         if t < best:
-            best, compiles = t, engine.runner.num_compiles - before
-    return best, compiles
+            best = t
+            compiles = after["num_compiles"] - before["num_compiles"]
+            hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    n = args.num_prompts
+    output_rate, total_rate = n * args.output_len / best, n * (args.input_len + args.output_len) / best
+    r.put(f"jaxserve offline {n} x ({args.input_len} in + {args.output_len} out): {output_rate:.0f} output tok/s, "
+          f"{total_rate:.0f} total tok/s ({best:.1f} s, best of {args.repeats}; {compiles} programs compiled and "
+          f"{hits} prefix-cache blocks hit in that run)",
+          offline_seconds=best, output_tok_s=output_rate, total_tok_s=total_rate, offline_compiles=compiles)
+
+    prefill_prompts = random_prompts(n, args.input_len, cfg.vocab_size, seed=20_000)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    engine.generate(prefill_prompts[: engine.config.scheduler.max_num_seqs], one, use_tqdm=False)  # its shapes
+    prefill_prompts = random_prompts(n, args.input_len, cfg.vocab_size, seed=20_001)
+    seconds = timed(lambda: engine.generate(prefill_prompts, one, use_tqdm=False))
+    flops = prefill_flops(matmul_params, cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.hidden_size,
+                          cfg.vocab_size, [args.input_len] * n)
+    mfu = flops / seconds / rated[1] if rated else None
+    r.put(f"prefill {n} x {args.input_len} tokens (1 output token each): {n * args.input_len / seconds:.0f} tok/s, "
+          f"{flops / seconds / 1e12:.1f} TFLOP/s" + (f" = {100 * mfu:.1f}% of rated bf16 (MFU)" if rated else ""),
+          prefill_tok_s=n * args.input_len / seconds, prefill_flops=flops, prefill_seconds=seconds, mfu=mfu)
+    return dict(r)
 
 
-def transformers_offline(model_dir: Path, prompts, output_len: int, batch_sizes) -> dict[int, float]:
-    """batch size -> seconds for transformers' greedy generate over `prompts` (equal lengths: no padding), in
-    bfloat16 on a GPU and float32 on CPU, like jaxserve's dtype="auto"."""
+def transformers_offline(model_dir: Path, sets, output_len: int, batch_sizes) -> dict:
+    """transformers' greedy generate over every prompt set at its fastest batch size (probed on one batch each),
+    in bfloat16 on a GPU and float32 on CPU, like jaxserve's dtype="auto"."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -133,49 +227,28 @@ def transformers_offline(model_dir: Path, prompts, output_len: int, batch_sizes)
         if device == "cuda":
             torch.cuda.synchronize()
 
-    times = {}
+    prompts = sets[0]
+    probes = {}
     for b in batch_sizes:
+        if b > len(prompts):
+            continue
         generate(prompts[:b])  # warm-up: kernels, allocator
-        times[b] = timed(lambda: [generate(prompts[i : i + b]) for i in range(0, len(prompts), b)])
-    return times
+        probes[b] = b / timed(lambda: generate(prompts[:b]))  # requests per second
+        print(f"transformers batch {b}: {probes[b] * output_len:.0f} output tok/s on one batch", flush=True)
+    best_batch = max(probes, key=probes.get)
+    seconds = min(timed(lambda: [generate(p[i : i + best_batch]) for i in range(0, len(p), best_batch)])
+                  for p in sets)
+    return dict(batch=best_batch, seconds=seconds, probes=probes)
 
 
-def transformers_in_child(model_dir: Path, prompts, args) -> dict[int, float]:
-    """transformers_offline in a child process that exits before jax starts here: jax keeps the device memory it
-    allocated (the KV cache takes most of it), so the two cannot share one process on a GPU."""
+def in_child(fn, *args):
+    """`fn(*args)` in a fresh process that exits when done: jax keeps the device memory it allocated (the KV
+    cache takes most of it), so the two sides cannot share one process on a GPU."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(transformers_offline, model_dir, prompts, args.output_len, args.hf_batch_sizes).result()
-
-
-def run_jaxserve(model_dir: Path, prompts, args):
-    """-> (offline total tok/s, batch-1 s/token, roofline s/token, bandwidth B/s, device, dtype); prints each."""
-    import jax
-
-    from jaxserve import Engine
-    from jaxserve.config import resolve_dtype
-
-    device = jax.devices()[0]
-    dtype = resolve_dtype("auto", device.platform)
-    print(f"device: {device.device_kind} ({device.platform}, jax {jax.__version__}), {args.shape}, {dtype}")
-    bandwidth = measure_bandwidth(args.bandwidth_mib)
-    print(f"memory bandwidth (elementwise copy of {args.bandwidth_mib} MiB): {bandwidth / 1e9:.0f} GB/s")
-    short, long = args.decode_lens
-    engine = Engine(str(model_dir), load_format="dummy", max_model_len=args.input_len + max(args.output_len, long),
-                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, warmup=False,
-                    async_scheduling=not args.no_async_scheduling)
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.runner.params))
-    roofline = weight_bytes / bandwidth
-    per_token = decode_seconds_per_token(engine, prompts[0][:16], short, long, args.repeats)
-    print(f"batch-1 decode: {per_token * 1e3:.2f} ms/token; weights {weight_bytes / 1e9:.2f} GB / bandwidth = "
-          f"{roofline * 1e3:.2f} ms: {per_token / roofline:.2f}x the roofline (goal <= 1.25x)")
-    seconds, compiles = jaxserve_offline(engine, prompts, args.output_len, args.repeats)
-    ours = len(prompts) * (args.input_len + args.output_len) / seconds
-    print(f"jaxserve offline {len(prompts)} x ({args.input_len} in + {args.output_len} out): {ours:.0f} total tok/s "
-          f"({seconds:.1f} s; {compiles} programs compiled in that run)")
-    return ours, per_token, roofline, bandwidth, device, dtype
+        return pool.submit(fn, *args).result()
 
 
 def main() -> None:
@@ -184,48 +257,59 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--input-len", type=int, default=1000)
     ap.add_argument("--output-len", type=int, default=100)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--repeats", type=int, default=2, help="offline runs; the best counts (the first compiles)")
+    ap.add_argument("--max-num-seqs", type=int, help="default: the engine's (256 on a GPU)")
+    ap.add_argument("--max-num-batched-tokens", type=int, help="default: the engine's (8192 on a GPU)")
+    ap.add_argument("--compilation-cache-dir", help="default: the engine's (~/.cache/jaxserve/xla)")
+    ap.add_argument("--repeats", type=int, default=2, help="offline runs per side; the best counts (jaxserve's "
+                    "first compiles)")
     ap.add_argument("--decode-lens", type=int, nargs=2, default=(32, 160), metavar=("SHORT", "LONG"),
                     help="output lengths of the two batch-1 runs whose difference gives the per-token time")
-    ap.add_argument("--bandwidth-mib", type=int, default=4096)
-    ap.add_argument("--hf-num-prompts", type=int, default=128)
-    ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--bandwidth-mib", type=int, default=1024, help="read and written beside the KV cache: 1 GiB is "
+                    "20x an H100's L2 cache and fits the memory the cache leaves")
+    ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[32, 64, 128])
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="jaxserve reads each step back before scheduling the next (to measure what overlap buys)")
-    ap.add_argument("--append", metavar="BENCHMARKS.md", help="append the result rows to this file")
+    ap.add_argument("--json", metavar="PATH", help="write jaxserve's figures here as each is measured")
+    ap.add_argument("--append", metavar="BENCHMARKS.md", help="append the result row to this file")
     args = ap.parse_args()
-    if min(args.num_prompts, args.input_len, args.output_len, args.repeats, args.hf_num_prompts) < 1:
-        ap.error("--num-prompts, --input-len, --output-len, --repeats and --hf-num-prompts must be at least 1")
+    if min(args.num_prompts, args.input_len, args.output_len, args.repeats) < 1:
+        ap.error("--num-prompts, --input-len, --output-len and --repeats must be at least 1")
     short, long = args.decode_lens
     if not 0 < short < long:
         ap.error(f"--decode-lens needs 0 < SHORT < LONG, got {short} {long}")
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(args.shape, Path(tmp))
-        prompts = random_prompts(args.num_prompts, args.input_len, SHAPES[args.shape]["vocab_size"])
-        hf = None if args.no_transformers else transformers_in_child(model_dir, prompts[: args.hf_num_prompts], args)
-        ours, per_token, roofline, bandwidth, device, dtype = run_jaxserve(model_dir, prompts, args)
-    theirs = best_batch = None
+        ours = in_child(run_jaxserve, model_dir, args)
+        hf = None if args.no_transformers else in_child(transformers_offline, model_dir, prompt_sets(args),
+                                                        args.output_len, args.hf_batch_sizes)
+    theirs = None
     if hf is not None:
-        best_batch = min(hf, key=hf.get)
-        n = min(args.hf_num_prompts, args.num_prompts)
-        theirs = n * (args.input_len + args.output_len) / hf[best_batch]
-        print(f"transformers offline, first {n} requests: {theirs:.0f} total tok/s "
-              f"(best batch size {best_batch} of {args.hf_batch_sizes})")
+        theirs = args.num_prompts * (args.input_len + args.output_len) / hf["seconds"]
+        print(f"transformers offline, the same {args.num_prompts} requests: "
+              f"{args.num_prompts * args.output_len / hf['seconds']:.0f} output tok/s, {theirs:.0f} total tok/s "
+              f"(batch {hf['batch']}, the fastest of {sorted(hf['probes'])}; best of {args.repeats})")
     if args.append:
-        append_rows(args, device, dtype, bandwidth, per_token, roofline, ours, theirs, best_batch)
-    print(f"ratio jaxserve/transformers: {ours / theirs:.2f}x" if theirs else f"jaxserve: {ours:.0f} total tok/s")
+        append_result_row(args, ours, hf, theirs)
+    total = ours["total_tok_s"]
+    print(f"ratio jaxserve/transformers: {total / theirs:.2f}x" if theirs else f"jaxserve: {total:.0f} total tok/s")
 
 
-def append_rows(args, device, dtype, bandwidth, per_token, roofline, ours, theirs, best_batch) -> None:
-    hf = f"{theirs:.0f} (batch {best_batch})" if theirs else "not run"
-    ratio = f"{ours / theirs:.2f}x" if theirs else ""
-    append_row(args.append, f"{device.device_kind} ({os.cpu_count()} host cores)",
-               command_line("bench_synthetic.py", args.append), dtype, f"{bandwidth / 1e9:.0f}",
-               f"{per_token * 1e3:.2f} ({per_token / roofline:.2f}x roofline)", f"{ours:.0f}", hf, ratio)
+def append_result_row(args, ours: dict, hf: dict | None, theirs: float | None) -> None:
+    rated = ours["rated_bandwidth"]
+    bandwidth = f"{ours['bandwidth'] / 1e9:.0f}" + (f" (rated {rated / 1e9:.0f})" if rated else "")
+    roofline = f"{ours['roofline_ms']:.2f}" + (f" / {ours['rated_roofline_ms']:.2f}" if rated else "")
+    ratio = f"{ours['decode_ms'] / ours['roofline_ms']:.2f}x" + (
+        f" / {ours['decode_ms'] / ours['rated_roofline_ms']:.2f}x" if rated else "")
+    mfu = f"{100 * ours['mfu']:.1f}%" if ours["mfu"] is not None else f"{ours['prefill_flops'] / ours['prefill_seconds'] / 1e12:.2f} TFLOP/s"
+    hf_cell = (f"{args.num_prompts * args.output_len / hf['seconds']:.0f} / {theirs:.0f} (batch {hf['batch']})"
+               if hf else "not run")
+    append_row(args.append, f"{ours['device']} ({ours['host_cores']} host cores)",
+               command_line("bench_synthetic.py", args.append), ours["dtype"], bandwidth,
+               f"{ours['decode_ms']:.2f}", roofline, ratio,
+               f"{ours['output_tok_s']:.0f} / {ours['total_tok_s']:.0f}", mfu, hf_cell,
+               f"{ours['total_tok_s'] / theirs:.2f}x" if theirs else "")
 
 
 if __name__ == "__main__":

@@ -37,16 +37,21 @@ TEXT = (
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "The three primary colors are"]
 
 
-def teacher_forced(engine, ids: list[int]) -> list[tuple[float, int]]:
-    """(logprob of the actual next token, the model's most likely next token) for every position after the first."""
+def teacher_forced(engine, seqs: list[list[int]], **generate_options) -> list[list[tuple[float, int]]]:
+    """For each sequence: (logprob of the actual next token, the model's most likely next token) for every
+    position after the first. `generate_options`: more `Engine.generate` keywords (a lora_request)."""
     from jaxserve import SamplingParams
 
-    out = engine.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0), use_tqdm=False)[0]
-    result = []
-    for position, entry in enumerate(out.prompt_logprobs[1:], start=1):
-        top = next(token for token, lp in entry.items() if lp.rank == 1)
-        result.append((entry[ids[position]].logprob, top))
-    return result
+    outs = engine.generate(seqs, SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0), use_tqdm=False,
+                           **generate_options)
+    results = []
+    for ids, out in zip(seqs, outs):
+        result = []
+        for position, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            top = next(token for token, lp in entry.items() if lp.rank == 1)
+            result.append((entry[ids[position]].logprob, top))
+        results.append(result)
+    return results
 
 
 def greedy(engine, prompts: list[str], max_tokens: int) -> list[list[int]]:
@@ -79,7 +84,7 @@ def evaluate(model: str, max_tokens: int, quantization: str | None = "int8", kv_
     for name, options in (("float", (None, "auto")), ("variant", (quantization, kv_cache_dtype))):
         e = engine(*options)
         ids = e.tokenizer(TEXT)["input_ids"]
-        results[name] = (teacher_forced(e, ids), greedy(e, PROMPTS, max_tokens))
+        results[name] = (teacher_forced(e, [ids])[0], greedy(e, PROMPTS, max_tokens))
         del e
     (ref_tf, ref_greedy), (q_tf, q_greedy) = results["float"], results["variant"]
     ppl = {name: math.exp(-sum(lp for lp, _ in tf) / len(tf)) for name, (tf, _) in results.items()}

@@ -1,48 +1,55 @@
 #!/usr/bin/env bash
-# The checks a session with a lent GPU owes issues 4 and 9, each step one device call (the device tool's `run`,
-# 10 minutes a call; 15 minutes of device time a session since 2026-11-26, a machine's start included, so one
-# or two steps a session). The GPU image has jax, flax, transformers and torch but not `gguf`
-# (which jaxserve's loader imports), so carry its wheel. Once, here (not on the device), in the repo root:
+# The GPU checks, one device call each (the device tool's `run`: 10 minutes a call, 15 minutes of device time a
+# session, a machine's start included). A session lent a GPU runs `all` first. The GPU image has jax, flax,
+# transformers, torch and peft but not gguf, starlette, uvicorn, pydantic or llguidance, which jaxserve imports,
+# so carry their wheels. Once, here (not on the device), in the repo root:
 #
 #   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 -d .whl gguf starlette uvicorn pydantic pydantic_core annotated-types \
+#     typing-inspection      # the versions pip list shows here
+#   python3 -m pip download --no-deps -d .whl llguidance     # abi3: any Python 3.9+
 #   python3 -c "from jaxserve.loader.default_model import default_model_path as p; from transformers import \
 #     AutoTokenizer as T; T.from_pretrained(p().parent, gguf_file=p().name).save_pretrained('.whl/smol-tokenizer')"
 #
-# (the tiny parity checkpoints take SmolLM2's tokenizer; its 93 MB GGUF is over the device's 64 MiB carry limit
-# and cannot be fetched there)
+# (tiny checkpoints and scripts/gpu_accuracy.py take SmolLM2's tokenizer; its 93 MB GGUF is over the device's
+# 64 MiB carry limit and cannot be fetched there)
 #
-# then, with the device tool:   run(command="bash scripts/gpu_session.sh kernels", carry=[".whl"])
-#                               run(command="bash scripts/gpu_session.sh synthetic", carry=[".whl"])
-#                               run(command="bash scripts/gpu_session.sh sync", carry=[".whl"])
+# then, with the device tool:   run(command="bash scripts/gpu_session.sh all", carry=[".whl"], timeout_s=600)
 #
+#   all        every GPU figure and check in one call of at most ALL_BUDGET_S (570) seconds, the most important
+#              first, each part stopped at its own time limit so the later ones still run, each result written
+#              to $OUT as it is known: scripts/gpu_accuracy.py (bfloat16 against transformers float32, then
+#              int8, w8a8, fp8 KV cache, LoRA, ngram speculation, structured output), scripts/bench_coldstart.py
+#              (serve to first answer at the Llama-3-8B shape, empty then warm compilation cache),
+#              scripts/bench_synthetic.py (batch-1 decode against the bytes-read roofline, offline output and
+#              total tok/s, prefill MFU, transformers on the same prompts; it reads the programs the cold start
+#              compiled from the same cache), then the compiled Pallas kernel and parity tests.
+#              DRY_RUN=1 runs the same steps on tiny shapes on the CPU (tests/test_gpu_session.py).
 #   kernels    compiled Pallas kernels against their references, engine parity through them (float32, tiny
 #              Llama), then scripts/bench_kernels.py (decode kernel vs JAX's bundled one and the roofline),
 #              scripts/bench_layer_loop.py (scan vs unrolled layers, 8B shape) and scripts/bench_sampler.py (the
 #              top-k/p filter, search vs sort, 256 x 128256)
-#   synthetic  scripts/bench_synthetic.py: Llama-3-8B shape, bfloat16: batch-1 decode vs the roofline, 1000 x
-#              (1000 in + 100 out) offline throughput, transformers on the same GPU
+#   synthetic  scripts/bench_synthetic.py alone
 #   sync       the same without transformers and with --no-async-scheduling: what overlapping host work buys
 #   tune       scripts/tune_decode_kernel.py: the decode kernel's knobs swept at six shapes (~5 minutes)
-#   decode     issue 4's open goals in one call: tune_decode_kernel.py at 64x2048, 8x8192 and 1x512, bench_kernels.py
+#   decode     issue 4's goals in one call: tune_decode_kernel.py at 64x2048, 8x8192 and 1x512, bench_kernels.py
 #              at the best setting, the compiled kernel and parity tests, Nsight Compute if time is left (~9 min)
-#   profile    Nsight Compute on both decode kernels at batch 64 x 2048 (issue 4's bandwidth goal): duration, DRAM
-#              throughput, occupancy, registers, warp stalls; then ours with --prefetch none
+#   profile    Nsight Compute on both decode kernels at batch 64 x 2048: duration, DRAM throughput, occupancy,
+#              registers, warp stalls; then ours with --prefetch none
 #
-# Logs and BENCHMARKS.md rows land in $OUT (the device tool brings them back); copy the rows into BENCHMARKS.md.
-#
-# Compiles: the offline run meets about 19 step shapes (counted on CPU with `--shape tiny` and the same
-# scheduler settings), each an 8B-layer program to compile. If `synthetic` reaches the call's 10-minute limit,
-# call it again at once: while the machine is still warm (30 s after a call) the programs already compiled are
-# read from jaxserve's persistent compilation cache (~/.cache/jaxserve/xla there), and the log in $OUT says
-# how far the first call got.
+# Logs, JSON results and BENCHMARKS.md rows land in $OUT (the device tool brings them back); copy the rows into
+# BENCHMARKS.md. A command cut by its time limit leaves its log and JSON as far as it got.
 set -uo pipefail
-step=${1:?usage: scripts/gpu_session.sh kernels|synthetic|sync|tune|decode|profile}
+step=${1:?usage: scripts/gpu_session.sh all|kernels|synthetic|sync|tune|decode|profile}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
+dry=${DRY_RUN:-0}
 
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ "$dry" = 1 ]; then
+  export PYTHONPATH=$PWD
+elif ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
   export PYTHONPATH=/tmp/site:$PWD
@@ -52,11 +59,46 @@ else
 fi
 [ -d .whl/smol-tokenizer ] && export JAXSERVE_TEST_TOKENIZER_DIR=$PWD/.whl/smol-tokenizer
 export PYTHONUNBUFFERED=1
+# Seconds for the next part: its own cap, or what is left of the deadline (at least 1: `timeout 0` means none).
+left() { local n=$((deadline - SECONDS)); n=$((n < $1 ? n : $1)); echo $((n > 0 ? n : 1)); }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/device.txt" 2>&1
 python3 -c "import jax; print(jax.__version__, jax.devices())" >>"$out/device.txt" 2>&1
 cat "$out/device.txt"
 
 case "$step" in
+  all)
+    deadline=$((SECONDS + ${ALL_BUDGET_S:-570}))
+    cache=/tmp/jaxserve-coldstart-xla  # the cold start fills it; the synthetic run reads its programs from it
+    if [ "$dry" = 1 ]; then
+      accuracy=(--shape tiny --train-steps 10 --sequences 2 --length 24 --variants int8 structured)
+      coldstart=(--shape tiny --serve-args "--max-num-seqs 1 --max-num-batched-tokens 16 --max-logprobs 0")
+      synthetic=(--shape tiny --num-prompts 4 --input-len 16 --output-len 4 --decode-lens 4 12 --bandwidth-mib 16
+                 --hf-batch-sizes 2 4 --max-num-seqs 4 --max-num-batched-tokens 64)
+      caps=(300 300 300 120)
+    else
+      accuracy=() coldstart=() synthetic=() caps=(150 240 330 170)
+    fi
+    # 1. Is bfloat16 right? Never checked end to end before; cheap (a 135M model, a few programs per engine).
+    timeout -k 15 "$(left "${caps[0]}")" python3 scripts/gpu_accuracy.py "${accuracy[@]}" --json "$out/accuracy.json" 2>&1 \
+      | grep -v -e "it/s\]" -e "^  warnings.warn" | tee "$out/accuracy.log"
+    # 2. How long until `jaxserve serve` answers: every warm-up program of the 8B shape from an empty cache, then
+    # from the cache it filled.
+    timeout -k 15 "$(left "${caps[1]}")" python3 scripts/bench_coldstart.py "${coldstart[@]}" --cache-dir "$cache" \
+      --timeout "$(($(left "${caps[1]}") - 70))" --json "$out/coldstart.json" --append "$out/benchmark_rows.md" 2>&1 \
+      | tee "$out/coldstart.log"
+    # 3. The throughput and latency figures, counted by the bytes and FLOPs a step needs.
+    timeout -k 15 "$(left "${caps[2]}")" python3 scripts/bench_synthetic.py "${synthetic[@]}" --compilation-cache-dir "$cache" \
+      --json "$out/synthetic.json" --append "$out/benchmark_rows.md" 2>&1 | tee "$out/synthetic.log"
+    # 4. The compiled kernels against their references (interpret mode on CPU: the suite runs those).
+    if [ "$dry" = 1 ]; then
+      timeout -k 15 "$(left "${caps[3]}")" python3 scripts/bench_kernels.py --tiny 2>&1 | tee "$out/kernels.log"
+    else
+      PALLAS_COMPILED=1 timeout -k 15 "$(left "${caps[3]}")" python3 -m pytest -q -p no:cacheprovider pallas_kernels \
+        tests/models/test_parity_pallas.py -k "not test_only_the_kernels_compile_decode_variants" 2>&1 \
+        | tee "$out/kernel_tests.log"
+    fi
+    echo "all: done in $SECONDS s"
+    ;;
   kernels)
     # The test on the real SmolLM2 engine needs its GGUF, which cannot reach the device. The parity tests run the
     # layers unrolled there ("auto" on GPU, runner/layer_loop.py).
@@ -85,12 +127,10 @@ case "$step" in
     # setting, the compiled tests, then Nsight Compute at 64 x 2048 with whatever time is left. Each part stops
     # at its own limit so the later ones still run.
     deadline=$((SECONDS + ${DECODE_BUDGET_S:-540}))
-    # Seconds for the next part: its own cap, or what is left (at least 1: `timeout 0` would mean no limit).
-    left() { local n=$((deadline - SECONDS)); n=$((n < $1 ? n : $1)); echo $((n > 0 ? n : 1)); }
-    timeout "$(left 210)" python3 scripts/tune_decode_kernel.py --shapes 64x2048 8x8192 1x512 --iters 3 \
+    timeout -k 15 "$(left 210)" python3 scripts/tune_decode_kernel.py --shapes 64x2048 8x8192 1x512 --iters 3 \
       --best "$out/best.txt" 2>&1 | tee "$out/tune_decode_kernel.log"
     best=$(cat "$out/best.txt" 2>/dev/null)
-    timeout "$(left 120)" python3 scripts/bench_kernels.py --iters 5 $best --append "$out/benchmark_rows.md" 2>&1 \
+    timeout -k 15 "$(left 120)" python3 scripts/bench_kernels.py --iters 5 $best --append "$out/benchmark_rows.md" 2>&1 \
       | tee "$out/bench_kernels.log"
     PALLAS_COMPILED=1 timeout "$(left 170)" python3 -m pytest -q -p no:cacheprovider pallas_kernels \
       tests/models/test_parity_pallas.py -k "not test_only_the_kernels_compile_decode_variants" 2>&1 \
@@ -108,7 +148,7 @@ case "$step" in
     done
     ;;
   *)
-    echo "unknown step $step: use kernels, synthetic, sync, tune, decode or profile" >&2
+    echo "unknown step $step: use all, kernels, synthetic, sync, tune, decode or profile" >&2
     exit 2
     ;;
 esac
