@@ -113,6 +113,9 @@ def train_model(shape: str, tokenizer_dir: str, out: Path, chain: MarkovChain, m
     model.eval()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    del model, opt
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return dict(steps=len(losses), first_loss=losses[0], last_loss=recent, chain_entropy=entropy)
 
 
@@ -188,12 +191,14 @@ def make_adapter(model_dir: Path, out: Path, r: int = 8) -> Path:
 
 
 def jax_engine(model_dir: Path, cpu: bool = False, **options):
+    """An engine with a cache of its own size: several live in this process beside torch, so none may size its
+    cache from the memory left (the first would take it all)."""
     import jax
 
     from jaxserve import Engine
 
     devices = jax.devices("cpu")[:1] if cpu else None
-    return Engine(str(model_dir), warmup=False, max_model_len=512, devices=devices, **options)
+    return Engine(str(model_dir), warmup=False, max_model_len=512, num_kv_blocks=1024, devices=devices, **options)
 
 
 def run(args) -> dict:
@@ -245,7 +250,7 @@ def check_variant(variant: str, engine, model_dir: Path, seqs, f32, put, tmp: st
 
     if variant in ("int8", "w8a8", "fp8-kv"):
         options = dict(kv_cache_dtype="fp8") if variant == "fp8-kv" else dict(quantization=variant)
-        ours = teacher_forced(jax_engine(model_dir, **options), seqs)
+        ours = teacher_forced(jax_engine(model_dir, **options), seqs)  # each engine is freed once it has answered
         on_cpu = teacher_forced(jax_engine(model_dir, cpu=True, **options), seqs)
         vs_ref, vs_cpu = compare(ours, f32), compare(ours, on_cpu)
         put(variant, f"{variant}: vs transformers float32 {agreement_text(vs_ref)}; vs the same {variant} in float32 "
@@ -286,6 +291,8 @@ def check_variant(variant: str, engine, model_dir: Path, seqs, f32, put, tmp: st
 
 
 def main() -> None:
+    # torch and jax share the GPU in this process: jax takes memory as it needs it rather than 75% at its start.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
     ap.add_argument("--tokenizer", help="a tokenizer directory or GGUF file (default: $JAXSERVE_TEST_TOKENIZER_DIR, "
