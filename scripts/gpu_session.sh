@@ -69,6 +69,7 @@ case "$step" in
   all)
     deadline=$((SECONDS + ${ALL_BUDGET_S:-570}))
     cache=/tmp/jaxserve-coldstart-xla  # the cold start fills it; the synthetic run reads its programs from it
+    # One log for all parts: the device tool brings back at most 8 files.
     if [ "$dry" = 1 ]; then
       accuracy=(--shape tiny --train-steps 10 --sequences 2 --length 24 --variants int8 structured)
       coldstart=(--shape tiny --serve-args "--max-num-seqs 1 --max-num-batched-tokens 16 --max-logprobs 0")
@@ -80,24 +81,24 @@ case "$step" in
     fi
     # 1. Is bfloat16 right? Never checked end to end before; cheap (a 135M model, a few programs per engine).
     timeout -k 15 "$(left "${caps[0]}")" python3 scripts/gpu_accuracy.py "${accuracy[@]}" --json "$out/accuracy.json" 2>&1 \
-      | grep -v -e "it/s\]" -e "^  warnings.warn" | tee "$out/accuracy.log"
+      | grep -v -e "it/s\]" -e "^  warnings.warn" | tee -a "$out/all.log"
     # 2. How long until `jaxserve serve` answers: every warm-up program of the 8B shape from an empty cache, then
     # from the cache it filled.
-    timeout -k 15 "$(left "${caps[1]}")" python3 scripts/bench_coldstart.py "${coldstart[@]}" --cache-dir "$cache" \
+    timeout -k 15 "$(left "${caps[1]}")" python3 scripts/bench_coldstart.py "${coldstart[@]}" --cache-dir "$cache" --echo \
       --timeout "$(($(left "${caps[1]}") - 70))" --json "$out/coldstart.json" --append "$out/benchmark_rows.md" 2>&1 \
-      | tee "$out/coldstart.log"
+      | tee -a "$out/all.log"
     # 3. The throughput and latency figures, counted by the bytes and FLOPs a step needs.
     timeout -k 15 "$(left "${caps[2]}")" python3 scripts/bench_synthetic.py "${synthetic[@]}" --compilation-cache-dir "$cache" \
-      --json "$out/synthetic.json" --append "$out/benchmark_rows.md" 2>&1 | tee "$out/synthetic.log"
+      --json "$out/synthetic.json" --append "$out/benchmark_rows.md" 2>&1 | tee -a "$out/all.log"
     # 4. The compiled kernels against their references (interpret mode on CPU: the suite runs those).
     if [ "$dry" = 1 ]; then
-      timeout -k 15 "$(left "${caps[3]}")" python3 scripts/bench_kernels.py --tiny 2>&1 | tee "$out/kernels.log"
+      timeout -k 15 "$(left "${caps[3]}")" python3 scripts/bench_kernels.py --tiny 2>&1 | tee -a "$out/all.log"
     else
       PALLAS_COMPILED=1 timeout -k 15 "$(left "${caps[3]}")" python3 -m pytest -q -p no:cacheprovider pallas_kernels \
         tests/models/test_parity_pallas.py -k "not test_only_the_kernels_compile_decode_variants" 2>&1 \
-        | tee "$out/kernel_tests.log"
+        | tee -a "$out/all.log"
     fi
-    echo "all: done in $SECONDS s"
+    echo "all: done in $SECONDS s" | tee -a "$out/all.log"
     ;;
   kernels)
     # The test on the real SmolLM2 engine needs its GGUF, which cannot reach the device. The parity tests run the
