@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import random
+import time
 from collections import deque
 
 import jax
@@ -106,8 +107,10 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         self.mesh_shape = resolve_mesh(mesh, tensor_parallel_size, pipeline_parallel_size)
         if enable_lora:  # the layers get adapter slots beside their weights (models/lora.py)
             cfg = dataclasses.replace(cfg, lora_slots=max_loras, lora_rank=max_lora_rank)
+        started = time.perf_counter()
         self.runner = ModelRunner(cfg, ckpt.tensors, dtype, block_size, self.mesh_shape, attention_impl,
                                   pp_layer_partition, quantization, layer_loop, kv_cache_dtype, devices)
+        log.info("Weights loaded in %.1f s", time.perf_counter() - started)
         self.adapters = EngineAdapters(self.runner, cfg, max_loras, max_lora_rank, enable_lora)
         for name, path in (lora_modules or {}).items():
             self.adapters.preload(name, path)
@@ -122,7 +125,10 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         # speculative decoding runs its steps one after the other).
         self.async_scheduling = async_scheduling and jax.process_count() == 1 and speculative is None
         self._launched: deque[InFlightStep] = deque()  # dispatched, not read back yet (oldest first)
+        started = time.perf_counter()
         num_kv_blocks = size_kv_cache(self.runner, self.plan_shape, num_kv_blocks, kv_cache_memory_fraction)
+        log.info("KV cache sized and allocated in %.1f s (a profiling step at the largest bucket, compiled first)",
+                 time.perf_counter() - started)
         max_model_len = fit_context_to_cache(max_model_len, requested_len, (num_kv_blocks - 1) * block_size)
         self.plan_shape = dataclasses.replace(self.plan_shape, max_model_len=max_model_len)
         log.info(capacity_line(num_kv_blocks, block_size, max_model_len, self.runner.kv_dtype))
@@ -161,8 +167,11 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
 
         total = self.runner.warmup_size(self.plan_shape)
         threads = compile_threads or min(8, os.cpu_count() or 1)
+        started = time.perf_counter()
         with tqdm(total=total, desc=desc, unit="program") as bar:
             self.runner.warmup(self.plan_shape, bar, threads)
+        log.info("Warm-up: %d step programs compiled (or read from the compilation cache) in %.1f s, %d at a time",
+                 total, time.perf_counter() - started, threads)
         self._compiles_at_warmup = self.runner.num_compiles
 
     @property

@@ -71,8 +71,9 @@ case "$step" in
     cache=/tmp/jaxserve-coldstart-xla  # the cold start fills it; the synthetic run reads its programs from it
     # One log for all parts: the device tool brings back at most 8 files.
     if [ "$dry" = 1 ]; then
-      accuracy=(--shape tiny --train-steps 10 --sequences 2 --length 24 --variants int8 structured)
-      coldstart=(--shape tiny --serve-args "--max-num-seqs 1 --max-num-batched-tokens 16 --max-logprobs 0")
+      accuracy=(--shape tiny --train-steps 5 --sequences 2 --length 24 --variants int8 structured)
+      # A small cache: the CPU default is a share of host memory, seconds of zero-filling on each start.
+      coldstart=(--shape tiny --serve-args "--max-num-seqs 1 --max-num-batched-tokens 16 --num-kv-blocks 64")
       synthetic=(--shape tiny --num-prompts 4 --input-len 16 --output-len 4 --decode-lens 4 12 --bandwidth-mib 16
                  --hf-batch-sizes 2 4 --max-num-seqs 4 --max-num-batched-tokens 64)
       caps=(300 300 300 120)
