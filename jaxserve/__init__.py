@@ -1,12 +1,20 @@
 """jaxserve: a JAX/XLA inference engine for large language models."""
 
-from jaxserve.beam_search_params import BeamSearchParams
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
-                              EmbeddingRequestOutput, Logprob, PoolingRequestOutput, RequestOutput, ScoringOutput,
-                              ScoringRequestOutput)
+from jaxserve.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from jaxserve.pooling_params import PoolingParams
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
 

@@ -7,8 +7,64 @@ Variants are made with `dataclasses.replace`. `ModelConfig` describes an archite
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """A device mesh: `tp` tensor-parallel devices x `pp` pipeline stages. Parsed once, where the user gave it
+    (`--mesh 8x2`, `mesh="8x2"`, `-tp 8 -pp 2`, a job file's keys), and passed on as this value; it unpacks as
+    `tp, pp = shape`."""
+
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self):
+        for name in ("tp", "pp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"mesh '{self.tp}x{self.pp}' needs tp >= 1 and pp >= 1")
+
+    @classmethod
+    def parse(cls, text: str) -> MeshShape:
+        """"8x2" -> MeshShape(tp=8, pp=2)."""
+        m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", str(text))
+        if not m:
+            raise ValueError(f"mesh {text!r} is not of the form TPxPP, e.g. 8x2 for 8 tensor-parallel devices x "
+                             "2 pipeline stages")
+        return cls(int(m.group(1)), int(m.group(2)))
+
+    @classmethod
+    def of(cls, mesh: MeshShape | str | tuple[int, int] | None = None, tensor_parallel_size: int | None = None,
+           pipeline_parallel_size: int | None = None) -> MeshShape:
+        """The mesh from either of its two spellings, vLLM's sizes (either may be left out: 1) or TPxPP; not both."""
+        sizes = (tensor_parallel_size, pipeline_parallel_size)
+        if mesh is not None and sizes != (None, None):
+            raise ValueError("give the mesh either as mesh TPxPP (--mesh) or as tensor_parallel_size/"
+                             "pipeline_parallel_size (-tp/-pp), not both")
+        if isinstance(mesh, MeshShape):
+            return mesh
+        if isinstance(mesh, tuple):
+            return cls(*mesh)
+        if mesh is not None:
+            return cls.parse(mesh)
+        for name, n in zip(("tensor_parallel_size", "pipeline_parallel_size"), sizes):
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+                raise ValueError(f"{name} must be a positive integer, got {n!r}")
+        return cls(tensor_parallel_size or 1, pipeline_parallel_size or 1)
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.pp
+
+    def __iter__(self):
+        return iter((self.tp, self.pp))
+
+    def __str__(self) -> str:
+        return f"{self.tp}x{self.pp}"
+
 
 # Engine(attention_impl=...): "auto" takes the Pallas kernels on GPU/TPU and the reference on CPU.
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas-interpret")
@@ -195,3 +251,46 @@ def resolve_dtype(dtype: str, platform: str) -> str:
         raise ValueError(f"dtype={dtype!r} is not supported; use 'auto', 'float32' or 'bfloat16' (bfloat16 stands "
                          "in for float16: the same speed and memory, float32's range)")
     return aliases[dtype]
+
+
+_NGRAM_NAMES = ("ngram", "[ngram]")  # vLLM once took the method as the draft "model" name
+_VLLM_ONLY = ("eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "deepseek_mtp", "mtp", "suffix")
+_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    method: str = "ngram"
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """vLLM's dict (`{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}`) -> config;
+        ValueError naming the bad key or value. A lookup bound left out takes the other's value; both left out
+        are 5, vLLM's defaults."""
+        if options is None or isinstance(options, SpeculativeConfig):
+            return options
+        if not isinstance(options, dict):
+            raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram', "
+                             f"'num_speculative_tokens': 4}}, got {type(options).__name__}")
+        unknown = sorted(set(options) - set(_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {', '.join(unknown)}; known: {', '.join(_KEYS)}")
+        method = options.get("method") or options.get("model")
+        if method not in _NGRAM_NAMES:
+            hint = " (a draft-model method vLLM has)" if method in _VLLM_ONLY else ""
+            raise ValueError(f"speculative_config method {method!r}{hint} is not supported; jaxserve drafts with "
+                             "method 'ngram' (prompt lookup)")
+        if "num_speculative_tokens" not in options:
+            raise ValueError("speculative_config needs num_speculative_tokens, the tokens drafted per step (e.g. 4)")
+        low, high = options.get("prompt_lookup_min"), options.get("prompt_lookup_max")
+        low, high = (5, 5) if low is None and high is None else (low or high, high or low)
+        for name, value in (("num_speculative_tokens", options["num_speculative_tokens"]),
+                            ("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
+        if low > high:
+            raise ValueError(f"speculative_config prompt_lookup_min={low} exceeds prompt_lookup_max={high}")
+        return cls(options["num_speculative_tokens"], low, high)

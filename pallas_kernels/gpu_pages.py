@@ -6,9 +6,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (MASK_VALUE, cap_scores, cdiv, dot_nt, next_pow2, online_softmax_step, softmax_init,
-                                   visible)
-
+from pallas_kernels.common import (
+    MASK_VALUE,
+    cap_scores,
+    cdiv,
+    dot_nt,
+    next_pow2,
+    online_softmax_step,
+    softmax_init,
+    visible,
+)
 
 PREFETCH_MODES = ("none", "pages", "tiles")
 

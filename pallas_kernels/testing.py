@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
 # `PALLAS_COMPILED=1 python -m pytest pallas_kernels` on a GPU (or TPU) machine: the kernels of that platform
 # compiled, instead of both platforms' kernels interpreted on CPU (the default, and CI's).
 COMPILED = os.environ.get("PALLAS_COMPILED") == "1"

@@ -104,7 +104,7 @@ def files_in(directory: Path) -> int:
 
 def start_once(model_dir: Path, cache_dir: Path, timeout: float, extra: list[str], echo: bool) -> dict:
     port = free_port()
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", str(model_dir), "--load-format", "dummy", "--port",
+    cmd = [sys.executable, "-m", "jaxserve.cli.main", "serve", str(model_dir), "--load-format", "dummy", "--port",
            str(port), "--compilation-cache-dir", str(cache_dir), *extra]
     files_before = files_in(cache_dir)
     t0 = time.perf_counter()

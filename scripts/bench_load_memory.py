@@ -24,12 +24,12 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, psutil
 from jaxserve.loader.checkpoint import open_checkpoint
-from jaxserve.parallel.sharding import parse_mesh
+from jaxserve.config import MeshShape
 from jaxserve.runner.model_runner import ModelRunner
 
 ckpt = open_checkpoint(sys.argv[2])
 before = psutil.Process().memory_info().rss
-runner = ModelRunner(ckpt.config, ckpt.tensors, "float32", 16, parse_mesh(sys.argv[1]))
+runner = ModelRunner(ckpt.config, ckpt.tensors, "float32", 16, MeshShape.parse(sys.argv[1]))
 jax.block_until_ready(runner.params)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 placed = sum(s.data.nbytes for leaf in jax.tree.leaves(runner.params) for s in leaf.addressable_shards)

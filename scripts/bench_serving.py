@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
-
 from benchmark_table import append_row
 
 WORDS = "the a of model engine token batch serve fast river mountain code data cache page block light".split()

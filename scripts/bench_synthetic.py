@@ -101,7 +101,6 @@ class Results(dict):
 def param_groups(params) -> tuple[dict[str, int], int]:
     """(bytes per top-level parameter group, elements of the layers' matmul weights)."""
     import jax
-
     from roofline import is_matmul_weight
 
     groups: dict[str, int] = {}
@@ -130,11 +129,11 @@ def decode_seconds_per_token(engine, prompt: list[int], short: int, long: int, r
 def run_jaxserve(model_dir: Path, args) -> dict:
     """Every jaxserve figure (in its own process: see the module docstring)."""
     import jax
-
     from bench_kernels import copy_bandwidth
+    from roofline import decode_step_bytes, prefill_flops, rated_limits
+
     from jaxserve import Engine, SamplingParams
     from jaxserve.config import resolve_dtype
-    from roofline import decode_step_bytes, prefill_flops, rated_limits
 
     r = Results(args.json)
     device = jax.devices()[0]
@@ -180,7 +179,7 @@ def run_jaxserve(model_dir: Path, args) -> dict:
     best, compiles, hits = float("inf"), 0, 0
     for prompts in prompt_sets(args):
         before = engine.stats()
-        t = timed(lambda: engine.generate(prompts, params, use_tqdm=False))
+        t = timed(lambda prompts=prompts: engine.generate(prompts, params, use_tqdm=False))
         after = engine.stats()
         if t < best:
             best = t
@@ -233,10 +232,10 @@ def transformers_offline(model_dir: Path, sets, output_len: int, batch_sizes) ->
         if b > len(prompts):
             continue
         generate(prompts[:b])  # warm-up: kernels, allocator
-        probes[b] = b / timed(lambda: generate(prompts[:b]))  # requests per second
+        probes[b] = b / timed(lambda b=b: generate(prompts[:b]))  # requests per second
         print(f"transformers batch {b}: {probes[b] * output_len:.0f} output tok/s on one batch", flush=True)
     best_batch = max(probes, key=probes.get)
-    seconds = min(timed(lambda: [generate(p[i : i + best_batch]) for i in range(0, len(p), best_batch)])
+    seconds = min(timed(lambda p=p: [generate(p[i : i + best_batch]) for i in range(0, len(p), best_batch)])
                   for p in sets)
     return dict(batch=best_batch, seconds=seconds, probes=probes)
 

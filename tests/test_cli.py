@@ -7,8 +7,11 @@ import types
 
 import pytest
 
-from jaxserve import cli, cli_engine, cli_serve
-from jaxserve.cli_args import parse_with_config
+from jaxserve.cli import engine_options as cli_engine
+from jaxserve.cli import main as cli
+from jaxserve.cli import serve as cli_serve
+from jaxserve.cli.args import parse_with_config
+from jaxserve.config import MeshShape
 
 
 def parse(argv):
@@ -17,7 +20,7 @@ def parse(argv):
 
 
 def run_cli(*argv):
-    return subprocess.run([sys.executable, "-m", "jaxserve.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "jaxserve.cli.main", *argv], capture_output=True, text=True,
                           timeout=300)  # a hang guard: a slow CI machine loads and compiles in minutes
 
 
@@ -42,10 +45,10 @@ def test_help_of_each_subcommand(command):
 def test_defaults_and_mesh_forms():
     args = parse(["serve"])
     assert (args.model, args.host, args.port, args.dtype, args.block_size) == (None, "127.0.0.1", 8000, "auto", 16)
-    assert cli_engine.mesh_from_args(args) is None
-    assert cli_engine.mesh_from_args(parse(["serve", "m", "--mesh", "8x2"])) == "8x2"
-    assert cli_engine.mesh_from_args(parse(["serve", "-tp", "4"])) == "4x1"
-    assert cli_engine.mesh_from_args(parse(["serve", "-tp", "2", "-pp", "3"])) == "2x3"
+    assert cli_engine.mesh_from_args(args) == MeshShape(1, 1)
+    assert cli_engine.mesh_from_args(parse(["serve", "m", "--mesh", "8x2"])) == MeshShape(8, 2)
+    assert cli_engine.mesh_from_args(parse(["serve", "-tp", "4"])) == MeshShape(4, 1)
+    assert cli_engine.mesh_from_args(parse(["serve", "-tp", "2", "-pp", "3"])) == MeshShape(2, 3)
 
 
 def test_config_file_values_with_command_line_winning(tmp_path):
@@ -55,7 +58,7 @@ def test_config_file_values_with_command_line_winning(tmp_path):
     args = parse(["serve", "--config", str(config), "--port", "9100"])
     assert (args.model, args.port, args.max_model_len, args.served_model_name) == ("/models/x.gguf", 9100, 1024,
                                                                                    ["a", "b"])
-    assert cli_engine.mesh_from_args(args) == "2x1"
+    assert cli_engine.mesh_from_args(args) == MeshShape(2, 1)
     assert parse(["serve", "other", "--config", str(config)]).model == "other"
 
 
@@ -116,7 +119,7 @@ def test_generate_prints_the_completion(capsys, fake_engine_module):
     assert cli.main(["generate", "--prompt", "Count:", "--max-tokens", "3", "--max-model-len", "128",
                      "-tp", "2", "--quantization", "int8", "--load-format", "dummy"]) == 0
     assert capsys.readouterr().out == " one two three\n"
-    assert fake_engine_module["max_model_len"] == 128 and fake_engine_module["mesh"] == "2x1"
+    assert fake_engine_module["max_model_len"] == 128 and fake_engine_module["mesh"] == MeshShape(2, 1)
     assert fake_engine_module["model"] is None and fake_engine_module["quantization"] == "int8"
     assert fake_engine_module["load_format"] == "dummy" and fake_engine_module["async_scheduling"] is True
     assert fake_engine_module["warmup"] is False  # one prompt compiles only the step shapes it meets
@@ -242,7 +245,8 @@ def test_engine_refusal_is_a_one_line_error():
 def test_ray_followers_get_the_arguments_main_was_called_with(monkeypatch):
     """Not sys.argv: `main(argv)` called in-process (tests, embedding) must forward its own argv. Ray itself is
     stubbed: the test follows the arguments from `cli.main` through `launch_followers` to each actor's run()."""
-    from jaxserve.parallel import multinode, ray_launcher
+    from jaxserve.cli import cluster as multinode
+    from jaxserve.cli import ray as ray_launcher
 
     started = []
 

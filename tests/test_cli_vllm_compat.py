@@ -7,9 +7,10 @@ import os
 
 import pytest
 
-from jaxserve import cli, cli_serve
-from jaxserve.cli_args import token_count
-from jaxserve.cli_compat import check_vllm_options, modality_limits, normalize_option_spelling
+from jaxserve.cli import main as cli
+from jaxserve.cli import serve as cli_serve
+from jaxserve.cli.args import token_count
+from jaxserve.cli.compat import check_vllm_options, modality_limits, normalize_option_spelling
 from jaxserve.config import resolve_dtype
 from tests.test_cli import key_required, parse, user_error
 
@@ -72,7 +73,7 @@ def test_what_cannot_be_honoured_is_refused_in_one_line(capsys, argv, expected):
 
 
 def test_options_without_effect_are_accepted_with_a_warning_each(capsys, caplog, fake_engine_module):
-    caplog.set_level(logging.WARNING, logger="jaxserve.cli")
+    caplog.set_level(logging.WARNING, logger="jaxserve.cli.main")
     assert generate("--enforce-eager", "--trust-remote-code", "--swap-space", "4", "--no-enable-chunked-prefill",
                     "--disable-custom-all-reduce", "--max-seq-len-to-capture", "8192", "--kv-cache-dtype", "auto",
                     "--load-format", "safetensors", "--tokenizer-mode", "auto", "--task", "embed", "--runner",
@@ -152,7 +153,7 @@ def test_float_is_float32_everywhere():
 
 
 def test_server_options_without_effect_are_warned_about(caplog):
-    caplog.set_level(logging.WARNING, logger="jaxserve.cli")
+    caplog.set_level(logging.WARNING, logger="jaxserve.cli.main")
     check_vllm_options(parse(["serve", "--disable-fastapi-docs", "--disable-frontend-multiprocessing"]))
     assert [record.getMessage().split(" has no effect")[0] for record in caplog.records] == [
         "--disable-fastapi-docs", "--disable-frontend-multiprocessing"]

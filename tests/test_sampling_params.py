@@ -133,7 +133,7 @@ def test_min_tokens_bounded_by_max_tokens():
 
 
 def test_truncate_prompt_keeps_the_end():
-    from jaxserve.engine_inputs import truncate_prompt
+    from jaxserve.engine.inputs import truncate_prompt
 
     ids = list(range(10))
     assert truncate_prompt(ids, None, 8) == ids  # as given: a prompt too long for the context is refused later

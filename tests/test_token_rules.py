@@ -1,10 +1,10 @@
-"""token_rules.py on its own: the bans a bad word asks for, with and without a token in flight, and the bitmask of
+"""core/token_rules.py on its own: the bans a bad word asks for, with and without a token in flight, and the bitmask of
 allowed tokens."""
 
 import numpy as np
 import pytest
 
-from jaxserve.token_rules import ALWAYS, allowed_bitmask, bad_word_bans
+from jaxserve.core.token_rules import ALWAYS, allowed_bitmask, bad_word_bans
 
 WORDS = ((5,), (1, 2), (1, 2, 3))
 
@@ -44,7 +44,7 @@ def test_the_bias_slots_count_the_sequences_eos_ids():
     """A model whose config names no EOS bans the tokenizer's under min_tokens: that slot counts too."""
     from types import SimpleNamespace
 
-    from jaxserve.engine_inputs import resolve_token_rules
+    from jaxserve.engine.inputs import resolve_token_rules
     from jaxserve.runner.sampler import BIAS_SLOTS
     from jaxserve.sampling_params import SamplingParams
 
@@ -58,7 +58,7 @@ def test_the_bias_slots_count_the_sequences_eos_ids():
 def test_rules_that_leave_no_token_are_refused():
     from types import SimpleNamespace
 
-    from jaxserve.engine_inputs import resolve_token_rules
+    from jaxserve.engine.inputs import resolve_token_rules
     from jaxserve.sampling_params import SamplingParams
 
     class OneTokenPerWord:

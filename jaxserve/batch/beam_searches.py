@@ -1,15 +1,15 @@
 """Beam-search batch lines (`use_beam_search`): each prompt's search runs as rounds of one-token engine requests
-among the job's other requests, and ends in the one output the HTTP server would render (engine_beam_search.py
+among the job's other requests, and ends in the one output the HTTP server would render (engine/beam_search.py
 runs the same rounds for the server)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxserve.beam_search import BeamSearch, as_request_output, top_logprobs_of
-from jaxserve.beam_search_params import BeamSearchParams
+from jaxserve.core.beam_search import BeamSearch, as_request_output, top_logprobs_of
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import PositionLogprobs, RequestOutput
+from jaxserve.sampling_params import BeamSearchParams
 
 
 @dataclass

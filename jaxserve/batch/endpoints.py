@@ -16,9 +16,9 @@ from jaxserve.outputs import RequestOutput
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.chat_protocol import ChatCompletionRequest
-from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.classify import ClassificationRendering, ClassificationRequest
 from jaxserve.server.embeddings import EmbeddingRendering, EmbeddingRequest
+from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.protocol import CompletionRequest, SamplingFields
 from jaxserve.server.request_bodies import (
     Prompt,

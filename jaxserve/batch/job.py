@@ -14,11 +14,11 @@ from jaxserve.batch.input_file import InputScan, scan_input
 from jaxserve.batch.job_config import BatchJob, load_job
 from jaxserve.batch.problems import JobError
 from jaxserve.batch.progress import BatchProgress
-from jaxserve.batch.result_log import ResultLog
 from jaxserve.batch.replicas import run_on_replicas
+from jaxserve.batch.result_log import ResultLog
 from jaxserve.batch.runner import BatchRunner, RunTotals
 from jaxserve.batch.stop import StopSignals
-from jaxserve.cli_args import UserError
+from jaxserve.errors import UserError
 from jaxserve.server.reasoning_parsers import reasoning_parser
 from jaxserve.server.response_bodies import OutputParsers
 from jaxserve.server.tool_parsers import tool_call_parser
@@ -75,11 +75,11 @@ def run_job(path: str | Path, *, engine=None, engine_factory=None, show_progress
 
 
 def build_engines(job: BatchJob) -> list:
-    """The job's engine, or with `data_parallel_size: N` its N replicas on disjoint devices (data_parallel.py)."""
+    """The job's engine, or with `data_parallel_size: N` its N replicas on disjoint devices (async_engine/data_parallel.py)."""
     replicas = job.engine.data_parallel_size
     if replicas == 1:
         return [build_engine(job)]
-    from jaxserve.data_parallel import build_replicas
+    from jaxserve.async_engine.data_parallel import build_replicas
 
     def replica(devices, **overrides):
         return build_engine(job, devices=devices, warmup=False, **overrides)
@@ -98,7 +98,7 @@ def build_engine(job: BatchJob, **overrides):
 
     try:
         return Engine(job.model, **(job.engine.engine_kwargs() | overrides))
-    except (ValueError, OSError) as exc:  # the engine words these for people (DESIGN.md convention 9)
+    except (ValueError, OSError) as exc:  # the engine words these for people (docs/architecture.md: errors are for people)
         raise UserError(str(exc)) from None
 
 

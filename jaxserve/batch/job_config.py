@@ -15,14 +15,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationInfo, field_validator
 
 from jaxserve.batch.problems import JobError, describe_validation_error
-from jaxserve.cli_args import mesh_shape
-from jaxserve.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, LAYER_LOOPS
+from jaxserve.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, LAYER_LOOPS, MeshShape, SpeculativeConfig
 from jaxserve.loader.chat_content import CONTENT_FORMATS
+from jaxserve.loader.generation_config import GENERATION_CONFIG_SOURCES, check_overrides
 from jaxserve.loader.tokenizer import is_template_text
 from jaxserve.server.reasoning_parsers import REASONING_PARSERS
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
-from jaxserve.loader.generation_config import GENERATION_CONFIG_SOURCES, check_overrides
-from jaxserve.speculative_config import SpeculativeConfig
 
 
 class EngineOptions(BaseModel):
@@ -79,12 +77,7 @@ class EngineOptions(BaseModel):
     @field_validator("mesh", mode="before")
     @classmethod
     def _mesh_form(cls, mesh: Any) -> Any:
-        if mesh is None:
-            return None
-        try:
-            return mesh_shape(str(mesh))
-        except Exception as exc:  # argparse.ArgumentTypeError carries the sentence we want
-            raise ValueError(str(exc)) from None
+        return None if mesh is None else str(MeshShape.parse(str(mesh)))  # a ValueError names the form
 
     @field_validator("speculative_config", mode="after")
     @classmethod
@@ -131,12 +124,8 @@ class EngineOptions(BaseModel):
         """Keyword arguments for `Engine(...)`: only what the job set, with -tp/-pp folded into the mesh."""
         kwargs = self.model_dump(exclude_none=True, exclude={"tensor_parallel_size", "pipeline_parallel_size",
                                                              "data_parallel_size"})
-        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
-        if tp is not None or pp is not None:
-            if self.mesh is not None:
-                raise ValueError("engine: give the mesh either as mesh: TPxPP or as tensor_parallel_size/"
-                                 "pipeline_parallel_size, not both")
-            kwargs["mesh"] = f"{tp or 1}x{pp or 1}"
+        if self.mesh is not None or self.tensor_parallel_size or self.pipeline_parallel_size:
+            kwargs["mesh"] = MeshShape.of(self.mesh, self.tensor_parallel_size, self.pipeline_parallel_size)
         return kwargs
 
 

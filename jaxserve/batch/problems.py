@@ -1,4 +1,4 @@
-"""Problems found in a job file or its input, worded for people (DESIGN.md convention 9)."""
+"""Problems found in a job file or its input, worded for people (docs/architecture.md: errors are for people)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from jaxserve.cli_args import UserError
+from jaxserve.errors import UserError
 
 
 class JobError(UserError):

@@ -12,10 +12,10 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+from jaxserve.async_engine.data_parallel import raise_first, run_side_by_side
 from jaxserve.batch.input_file import BadLine, InputItem
 from jaxserve.batch.runner import BatchRunner, RunTotals
 from jaxserve.batch.stop import JobInterrupted
-from jaxserve.data_parallel import raise_first, run_side_by_side
 
 
 class AnotherReplicaFailed(Exception):

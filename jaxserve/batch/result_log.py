@@ -20,7 +20,7 @@ import pydantic
 
 from jaxserve.batch.input_file import ResultKey
 from jaxserve.batch.records import BatchOutputLine
-from jaxserve.cli_args import UserError
+from jaxserve.errors import UserError
 
 log = logging.getLogger(__name__)
 

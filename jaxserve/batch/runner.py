@@ -16,8 +16,8 @@ from jaxserve.batch.input_file import BadLine, InputItem
 from jaxserve.batch.progress import BatchProgress
 from jaxserve.batch.records import BatchOutputLine, bad_line, refused, succeeded
 from jaxserve.batch.result_log import ResultLog
-from jaxserve.beam_search_params import BeamSearchParams
 from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import BeamSearchParams
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.request_bodies import with_cache_salt
 from jaxserve.server.response_bodies import OutputParsers

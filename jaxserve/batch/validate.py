@@ -15,7 +15,7 @@ from jaxserve.batch.input_file import InputScan, scan_input
 from jaxserve.batch.job_config import BatchJob, load_job
 from jaxserve.batch.problems import JobError
 from jaxserve.batch.result_log import read_results
-from jaxserve.cli_args import UserError
+from jaxserve.errors import UserError
 from jaxserve.server.errors import APIError
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from ..lora_request import LoRARequest
-
 from .request import Sequence
 
 

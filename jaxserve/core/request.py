@@ -10,7 +10,6 @@ from functools import cached_property
 from ..lora_request import LoRARequest
 from ..sampling_params import SamplingParams
 
-
 PLACEHOLDER = -1  # a sampled token id not read back yet (async scheduling); never an input id on the device
 
 
@@ -50,7 +49,7 @@ class Sequence:
     # and, for a grammar that starts after a token (reasoning), that token until it is sampled.
     matcher: object | None = None
     grammar_waits_for: int | None = None
-    # vLLM's allowed_token_ids as a grammar-style bitmask, and its bad_words as token sequences (token_rules.py).
+    # vLLM's allowed_token_ids as a grammar-style bitmask, and its bad_words as token sequences (core/token_rules.py).
     allowed_mask: object | None = None
     bad_words: tuple[tuple[int, ...], ...] = ()
     # The LoRA adapter it runs with (None: the base model), and the device slot holding it once admitted (-1:

@@ -15,7 +15,8 @@ waiting ones that could still be admitted leave free, so speculation never delay
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence as Tokens
+from collections.abc import Callable
+from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
 from itertools import accumulate
 

@@ -19,12 +19,12 @@ from jaxserve.loader.gguf import GGUFFile
 from jaxserve.loader.heads import ModelHead, causal_config, open_head
 from jaxserve.loader.hf_config import model_config_from_hf
 from jaxserve.loader.orbax_checkpoint import is_orbax_checkpoint, open_orbax_checkpoint
+from jaxserve.loader.pooling import declared_pooling
 from jaxserve.loader.random_weights import RandomWeights
 from jaxserve.loader.safetensors import SafetensorsSource
 from jaxserve.loader.text_model import text_model_config, text_model_tensors
-from jaxserve.loader.weights import TensorSource
-from jaxserve.loader.pooling import declared_pooling
 from jaxserve.loader.tokenizer import TokenizerChoice, load_tokenizer
+from jaxserve.loader.weights import TensorSource
 
 log = logging.getLogger(__name__)
 

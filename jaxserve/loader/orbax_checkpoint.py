@@ -1,5 +1,5 @@
-"""Sharded orbax checkpoints: `jaxserve convert` writes one, `serve` restores it with each process reading only
-the chunks of its own devices' shards.
+"""Sharded orbax checkpoints: `jaxserve convert` writes one (runner/convert.py), `serve` restores it with each
+process reading only the chunks of its own devices' shards.
 
 What is stored is the runner's own parameter tree for one mesh layout: stacked layers, heads / MLP / vocabulary
 padded for its tp, layer slots for its pp split (parallel/layout.py). That is what makes restoring fast: no
@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +36,7 @@ def layout_signature(layout) -> dict:
             "experts": layout.experts, "layer_slots": layout.layer_slots(), "num_slots": layout.pp * layout.slots}
 
 
-def _nested(flat: dict) -> dict:
+def nested(flat: dict) -> dict:
     """{("layers", "wq"): x} -> {"layers": {"wq": x}}: the tree orbax saves and restores."""
     tree: dict = {}
     for path, value in flat.items():
@@ -54,49 +53,7 @@ def _leaf(tree: dict, path: tuple):
     return tree
 
 
-# --- convert -------------------------------------------------------------------------------------------------
-def convert(model: str, out: str, mesh_shape: tuple[int, int], dtype: str, partition: list[int] | None = None,
-            hf_overrides: dict | None = None, revision: str | None = None, tokenizer=None,
-            download_dir: str | None = None) -> None:
-    """`tokenizer`: a loader.tokenizer.TokenizerChoice (None: the model's own), stored beside the weights.
-    `download_dir`: where a hub model is downloaded to (None: the Hugging Face cache)."""
-    import jax.numpy as jnp
-    import orbax.checkpoint as ocp
-    from flax import nnx
-
-    from jaxserve.loader.checkpoint import open_checkpoint
-    from jaxserve.loader.tokenizer import TokenizerChoice
-    from jaxserve.parallel.layout import plan_layout
-    from jaxserve.parallel.sharding import make_mesh
-    from jaxserve.runner.weights import load_weights
-
-    ckpt = open_checkpoint(model, hf_overrides=hf_overrides, revision=revision,
-                           tokenizer=tokenizer or TokenizerChoice(), download_dir=download_dir)
-    if not ckpt.head.generates:  # what the checkpoint holds besides a causal LM is not written
-        raise ValueError(f"{model} is not a causal language model (it has no LM head), and jaxserve convert writes "
-                         "those only: serve the checkpoint directly")
-    layout = plan_layout(ckpt.config, *mesh_shape, partition)
-    _, params = load_weights(ckpt.config, ckpt.tensors, jnp.dtype(dtype), make_mesh(*mesh_shape), layout)
-    arrays = {path: var.get_value() for path, var in nnx.to_flat_state(params)}
-    out_dir = Path(out).absolute()
-    out_dir.mkdir(parents=True)
-    try:
-        with ocp.StandardCheckpointer() as saver:
-            saver.save(out_dir / "params", _nested(arrays))
-        ckpt.tokenizer.save_pretrained(str(out_dir))
-        meta = {"format": FORMAT_VERSION, "name": ckpt.name, "config": _stored_config(ckpt.config),
-                "mesh": list(mesh_shape), "partition": list(layout.partition), "layout": layout_signature(layout),
-                "dtype": dtype, "bytes": sum(a.nbytes for a in arrays.values()),
-                "generation_defaults": ckpt.generation_defaults, "pooling": ckpt.pooling}
-        (out_dir / MARKER).write_text(json.dumps(meta, indent=1))
-    except BaseException:
-        shutil.rmtree(out_dir, ignore_errors=True)  # no half-written checkpoint that looks complete
-        raise
-    log.info("wrote %s: %d arrays, %.1f MiB, for mesh %dx%d", out_dir, len(arrays), meta["bytes"] / 2**20,
-             *mesh_shape)
-
-
-def _stored_config(config: ModelConfig) -> dict:
+def stored_config(config: ModelConfig) -> dict:
     """The model's config as written: `int8_activations` is a serving choice (quantization="w8a8"), not the
     model's, and is left out so that a jaxserve from before it still reads the file."""
     values = dataclasses.asdict(config)
@@ -129,8 +86,8 @@ class OrbaxParams:
         import orbax.checkpoint as ocp
         from flax import nnx
 
+        from jaxserve.models.registry import abstract_model
         from jaxserve.parallel.sharding import named_sharding
-        from jaxserve.runner.weights import abstract_model
 
         self._check_layout(layout)
         graphdef, abstract = abstract_model(layout.effective_config(cfg), dtype)
@@ -141,7 +98,7 @@ class OrbaxParams:
                   for path, var in flat.items()}
         before = _bytes_read()
         with ocp.StandardCheckpointer() as loader:
-            restored = loader.restore(self.directory / "params", _nested(target))
+            restored = loader.restore(self.directory / "params", nested(target))
         read, own = _bytes_read() - before, _own_shard_bytes(jax.tree.leaves(restored))
         log.info("restored %s: this process read %d bytes for its own shards' %d bytes, of the checkpoint's %d",
                  self.directory, read, own, self.meta["bytes"])

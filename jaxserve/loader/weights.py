@@ -122,7 +122,7 @@ def load_params(cfg: ModelConfig, src: TensorSource, dtype) -> Iterator[tuple[Pa
         yield ("lm_head",), src.get("lm_head.weight").T.astype(dtype)
     for ours, (hf, transform) in _layer_weights(cfg).items():
         yield ("layers", ours), _stacked(f"model.layers.*.{hf}", cfg.num_layers,
-                                         lambda i: transform(src.get(f"model.layers.{i}.{hf}")), dtype)
+                                         lambda i, hf=hf, transform=transform: transform(src.get(f"model.layers.{i}.{hf}")), dtype)
     if cfg.num_experts:
         for ours, hf in moe_names(cfg)[1].items():
             yield ("layers", ours), _expert_weight(cfg, src, hf, dtype)

@@ -16,8 +16,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.layers import (apply_rope, dense, gated_mlp, lora_selection, param, rms_norm, rope_tables,
-                                    soft_cap, weight)
+from jaxserve.models.layers import (
+    apply_rope,
+    dense,
+    gated_mlp,
+    lora_selection,
+    param,
+    rms_norm,
+    rope_tables,
+    soft_cap,
+    weight,
+)
 from jaxserve.models.lora import add_lora_slots
 
 

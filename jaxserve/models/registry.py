@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from flax import nnx
+
+from jaxserve.config import ModelConfig
 from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.granite import GraniteForCausalLM
 from jaxserve.models.llama import LlamaForCausalLM
@@ -29,3 +32,9 @@ def model_class(architecture: str) -> type:
     except KeyError:
         supported = ", ".join(sorted(ARCHITECTURES))
         raise ValueError(f"architecture {architecture!r} is not supported; supported architectures: {supported}") from None
+
+
+def abstract_model(cfg: ModelConfig, dtype, quantization: str | None = None):
+    """(graphdef, abstract state): shapes, dtypes and logical axis names, no memory."""
+    cls = model_class(cfg.architecture)
+    return nnx.split(nnx.eval_shape(lambda: cls(cfg, dtype, quantization)))

@@ -6,7 +6,6 @@ Model code names logical axes only ("embed", "q_heads", ...); this file alone kn
 
 from __future__ import annotations
 
-import re
 from typing import Iterable
 
 import jax
@@ -31,37 +30,6 @@ LOGICAL_RULES: dict[str, str | None] = {
 
 PIPELINE_AXIS, TENSOR_AXIS = "pp", "tp"
 MESH_AXES = (PIPELINE_AXIS, TENSOR_AXIS)
-
-
-def parse_mesh(mesh: str | tuple[int, int] | None) -> tuple[int, int]:
-    """`"8x2"` -> (tp=8, pp=2). None means one device."""
-    if mesh is None:
-        return 1, 1
-    if isinstance(mesh, tuple):
-        tp, pp = mesh
-    else:
-        m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", str(mesh))
-        if not m:
-            raise ValueError(f"mesh {mesh!r} is not of the form TPxPP, e.g. '4x2' for tp=4, pp=2")
-        tp, pp = int(m.group(1)), int(m.group(2))
-    if tp < 1 or pp < 1:
-        raise ValueError(f"mesh {mesh!r} needs tp >= 1 and pp >= 1")
-    return tp, pp
-
-
-def resolve_mesh(mesh, tensor_parallel_size: int | None = None,
-                 pipeline_parallel_size: int | None = None) -> tuple[int, int]:
-    """(tp, pp) from `mesh="4x2"` or from vLLM-style sizes (either may be left out: 1)."""
-    sizes = (tensor_parallel_size, pipeline_parallel_size)
-    if mesh is not None and sizes != (None, None):
-        raise ValueError("give the mesh either as mesh='TPxPP' or as tensor_parallel_size/pipeline_parallel_size, "
-                         "not both")
-    if mesh is not None:
-        return parse_mesh(mesh)
-    for name, n in zip(("tensor_parallel_size", "pipeline_parallel_size"), sizes):
-        if n is not None and (not isinstance(n, int) or n < 1):
-            raise ValueError(f"{name} must be a positive integer, got {n!r}")
-    return tuple(1 if n is None else n for n in sizes)
 
 
 def make_mesh(tp: int, pp: int, devices: Iterable[jax.Device] | None = None) -> Mesh:
@@ -89,13 +57,25 @@ def replica_device_groups(tp: int, pp: int, dp: int, devices: Iterable[jax.Devic
     return [devices[r * per_replica:(r + 1) * per_replica] for r in range(dp)]
 
 
+def mesh_axis(name: str | None) -> str | None:
+    """The mesh axis a logical axis name maps onto (None: replicated, as is an unnamed axis). A name missing from
+    the table is a mistake, not a replicated axis: it raises, naming the table."""
+    if name is None:
+        return None
+    try:
+        return LOGICAL_RULES[name]
+    except KeyError:
+        raise ValueError(f"unknown logical axis name {name!r}: the sharding table (parallel/sharding.py "
+                         f"LOGICAL_RULES) knows {', '.join(LOGICAL_RULES)}") from None
+
+
 def partition_spec(logical: tuple[str | None, ...]) -> PartitionSpec:
-    return PartitionSpec(*(LOGICAL_RULES.get(name) if name else None for name in logical))
+    return PartitionSpec(*(mesh_axis(name) for name in logical))
 
 
 def mesh_axes(logical: tuple[str | None, ...]) -> frozenset[str]:
     """The mesh axes that `logical` names map onto, e.g. shard_map's `axis_names` for a map over heads."""
-    return frozenset(axis for name in logical if name and (axis := LOGICAL_RULES.get(name)))
+    return frozenset(axis for name in logical if (axis := mesh_axis(name)))
 
 
 def named_sharding(mesh: Mesh, logical: tuple[str | None, ...]) -> NamedSharding:

@@ -9,14 +9,14 @@ import jax
 import numpy as np
 
 from jaxserve.core.block_manager import BlockManager
-from jaxserve.grammar import bitmask_width, fill_masks
+from jaxserve.core.grammar import bitmask_width, fill_masks
 from jaxserve.core.request import PLACEHOLDER
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
+from jaxserve.core.token_rules import ALWAYS, bad_word_bans
 from jaxserve.runner.attention import AttentionMetadata
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.sampler import BIAS_SLOTS, SamplerFlags, SamplingTensors
 from jaxserve.runner.step import StepInputs, StepStatics
-from jaxserve.token_rules import ALWAYS, bad_word_bans
 
 # The additive bias that rules a token out (min_tokens' EOS and stop tokens, bad words): -inf, so that no penalty
 # brings it back (a repetition penalty multiplies a seen token's negative logit by a factor that may be tiny).

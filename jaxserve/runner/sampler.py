@@ -30,7 +30,7 @@ class SamplingTensors:
     bias_ids: jax.Array  # [B, BIAS_SLOTS] i32, padded with V (dropped); logit_bias, min_tokens and bad-word bans
     bias_values: jax.Array  # [B, BIAS_SLOTS] f32
     # -1: the bias applies; else only if the row's token sampled by the previous step (`fed_row`) is this one: a
-    # bad word whose next-to-last token is still in flight (async scheduling, token_rules.py).
+    # bad word whose next-to-last token is still in flight (async scheduling, core/token_rules.py).
     bias_after: jax.Array  # [B, BIAS_SLOTS] i32
     history: jax.Array  # [B, P] i32 prompt+output ids for penalties, padded with V; P = max_model_len, or 0 when unused
     history_is_output: jax.Array  # [B, P] bool

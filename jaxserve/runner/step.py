@@ -43,7 +43,7 @@ class StepStatics:
     return_logits: bool = False  # also return the sampled rows' logits (parity tests and debugging)
     return_hidden: bool = False  # also return the sampled rows' final hidden states (embedding requests)
     # A copy of `inputs.meta.decode_only` (a static field of the inputs' pytree), so that other processes, which
-    # receive the inputs as bare arrays, can rebuild the same pytree (parallel/follower.py).
+    # receive the inputs as bare arrays, can rebuild the same pytree (cluster/follower.py).
     decode_only: bool = False
 
 

@@ -16,17 +16,11 @@ from jax.sharding import Mesh
 from jaxserve.config import ModelConfig
 from jaxserve.loader.weights import TensorSource, load_params
 from jaxserve.models.lora import is_lora_path
-from jaxserve.models.registry import model_class
+from jaxserve.models.registry import abstract_model
 from jaxserve.parallel.layout import ParallelLayout, plan_layout
 from jaxserve.parallel.padding import pad_weight
 from jaxserve.parallel.sharding import named_sharding
 from jaxserve.runner.quantize import quantize_int8
-
-
-def abstract_model(cfg: ModelConfig, dtype, quantization: str | None = None):
-    """(graphdef, abstract state): shapes, dtypes and logical axis names, no memory."""
-    cls = model_class(cfg.architecture)
-    return nnx.split(nnx.eval_shape(lambda: cls(cfg, dtype, quantization)))
 
 
 def _flat_abstract(cfg: ModelConfig, dtype, quantization: str | None = None):

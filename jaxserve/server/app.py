@@ -19,11 +19,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import jaxserve
-from jaxserve.async_engine import AsyncEngine, EngineDeadError, QueueFull, RequestTimedOut
+from jaxserve.async_engine.engine import AsyncEngine, EngineDeadError, QueueFull, RequestTimedOut
 from jaxserve.server.chat import create_chat_completion
 from jaxserve.server.chat_protocol import ChatMessageParam, template_kwargs
-from jaxserve.server.completions import create_completion
 from jaxserve.server.classify import create_classification
+from jaxserve.server.completions import create_completion
 from jaxserve.server.embeddings import create_embedding
 from jaxserve.server.errors import (
     APIError,

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxserve.async_engine.request_stream import RequestStream
 from jaxserve.outputs import CompletionOutput
-from jaxserve.request_stream import RequestStream
 from jaxserve.server.chat_protocol import (
     ChatCompletionRequest,
     ChatCompletionStreamResponse,

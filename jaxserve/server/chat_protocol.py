@@ -12,6 +12,7 @@ from jaxserve.server.protocol import OpenAIModel, PromptLogprobs, SamplingFields
 from jaxserve.server.tools import ToolChoice, template_tool_calls, tool_choice_of, tool_constraint
 from jaxserve.structured_outputs import StructuredOutputsParams
 
+
 class ChatMessageParam(BaseModel):
     """One input message. Extra keys (name, tool_calls, ...) are kept and handed to the chat template."""
 

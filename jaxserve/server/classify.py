@@ -1,5 +1,5 @@
 """POST /classify (vLLM's Classification API): a sequence classifier's class probabilities for each input, and
-the most probable class's label (engine_pooling.py, loader/heads.py)."""
+the most probable class's label (engine/pooling.py, loader/heads.py)."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxserve.async_engine.request_stream import RequestStream
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.request_stream import RequestStream
 from jaxserve.server.errors import parse_json
 from jaxserve.server.protocol import (
     CompletionChoice,

@@ -1,5 +1,5 @@
 """POST /v1/embeddings (OpenAI's Embeddings API, as vLLM serves it): each input's embedding is the model's final
-hidden state at its last token, unit length (engine_pooling.py); `encoding_format: "base64"` sends the float32
+hidden state at its last token, unit length (engine/pooling.py); `encoding_format: "base64"` sends the float32
 bytes, which OpenAI's SDK decodes by default."""
 
 from __future__ import annotations

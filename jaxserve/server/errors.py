@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.request_errors import EngineDeadError, EngineShuttingDown, QueueFull, RequestTimedOut
+from jaxserve.errors import EngineDeadError, EngineShuttingDown, QueueFull, RequestTimedOut
 from jaxserve.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)

@@ -9,8 +9,9 @@ import argparse
 import logging
 import socket
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.data_parallel import DataParallelAsyncEngine, merge_stats
+from jaxserve.async_engine.data_parallel import DataParallelAsyncEngine, merge_stats
+from jaxserve.async_engine.engine import AsyncEngine
+from jaxserve.config import MeshShape
 from jaxserve.server.app import build_app
 from jaxserve.server.reasoning_parsers import reasoning_parser
 from jaxserve.server.response_bodies import OutputOptions
@@ -22,7 +23,7 @@ from jaxserve.server.uvicorn_server import DrainingServer
 logger = logging.getLogger("jaxserve")
 
 
-def serve_engine(engines, args: argparse.Namespace, sock: socket.socket, mesh: str | None = None) -> int:
+def serve_engine(engines, args: argparse.Namespace, sock: socket.socket, mesh: MeshShape | None = None) -> int:
     """Serve an engine, or a list of data-parallel replicas, on the bound `sock` with the `serve` options in
     `args`; returns the exit status."""
     engines = engines if isinstance(engines, list) else [engines]
@@ -66,7 +67,7 @@ def serve_engine(engines, args: argparse.Namespace, sock: socket.socket, mesh: s
     return 0
 
 
-def log_startup(engines: list, args: argparse.Namespace, mesh: str | None, names: list[str], url: str) -> None:
+def log_startup(engines: list, args: argparse.Namespace, mesh: MeshShape | None, names: list[str], url: str) -> None:
     engine, stats = engines[0], merge_stats([replica.stats() for replica in engines])
     block_size = engine.config.cache.block_size
     logger.info("model %s served as %s; max_model_len %d", engine.model_name, ", ".join(names),
@@ -76,7 +77,8 @@ def log_startup(engines: list, args: argparse.Namespace, mesh: str | None, names
     if args.enable_runtime_lora_updating:
         logger.warning("LoRA adapters may be loaded and unloaded over HTTP (--enable-runtime-lora-updating): "
                        "clients can make this server read any adapter directory it can see")
-    logger.info("mesh %s; dtype %s", mesh or "1x1 (one device)", engine.config.dtype)
+    mesh = mesh or MeshShape()
+    logger.info("mesh %s%s; dtype %s", mesh, " (one device)" if mesh.size == 1 else "", engine.config.dtype)
     if len(engines) > 1:
         logger.info("data parallel: %d replicas of that mesh, each request to the least loaded", len(engines))
     logger.info("KV cache: %d blocks x %d tokens = %d tokens", stats["total_blocks"], block_size,

@@ -16,8 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from jaxserve.beam_search_params import BeamSearchParams
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 from jaxserve.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger("jaxserve.server")

@@ -10,8 +10,7 @@ from collections.abc import Callable
 
 import pydantic
 
-from jaxserve.beam_search_params import BeamSearchParams
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 from jaxserve.server.chat_protocol import ChatCompletionRequest
 from jaxserve.server.errors import bad_request, from_validation_error, model_not_found
 from jaxserve.server.protocol import CompletionRequest

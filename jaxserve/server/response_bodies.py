@@ -21,9 +21,6 @@ from jaxserve.server.chat_protocol import (
     ChatMessage,
 )
 from jaxserve.server.logprobs import TokenName, chat_logprobs, completion_logprobs, prompt_logprobs_by_id, token_namer
-from jaxserve.server.reasoning_parsers import PromptReasoning, ReasoningParser
-from jaxserve.server.tool_parsers import ToolParser
-from jaxserve.server.tools import ToolChoice, parse_forced_calls
 from jaxserve.server.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -32,6 +29,9 @@ from jaxserve.server.protocol import (
     PromptLogprobs,
     UsageInfo,
 )
+from jaxserve.server.reasoning_parsers import PromptReasoning, ReasoningParser
+from jaxserve.server.tool_parsers import ToolParser
+from jaxserve.server.tools import ToolChoice, parse_forced_calls
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response
 
+from jaxserve.core.scoring import as_prompts, check_cross_encoder, cross_encoder_prompts, pair_scores, score_pairs
 from jaxserve.outputs import ClassificationRequestOutput, EmbeddingRequestOutput
 from jaxserve.pooling_params import PoolingParams
-from jaxserve.scoring import as_prompts, check_cross_encoder, cross_encoder_prompts, pair_scores, score_pairs
 from jaxserve.server.embeddings import PooledRequest, serve_pooled
 from jaxserve.server.errors import bad_request
 from jaxserve.server.protocol import OpenAIModel, UsageInfo

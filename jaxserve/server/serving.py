@@ -8,13 +8,12 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.beam_search_params import BeamSearchParams
-from jaxserve.beam_search_stream import BeamSearchStream
+from jaxserve.async_engine.beam_search_stream import BeamSearchStream
+from jaxserve.async_engine.engine import AsyncEngine
+from jaxserve.async_engine.request_stream import RequestStream
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
-from jaxserve.request_stream import RequestStream
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 from jaxserve.server.errors import APIError
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.reasoning_parsers import ReasoningParser

@@ -26,7 +26,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
-from jaxserve.cli_args import UserError
+from jaxserve.errors import UserError
 
 
 @dataclass(frozen=True)

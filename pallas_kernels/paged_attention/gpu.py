@@ -19,8 +19,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import (MASK_VALUE, as_layered, cdiv, check_shapes, dot_precision, next_pow2, normalise,
-                                   pad_axis, page_range)
+from pallas_kernels.common import (
+    MASK_VALUE,
+    as_layered,
+    cdiv,
+    check_shapes,
+    dot_precision,
+    next_pow2,
+    normalise,
+    pad_axis,
+    page_range,
+)
 from pallas_kernels.gpu_pages import attend_pages, block_count, check_gpu_tiles, choose_block_pages
 
 TARGET_PROGRAMS = 512  # enough (sequence, head, split) programs to fill a GPU's SMs a few times over

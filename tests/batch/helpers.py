@@ -90,7 +90,7 @@ def answers_over_http(engine, lines: list[dict], sampling: dict, served_model_na
     would (the job's sampling defaults written into the body). The engine is free again afterwards."""
     import httpx
 
-    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.async_engine.engine import AsyncEngine
     from jaxserve.server.app import build_app
     from tests.server.helpers import serve_in_thread
 

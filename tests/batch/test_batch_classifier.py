@@ -4,8 +4,14 @@ spelling the server answers at, give the bodies HTTP gives; a generation line is
 import pytest
 
 from jaxserve.batch.job import run_job
-from tests.batch.helpers import (SMALL_ENGINE, answers_over_http, completion_line, pooled_line, results_by_custom_id,
-                                 write_job)
+from tests.batch.helpers import (
+    SMALL_ENGINE,
+    answers_over_http,
+    completion_line,
+    pooled_line,
+    results_by_custom_id,
+    write_job,
+)
 from tests.helpers import make_tiny_classifier
 
 QUERY, DOCUMENTS = "Where is the Eiffel Tower?", ["It stands in Paris.", "Bananas are yellow."]

@@ -60,7 +60,7 @@ def uninterrupted(tmp_path_factory, engine, smollm2_gguf_path):
 
 
 def start_batch(job):
-    return subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "batch", str(job), "--no-progress"],
+    return subprocess.Popen([sys.executable, "-m", "jaxserve.cli.main", "batch", str(job), "--no-progress"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

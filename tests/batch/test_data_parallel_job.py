@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve.batch import job as job_module
 from jaxserve.batch.job import run_job
-from jaxserve.cli_args import UserError
+from jaxserve.errors import UserError
 from tests.batch.helpers import completion_line, read_jsonl, results_by_custom_id, write_job
 from tests.batch.test_runner_fake_engine import LINES, SAMPLING
 from tests.server.fake_engine import FakeEngine
@@ -85,7 +85,7 @@ def test_data_parallel_mistakes_are_one_sentence(tmp_path):
                                         engine={"data_parallel_size": 3, "mesh": "4x1"}))
     with pytest.raises(UserError, match="3 data-parallel replicas of mesh 4x1 need 12 devices but only 8"):
         job_module.build_engines(job)
-    from jaxserve.batch.cluster import join_job_cluster
+    from jaxserve.cli.batch_cluster import join_job_cluster
 
     args = SimpleNamespace(job=str(tmp_path / "job.yaml"), num_processes=2, coordinator="127.0.0.1:1", process_id=0,
                            distributed_executor_backend="mp")

@@ -4,9 +4,10 @@ import inspect
 
 import pytest
 
-from jaxserve import cli
 from jaxserve.batch.job_config import EngineOptions, load_job
 from jaxserve.batch.problems import JobError
+from jaxserve.cli import main as cli
+from jaxserve.config import MeshShape
 from tests.batch.helpers import completion_line, write_job
 
 
@@ -92,11 +93,11 @@ def test_yaml_errors_and_non_mappings(tmp_path):
 def test_engine_options_map_onto_engine_keywords():
     options = EngineOptions(mesh="2x1", max_num_seqs=8, dtype="float32", layer_loop="unrolled", kv_cache_dtype="fp8",
                             chat_template_content_format="openai")
-    assert options.engine_kwargs() == {"mesh": "2x1", "max_num_seqs": 8, "dtype": "float32", "layer_loop": "unrolled",
+    assert options.engine_kwargs() == {"mesh": MeshShape(2, 1), "max_num_seqs": 8, "dtype": "float32", "layer_loop": "unrolled",
                                        "kv_cache_dtype": "fp8", "chat_template_content_format": "openai"}
     with pytest.raises(ValueError, match="chat_template_content_format"):
         EngineOptions(chat_template_content_format="parts")
-    assert EngineOptions(tensor_parallel_size=4).engine_kwargs() == {"mesh": "4x1"}
+    assert EngineOptions(tensor_parallel_size=4).engine_kwargs() == {"mesh": MeshShape(4, 1)}
     with pytest.raises(ValueError, match="not both"):
         EngineOptions(mesh="2x1", pipeline_parallel_size=2).engine_kwargs()
 
@@ -123,7 +124,7 @@ def test_every_engine_option_is_an_engine_keyword():
 
     engine_keywords = set(inspect.signature(Engine.__init__).parameters)
     folded_into_mesh = {"tensor_parallel_size", "pipeline_parallel_size"}
-    replicas_of_the_engine = {"data_parallel_size"}  # how many Engines, not one's keyword (data_parallel.py)
+    replicas_of_the_engine = {"data_parallel_size"}  # how many Engines, not one's keyword (async_engine/data_parallel.py)
     assert set(EngineOptions.model_fields) - folded_into_mesh - replicas_of_the_engine <= engine_keywords
 
 
@@ -140,7 +141,7 @@ def test_processes_compare_the_engine_options_as_written_one_key_each(tmp_path):
     """A multi-node job: the same file in another directory on each node agrees; a differing option is named;
     the chat template (process 0's alone) and the compilation cache and download directory (each node's own) may
     differ."""
-    from jaxserve.batch.cluster import shared_options
+    from jaxserve.cli.batch_cluster import shared_options
 
     engine = {"mesh": "4x2", "max_num_seqs": 8, "chat_template": "a.jinja", "compilation_cache_dir": "/here",
               "download_dir": "/here"}

@@ -7,7 +7,7 @@ import pytest
 from jaxserve.batch.input_file import BadLine
 from jaxserve.batch.records import bad_line, refused, succeeded
 from jaxserve.batch.result_log import ResultLog, read_results
-from jaxserve.cli_args import UserError
+from jaxserve.errors import UserError
 from jaxserve.server.errors import bad_request
 
 

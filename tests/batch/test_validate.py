@@ -3,9 +3,9 @@
 import subprocess
 import sys
 
-from jaxserve import cli
 from jaxserve.batch.records import succeeded
 from jaxserve.batch.result_log import ResultLog
+from jaxserve.cli import main as cli
 from tests.batch.helpers import chat_line, completion_line, write_job
 
 GOOD = [completion_line("a", "Hello"), chat_line("b", "Hi"), completion_line("c", ["x", "y"])]
@@ -51,7 +51,7 @@ def test_a_bad_job_file_is_listed_too(tmp_path, capsys):
 
 def test_validate_does_not_import_jax(tmp_path):
     path = write_job(tmp_path, GOOD)
-    script = ("import sys\nfrom jaxserve.cli import main\nassert main(['batch', '--validate', sys.argv[1]]) == 0\n"
+    script = ("import sys\nfrom jaxserve.cli.main import main\nassert main(['batch', '--validate', sys.argv[1]]) == 0\n"
               "assert 'jax' not in sys.modules, 'validate imported jax'\n")
     result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

@@ -3,13 +3,12 @@
 
 import pytest
 
-from jaxserve.config import SchedulerConfig
+from jaxserve.config import SchedulerConfig, SpeculativeConfig
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.ngram_proposer import NgramProposer
 from jaxserve.core.request import Sequence
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.speculative_config import SpeculativeConfig
 
 
 def test_proposer_continues_the_longest_recurring_ngram():

@@ -51,7 +51,7 @@ class Processes:
                        "JAX_PLATFORMS": "cpu", **(env or {})}
         log = open(self.directory / f"{name}.log", "w")  # noqa: SIM115 (the child writes it; closed below)
         # A session of its own: a signal meant for one child never reaches pytest or its siblings.
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", *argv], stdout=log,
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "jaxserve.cli.main", *argv], stdout=log,
                                             stderr=subprocess.STDOUT, env=environment, start_new_session=True)
         log.close()
         return self.procs[name]

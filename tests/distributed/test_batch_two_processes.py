@@ -95,7 +95,7 @@ def test_the_ray_backend_needs_no_coordinator_or_process_id(tmp_path, monkeypatc
     (checked end to end with serve in test_ray_backend.py); the batch command must hand it the job's mesh."""
     import argparse
 
-    from jaxserve.batch import cluster
+    from jaxserve.cli import batch_cluster as cluster
 
     calls = []
     monkeypatch.setattr(cluster, "start_cluster", lambda args, mesh, **kw: calls.append((mesh, kw)) or "session")

@@ -9,7 +9,7 @@ import threading
 
 import httpx
 
-from jaxserve import cli
+from jaxserve.cli import main as cli
 from tests.distributed.procs import (
     PROMPTS,
     SMALL_ENGINE,

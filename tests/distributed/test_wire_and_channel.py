@@ -9,8 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.parallel import wire
-from jaxserve.parallel.channel import FollowerChannel, JoinError, LeaderChannel
+from jaxserve.cluster import wire
+from jaxserve.cluster.channel import FollowerChannel, JoinError, LeaderChannel
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.plan import PlanShape, empty_inputs, inputs_treedef
 from jaxserve.runner.sampler import SamplerFlags
@@ -164,7 +164,7 @@ def test_closing_twice_sends_one_stop_and_the_second_close_returns_at_once():
     lock the first close kept (10 s), which would eat into the followers' wait at jax's exit barrier."""
     from types import SimpleNamespace
 
-    from jaxserve.parallel.distributed import Cluster, ClusterOptions
+    from jaxserve.cluster.distributed import Cluster, ClusterOptions
 
     stops = []
     leader = SimpleNamespace(stop=lambda clean, reason="": stops.append((clean, reason)))

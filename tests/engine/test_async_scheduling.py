@@ -154,7 +154,7 @@ def spy_token_sources(monkeypatch) -> list[tuple[bool, list[int]]]:
         seen.append((bool(fed.any()), inputs.token_ids[fed].tolist()))
         return inputs, statics
 
-    monkeypatch.setattr("jaxserve.engine.build_step_inputs", spy)
+    monkeypatch.setattr("jaxserve.engine.engine.build_step_inputs", spy)
     return seen
 
 
@@ -198,7 +198,7 @@ def test_an_interrupt_inside_a_step_loses_nothing(engines, monkeypatch, where, p
     if where == "read back":
         monkeypatch.setattr(fast.runner, "collect", once_on_the_third_call(fast.runner.collect, KeyboardInterrupt))
     else:
-        monkeypatch.setattr("jaxserve.engine.build_step_inputs",
+        monkeypatch.setattr("jaxserve.engine.engine.build_step_inputs",
                             once_on_the_third_call(plan.build_step_inputs, RuntimeError("boom")))
     fast.add_request("interrupted", PROMPTS[0], params)
     outs, raised = [], 0

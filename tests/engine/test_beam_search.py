@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from jaxserve import BeamSearchParams
-from jaxserve.beam_search import BeamSearch
-from jaxserve.beam_search_params import check_beam_width
+from jaxserve.core.beam_search import BeamSearch
 from jaxserve.outputs import Logprob
+from jaxserve.sampling_params import check_beam_width
 
 EOS = 2
 

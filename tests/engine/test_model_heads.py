@@ -63,7 +63,7 @@ def test_a_base_model_checkpoint_embeds_as_transformers_and_does_not_generate(ba
         engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match="no classification head"):
         engine.classify(PROMPTS[:1], use_tqdm=False)
-    from jaxserve.loader.orbax_checkpoint import convert
+    from jaxserve.runner.convert import convert
 
     with pytest.raises(ValueError, match="not a causal language model"):  # what it would write could not embed
         convert(str(path), str(tmp_path / "converted"), (1, 1), "float32")

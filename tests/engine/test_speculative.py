@@ -89,7 +89,7 @@ def test_served_stream_matches_and_metrics_count_the_drafts(spec_engine, smol_en
 
     import httpx
 
-    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.async_engine.engine import AsyncEngine
     from jaxserve.server.app import build_app
     from tests.server.helpers import metric_value, serve_in_thread
 

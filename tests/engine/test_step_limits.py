@@ -4,7 +4,7 @@ user gives always wins."""
 import pytest
 
 from jaxserve import Engine, cli
-from jaxserve.engine_inputs import step_limits
+from jaxserve.engine.inputs import step_limits
 
 
 @pytest.mark.parametrize("platform, want", [("cpu", (64, 512)), ("gpu", (256, 8192)), ("tpu", (256, 8192))])

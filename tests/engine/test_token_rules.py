@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from jaxserve import SamplingParams
-from jaxserve.token_rules import bad_words_token_ids
+from jaxserve.core.token_rules import bad_words_token_ids
 
 PROMPT = "The capital of France is"
 

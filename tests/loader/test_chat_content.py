@@ -5,7 +5,7 @@ import copy
 
 import pytest
 
-from jaxserve import cli
+from jaxserve.cli import main as cli
 from jaxserve.engine import Engine
 from jaxserve.loader.chat_content import resolve_content_format, shape_content
 from jaxserve.loader.tokenizer import apply_chat_template

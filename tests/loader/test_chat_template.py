@@ -50,7 +50,7 @@ def test_the_engine_renders_chats_with_the_given_template(tiny_checkpoint, tmp_p
 
 
 def test_a_broken_template_fails_before_the_model_loads(monkeypatch):
-    from jaxserve import engine as engine_module
+    from jaxserve.engine import engine as engine_module
 
     def must_not_load(*args):
         raise AssertionError("the checkpoint was opened before the template was checked")

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from jaxserve import Engine, SamplingParams
-from jaxserve.cli_args import generation_overrides
 from jaxserve.batch.job_config import EngineOptions
+from jaxserve.cli.args import generation_overrides
 from jaxserve.loader.generation_config import generation_defaults
 from jaxserve.server.chat_protocol import ChatCompletionRequest
 from jaxserve.server.protocol import CompletionRequest
@@ -62,7 +62,7 @@ def test_a_batch_jobs_generation_config_directory_is_beside_the_job_file():
 
 
 def test_a_bad_override_is_refused_before_anything_loads():
-    run = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", "--override-generation-config",
+    run = subprocess.run([sys.executable, "-m", "jaxserve.cli.main", "serve", "--override-generation-config",
                           '{"temprature": 0.5}'], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
     assert "--override-generation-config: 'temprature' is not a sampling default" in run.stderr

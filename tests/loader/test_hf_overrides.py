@@ -57,7 +57,7 @@ def test_overrides_are_refused_where_they_cannot_apply(tiny_checkpoint, smollm2_
 
 
 def test_the_cli_refuses_an_override_that_is_not_a_json_object():
-    run = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", "--hf-overrides", "[1]"],
+    run = subprocess.run([sys.executable, "-m", "jaxserve.cli.main", "serve", "--hf-overrides", "[1]"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--hf-overrides: expected a JSON object" in run.stderr
 
@@ -65,7 +65,7 @@ def test_the_cli_refuses_an_override_that_is_not_a_json_object():
 def test_a_converted_checkpoint_keeps_the_overridden_config(tiny_checkpoint, tmp_path):
     """`jaxserve convert --hf-overrides` writes the overridden config, which the converted checkpoint serves with;
     overrides given to the converted checkpoint itself are refused (it has no config.json)."""
-    from jaxserve import cli
+    from jaxserve.cli import main as cli
 
     out = str(tmp_path / "converted")
     assert cli.main(["convert", str(tiny_checkpoint("qwen3")), out, "--dtype", "float32",

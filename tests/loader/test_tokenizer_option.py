@@ -94,7 +94,7 @@ def test_a_hub_revision_and_download_dir_reach_the_downloads(monkeypatch, tiny_c
 
 
 def test_the_cli_and_batch_jobs_pass_the_tokenizer(tiny_checkpoint, tmp_path):
-    run = subprocess.run([sys.executable, "-m", "jaxserve.cli", "generate", str(tiny_checkpoint("llama")),
+    run = subprocess.run([sys.executable, "-m", "jaxserve.cli.main", "generate", str(tiny_checkpoint("llama")),
                           "--load-format", "dummy", "--no-warmup", "--prompt", "x",
                           "--tokenizer", str(tmp_path / "missing")], capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and run.stderr.startswith("jaxserve: error: cannot load tokenizer")

@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="module")
 def shared_checkpoints():
     """Memoise `open_checkpoint` for the module: each mesh still loads and places its own weights."""
-    from jaxserve import engine
+    from jaxserve.engine import engine
 
     opened = {}
     real = engine.open_checkpoint

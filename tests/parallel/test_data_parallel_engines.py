@@ -4,11 +4,11 @@ import asyncio
 
 import pytest
 
-from jaxserve import engine as engine_module
-from jaxserve.cli import build_parser
-from jaxserve.cli_args import UserError
-from jaxserve.cli_engine import build_engines
-from jaxserve.data_parallel import DataParallelAsyncEngine
+from jaxserve.async_engine.data_parallel import DataParallelAsyncEngine
+from jaxserve.cli.engine_options import build_engines
+from jaxserve.cli.main import build_parser
+from jaxserve.engine import engine as engine_module
+from jaxserve.errors import UserError
 from jaxserve.sampling_params import SamplingParams
 
 

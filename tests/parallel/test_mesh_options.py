@@ -3,9 +3,12 @@
 import logging
 
 import pytest
+from jax.sharding import PartitionSpec
 
 from jaxserve import Engine
-from jaxserve.cli_args import layer_partition
+from jaxserve.cli.args import layer_partition
+from jaxserve.config import MeshShape
+from jaxserve.parallel.sharding import partition_spec
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,7 @@ def test_vllm_style_sizes_and_partition_override_and_layout_log(tiny_llama, shar
     """tp=3 on 8 devices uses the first 3 x 2; the partition override decides which stage holds which layer."""
     with caplog.at_level(logging.INFO, logger="jaxserve.runner.model_runner"):
         engine = make(tiny_llama, tensor_parallel_size=3, pipeline_parallel_size=2, pp_layer_partition=[1, 2])
-    assert engine.mesh_shape == (3, 2) and engine.runner.mesh.devices.size == 6
+    assert engine.mesh_shape == MeshShape(3, 2) and engine.runner.mesh.devices.size == 6
     assert engine.runner.layout.partition == (1, 2)
     assert "stage 0: layers 0-0 on devices tp0=0, tp1=1, tp2=2" in caplog.text
     assert "stage 1: layers 1-2 on devices tp0=3, tp1=4, tp2=5" in caplog.text
@@ -48,3 +51,19 @@ def test_cli_layer_partition_type():
     assert layer_partition("8,8,7,7") == [8, 8, 7, 7]
     with pytest.raises(Exception, match="such as 8,8,7,7"):
         layer_partition("8,,7")
+
+
+@pytest.mark.parametrize("given, shape", [
+    (dict(), MeshShape(1, 1)), (dict(mesh="8x2"), MeshShape(8, 2)), (dict(mesh=" 4 x 1 "), MeshShape(4, 1)),
+    (dict(mesh=(2, 3)), MeshShape(2, 3)), (dict(mesh=MeshShape(2, 2)), MeshShape(2, 2)),
+    (dict(tensor_parallel_size=4), MeshShape(4, 1)), (dict(pipeline_parallel_size=2), MeshShape(1, 2)),
+])
+def test_every_spelling_of_a_mesh_is_one_mesh_shape(given, shape):
+    mesh = MeshShape.of(**given)
+    assert mesh == shape and tuple(mesh) == (shape.tp, shape.pp) and str(mesh) == f"{shape.tp}x{shape.pp}"
+
+
+def test_an_unknown_logical_axis_name_is_refused_not_replicated():
+    assert partition_spec(("layers", None, "q_heads")) == PartitionSpec("pp", None, "tp")
+    with pytest.raises(ValueError, match="unknown logical axis name 'q_head'.*knows layers, embed"):
+        partition_spec(("embed", "q_head"))

@@ -118,7 +118,7 @@ def test_each_layer_kind_attends_with_its_window_and_the_soft_cap(impl, tp, deco
                       static_argnums=0 if static_kind else ())
     outs = []
     for kind, window in enumerate(WINDOWS):
-        want_out, want_kv = jax.jit(lambda *a: reference_attention_fn(*a, scale=0.125, windows=(window,),
+        want_out, want_kv = jax.jit(lambda *a, window=window: reference_attention_fn(*a, scale=0.125, windows=(window,),
                                                                       softcap=2.0))(*args)
         out, kv = by_kind(kind if static_kind else jnp.int32(kind), *args)
         assert float(jnp.abs(out[:real] - want_out[:real]).max()) <= 1e-5

@@ -30,7 +30,7 @@ def test_choices_resolve_to_dtypes():
 
 
 def test_a_bad_kv_cache_dtype_is_refused_before_the_model_loads(monkeypatch):
-    monkeypatch.setattr("jaxserve.engine.open_checkpoint", lambda *a, **kw: pytest.fail("the model was opened"))
+    monkeypatch.setattr("jaxserve.engine.engine.open_checkpoint", lambda *a, **kw: pytest.fail("the model was opened"))
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of .*, got 'int4'"):
         Engine("any/model", kv_cache_dtype="int4")
 

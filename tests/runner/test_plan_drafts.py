@@ -7,9 +7,9 @@ from jaxserve.config import SchedulerConfig
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.request import Sequence
 from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.token_rules import ALWAYS, allowed_bitmask
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.plan import BAN, PlanShape, build_step_inputs
-from jaxserve.token_rules import ALWAYS, allowed_bitmask
 from tests.core.test_speculative_scheduling import FixedProposer
 
 V = 1000
@@ -63,7 +63,7 @@ def test_bad_words_and_allowed_tokens_follow_the_drafts_before_each_row():
 def test_a_constrained_rows_masks_follow_the_drafts_before_them(smol_tokenizer):
     """Each drafted row of a constrained sequence is masked by its grammar after the drafts before that row (the
     matcher is left as it was); a draft is cut where the grammar would refuse it."""
-    from jaxserve.grammar import GrammarCompiler, bitmask_width
+    from jaxserve.core.grammar import GrammarCompiler, bitmask_width
     from jaxserve.sampling_params import SamplingParams
     from jaxserve.structured_outputs import StructuredOutputsParams
     tokenizer = smol_tokenizer

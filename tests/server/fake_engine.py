@@ -1,4 +1,4 @@
-"""A deterministic stand-in for `jaxserve.engine.Engine`, with the same surface and a real tokenizer.
+"""A deterministic stand-in for `jaxserve.engine.engine.Engine`, with the same surface and a real tokenizer.
 
 It makes the server and AsyncEngine testable in milliseconds: no model, no compilation. Each generated token is
 taken from a fixed script, so texts are predictable; seeds and output indices shift where in the script a
@@ -16,8 +16,7 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from jaxserve.beam_search import BeamSearch
-from jaxserve.beam_search_params import check_beam_width
+from jaxserve.core.beam_search import BeamSearch
 from jaxserve.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -29,7 +28,7 @@ from jaxserve.outputs import (
     RequestOutput,
 )
 from jaxserve.pooling_params import PoolingParams
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, check_beam_width
 
 SCRIPT_TEXT = " one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen"
 

@@ -13,15 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from tests.server.helpers import ServerProcess, free_port, wait_for_health
 
 
 def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
-    from jaxserve.cli import build_parser
-    from jaxserve.cli_serve import listen_socket
+    from jaxserve.cli.main import build_parser
+    from jaxserve.cli.serve import listen_socket
     from jaxserve.server.launch import serve_engine
     from tests.server.fake_engine import FakeEngine
 

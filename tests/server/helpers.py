@@ -86,7 +86,7 @@ class ServerProcess:
 def server_process(extra_args: list[str], log_path: Path, timeout: float = 600):
     """`jaxserve serve` in a subprocess on a free port, exactly as a user starts it; stopped with Ctrl-C."""
     port = free_port()
-    command = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), *extra_args]
+    command = [sys.executable, "-m", "jaxserve.cli.main", "serve", "--port", str(port), *extra_args]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.async_engine.engine import AsyncEngine
 from jaxserve.server.app import build_app
 from jaxserve.server.response_bodies import OutputOptions
 from jaxserve.server.uvicorn_server import DrainingServer

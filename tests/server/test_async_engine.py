@@ -6,10 +6,9 @@ import time
 
 import pytest
 
-from jaxserve.async_engine import AsyncEngine, EngineDeadError, QueueFull
-from jaxserve.request_errors import RequestTimedOut
-from jaxserve.beam_search_params import BeamSearchParams
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.async_engine.engine import AsyncEngine, EngineDeadError, QueueFull
+from jaxserve.errors import RequestTimedOut
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 from tests.server.fake_engine import FakeEngine
 
 
@@ -221,7 +220,7 @@ def test_the_request_timeout_bounds_the_whole_beam_search(fake):
 
 
 def test_a_beam_search_under_way_finishes_through_a_drain_and_a_small_queue(fake):
-    from jaxserve.request_errors import EngineShuttingDown
+    from jaxserve.errors import EngineShuttingDown
 
     fake.step_delay = 0.01
     engine = AsyncEngine(fake, max_waiting_requests=1)  # each later round queues 3 requests at once

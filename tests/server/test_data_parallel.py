@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import openai
 import pytest
 
-from jaxserve.async_engine import AsyncEngine, EngineDeadError, QueueFull
-from jaxserve.data_parallel import DataParallelAsyncEngine, merge_stats
+from jaxserve.async_engine.data_parallel import DataParallelAsyncEngine, merge_stats
+from jaxserve.async_engine.engine import AsyncEngine, EngineDeadError, QueueFull
 from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.app import build_app
@@ -189,7 +189,7 @@ def test_served_over_http_with_the_whole_cache_in_metrics(engine):
 
 def test_serve_dp_builds_one_async_engine_over_the_replicas(tokenizer, monkeypatch):
     """`serve -dp 2`: the app gets the replicas behind one front, the waiting bound shared out."""
-    from jaxserve.cli import build_parser
+    from jaxserve.cli.main import build_parser
     from jaxserve.server import launch
 
     built = {}

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.async_engine.engine import AsyncEngine
 from jaxserve.server.app import build_app
 from tests.server.fake_engine import FakeEngine
 from tests.server.helpers import serve_in_thread

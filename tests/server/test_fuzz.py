@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.async_engine.engine import AsyncEngine
 from jaxserve.server.app import build_app
 from tests.server.fake_engine import FakeEngine
 from tests.server.fuzz_strategies import POST_PATHS, ROUTE_BODIES, raw_bodies

@@ -4,7 +4,7 @@ under their base model, an unknown name is a 404 (the fake engine records which 
 import httpx
 import pytest
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.async_engine.engine import AsyncEngine
 from jaxserve.lora_request import LoRARequest
 from jaxserve.server.app import build_app
 from tests.server.fake_engine import FakeEngine

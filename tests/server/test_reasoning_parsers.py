@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import openai
 import pytest
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.async_engine.engine import AsyncEngine
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.app import build_app
 from jaxserve.server.reasoning_parsers import GRANITE, PromptReasoning, reasoning_parser
@@ -238,7 +238,7 @@ def test_serve_reasoning_parser_reaches_the_app(tokenizer, monkeypatch):
     """`jaxserve serve --reasoning-parser qwen3` hands the app the parser; an unknown name is an argparse error."""
     import socket
 
-    from jaxserve.cli import build_parser
+    from jaxserve.cli.main import build_parser
     from jaxserve.server import launch
 
     built = {}

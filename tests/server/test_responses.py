@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.async_engine.engine import AsyncEngine
 from jaxserve.server.app import build_app
 from jaxserve.server.reasoning_parsers import reasoning_parser
 from jaxserve.server.tool_parsers.hermes import HermesToolParser

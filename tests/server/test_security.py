@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 import jaxserve
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.cli import build_parser
+from jaxserve.async_engine.engine import AsyncEngine
+from jaxserve.cli.main import build_parser
 from jaxserve.loader import checkpoint
 from jaxserve.loader.tokenizer import apply_chat_template
 from jaxserve.server.app import ROUTES, build_app

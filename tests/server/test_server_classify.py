@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from jaxserve import Engine
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.async_engine.engine import AsyncEngine
 from jaxserve.server.app import build_app
 from tests.helpers import make_tiny_classifier
 from tests.server.helpers import REAL_MODEL, serve_in_thread

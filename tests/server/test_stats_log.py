@@ -6,7 +6,7 @@ import time
 import httpx
 import pytest
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.async_engine.engine import AsyncEngine
 from jaxserve.server.app import build_app
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.stats_log import StatsLogger, log_stats_interval

@@ -7,7 +7,7 @@ import time
 import openai
 import pytest
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.async_engine.engine import AsyncEngine
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.app import build_app
 from jaxserve.server.tool_parsers import tool_call_parser

@@ -5,7 +5,7 @@ import json
 import openai
 import pytest
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.async_engine.engine import AsyncEngine
 from jaxserve.server.app import build_app
 from jaxserve.server.chat_protocol import ChatCompletionRequest
 from jaxserve.server.request_bodies import chat_inputs

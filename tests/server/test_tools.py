@@ -7,9 +7,8 @@ import pytest
 
 from jaxserve.loader.chat_content import shape_content
 from jaxserve.server.chat_protocol import ChatCompletionRequest
-from jaxserve.server.request_bodies import build_sampling_params
 from jaxserve.server.errors import APIError
-from jaxserve.server.request_bodies import chat_inputs
+from jaxserve.server.request_bodies import build_sampling_params, chat_inputs
 from jaxserve.server.tools import ToolChoice, parse_forced_calls, tool_choice_of, tool_constraint
 from jaxserve.structured_outputs import StructuredOutputsParams as S
 from tests.server.helpers import REAL_MODEL
@@ -48,7 +47,7 @@ def test_required_constrains_the_output_to_a_list_of_calls():
 
 
 def test_required_without_parallel_calls_is_one_call(tokenizer):
-    from jaxserve.grammar import GrammarCompiler
+    from jaxserve.core.grammar import GrammarCompiler
 
     params = build_sampling_params(request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False))
     assert params.structured_outputs.json["maxItems"] == 1

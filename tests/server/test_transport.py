@@ -8,9 +8,9 @@ import subprocess
 import httpx
 import pytest
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.cli import build_parser, main
-from jaxserve.cli_args import UserError, parse_with_config
+from jaxserve.async_engine.engine import AsyncEngine
+from jaxserve.cli.args import UserError, parse_with_config
+from jaxserve.cli.main import build_parser, main
 from jaxserve.server.app import build_app
 from jaxserve.server.transport import CORSPolicy, ssl_options
 from tests.server.fake_engine import FakeEngine

@@ -1,0 +1,5 @@
+import sys
+
+from jaxserve.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,129 @@
+"""vLLM's command lines, taken as they are: `--model`, `--max_model_len` spellings, and the vLLM options that
+mean nothing under JAX (CUDA graphs, swap space, custom all-reduce...), accepted with a warning naming why, so a
+launch command or manifest written for `vllm serve` starts jaxserve unchanged. Options jaxserve cannot honour
+(float16 weights, the Mistral tokenizer) stop it with a one-line reason instead."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from jaxserve.cli.args import UserError, json_object, positive_int
+
+logger = logging.getLogger("jaxserve.cli.main")
+
+PER_REQUEST_TASK = ("each request picks its task: completions and chat generate, /v1/embeddings, /classify and /score "
+                    "pool, as the model's head allows")
+# dest -> why the option changes nothing here. Each is warned about when given (None or False: not given; the one
+# option with a --no- form says so with False).
+NO_EFFECT = {
+    "enforce_eager": "JAX compiles each step program once; there are no CUDA graphs to leave out",
+    "max_seq_len_to_capture": "there are no CUDA graphs; jaxserve compiles one program per batch bucket",
+    "swap_space": "preempted sequences are recomputed, never swapped to host memory",
+    "disable_custom_all_reduce": "XLA picks the collectives",
+    "trust_remote_code": "jaxserve runs no code from model repositories (its models are its own)",
+    "guided_decoding_backend": "structured outputs always use llguidance",
+    "max_parallel_loading_workers": "weights load as one sharded read per process",
+    "enable_chunked_prefill": "prefills are always chunked to --max-num-batched-tokens",
+    "disable_fastapi_docs": "jaxserve serves no /docs pages",
+    "disable_frontend_multiprocessing": "the HTTP server and the engine loop share one process",
+    "task": PER_REQUEST_TASK,
+    "runner": PER_REQUEST_TASK,
+    "limit_mm_per_prompt": "jaxserve serves text only: a request with image or audio parts is refused with a 400",
+}
+NEGATABLE = {"enable_chunked_prefill"}
+TOKENIZER_MODES = ("auto", "hf", "slow", "mistral", "custom")
+# vLLM's --task values (its --runner's are auto, generate and pooling); the ones with no jaxserve counterpart are
+# refused when given.
+TASKS = ("auto", "generate", "embed", "embedding", "classify", "score", "reward", "transcription")
+UNSERVED_TASKS = {"reward": "reward models' per-token scores are not served",
+                  "transcription": "speech models are not served"}
+
+
+def add_vllm_compat_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("vLLM options accepted for its command lines (no effect here; a warning says "
+                                      "why)")
+    group.add_argument("--enforce-eager", action="store_true")
+    group.add_argument("--max-seq-len-to-capture", type=positive_int, metavar="N")
+    group.add_argument("--swap-space", type=float, metavar="GIB")
+    group.add_argument("--disable-custom-all-reduce", action="store_true")
+    group.add_argument("--trust-remote-code", action="store_true")
+    group.add_argument("--guided-decoding-backend", metavar="NAME")
+    group.add_argument("--max-parallel-loading-workers", type=positive_int, metavar="N")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    group.add_argument("--calculate-kv-scales", action="store_true")
+    group.add_argument("--task", choices=TASKS)
+    group.add_argument("--runner", choices=("auto", "generate", "pooling"))
+    group.add_argument("--limit-mm-per-prompt", type=modality_limits, metavar="JSON|image=N,...")
+    group.add_argument("--tokenizer-mode", default="auto", choices=TOKENIZER_MODES,
+                       help="auto/hf: the model's Hugging Face tokenizer (the only kind jaxserve reads)")
+
+
+def add_vllm_serve_compat_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("vLLM server options accepted for its command lines (no effect here)")
+    group.add_argument("--disable-fastapi-docs", action="store_true")
+    group.add_argument("--disable-frontend-multiprocessing", action="store_true")
+
+
+def modality_limits(text: str) -> dict:
+    """vLLM's --limit-mm-per-prompt: JSON ('{"image": 2}') or its older form, image=2,video=1."""
+    if text.lstrip().startswith("{"):
+        return json_object(text)
+    try:
+        return {key.strip(): int(count) for key, count in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected JSON such as '{{\"image\": 0}}' or image=0,video=0, got {text!r}") from None
+
+
+def normalize_option_spelling(argv: list[str]) -> list[str]:
+    """`--max_model_len=8k` -> `--max-model-len=8k`, as vLLM's parser reads it; values are left alone."""
+    normalized, after_separator = [], False
+    for item in argv:
+        if item == "--":
+            after_separator = True
+        if not after_separator and item.startswith("--") and "_" in item.partition("=")[0]:
+            name, sep, value = item.partition("=")
+            item = name.replace("_", "-") + sep + value
+        normalized.append(item)
+    return normalized
+
+
+def fold_model_option(args: argparse.Namespace, config_model: str | None = None) -> None:
+    """vLLM's `--model NAME` is the MODEL positional's other spelling: afterwards only `args.model` holds it.
+    `config_model`: a config file's `model`, which --model overrides as the command line overrides the file."""
+    option = vars(args).pop("model_option", None)
+    if option is None:
+        return
+    if args.model not in (None, option, config_model):
+        raise UserError(f"the model is given twice ({args.model} and --model {option}); give it once")
+    args.model = option
+
+
+def check_vllm_options(args: argparse.Namespace) -> None:
+    """Refuse what cannot be honoured; warn about what is accepted but changes nothing."""
+    if getattr(args, "dtype", None) in ("half", "float16"):
+        raise UserError(f"--dtype {args.dtype} is not supported; use --dtype bfloat16 (float16's speed and memory "
+                        "with float32's range) or auto")
+    if getattr(args, "load_format", None) == "pt":
+        raise UserError("--load-format pt is not supported: jaxserve reads safetensors and GGUF weights; leave the "
+                        "option out (auto) and give a model that has .safetensors or .gguf files")
+    if getattr(args, "load_format", None) in ("safetensors", "gguf"):
+        args.load_format = "auto"  # the loader reads whichever the model has
+    if getattr(args, "calculate_kv_scales", False):
+        raise UserError("--calculate-kv-scales is not supported: jaxserve's fp8 KV cache is unscaled (a scale of 1, "
+                        "saturating at the format's largest value); leave the option out")
+    task = getattr(args, "task", None)
+    if task in UNSERVED_TASKS:
+        raise UserError(f"--task {task} is not supported: {UNSERVED_TASKS[task]}; leave --task out (each request "
+                        "picks generation or pooling)")
+    mode = getattr(args, "tokenizer_mode", "auto")
+    if mode in ("mistral", "custom"):
+        raise UserError(f"--tokenizer-mode {mode} is not supported: jaxserve reads Hugging Face tokenizers "
+                        "(tokenizer.json); leave it out, or pass --tokenizer with a Hugging Face one")
+    if mode == "slow":
+        logger.warning("--tokenizer-mode slow has no effect in jaxserve: it uses the fast (Rust) tokenizer")
+    for dest, reason in NO_EFFECT.items():
+        value = getattr(args, dest, None)
+        if value is not None and (value is not False or dest in NEGATABLE):
+            option = "--" + ("no-" if value is False else "") + dest.replace("_", "-")
+            logger.warning("%s has no effect in jaxserve: %s", option, reason)

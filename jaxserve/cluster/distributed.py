@@ -1,0 +1,180 @@
+"""Multi-controller serving: every process runs the same program under `jax.distributed`.
+
+Process 0 (the leader) runs the scheduler and the server and sends each step's inputs to the others (the
+followers), which run the same jitted step in the same order; see `leader.py` and `follower.py`. This module
+joins the processes: first over our own step channel (channel.py), which names any process that is missing,
+then `jax.distributed.initialize`, which then cannot stall on an absent peer.
+
+Ports: jax's coordination service listens on the --coordinator port, the step channel on that port + 1.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass, field
+
+from jaxserve.cluster.channel import FollowerChannel, JoinError, LeaderChannel, Peer
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_SECONDS = 15  # jax.distributed's exit barrier: a clean exit of every process takes far less
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    coordinator: str  # HOST:PORT of process 0
+    num_processes: int
+    process_id: int
+    timeout: float = 300.0  # seconds to wait for every process to join
+
+    def __post_init__(self):
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process id {self.process_id} is outside 0..{self.num_processes - 1}; give each of "
+                             f"the {self.num_processes} processes its own --process-id")
+        split_address(self.coordinator)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.process_id == 0
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65535:
+        raise ValueError(f"coordinator address {address!r} is not HOST:PORT (e.g. 10.0.0.1:8476, the address of "
+                         f"process 0); the port and the next one must be free there")
+    return host.strip("[]"), int(port)
+
+
+@dataclass
+class Cluster:
+    """This process's place in the joined cluster and its link to the others."""
+
+    options: ClusterOptions
+    leader: LeaderChannel | None = None
+    follower: FollowerChannel | None = None
+    peers: dict[int, Peer] = field(default_factory=dict)
+    launched: object | None = None  # Ray followers this process started: held, since Ray ends unreferenced actors
+    serving: bool = False  # leader: the engine runs, so an exit now is a normal end (clean STOP)
+    step_lock: threading.Lock = field(default_factory=threading.Lock)  # leader: held while a step runs
+    closed: bool = False  # leader: the followers were released (the step lock stays held from then on)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.options.is_leader
+
+    def leader_lost(self, why: str) -> None:
+        fatal(f"process 0 (the leader, at {self.options.coordinator}) was lost: {why}. Exiting")
+
+    def leader_aborted(self, reason: str) -> None:
+        fatal(f"process 0 stopped every process: {reason}")
+
+    def follower_lost(self, peer: Peer, why: str) -> None:
+        message = (f"{peer.describe()} was lost: {why}. The mesh cannot run without it, so every process stops; "
+                   f"restart them all")
+        self.leader.stop(clean=False, reason=message)
+        fatal(message)
+
+    def follower_asked_to_stop(self, peer: Peer) -> None:
+        log.warning("%s received a shutdown signal: shutting every process down", peer.describe())
+        os.kill(os.getpid(), signal.SIGTERM)  # the leader's own SIGTERM path: the server drains, then STOP
+
+    def broadcast(self, data: bytes) -> None:
+        self.leader.broadcast(data, self.follower_lost)
+
+    def close(self, clean: bool | None = None, reason: str = "it exited before serving (see its log)") -> None:
+        """Leader: release the followers. Runs at exit (registered after jax, so before jax.distributed's exit
+        barrier, which the followers reach only once released). Clean once serving began: the followers then
+        exit normally and meet at that barrier; before that, the leader failed and the followers abort,
+        told `reason`."""
+        if self.leader is None or self.closed:  # the exit-time call after an explicit one: nothing left to do
+            return
+        self.closed = True
+        clean = self.serving if clean is None else clean
+        # Let a step in flight (the engine thread may still be in one) finish on every process first: a follower
+        # released mid-step would wait in that step's collectives for a leader that is gone. Never released:
+        # no step may start after the STOP.
+        self.step_lock.acquire(timeout=10)
+        self.leader.stop(clean=clean, reason="" if clean else reason)
+
+
+_FATAL = threading.Lock()
+
+
+def fatal(message: str) -> None:
+    """End this process now. Not `sys.exit`: the main thread may be inside a collective that can never finish,
+    and jax's exit barrier would wait for a peer that is gone. One report: a second caller (another thread that
+    saw the same loss) waits here for the exit."""
+    _FATAL.acquire()
+    if logging.getLogger().handlers:
+        log.critical(message)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+    else:
+        print(f"jaxserve: error: {message}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def hello(options: ClusterOptions, fingerprint: dict) -> dict:
+    return {"process_id": options.process_id, "num_processes": options.num_processes, "host": socket.gethostname(),
+            "pid": os.getpid(), "fingerprint": fingerprint}
+
+
+def join(options: ClusterOptions, fingerprint: dict, liveness_seconds: float | None = None,
+         wait_for_load: bool = False) -> Cluster:
+    """Meet every process on the step channel, then start `jax.distributed`. Raises JoinError naming the
+    process that did not come (or whose options differ). Must run before jax creates its backends.
+    `wait_for_load`: followers build nothing until the leader sends LOAD (follower.await_load)."""
+    host, port = split_address(options.coordinator)
+    kw = {} if liveness_seconds is None else {"liveness_seconds": liveness_seconds}
+    cluster = Cluster(options)
+    if options.is_leader:
+        cluster.leader = LeaderChannel(host, port + 1, options.num_processes, **kw)
+        log.info("waiting up to %.0f s for %d more processes on %s:%d", options.timeout,
+                 options.num_processes - 1, host, port + 1)
+        cluster.peers = cluster.leader.gather(options.timeout, fingerprint)
+        cluster.leader.start(cluster.follower_lost, cluster.follower_asked_to_stop)
+    else:
+        cluster.follower = FollowerChannel.connect(host, port + 1, options.timeout, hello(options, fingerprint), **kw)
+        cluster.follower.main_thread_waits = wait_for_load  # until LOAD, no collective can hold the main thread
+        cluster.follower.start(cluster.leader_lost, cluster.leader_aborted)
+    for peer in cluster.peers.values():
+        log.info("%s joined", peer.describe())
+    initialize_jax(options)
+    if cluster.is_leader:
+        atexit.register(cluster.close)  # after jax's own exit hook, so it runs first (atexit is last-in first-out)
+    return cluster
+
+
+def initialize_jax(options: ClusterOptions) -> None:
+    import jax
+
+    # CPU meshes across processes need a collectives library; gloo ships with jaxlib (0.10 default, said anyway).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(options.coordinator, num_processes=options.num_processes,
+                               process_id=options.process_id, initialization_timeout=max(10, int(options.timeout)),
+                               shutdown_timeout_seconds=SHUTDOWN_SECONDS)
+    log.info("process %d of %d: %d local devices, %d in all", jax.process_index(), jax.process_count(),
+             jax.local_device_count(), jax.device_count())
+
+
+def check_mesh_fits(tp: int, pp: int) -> None:
+    """A multi-process mesh must use every device: a process holding none would have nothing to run."""
+    import jax
+
+    n, local = jax.device_count(), jax.local_device_count()
+    if tp * pp != n:
+        raise ValueError(f"mesh {tp}x{pp} has {tp * pp} devices but the {jax.process_count()} processes have {n} "
+                         f"({local} each); choose a mesh with tp x pp = {n}")
+    if local % tp and tp % local:
+        log.warning("tp=%d does not fit the %d devices of each process: tensor-parallel groups will span "
+                    "processes, whose links are slower than a node's own", tp, local)
+
+
+__all__ = ["Cluster", "ClusterOptions", "JoinError", "check_mesh_fits", "fatal", "join"]

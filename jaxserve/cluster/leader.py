@@ -1,0 +1,49 @@
+"""Process 0's side: every step the engine runs is first sent to the followers, which run it too.
+
+The broadcast sits in front of `ModelRunner.execute`, the one place a step's inputs are complete: the padded
+numpy arrays (`StepInputs`) and the static choices (`StepStatics`). Sending before executing lets the
+followers start at once; they would wait in the step's first collective anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+
+from jaxserve.cluster import wire
+from jaxserve.cluster.distributed import Cluster
+
+log = logging.getLogger(__name__)
+
+
+class BroadcastingRunner:
+    """A ModelRunner whose `execute` first tells the followers to execute the same step."""
+
+    def __init__(self, runner, cluster: Cluster):
+        self._runner = runner
+        self._cluster = cluster
+
+    def execute(self, inputs, statics):
+        leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(inputs)]
+        with self._cluster.step_lock:  # so that an exit releases the followers between steps, never inside one
+            self._cluster.broadcast(wire.frame(wire.STEP, wire.encode_step(leaves, statics)))
+            return self._runner.execute(inputs, statics)
+
+    def __getattr__(self, name):  # everything else (mesh, kv, num_compiles, ...) is the runner's own
+        return getattr(self._runner, name)
+
+
+def lead(engine, cluster: Cluster):
+    """Make `engine` drive the followers from now on (its construction ran on every process alike). From here an
+    exit releases them cleanly (`Cluster.close`)."""
+    engine.runner = BroadcastingRunner(engine.runner, cluster)
+    # Adapters loaded from now on are read here only: their factors travel to the followers, which write them into
+    # the same slot before the step that uses it (frames arrive in order), so no node needs the adapter's files.
+    engine.adapters.before_write = lambda slot, factors: cluster.broadcast(
+        wire.frame(wire.LORA, wire.encode_adapter(slot, factors)))
+    cluster.serving = True
+    log.info("leading %d followers: %s", len(cluster.peers),
+             ", ".join(p.describe() for p in cluster.peers.values()))
+    return engine

@@ -1,0 +1,210 @@
+"""Checking and normalising what callers hand the engine (host side, no jax)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from jaxserve.config import EngineConfig, ModelConfig, SchedulerConfig
+from jaxserve.core.token_rules import allowed_bitmask, bad_words_token_ids, check_some_token_allowed
+from jaxserve.models.layers import QUANTIZATIONS
+from jaxserve.runner.kv_cache import check_kv_cache_dtype
+from jaxserve.runner.sampler import BIAS_SLOTS
+from jaxserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def normalise_prompts(prompts) -> list:
+    """A prompt (a str, a list of token ids, or vLLM's dict: see split_prompt) or a list of prompts -> a list."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and all(isinstance(p, (str, list, dict)) for p in prompts):
+        return list(prompts)
+    raise ValueError("prompts must be a str, a list of str, a list of token ids, a list of token-id lists, or "
+                     "prompt dicts ({'prompt': text} or {'prompt_token_ids': ids})")
+
+
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+Prompt = str | list[int] | dict  # text, token ids, or vLLM's prompt dict (split_prompt)
+
+
+def split_prompt(prompt) -> tuple[str | list[int], str | None]:
+    """vLLM's prompt dicts, {"prompt": text} or {"prompt_token_ids": ids}, each with an optional "cache_salt"
+    (requests with different salts never share prefix-cache blocks) -> (text or ids, salt). Others pass as they are."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = sorted(set(prompt) - set(PROMPT_DICT_KEYS))
+    if unknown:
+        raise ValueError(f"prompt dict key {unknown[0]!r} is not supported; the keys are {', '.join(PROMPT_DICT_KEYS)}")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("a prompt dict needs exactly one of 'prompt' (text) and 'prompt_token_ids'")
+    salt = prompt.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return prompt.get("prompt", prompt.get("prompt_token_ids")), salt
+
+
+def normalise_conversations(messages) -> list[list[dict]]:
+    if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
+        return [messages]
+    if isinstance(messages, list) and messages and all(isinstance(c, list) for c in messages):
+        return messages
+    raise ValueError("messages must be a list of {'role', 'content'} dicts, or a list of such conversations")
+
+
+def prompt_token_ids(tokenizer, prompt, vocab_size: int) -> list[int]:
+    if isinstance(prompt, str):
+        ids = list(tokenizer(prompt)["input_ids"])
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+        ids = list(prompt)
+    else:
+        raise ValueError("a prompt must be a str or a list of int token ids")
+    if not ids:
+        raise ValueError("the prompt is empty; give at least one token")
+    return ids
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: the longest prompt the context holds
+    with room for one more token)."""
+    if keep is None:
+        return ids
+    if keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens={keep} is more than the model's maximum context length "
+                         f"{max_model_len}; ask for at most {max_model_len - 1} (or -1)")
+    return ids[-(max_model_len - 1 if keep == -1 else keep):]
+
+
+def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int, config: EngineConfig,
+                     max_tokens_cap: int | None = None) -> SamplingParams:
+    """Check the request fits the context and the cache; fill in max_tokens=None as 'up to the context length', or
+    `max_tokens_cap` (generation config's max_new_tokens) if less."""
+    if prompt_len >= max_model_len:
+        raise ValueError(
+            f"the prompt has {prompt_len} tokens but the model's maximum context length is {max_model_len}; "
+            "shorten the prompt"
+        )
+    filled = params.max_tokens is None
+    if filled:
+        params = params.replace(max_tokens=min(max_model_len - prompt_len, max_tokens_cap or max_model_len))
+    elif prompt_len + params.max_tokens > max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, {params.max_tokens} for the "
+            "completion). Please reduce the prompt or max_tokens."
+        )
+    for field in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, field)
+        if value is not None and value > config.max_logprobs:
+            also = " (chat's top_logprobs)" if field == "logprobs" else ""
+            raise ValueError(f"{field}={value}{also} exceeds the maximum of {config.max_logprobs}; the engine's "
+                             "max_logprobs (serve --max-logprobs) sets it")
+    vocab = config.model.vocab_size
+    for field, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids or [])):
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{field} has token id {bad[0]}, outside the vocabulary (0..{vocab - 1})")
+    capacity = (config.cache.num_blocks - 1) * config.cache.block_size
+    # Every sequence (n, or best_of) may grow to prompt + max_tokens. Checked before the sequences are made, so a
+    # request for a billion of them is refused at once rather than exhausting host memory. A max_tokens the request
+    # left out (the room left in the context) is no budget it asked for: as in vLLM, its sequences share the cache,
+    # preempted and recomputed while it is short (one alone always fits: max_model_len fits the cache), so only
+    # their start is checked.
+    needed = params.num_sequences * (prompt_len + (1 if filled else params.max_tokens))
+    if needed > capacity:
+        each = f"{params.num_sequences} sequences x " if params.num_sequences > 1 else ""
+        growth = "1 token to start" if filled else f"{params.max_tokens} max_tokens"
+        raise ValueError(
+            f"the request needs up to {needed} tokens of KV cache ({each}{prompt_len} prompt + {growth}) but the "
+            f"whole cache holds {capacity}; lower n{'' if filled else ' or max_tokens'}, or raise num_kv_blocks"
+        )
+    return params
+
+
+def resolve_token_rules(params: SamplingParams, tokenizer, config: EngineConfig,
+                        eos_token_ids: tuple[int, ...]) -> tuple[np.ndarray | None, tuple]:
+    """allowed_token_ids as a bitmask and bad_words as token ids (core/token_rules.py); the bias slots that logit_bias,
+    the min_tokens bans (stop tokens and `eos_token_ids`, the sequence's) and the bad words share must hold them
+    all: a row that overflowed them would fail the step, and every request with it."""
+    vocab = config.model.vocab_size
+    mask = None if params.allowed_token_ids is None else allowed_bitmask(params.allowed_token_ids, vocab)
+    bad_words = bad_words_token_ids(tokenizer, params.bad_words or [], vocab)
+    entries = len(params.logit_bias or {}) + len(params.stop_token_ids or []) + len(eos_token_ids) + len(bad_words)
+    if entries > BIAS_SLOTS:
+        raise ValueError(f"logit_bias, stop_token_ids and bad_words together need {entries} token entries (bad words "
+                         f"count once per spelling); at most {BIAS_SLOTS} fit")
+    check_some_token_allowed(params.allowed_token_ids, bad_words, params.min_tokens,
+                             {*(params.stop_token_ids or ()), *eos_token_ids})
+    return mask, bad_words
+
+
+# Per-step limits (max_num_seqs, max_num_batched_tokens) when not given. On CPU a step of 64 sequences and 512
+# tokens keeps a few-core host's steps, and so its streams' token gaps, short. On GPU and TPU: vLLM's 256 and
+# 8192, the settings the GPU figures in BENCHMARKS.md were measured with (at CPU's, a GPU step is mostly idle).
+CPU_STEP_LIMITS = (SchedulerConfig.max_num_seqs, SchedulerConfig.max_num_batched_tokens)  # 64, 512
+ACCELERATOR_STEP_LIMITS = (256, 8192)
+
+
+def step_limits(max_num_seqs: int | None, max_num_batched_tokens: int | None, platform: str) -> tuple[int, int]:
+    """The engine's per-step limits: those given, the platform's default for the others."""
+    seqs, tokens = CPU_STEP_LIMITS if platform == "cpu" else ACCELERATOR_STEP_LIMITS
+    return (seqs if max_num_seqs is None else max_num_seqs,
+            tokens if max_num_batched_tokens is None else max_num_batched_tokens)
+
+
+def check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, memory_fraction, recompile_guard,
+                         quantization, kv_cache_dtype) -> None:
+    """The Engine's own keyword arguments, checked before anything loads."""
+    for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {memory_fraction}")
+    if recompile_guard not in ("warn", "error", "off"):
+        raise ValueError(f"recompile_guard must be 'warn', 'error' or 'off', got {recompile_guard!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r} is not supported; use None (weights in dtype), 'int8' "
+                         "(int8 weights) or 'w8a8' (int8 weights and activations)")
+    check_kv_cache_dtype(kv_cache_dtype)
+
+
+def model_for_context(cfg: ModelConfig, max_model_len: int) -> ModelConfig:
+    """The model as this engine runs it; says so when LongRoPE's long factors are chosen (vLLM warns alike)."""
+    if cfg.rope_scaling is not None and cfg.rope_scaling.uses_long_factors(max_model_len):
+        original = cfg.rope_scaling.original_max_position_embeddings
+        log.warning("max_model_len %d is beyond the model's original %d positions: LongRoPE's long factors are used "
+                    "for every sequence, which costs some quality on short ones; pass max_model_len <= %d for the "
+                    "short factors", max_model_len, original, original)
+    return cfg.for_context(max_model_len)
+
+
+def fit_context_to_cache(max_model_len: int, requested: int | None, cache_tokens: int) -> int:
+    """The context length served: one sequence of it must fit the KV cache, or every request that leaves
+    max_tokens out (asking for the whole context) would be refused. An explicit max_model_len that does not fit
+    is an error, as in vLLM; the model's own length is lowered to what fits, with a warning."""
+    if max_model_len <= cache_tokens:
+        return max_model_len
+    if requested is not None:
+        raise ValueError(f"max_model_len={max_model_len} does not fit the KV cache, which holds {cache_tokens} tokens; "
+                         f"pass max_model_len <= {cache_tokens}, or give the cache more room (kv_cache_memory_fraction, "
+                         f"num_kv_blocks)")
+    log.warning("the model's context length %d does not fit the KV cache (%d tokens): serving max_model_len %d; give "
+                "the cache more room (kv_cache_memory_fraction, num_kv_blocks) for longer contexts", max_model_len,
+                cache_tokens, cache_tokens)
+    return cache_tokens
+
+
+def check_max_model_len(requested: int | None, model_max: int) -> int:
+    if requested is None:
+        return model_max
+    if requested < 1 or requested > model_max:
+        raise ValueError(f"max_model_len={requested} is outside 1..{model_max} (the model's max_position_embeddings)")
+    return requested
