@@ -96,6 +96,7 @@ def test_the_ray_backend_needs_no_coordinator_or_process_id(tmp_path, monkeypatc
     import argparse
 
     from jaxserve.cli import batch_cluster as cluster
+    from jaxserve.config import MeshShape
 
     calls = []
     monkeypatch.setattr(cluster, "start_cluster", lambda args, mesh, **kw: calls.append((mesh, kw)) or "session")
@@ -103,5 +104,5 @@ def test_the_ray_backend_needs_no_coordinator_or_process_id(tmp_path, monkeypatc
     args = argparse.Namespace(job=str(job), distributed_executor_backend="ray", num_processes=3, coordinator=None,
                               process_id=None)
     session, loaded = cluster.join_job_cluster(args)
-    assert session == "session" and loaded.engine.mesh == "4x2"
-    assert calls[0][0] == "4x2" and calls[0][1]["wait_for_load"] is True
+    assert session == "session" and loaded.engine.mesh == MeshShape(4, 2)
+    assert calls[0][0] == MeshShape(4, 2) and calls[0][1]["wait_for_load"] is True

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from jaxserve import Engine, SamplingParams, cli
+from jaxserve import Engine, SamplingParams
+from jaxserve.cli import main as cli
 
 SMALL = {"num_kv_blocks": 32, "max_num_batched_tokens": 16, "max_num_seqs": 2, "warmup": False, "dtype": "float32"}
 

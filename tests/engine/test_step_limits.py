@@ -3,7 +3,8 @@ user gives always wins."""
 
 import pytest
 
-from jaxserve import Engine, cli
+from jaxserve import Engine
+from jaxserve.cli import main as cli
 from jaxserve.engine.inputs import step_limits
 
 
