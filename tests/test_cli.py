@@ -12,6 +12,7 @@ from jaxserve.cli import main as cli
 from jaxserve.cli import serve as cli_serve
 from jaxserve.cli.args import parse_with_config
 from jaxserve.config import MeshShape
+from jaxserve.engine_args import DEFAULT_COMPILATION_CACHE
 
 
 def parse(argv):
@@ -162,7 +163,7 @@ def test_vllm_engine_flags_reach_the_engine(capsys, fake_engine_module):
     defaults = dict(fake_engine_module)
     assert defaults["kv_cache_memory_fraction"] == 0.9 and defaults["enable_prefix_caching"] is True
     assert defaults["attention_impl"] == "auto" and defaults["chat_template"] is None
-    assert "compilation_cache_dir" not in defaults  # the Engine's own default
+    assert defaults["compilation_cache_dir"] == DEFAULT_COMPILATION_CACHE  # the Engine's own default
     assert cli.main(["generate", "--prompt", "Count:", "--max-tokens", "3", "--gpu-memory-utilization", "0.5",
                      "--no-enable-prefix-caching", "--attention-impl", "reference", "--chat-template", "{{ x }}",
                      "--compilation-cache-dir", "", "--download-dir", "/models"]) == 0

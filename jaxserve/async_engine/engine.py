@@ -23,6 +23,7 @@ from jaxserve.async_engine.admission import Admission
 from jaxserve.async_engine.beam_search_stream import BeamSearchStream
 from jaxserve.async_engine.request_stream import END_OF_STREAM, RequestStream
 from jaxserve.async_engine.step_watch import DEFAULT_STEP_TIMEOUT_S, StepWatch
+from jaxserve.engine.interface import StepEngine
 from jaxserve.errors import EngineDeadError, EngineShuttingDown, QueueFull, RequestTimedOut
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
@@ -43,7 +44,7 @@ _ADD, _ABORT, _STOP, _REMOVE_LORA = "add", "abort", "stop", "remove_lora"
 class AsyncEngine:
     """Serve an `Engine` to asyncio code. The engine must not be used by anyone else while this runs."""
 
-    def __init__(self, engine, *, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+    def __init__(self, engine: StepEngine, *, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
                  request_timeout: float | None = None, step_timeout: float | None = DEFAULT_STEP_TIMEOUT_S,
                  log_prompts: bool = False, max_log_len: int | None = MAX_LOGGED_PROMPT_CHARS):
         """`request_timeout`: seconds after which an unfinished request is aborted (None: no limit).

@@ -15,118 +15,68 @@ import yaml
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationInfo, field_validator
 
 from jaxserve.batch.problems import JobError, describe_validation_error
-from jaxserve.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, LAYER_LOOPS, MeshShape, SpeculativeConfig
-from jaxserve.loader.chat_content import CONTENT_FORMATS
+from jaxserve.config import MeshShape
+from jaxserve.engine_args import check_option, option_fields
 from jaxserve.loader.generation_config import GENERATION_CONFIG_SOURCES, check_overrides
 from jaxserve.loader.tokenizer import is_template_text
 from jaxserve.server.reasoning_parsers import REASONING_PARSERS
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
 
 
-class EngineOptions(BaseModel):
-    """Engine keyword arguments a job may set; anything left out keeps the Engine's default."""
+class _EngineOptionsBase(BaseModel):
+    """A job's `engine:` section: any EngineArgs option (engine_args.py) by its name or vLLM's alias, checked by the
+    same rules as `Engine(...)`'s keywords, plus `data_parallel_size`; anything left out keeps the Engine's
+    default. Relative paths (a chat template file, a tokenizer or generation-config directory, adapters) resolve
+    against the job file's directory."""
 
     model_config = ConfigDict(extra="forbid")
 
-    mesh: str | None = None
-    tensor_parallel_size: PositiveInt | None = None
-    pipeline_parallel_size: PositiveInt | None = None
     # Replicas of the model, each on its own mesh of devices; the job's lines go to whichever has room (serve -dp).
     data_parallel_size: PositiveInt = 1
-    dtype: Literal["auto", "float32", "bfloat16"] | None = None
-    quantization: Literal["int8", "w8a8"] | None = None
-    load_format: Literal["auto", "dummy"] | None = None
-    max_model_len: PositiveInt | None = None
-    block_size: PositiveInt | None = None
-    num_kv_blocks: PositiveInt | None = None
-    # vLLM's name for it is accepted too.
-    kv_cache_memory_fraction: float | None = pydantic.Field(
-        default=None, gt=0, le=1, validation_alias=pydantic.AliasChoices("kv_cache_memory_fraction",
-                                                                         "gpu_memory_utilization"))
-    max_num_seqs: PositiveInt | None = None
-    max_num_batched_tokens: PositiveInt | None = None
-    max_logprobs: pydantic.NonNegativeInt | None = None
-    seed: int | None = None
-    enable_prefix_caching: bool | None = None
-    warmup: bool | None = None
-    async_scheduling: bool | None = None
-    recompile_guard: Literal["warn", "error", "off"] | None = None
-    attention_impl: Literal[ATTENTION_IMPLS] | None = None
-    layer_loop: Literal[LAYER_LOOPS] | None = None
-    kv_cache_dtype: Literal[KV_CACHE_DTYPES] | None = None
-    compilation_cache_dir: str | None = None
-    chat_template: str | None = None  # a Jinja chat template or a file holding one (relative: to the job file)
-    chat_template_content_format: Literal[CONTENT_FORMATS] | None = None  # contents as a string or text parts
-    tokenizer: str | None = None  # a tokenizer directory (relative: to the job file) or hub id, as vLLM's
-    revision: str | None = None  # of a hub model id
-    tokenizer_revision: str | None = None
-    download_dir: str | None = None  # where hub models and tokenizers are downloaded to
-    # LoRA adapters (name -> PEFT adapter directory, relative: to the job file); a body's `model` picks one.
-    enable_lora: bool | None = None
-    max_loras: PositiveInt | None = None
-    max_lora_rank: PositiveInt | None = None
-    lora_modules: dict[str, str] | None = None
-    # vLLM's speculative_config mapping, e.g. {method: ngram, num_speculative_tokens: 4}
-    speculative_config: dict[str, Any] | None = None
-    hf_overrides: dict[str, Any] | None = None  # keys laid over the model's config.json, as in vLLM
-    # Where sampling defaults come from (auto, vllm or a directory) and what is laid over them, as in vLLM; the
-    # job's own `sampling` section is laid over both.
-    generation_config: str | None = None
-    override_generation_config: dict[str, Any] | None = None
 
-    @field_validator("mesh", mode="before")
+    @field_validator("*", mode="after")
     @classmethod
-    def _mesh_form(cls, mesh: Any) -> Any:
-        return None if mesh is None else str(MeshShape.parse(str(mesh)))  # a ValueError names the form
-
-    @field_validator("speculative_config", mode="after")
-    @classmethod
-    def _known_speculation(cls, options: dict[str, Any] | None) -> dict[str, Any] | None:
-        SpeculativeConfig.from_dict(options)  # a ValueError names the key or value, as the Engine would
-        return options
-
-    @field_validator("chat_template", mode="after")
-    @classmethod
-    def _template_file_beside_the_job(cls, template: str | None, info: ValidationInfo) -> str | None:
-        if template is None or is_template_text(template):
-            return template
-        return str(Path((info.context or {}).get("base_dir", ".")) / Path(template).expanduser())
-
-    @field_validator("tokenizer", mode="after")
-    @classmethod
-    def _tokenizer_beside_the_job(cls, tokenizer: str | None, info: ValidationInfo) -> str | None:
-        if tokenizer is None:
-            return None
-        beside = Path((info.context or {}).get("base_dir", ".")) / Path(tokenizer).expanduser()
-        return str(beside) if beside.exists() else tokenizer  # else a hub id
-
-    @field_validator("override_generation_config", mode="after")
-    @classmethod
-    def _known_generation_defaults(cls, overrides: dict[str, Any] | None) -> dict[str, Any] | None:
-        return None if overrides is None else check_overrides(overrides)  # a ValueError names the key or value
-
-    @field_validator("generation_config", mode="after")
-    @classmethod
-    def _generation_config_beside_the_job(cls, source: str | None, info: ValidationInfo) -> str | None:
-        if source is None or source in GENERATION_CONFIG_SOURCES:
-            return source
-        return str(Path((info.context or {}).get("base_dir", ".")) / Path(source).expanduser())
-
-    @field_validator("lora_modules", mode="after")
-    @classmethod
-    def _adapters_beside_the_job(cls, modules: dict[str, str] | None, info: ValidationInfo) -> dict[str, str] | None:
-        if modules is None:
-            return None
-        base_dir = Path((info.context or {}).get("base_dir", "."))
-        return {name: str(base_dir / Path(path).expanduser()) for name, path in modules.items()}
+    def _checked(cls, value: Any, info: ValidationInfo) -> Any:
+        name = info.field_name
+        if value is None or name == "data_parallel_size":
+            return value
+        value = check_option(name, value)  # a ValueError says what is allowed; pydantic names the key
+        if name == "override_generation_config":
+            value = check_overrides(value)
+        return _beside_the_job(name, value, Path((info.context or {}).get("base_dir", ".")))
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `Engine(...)`: only what the job set, with -tp/-pp folded into the mesh."""
-        kwargs = self.model_dump(exclude_none=True, exclude={"tensor_parallel_size", "pipeline_parallel_size",
-                                                             "data_parallel_size"})
-        if self.mesh is not None or self.tensor_parallel_size or self.pipeline_parallel_size:
-            kwargs["mesh"] = MeshShape.of(self.mesh, self.tensor_parallel_size, self.pipeline_parallel_size)
-        return kwargs
+        given = {name: getattr(self, name) for name in self.model_fields_set if getattr(self, name) is not None}
+        given.pop("data_parallel_size", None)
+        tp, pp = given.pop("tensor_parallel_size", None), given.pop("pipeline_parallel_size", None)
+        if "mesh" in given or tp or pp:
+            given["mesh"] = MeshShape.of(given.get("mesh"), tp, pp)
+        return given
+
+
+def _beside_the_job(name: str, value: Any, base_dir: Path) -> Any:
+    if name == "chat_template" and not is_template_text(value):
+        return str(base_dir / Path(value).expanduser())
+    if name == "tokenizer":
+        beside = base_dir / Path(value).expanduser()
+        return str(beside) if beside.exists() else value  # else a hub id
+    if name == "generation_config" and value not in GENERATION_CONFIG_SOURCES:
+        return str(base_dir / Path(value).expanduser())
+    if name == "lora_modules":
+        return {adapter: str(base_dir / Path(path).expanduser()) for adapter, path in value.items()}
+    return value
+
+
+def _option(f) -> tuple[Any, Any]:
+    aliases = f.metadata["aliases"]
+    return Any, pydantic.Field(default=None, validation_alias=pydantic.AliasChoices(f.name, *aliases) if aliases
+                               else None)
+
+
+EngineOptions = pydantic.create_model(
+    "EngineOptions", __base__=_EngineOptionsBase,
+    **{f.name: _option(f) for f in option_fields("job") if f.name != "model"})
 
 
 class BatchJob(BaseModel):

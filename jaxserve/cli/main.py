@@ -76,7 +76,7 @@ def run_generate(args: argparse.Namespace) -> int:
     try_as_user_error(check_flags, {})  # the flags alone, checked before the model loads
     # One prompt meets a few step shapes: compiling those when first needed takes seconds, where warming up every
     # shape a server could meet took most of a minute for SmolLM2 on CPU.
-    engine = build_engine(argparse.Namespace(**{**vars(args), "no_warmup": True}))
+    engine = build_engine(args, warmup=False)
     params = try_as_user_error(check_flags, engine.generation_defaults)
     prompt = engine.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     try:

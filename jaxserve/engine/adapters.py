@@ -14,15 +14,9 @@ from jaxserve.runner.lora_weights import write_adapter
 log = logging.getLogger(__name__)
 
 
-def check_lora_options(enable_lora: bool, max_loras: int, max_lora_rank: int,
-                       lora_modules: dict[str, str] | None) -> tuple[bool, int]:
+def lora_slots(enable_lora: bool, max_loras: int, lora_modules: dict[str, str] | None) -> tuple[bool, int]:
     """-> (enable_lora, max_loras): named adapters turn LoRA on, and get a slot each (they stay resident)."""
-    for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     modules = lora_modules or {}
-    if not isinstance(modules, dict) or not all(isinstance(k, str) and k and isinstance(v, str) for k, v in modules.items()):
-        raise ValueError("lora_modules must map adapter names to adapter directories, e.g. {'sql': '/adapters/sql'}")
     if len(modules) > max_loras:
         log.info("max_loras raised from %d to %d: one slot for each named adapter", max_loras, len(modules))
     return bool(enable_lora or modules), max(max_loras, len(modules))
@@ -150,43 +144,19 @@ class EngineAdapters:
         self._runner.params = write_adapter(self._runner.params, factors, slot, self._runner.mesh,
                                             self._runner.layout, self._cfg.num_kv_heads)
 
-
-class LoRAAPI:
-    """The Engine's adapter calls, as vLLM's engine has them (mixed into Engine; `self.adapters` is its
-    EngineAdapters, `self._requests` its live requests and `self.scheduler` its scheduler)."""
-
-    def add_lora(self, lora_request: LoRARequest, load_inplace: bool = False) -> LoRARequest:
-        """Read an adapter now rather than at its first request; ValueError if LoRA is off or it cannot be
-        served. Returns the LoRARequest the engine runs that name with. `load_inplace`: the name may already be
-        loaded (from other files, or the same files changed): the new files serve it from now on, requests
-        running with the old ones finish with them (give the replacement a new `lora_int_id`)."""
-        return self.adapters.replace(lora_request) if load_inplace else self.adapters.check(lora_request)
-
-    def remove_lora(self, lora: str | int) -> bool:
-        """Unload an adapter, by name or `lora_int_id` (False if none has it): requests naming it are refused
-        from now on, running ones finish with it; its slot and host copy are freed once they have. Call it from
-        the thread that steps the engine (AsyncEngine.remove_lora queues it there)."""
+    def remove_named(self, lora: str | int) -> bool:
+        """Take an adapter away by name or `lora_int_id` (False if none has it)."""
         name = lora if isinstance(lora, str) else next(
-            (known.lora_name for known in self.adapters.known() if known.lora_int_id == lora), None)
-        removed = name is not None and self.adapters.remove(name) is not None
-        self._purge_removed_adapters()
-        return removed
+            (known.lora_name for known in self.known() if known.lora_int_id == lora), None)
+        return name is not None and self.remove(name) is not None
 
-    def list_loras(self) -> list[LoRARequest]:
-        return self.adapters.known()
-
-    def _lora_stats(self) -> dict:
-        """Which adapters running and waiting requests use (vLLM's lora_requests_info); nothing with LoRA off."""
-        if not self.adapters.enabled:
+    def usage(self, running, waiting) -> dict:
+        """Which adapters running and waiting sequences use (vLLM's lora_requests_info); nothing with LoRA off."""
+        if not self.enabled:
             return {}
 
         def names(seqs) -> list[str]:
             return sorted({seq.lora_request.lora_name for seq in seqs if seq.lora_request is not None})
 
-        return {"max_loras": self.adapters.slots.num_slots, "running_lora_adapters": names(self.scheduler.running),
-                "waiting_lora_adapters": names(self.scheduler.waiting)}
-
-    def _purge_removed_adapters(self) -> None:
-        if self.adapters.has_removed:
-            in_use = {seq.lora_request for request in self._requests.values() for seq in request.sequences}
-            self.adapters.purge_removed(in_use)
+        return {"max_loras": self.slots.num_slots, "running_lora_adapters": names(running),
+                "waiting_lora_adapters": names(waiting)}

@@ -8,165 +8,146 @@ step methods here); `AsyncEngine` (async_engine/engine.py) drives
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import os
-import random
 import time
 from collections import deque
+from collections.abc import Iterator
 
 import jax
 
-from jaxserve.config import CacheConfig, EngineConfig, MeshShape, SchedulerConfig, SpeculativeConfig, resolve_dtype
+from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig, resolve_dtype
+from jaxserve.core.beam_search import BeamSearch, BeamSearchOutput
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.grammar import GrammarCompiler, grammar_ended
 from jaxserve.core.ngram_proposer import NgramProposer
 from jaxserve.core.output_processor import SequenceText, position_logprobs, record_prompt_logprobs, request_output
 from jaxserve.core.request import Request, Sequence
-from jaxserve.core.scheduler import Scheduler, SchedulerOutput
-from jaxserve.engine.adapters import EngineAdapters, LoRAAPI, check_lora_options
-from jaxserve.engine.beam_search import BeamSearchAPI
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.engine.adapters import EngineAdapters, lora_slots
 from jaxserve.engine.inputs import (
+    InputProcessor,
     Prompt,
-    check_engine_options,
     check_max_model_len,
+    eos_token_ids,
     fit_context_to_cache,
     model_for_context,
-    prompt_token_ids,
-    resolve_token_rules,
-    split_prompt,
     step_limits,
-    truncate_prompt,
-    validate_lengths,
 )
 from jaxserve.engine.offline import OfflineAPI
-from jaxserve.engine.pooling import pool, pooling_output, step_params
-from jaxserve.engine.steps import InFlightStep, StepRecord
-from jaxserve.loader.chat_content import check_content_format, resolve_content_format
+from jaxserve.engine.pooling import pool, pooling_output
+from jaxserve.engine.steps import InFlightStep, StepObserver
+from jaxserve.engine_args import EngineArgs, engine_signature
+from jaxserve.loader.chat_content import resolve_content_format
 from jaxserve.loader.checkpoint import open_checkpoint
 from jaxserve.loader.generation_config import generation_defaults
 from jaxserve.loader.tokenizer import TokenizerChoice, read_chat_template
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput
+from jaxserve.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.capacity import capacity_line, size_kv_cache
-from jaxserve.runner.compilation_cache import DEFAULT_COMPILATION_CACHE, enable_compilation_cache
+from jaxserve.runner.compilation_cache import enable_compilation_cache
 from jaxserve.runner.model_runner import ModelRunner, StepResult
 from jaxserve.runner.plan import PlanShape, build_step_inputs
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
-                 block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory_fraction: float = 0.9,
-                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None, seed: int = 0,
-                 mesh=None,
-                 max_logprobs: int = 20, enable_prefix_caching: bool = True, warmup: bool = True,
-                 recompile_guard: str = "warn", compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
-                 tokenizer=None, attention_impl: str = "auto", tensor_parallel_size: int | None = None,
-                 pipeline_parallel_size: int | None = None, pp_layer_partition: list[int] | None = None,
-                 quantization: str | None = None, load_format: str = "auto", async_scheduling: bool = True,
-                 chat_template: str | None = None, chat_template_content_format: str = "auto",
-                 enable_lora: bool = False, max_loras: int = 1,
-                 max_lora_rank: int = 16, lora_modules: dict[str, str] | None = None,
-                 speculative_config: dict | SpeculativeConfig | None = None, hf_overrides: dict | None = None,
-                 generation_config: str = "auto", override_generation_config: dict | None = None,
-                 revision: str | None = None, tokenizer_revision: str | None = None,
-                 download_dir: str | None = None, layer_loop: str = "auto", kv_cache_dtype: str = "auto",
-                 devices=None):
-        """`tokenizer`: a tokenizer object, or a Hugging Face directory or hub id to load one from (vLLM's
-        `tokenizer`); None serves the model's own. `revision`, `tokenizer_revision`: hub branches, tags or commits.
-        `download_dir`: where hub models and tokenizers are downloaded to (None: the Hugging Face cache).
-        `layer_loop`: "scan", "unrolled" or "auto" (unrolled on GPU: runner/layer_loop.py). `kv_cache_dtype`:
-        "auto" (the model's dtype), "bfloat16", or "fp8"/"fp8_e4m3"/"fp8_e5m2" (runner/kv_cache.py). `devices`: the
-        devices the mesh is built from (None: the first tp x pp of `jax.devices()`); data parallelism gives each
-        replica its own (async_engine/data_parallel.py). `max_num_seqs`, `max_num_batched_tokens`: the most sequences and tokens
-        in one step (None: 64 and 512 on CPU, 256 and 8192 on GPU/TPU; engine_inputs.step_limits).
-        `chat_template_content_format`: "auto", "string" or "openai" (loader/chat_content.py)."""
-        speculative = SpeculativeConfig.from_dict(speculative_config)
-        devices = None if devices is None else list(devices)
+class Engine:
+    """Requests in, outputs out. Built from collaborators, each given what it needs: the ModelRunner (weights,
+    cache, compiled step programs), the Scheduler and BlockManager (core/), the InputProcessor (requests checked
+    from any thread), EngineAdapters (LoRA), and the OfflineAPI facade that `generate`, `chat`, `embed`, `score`,
+    `stream` and `beam_search` hand their work to."""
+
+    def __init__(self, model: str | None = None, **options):
+        """`Engine(model, **options)`: the model (an HF hub id, an HF directory or a .gguf file; None: the built-in
+        SmolLM2-135M-Instruct) and any of `EngineArgs`' options (engine_args.py says what each means; vLLM's names
+        where vLLM has the option). An unknown option is a TypeError; a bad value a ValueError naming it."""
+        args = self.args = EngineArgs.of(model, **options)
+        max_num_seqs, max_num_batched_tokens = args.max_num_seqs, args.max_num_batched_tokens
+        dtype, max_model_len, num_kv_blocks = args.dtype, args.max_model_len, args.num_kv_blocks
+        speculative = SpeculativeConfig.from_dict(args.speculative_config)
+        devices = None if args.devices is None else list(args.devices)
         platform = (devices or jax.devices())[0].platform  # an empty list is refused by the mesh, by name
         max_num_seqs, max_num_batched_tokens = step_limits(max_num_seqs, max_num_batched_tokens, platform)
-        check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction,
-                             recompile_guard, quantization, kv_cache_dtype)
-        enable_lora, max_loras = check_lora_options(enable_lora, max_loras, max_lora_rank, lora_modules)
-        template = None if chat_template is None else read_chat_template(chat_template)  # before the load
-        check_content_format(chat_template_content_format)
-        enable_compilation_cache(compilation_cache_dir)
-        choice = TokenizerChoice(tokenizer, tokenizer_revision, download_dir)
-        ckpt = open_checkpoint(model, load_format, hf_overrides, revision, choice, download_dir)
+        enable_lora, max_loras = lora_slots(args.enable_lora, args.max_loras, args.lora_modules)
+        template = None if args.chat_template is None else read_chat_template(args.chat_template)  # before the load
+        enable_compilation_cache(args.compilation_cache_dir)
+        choice = TokenizerChoice(args.tokenizer, args.tokenizer_revision, args.download_dir)
+        ckpt = open_checkpoint(args.model, args.load_format, args.hf_overrides, args.revision, choice, args.download_dir)
         cfg = ckpt.config
         self.model_name = ckpt.name
         self.tokenizer = ckpt.tokenizer
         if template is not None:  # replaces the tokenizer's own
             self.tokenizer.chat_template = template
-        self.chat_content_format = resolve_content_format(chat_template_content_format,
+        self.chat_content_format = resolve_content_format(args.chat_template_content_format,
                                                           getattr(self.tokenizer, "chat_template", None))
-        self.generation_defaults = generation_defaults(ckpt.generation_defaults, generation_config,
-                                                       override_generation_config)
+        self.generation_defaults = generation_defaults(ckpt.generation_defaults, args.generation_config,
+                                                       args.override_generation_config)
         # What the final hidden state feeds: an LM head, none (embeddings only) or a classifier (loader/heads.py).
         self.declared_pooling, self.head = ckpt.pooling, ckpt.head
         requested_len, max_model_len = max_model_len, check_max_model_len(max_model_len, cfg.max_position_embeddings)
         cfg = model_for_context(cfg, max_model_len)
         dtype = resolve_dtype(dtype, platform)
-        self.mesh_shape = MeshShape.of(mesh, tensor_parallel_size, pipeline_parallel_size)
+        self.mesh_shape = args.mesh_shape
         if enable_lora:  # the layers get adapter slots beside their weights (models/lora.py)
-            cfg = dataclasses.replace(cfg, lora_slots=max_loras, lora_rank=max_lora_rank)
+            cfg = dataclasses.replace(cfg, lora_slots=max_loras, lora_rank=args.max_lora_rank)
         started = time.perf_counter()
-        self.runner = ModelRunner(cfg, ckpt.tensors, dtype, block_size, self.mesh_shape, attention_impl,
-                                  pp_layer_partition, quantization, layer_loop, kv_cache_dtype, devices)
+        self.runner = ModelRunner(cfg, ckpt.tensors, dtype, args.block_size, self.mesh_shape, args.attention_impl,
+                                  args.pp_layer_partition, args.quantization, args.layer_loop, args.kv_cache_dtype,
+                                  devices)
         log.info("Weights loaded in %.1f s", time.perf_counter() - started)
-        self.adapters = EngineAdapters(self.runner, cfg, max_loras, max_lora_rank, enable_lora)
-        for name, path in (lora_modules or {}).items():
+        self.adapters = EngineAdapters(self.runner, cfg, max_loras, args.max_lora_rank, enable_lora)
+        for name, path in (args.lora_modules or {}).items():
             self.adapters.preload(name, path)
         # A single stream's drafted step (1 + k tokens and rows) gets a bucket of its own, unpadded.
         spec_step = () if speculative is None else (1 + speculative.num_speculative_tokens,)
-        self.plan_shape = PlanShape(Buckets.for_limits(max_num_batched_tokens, max_num_seqs, spec_step), block_size,
-                                    cfg.vocab_size, max_model_len, max_logprobs, self.runner.decode_kernel)
+        self.plan_shape = PlanShape(Buckets.for_limits(max_num_batched_tokens, max_num_seqs, spec_step),
+                                    args.block_size, cfg.vocab_size, max_model_len, args.max_logprobs,
+                                    self.runner.decode_kernel)
         self.runner.set_token_feed(self.plan_shape.buckets.seqs[-1])
         # Overlap needs the step's read-back to stay this process's own: with several processes, followers run
         # each step whole and the host copy can be a collective (parallel/multihost.py). Drafting needs a
         # sequence's latest tokens on the host, which overlap would always leave one step behind (as in vLLM,
         # speculative decoding runs its steps one after the other).
-        self.async_scheduling = async_scheduling and jax.process_count() == 1 and speculative is None
+        self.async_scheduling = args.async_scheduling and jax.process_count() == 1 and speculative is None
         self._launched: deque[InFlightStep] = deque()  # dispatched, not read back yet (oldest first)
         started = time.perf_counter()
-        num_kv_blocks = size_kv_cache(self.runner, self.plan_shape, num_kv_blocks, kv_cache_memory_fraction)
+        num_kv_blocks = size_kv_cache(self.runner, self.plan_shape, num_kv_blocks, args.kv_cache_memory_fraction)
         log.info("KV cache sized and allocated in %.1f s (a profiling step at the largest bucket, compiled first)",
                  time.perf_counter() - started)
-        max_model_len = fit_context_to_cache(max_model_len, requested_len, (num_kv_blocks - 1) * block_size)
+        max_model_len = fit_context_to_cache(max_model_len, requested_len, (num_kv_blocks - 1) * args.block_size)
         self.plan_shape = dataclasses.replace(self.plan_shape, max_model_len=max_model_len)
-        log.info(capacity_line(num_kv_blocks, block_size, max_model_len, self.runner.kv_dtype))
+        log.info(capacity_line(num_kv_blocks, args.block_size, max_model_len, self.runner.kv_dtype))
         self.config = EngineConfig(
             model=cfg,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks),
+            cache=CacheConfig(block_size=args.block_size, num_blocks=num_kv_blocks),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
-            dtype=dtype, seed=seed, max_logprobs=max_logprobs, quantization=quantization,
+            dtype=dtype, seed=args.seed, max_logprobs=args.max_logprobs, quantization=args.quantization,
         )
-        self.blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.blocks = BlockManager(num_kv_blocks, args.block_size, args.enable_prefix_caching)
         self.speculative_config = speculative
         self.scheduler = Scheduler(self.config.scheduler, self.blocks, self.adapters.slots,
                                    NgramProposer.for_config(speculative))
         self._requests: dict[str, Request] = {}
-        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids())
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, eos_token_ids(self.tokenizer, cfg))
+        self.inputs = InputProcessor(self.tokenizer, self.config, model_name=self.model_name, head=self.head,
+                                     declared_pooling=self.declared_pooling,
+                                     generation_defaults=self.generation_defaults, adapters=self.adapters,
+                                     grammars=self.grammars, chat_content_format=self.chat_content_format,
+                                     seed=args.seed)
+        self.offline = OfflineAPI(self, self.inputs)
         self._texts: dict[int, SequenceText] = {}
-        self._rng = random.Random(seed)
-        self._seq_ids = itertools.count()
-        self._arrivals = itertools.count()
-        self._request_ids = itertools.count()
-        self.step_records: deque[StepRecord] = deque(maxlen=10_000)
         self._num_steps = 0
-        # Set to a list to capture (sequence token ids so far, logits) of every sampled row: parity tests use it.
-        self.logits_log: list[tuple[list[int], object]] | None = None
-        self.recompile_guard = recompile_guard
+        self.observers: list[StepObserver] = []  # each told of every step read back (engine/steps.py)
+        self.recompile_guard = args.recompile_guard
         self._compiles_at_warmup: int | None = None
-        if warmup:
+        if args.warmup:
             self.warmup()
         log.info("Loaded %s (%s, %s%s, mesh %dx%d)", self.model_name, cfg.architecture, dtype,
-                 f", {quantization} quantization" if quantization else "", *self.mesh_shape)
+                 f", {args.quantization} quantization" if args.quantization else "", *self.mesh_shape)
 
     def warmup(self, desc: str = "Compiling step buckets", compile_threads: int | None = None) -> None:
         """Compile every step program now (a progress bar titled `desc`), so serving never stalls on a compile.
@@ -196,42 +177,17 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
 
     def prepare_request(self, request_id: str, prompt: Prompt, params: SamplingParams | PoolingParams, *,
                         priority: int = 0, lora_request: LoRARequest | None = None) -> Request:
-        """Tokenize and validate (no device work, safe from any thread). Raises ValueError for bad input.
-        PoolingParams make it a pooling request: an embedding or a classification (engine/pooling.py)."""
-        pooling = params if isinstance(params, PoolingParams) else None
-        prompt, cache_salt = split_prompt(prompt)
-        params = step_params(params, self.head, self.model_name, self.config.model.hidden_size, self.declared_pooling)
-        given = prompt_token_ids(self.tokenizer, prompt, self.config.model.vocab_size)
-        ids = truncate_prompt(given, (pooling or params).truncate_prompt_tokens, self.max_model_len)
-        params = validate_lengths(params, len(ids), self.max_model_len, self.config,
-                                  self.generation_defaults.get("max_tokens"))
-        lora_request = self.adapters.check(lora_request)
-        allowed_mask, bad_words = resolve_token_rules(params, self.tokenizer, self.config, self.eos_token_ids())
-        shared = dict(lora_request=lora_request, pooling=pooling, allowed_mask=allowed_mask, bad_words=bad_words,
-                      cache_salt=cache_salt)
-        seqs = [self._new_sequence(request_id, i, ids, params, priority, **shared) for i in range(params.num_sequences)]
-        if params.constrained:  # compiled here, off the engine thread; an invalid grammar is a ValueError
-            matcher = self.grammars.matcher(params.structured_outputs)
-            for i, seq in enumerate(seqs):
-                seq.matcher = matcher.deep_copy() if i else matcher
-                seq.grammar_waits_for = params.structured_outputs.starts_after_token
-        text = prompt if isinstance(prompt, str) and len(ids) == len(given) else None  # None: decoded when needed
-        return Request(request_id, text, seqs, params, pooling)
+        """Tokenize and validate (no device work, safe from any thread); ValueError for bad input."""
+        return self.inputs.prepare_request(request_id, prompt, params, priority=priority, lora_request=lora_request)
 
-    def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams, priority: int,
-                      **shared) -> Sequence:
-        """`shared`: Sequence fields every sequence of the request has alike (adapter, pooling, token rules)."""
-        seed = self._rng.getrandbits(32) if params.seed is None else (params.seed + index * 0x9E3779B9) & 0xFFFFFFFF
-        seq = Sequence(next(self._seq_ids), request_id, index, list(ids), len(ids), params, seed,
-                       arrival=next(self._arrivals), priority=priority, eos_token_ids=self.eos_token_ids(),
-                       max_model_len=self.max_model_len, **shared)
-        if params.prompt_logprobs is not None:
-            seq.prompt_logprobs.append(None)  # the first prompt token has no context to be predicted from
-        return seq
+    def prepare_beam_search(self, prompt: str | list[int] | dict, params: BeamSearchParams) -> BeamSearch:
+        return self.inputs.prepare_beam_search(prompt, params)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **rendering) -> list[int]:
+        return self.inputs.encode_chat(messages, add_generation_prompt, **rendering)
 
     def eos_token_ids(self) -> tuple[int, ...]:
-        eos = self.tokenizer.eos_token_id
-        return tuple(self.config.model.eos_token_ids) or (() if eos is None else (eos,))
+        return self.inputs.eos_token_ids()
 
     def add_prepared_request(self, request: Request) -> None:
         if request.request_id in self._requests:
@@ -260,6 +216,71 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._launched)
 
+    # ---- whole calls (vLLM's LLM): the OfflineAPI facade runs them on this engine -----------------------------
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Run prompts (a str, a list of str, token-id lists or vLLM's prompt dicts) to completion, in input order;
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (vLLM's `LLM.generate`)."""
+        return self.offline.generate(prompts, params, use_tqdm, lora_request)
+
+    def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True, *,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Replies to one conversation (a list of messages) or a list of conversations (vLLM's `LLM.chat`)."""
+        return self.offline.chat(messages, params, use_tqdm, add_generation_prompt=add_generation_prompt,
+                                 continue_final_message=continue_final_message,
+                                 chat_template_kwargs=chat_template_kwargs, tools=tools, lora_request=lora_request)
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """The request's output after every step that advanced it; a caller that stops reading aborts it."""
+        return self.offline.stream(prompt, params)
+
+    def embed(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, use_tqdm: bool = True,
+              lora_request=None) -> list[EmbeddingRequestOutput]:
+        return self.offline.embed(prompts, pooling_params, use_tqdm, lora_request)
+
+    def classify(self, prompts, **options) -> list[ClassificationRequestOutput]:
+        """A sequence classifier's probabilities for each prompt (vLLM's `LLM.classify`; OfflineAPI.classify)."""
+        return self.offline.classify(prompts, **options)
+
+    def score(self, text_1, text_2, **options) -> list[ScoringRequestOutput]:
+        """Scores of text pairs (vLLM's `LLM.score`; OfflineAPI.score)."""
+        return self.offline.score(text_1, text_2, **options)
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = True,
+                    lora_request=None) -> list[BeamSearchOutput]:
+        return self.offline.beam_search(prompts, params, use_tqdm, lora_request)
+
+    def default_sampling_params(self) -> SamplingParams:
+        return self.inputs.default_sampling_params()
+
+    # ---- LoRA adapters (vLLM's engine calls) ----------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest, load_inplace: bool = False) -> LoRARequest:
+        """Read an adapter now rather than at its first request; ValueError if LoRA is off or it cannot be
+        served. Returns the LoRARequest the engine runs that name with. `load_inplace`: the name may already be
+        loaded (from other files, or the same files changed): the new files serve it from now on, requests
+        running with the old ones finish with them (give the replacement a new `lora_int_id`)."""
+        return self.adapters.replace(lora_request) if load_inplace else self.adapters.check(lora_request)
+
+    def remove_lora(self, lora: str | int) -> bool:
+        """Unload an adapter, by name or `lora_int_id` (False if none has it): requests naming it are refused
+        from now on, running ones finish with it; its slot and host copy are freed once they have. Call it from
+        the thread that steps the engine (AsyncEngine.remove_lora queues it there)."""
+        removed = self.adapters.remove_named(lora)
+        self._free_removed_adapters()
+        return removed
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.adapters.known()
+
+    def _free_removed_adapters(self) -> None:
+        if self.adapters.has_removed:
+            in_use = {seq.lora_request for request in self._requests.values() for seq in request.sequences}
+            self.adapters.purge_removed(in_use)
+
     # ---- the step ---------------------------------------------------------------------------------------
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
@@ -274,14 +295,14 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
         KeyboardInterrupt while waiting, recompile_guard="error") leaves nothing half done: the next call reads it.
         """
         touched: dict[str, Request] = {}
-        self._purge_removed_adapters()
+        self._free_removed_adapters()
         # One step in flight at most when scheduling (a call that raised leaves two): one placeholder a sequence.
         # None when it samples for a grammar: the next mask needs the token it samples. (An engine that drafts
         # never overlaps steps: see async_scheduling.)
         self._read_back_all_but(0 if self._grammar_in_flight() else 1, touched)
         launched = self._launch()
         if launched is not None and launched.recompiled:
-            self._on_recompile(launched.sched)  # may raise: every launched step is queued, so nothing is lost
+            self._on_recompile(launched)  # may raise: every launched step is queued, so nothing is lost
         self._read_back_all_but(1 if launched is not None and self.async_scheduling else 0, touched)
         return [self._emit(req) for req in touched.values() if req.finished or not finished_only]
 
@@ -291,13 +312,13 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
             return None
         self.adapters.write_pending()  # adapters the scheduler just gave a slot
         inputs, statics = build_step_inputs(sched, self.blocks, self.plan_shape)
-        if self.logits_log is not None:
+        if any(observer.wants_logits for observer in self.observers):
             statics = dataclasses.replace(statics, return_logits=True)
         compiles_before = self.runner.num_compiles
         # Multi-process runs read the step back at once: followers run each step whole (cluster/follower.py).
         pending = self.runner.launch(inputs, statics) if self.async_scheduling else self.runner.execute(inputs, statics)
-        step = InFlightStep(sched, pending, recompiled=self.runner.num_compiles != compiles_before)
-        self._record(sched)
+        step = InFlightStep(sched, pending, self._num_steps, recompiled=self.runner.num_compiles != compiles_before)
+        self._num_steps += 1
         self.scheduler.advance(sched)
         self._launched.append(step)
         return step
@@ -314,13 +335,14 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
             if not isinstance(step.pending, StepResult):
                 step.pending = self.runner.collect(step.pending)  # waits; if interrupted, the step stays queued
             self._launched.popleft()
-            self._account(step.sched, step.pending, touched)
+            self._account(step, touched)
 
-    def _account(self, sched: SchedulerOutput, result: StepResult, touched: dict[str, Request]) -> None:
+    def _account(self, step: InFlightStep, touched: dict[str, Request]) -> None:
+        sched, result = step.sched, step.pending
         tokens = result.tokens.tolist()
         sampled = [_chunk_samples(c, tokens, row) for row, c in zip(sched.first_rows(), sched.chunks)]
-        if self.logits_log is not None:
-            self._log_logits(sched, sampled, result)
+        for observer in self.observers:  # before the tokens are taken: they see the sequences as the step did
+            observer.on_step(step.index, sched, sampled, result)
         if result.prompt is not None:
             record_prompt_logprobs(sched.chunks, result.prompt, self._texts)
 
@@ -330,27 +352,15 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
 
         self.scheduler.resolve(sched, sampled, on_token)
 
-    def _log_logits(self, sched: SchedulerOutput, sampled: list, result: StepResult) -> None:
-        """(the sequence's tokens before a sampled one, the logits it was sampled from), for each token kept."""
-        for row, c, tokens in zip(sched.first_rows(), sched.chunks, sampled):
-            if c.samples and not c.seq.finished:
-                kept = len(c.accepted(tokens)) if c.draft else 1
-                self.logits_log.extend((c.seq.token_ids[: c.end] + c.draft[:i], result.logits[row + i])
-                                       for i in range(kept))
-
-    def _on_recompile(self, sched: SchedulerOutput) -> None:
+    def _on_recompile(self, step: InFlightStep) -> None:
         if self._compiles_at_warmup is None or self.recompile_guard == "off":
             return
-        msg = (f"step {self._num_steps} compiled a new program after warm-up ({sched.num_tokens} tokens, "
+        sched = step.sched
+        msg = (f"step {step.index} compiled a new program after warm-up ({sched.num_tokens} tokens, "
                f"{len(sched.chunks)} sequences): a shape or sampler variant is missing from the warm-up buckets")
         if self.recompile_guard == "error":
             raise RuntimeError(msg)
         log.warning(msg)
-
-    def _record(self, sched: SchedulerOutput) -> None:
-        chunks = tuple((c.seq.request_id, c.start, c.num_tokens) for c in sched.chunks)
-        self.step_records.append(StepRecord(self._num_steps, chunks))
-        self._num_steps += 1
 
     def _on_token(self, seq: Sequence, token: int, result: StepResult, row: int) -> None:
         if seq.pooling is not None:  # its one-token budget ended it; the token itself is not used
@@ -400,7 +410,7 @@ class Engine(OfflineAPI, BeamSearchAPI, LoRAAPI):
             "num_steps": self._num_steps,
             "num_compiles": self.runner.num_compiles,
             "compiles_after_warmup": self.compiles_after_warmup,
-            **self._lora_stats(),
+            **self.adapters.usage(self.scheduler.running, self.scheduler.waiting),
         }
 
 
@@ -411,3 +421,5 @@ def _chunk_samples(chunk, tokens: list[int], row: int) -> int | list[int] | None
         return tokens[row : row + chunk.num_rows]
     return tokens[row] if chunk.samples else None
 
+
+Engine.__init__.__signature__ = engine_signature()  # help(Engine) lists every option (they are EngineArgs')

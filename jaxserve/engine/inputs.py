@@ -1,17 +1,26 @@
-"""Checking and normalising what callers hand the engine (host side, no jax)."""
+"""Checking and normalising what callers hand the engine (host side, no jax): `InputProcessor` turns a prompt and
+its parameters into a checked Request, from any thread; the functions beside it are its rules and the engine's
+constructor's."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
+import random
 
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig, SchedulerConfig
+from jaxserve.core.beam_search import BeamSearch
+from jaxserve.core.request import Request, Sequence
 from jaxserve.core.token_rules import allowed_bitmask, bad_words_token_ids, check_some_token_allowed
-from jaxserve.models.layers import QUANTIZATIONS
-from jaxserve.runner.kv_cache import check_kv_cache_dtype
+from jaxserve.engine.pooling import step_params
+from jaxserve.loader.tokenizer import apply_chat_template
+from jaxserve.lora_request import LoRARequest
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.runner.sampler import BIAS_SLOTS
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams, check_beam_width
 
 log = logging.getLogger(__name__)
 
@@ -159,23 +168,6 @@ def step_limits(max_num_seqs: int | None, max_num_batched_tokens: int | None, pl
             tokens if max_num_batched_tokens is None else max_num_batched_tokens)
 
 
-def check_engine_options(block_size, max_num_seqs, max_num_batched_tokens, memory_fraction, recompile_guard,
-                         quantization, kv_cache_dtype) -> None:
-    """The Engine's own keyword arguments, checked before anything loads."""
-    for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if not 0 < memory_fraction <= 1:
-        raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {memory_fraction}")
-    if recompile_guard not in ("warn", "error", "off"):
-        raise ValueError(f"recompile_guard must be 'warn', 'error' or 'off', got {recompile_guard!r}")
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization={quantization!r} is not supported; use None (weights in dtype), 'int8' "
-                         "(int8 weights) or 'w8a8' (int8 weights and activations)")
-    check_kv_cache_dtype(kv_cache_dtype)
-
-
 def model_for_context(cfg: ModelConfig, max_model_len: int) -> ModelConfig:
     """The model as this engine runs it; says so when LongRoPE's long factors are chosen (vLLM warns alike)."""
     if cfg.rope_scaling is not None and cfg.rope_scaling.uses_long_factors(max_model_len):
@@ -208,3 +200,101 @@ def check_max_model_len(requested: int | None, model_max: int) -> int:
     if requested < 1 or requested > model_max:
         raise ValueError(f"max_model_len={requested} is outside 1..{model_max} (the model's max_position_embeddings)")
     return requested
+
+
+def eos_token_ids(tokenizer, model: ModelConfig) -> tuple[int, ...]:
+    """The model's end tokens (generation_config.json may name several), else the tokenizer's."""
+    eos = tokenizer.eos_token_id
+    return tuple(model.eos_token_ids) or (() if eos is None else (eos,))
+
+
+class InputProcessor:
+    """What callers hand the engine, made into checked requests: prompts tokenized (chat messages through the
+    template), lengths, token rules and adapters checked, grammars compiled, one Sequence per sample with its
+    seed. No device work: the server calls it on its own thread, so a bad request fails before anything is
+    queued, and a grammar compiles without holding up a step."""
+
+    def __init__(self, tokenizer, config: EngineConfig, *, model_name: str, head, declared_pooling,
+                 generation_defaults: dict, adapters, grammars, chat_content_format: str, seed: int):
+        """`adapters`: the engine's EngineAdapters (`check` gives a request the LoRARequest its name runs with);
+        `grammars`: a core.grammar.GrammarCompiler."""
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_name = model_name
+        self.head = head
+        self.declared_pooling = declared_pooling
+        self.generation_defaults = generation_defaults
+        self.adapters = adapters
+        self.grammars = grammars
+        self.chat_content_format = chat_content_format
+        self._rng = random.Random(seed)  # seeds of sequences whose request gives none
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return eos_token_ids(self.tokenizer, self.config.model)
+
+    def prepare_request(self, request_id: str, prompt: Prompt, params: SamplingParams | PoolingParams, *,
+                        priority: int = 0, lora_request: LoRARequest | None = None) -> Request:
+        """ValueError for bad input. PoolingParams make it a pooling request: an embedding or a classification
+        (engine/pooling.py)."""
+        pooling = params if isinstance(params, PoolingParams) else None
+        prompt, cache_salt = split_prompt(prompt)
+        params = step_params(params, self.head, self.model_name, self.config.model.hidden_size, self.declared_pooling)
+        given = prompt_token_ids(self.tokenizer, prompt, self.config.model.vocab_size)
+        ids = truncate_prompt(given, (pooling or params).truncate_prompt_tokens, self.max_model_len)
+        params = validate_lengths(params, len(ids), self.max_model_len, self.config,
+                                  self.generation_defaults.get("max_tokens"))
+        lora_request = self.adapters.check(lora_request)
+        allowed_mask, bad_words = resolve_token_rules(params, self.tokenizer, self.config, self.eos_token_ids())
+        shared = dict(lora_request=lora_request, pooling=pooling, allowed_mask=allowed_mask, bad_words=bad_words,
+                      cache_salt=cache_salt)
+        seqs = [self._new_sequence(request_id, i, ids, params, priority, **shared) for i in range(params.num_sequences)]
+        if params.constrained:  # an invalid grammar is a ValueError
+            matcher = self.grammars.matcher(params.structured_outputs)
+            for i, seq in enumerate(seqs):
+                seq.matcher = matcher.deep_copy() if i else matcher
+                seq.grammar_waits_for = params.structured_outputs.starts_after_token
+        text = prompt if isinstance(prompt, str) and len(ids) == len(given) else None  # None: decoded when needed
+        return Request(request_id, text, seqs, params, pooling)
+
+    def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams, priority: int,
+                      **shared) -> Sequence:
+        """`shared`: Sequence fields every sequence of the request has alike (adapter, pooling, token rules)."""
+        seed = self._rng.getrandbits(32) if params.seed is None else (params.seed + index * 0x9E3779B9) & 0xFFFFFFFF
+        seq = Sequence(next(self._seq_ids), request_id, index, list(ids), len(ids), params, seed,
+                       arrival=next(self._arrivals), priority=priority, eos_token_ids=self.eos_token_ids(),
+                       max_model_len=self.max_model_len, **shared)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs.append(None)  # the first prompt token has no context to be predicted from
+        return seq
+
+    def prepare_beam_search(self, prompt: str | list[int] | dict, params: BeamSearchParams) -> BeamSearch:
+        """One prompt's search (core/beam_search.py), checked: a ValueError for a beam too wide for the engine's
+        logprobs, a bad token id, or beams that cannot fit the context or cache."""
+        eos = self.eos_token_ids()
+        check_beam_width(params, eos, self.config.max_logprobs)
+        prompt, cache_salt = split_prompt(prompt)
+        if cache_salt is not None:
+            raise ValueError("cache_salt cannot be combined with beam search; leave one out")
+        ids = prompt_token_ids(self.tokenizer, prompt, self.config.model.vocab_size)
+        # As for a request of beam_width sequences: each beam may grow to prompt + max_tokens.
+        checked = validate_lengths(SamplingParams(n=params.beam_width, max_tokens=params.max_tokens), len(ids),
+                                   self.max_model_len, self.config, self.generation_defaults.get("max_tokens"))
+        return BeamSearch(ids, dataclasses.replace(params, max_tokens=checked.max_tokens), eos, self.max_model_len)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **rendering) -> list[int]:
+        """Token ids of the messages through the chat template; `rendering`: continue_final_message,
+        chat_template_kwargs, tools (loader/tokenizer.apply_chat_template)."""
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt,
+                                   content_format=self.chat_content_format, **rendering)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (temperature, top_p, ...), as vLLM. Its
+        max_new_tokens leaves max_tokens None, which a request fills with the room in the context up to that cap."""
+        defaults = self.generation_defaults
+        return SamplingParams(**{**defaults, "max_tokens": None} if "max_tokens" in defaults else defaults)

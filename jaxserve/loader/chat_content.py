@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-CONTENT_FORMATS = ("auto", "string", "openai")
+from jaxserve.engine_args import CONTENT_FORMATS  # declared with the option
 
 # `{% for part in message['content'] %}`, `message["content"]`, `message.content`, maybe through a filter, whatever
 # the loop variables are called: a template that iterates a message's content expects parts. (A loop over

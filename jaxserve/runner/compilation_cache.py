@@ -3,12 +3,9 @@ programs from disk instead of compiling them again."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import jax
-
-DEFAULT_COMPILATION_CACHE = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxserve" / "xla")
 
 
 def enable_compilation_cache(directory: str | None) -> None:

@@ -50,7 +50,7 @@ def test_every_problem_is_reported_and_the_message_is_one_line(tmp_path):
         load_job(path)
     problems = error.value.problems
     assert len(problems) == 4
-    assert any(p.startswith("engine.max_num_seqs:") and "greater than 0" in p for p in problems)
+    assert any(p.startswith("engine.max_num_seqs:") and "positive integer" in p for p in problems)
     assert any(p.startswith("engine.mesh:") and "TPxPP" in p for p in problems)
     assert any(p.startswith("engine.dtype:") and "'float16'" in p for p in problems)
     assert any(p.startswith("max_concurrency:") for p in problems)

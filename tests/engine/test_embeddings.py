@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModel
 
 from jaxserve import Engine, PoolingParams, SamplingParams
+from jaxserve.engine.steps import StepLog
 
 PROMPTS = [list(range(300, 341)), list(range(100, 105)), [7]]  # 41 tokens run in three chunks of 16
 
@@ -58,12 +59,14 @@ def test_embedding_and_generating_requests_share_steps(qwen3):
                     warmup=False)
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     alone = engine.generate(PROMPTS[1:2], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    steps = StepLog()
+    engine.observers.append(steps)
     engine.add_request("gen", PROMPTS[1], greedy)
     engine.add_request("emb", PROMPTS[0], PoolingParams())
     finals = {}
     while engine.has_unfinished_requests():
         finals.update((out.request_id, out) for out in engine.step() if out.finished)
-    assert any({"gen", "emb"} <= {rid for rid, _, _ in record.chunks} for record in engine.step_records)
+    assert any({"gen", "emb"} <= {rid for rid, _, _ in record.chunks} for record in steps.records)
     assert finals["gen"].outputs[0].token_ids == alone
     np.testing.assert_allclose(finals["emb"].outputs.embedding, references[0] / np.linalg.norm(references[0]),
                                atol=1e-5)

@@ -7,6 +7,7 @@ import re
 import pytest
 
 from jaxserve import Engine, SamplingParams
+from jaxserve.engine.steps import StepLog
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -22,12 +23,14 @@ def test_preemption_under_memory_pressure_loses_nothing(tiny):
     expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, GREEDY, use_tqdm=False)]
     # Each request needs at most 2 blocks of 16 tokens (<= 15 prompt + 20 output): 16 blocks hold 8 at a time.
     tight = Engine(tiny, num_kv_blocks=17, max_num_seqs=64, max_num_batched_tokens=128, warmup=False)
+    steps = StepLog()
+    tight.observers.append(steps)
     outs = tight.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = tight.stats()
     assert stats["num_preemptions"] > 0
     assert stats["free_blocks"] == stats["total_blocks"] == 16
-    assert max(len(r.chunks) for r in tight.step_records) <= 16  # never more running than blocks allow
+    assert max(len(r.chunks) for r in steps.records) <= 16  # never more running than blocks allow
 
 
 def test_shared_prefix_is_computed_once(tiny):
@@ -35,12 +38,14 @@ def test_shared_prefix_is_computed_once(tiny):
     prefix = [rng.randrange(10, 40000) for _ in range(1000)]
     a, b = prefix + [11, 12, 13], prefix + [21, 22]
     engine = Engine(tiny, num_kv_blocks=256, max_num_batched_tokens=512, warmup=False)
+    steps = StepLog()
+    engine.observers.append(steps)
     engine.generate([a], GREEDY, use_tqdm=False)
     hits_before = engine.stats()["prefix_cache_hits"]
     out_b = engine.generate([b], GREEDY, use_tqdm=False)[0]
     assert engine.stats()["prefix_cache_hits"] - hits_before == 992  # 62 full blocks of the shared prefix
     assert out_b.num_cached_tokens == 992
-    first_chunk = next(c for r in engine.step_records for c in r.chunks if c[0] == out_b.request_id)
+    first_chunk = next(c for r in steps.records for c in r.chunks if c[0] == out_b.request_id)
     assert first_chunk[1:] == (992, len(b) - 992), "the second request computes only its new tokens"
     uncached = Engine(tiny, num_kv_blocks=256, max_num_batched_tokens=512, enable_prefix_caching=False, warmup=False)
     assert uncached.generate([b], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == out_b.outputs[0].token_ids

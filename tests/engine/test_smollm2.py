@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from jaxserve import SamplingParams
+from jaxserve.engine.steps import StepLog
 
 PROMPTS = [
     "Hello, my name is",
@@ -71,6 +72,8 @@ def test_seeded_sampling_same_alone_and_in_a_batch(smol_engine):
 def test_requests_join_a_running_batch(smol_engine):
     """Continuous batching: a request added while another decodes starts before the first one finishes."""
     e = smol_engine
+    steps = StepLog()
+    e.observers.append(steps)
     e.add_request("first", "Count: one, two, three,", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     for _ in range(4):
         e.step()
@@ -80,13 +83,14 @@ def test_requests_join_a_running_batch(smol_engine):
         for out in e.step():
             if out.finished:
                 done[out.request_id] = out
-    steps_of = lambda rid: [r.index for r in e.step_records if any(c[0] == rid for c in r.chunks)]  # noqa: E731
+    steps_of = lambda rid: [r.index for r in steps.records if any(c[0] == rid for c in r.chunks)]  # noqa: E731
     assert min(steps_of("second")) < max(steps_of("first"))
     # ...and it ran in the same steps as the first one, not after it
-    shared = [r for r in e.step_records if {c[0] for c in r.chunks} == {"first", "second"}]
+    shared = [r for r in steps.records if {c[0] for c in r.chunks} == {"first", "second"}]
     assert shared
     assert done["second"].finished and len(done["first"].outputs[0].token_ids) == 20
     assert e.stats()["free_blocks"] == e.stats()["total_blocks"]
+    e.observers.remove(steps)
 
 
 def test_stream_pieces_concatenate_to_final_text(smol_engine):

@@ -71,7 +71,7 @@ def test_the_engine_renders_in_the_format_it_was_given(tiny_checkpoint):
     assert engine.chat_content_format == "openai"
     ids = engine.encode_chat([{"role": "user", "content": "Name a fruit."}], add_generation_prompt=False)
     assert engine.tokenizer.decode(ids) == "<user>Name a fruit.</user>"
-    with pytest.raises(ValueError, match="is not one of auto, string, openai"):
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, string, openai"):
         Engine(str(tiny_checkpoint("llama")), chat_template_content_format="parts")
 
 

@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxserve import Engine, LoRARequest, SamplingParams
+from jaxserve.engine.steps import LogitsLog, StepLog
 from tests.helpers import hf_logits, make_lora_adapter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -41,11 +42,13 @@ def _reference(references: dict, name: str | None, tokens: list[int]) -> np.ndar
 
 def check_lora_parity(engine: Engine, references: dict, prompts, loras, tol: float = 1e-4):
     """Greedy generation of prompts[i] under loras[i]; every sampled row's logits against its reference."""
-    engine.logits_log = []
+    logits = LogitsLog()
+    engine.observers.append(logits)
     try:
         outs = engine.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
     finally:
-        log, engine.logits_log = engine.logits_log, None
+        engine.observers.remove(logits)
+    log = logits.rows
     finals = [(o.prompt_token_ids + o.outputs[0].token_ids, None if lora is None else lora.lora_name)
               for o, lora in zip(outs, loras)]
     references_by_final = {tuple(f): _reference(references, name, f) for f, name in finals}
@@ -91,14 +94,16 @@ def test_one_slot_serves_adapters_in_turn(llama_with_adapters):
     engine = Engine(str(base), enable_lora=True, max_loras=1, max_lora_rank=8, num_kv_blocks=64,
                     max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
     loras = [adapters["every"], adapters["attention"], adapters["every"]]
+    steps_run = StepLog()
+    engine.observers.append(steps_run)
     outs = check_lora_parity(engine, references, PROMPTS, loras)
     adapter_of = {out.request_id: lora.lora_name for out, lora in zip(outs, loras)}
-    steps = [{adapter_of[rid] for rid, _, _ in record.chunks} for record in engine.step_records]
+    steps = [{adapter_of[rid] for rid, _, _ in record.chunks} for record in steps_run.records]
     assert all(len(names) == 1 for names in steps), "two adapters ran in one step with one slot"
     # The third request passed the second: its adapter was resident, so both of "every" ran before the reload.
     first_attention = steps.index({"attention"})
     assert {"every"} not in steps[first_attention:]
-    assert any(rid == outs[2].request_id for record in list(engine.step_records)[:first_attention] for rid, _, _ in record.chunks)
+    assert any(rid == outs[2].request_id for record in steps_run.records[:first_attention] for rid, _, _ in record.chunks)
     engine.add_request("a", PROMPTS[0], GREEDY, lora_request=adapters["every"])
     engine.add_request("b", PROMPTS[1], GREEDY, lora_request=adapters["attention"])
     engine.step()  # "every" holds the slot; "attention" waits for it

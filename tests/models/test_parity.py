@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from jaxserve import Engine, SamplingParams
+from jaxserve.engine.steps import LogitsLog, StepLog
 from tests.helpers import hf_logits, write_gguf
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -64,12 +65,14 @@ PROMPTS = [
 
 
 def check_parity(engine: Engine, reference, prompts, max_tokens: int = 9, tol: float = 1e-4):
-    engine.logits_log = []
+    logits = LogitsLog()
+    engine.observers.append(logits)
     try:
         outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                                use_tqdm=False)
     finally:
-        log, engine.logits_log = engine.logits_log, None
+        engine.observers.remove(logits)
+    log = logits.rows
     assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
     # One logged row per sampled token: the prefill of each prompt and max_tokens - 1 decode steps.
     assert len(log) == len(prompts) * max_tokens
@@ -108,8 +111,10 @@ def test_chunked_prefill_keeps_parity(tiny_checkpoint):
     path = tiny_checkpoint("llama", tie_word_embeddings=False)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engine = Engine(str(path), num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=4, warmup=False)
+    steps = StepLog()
+    engine.observers.append(steps)
     check_parity(engine, reference, PROMPTS)
-    chunked = [r for r in engine.step_records if any(n > 1 and start > 0 for _, start, n in r.chunks)]
+    chunked = [r for r in steps.records if any(n > 1 and start > 0 for _, start, n in r.chunks)]
     assert chunked, "expected at least one prefill chunk that started mid-prompt"
 
 

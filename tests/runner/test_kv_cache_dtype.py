@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxserve import Engine, SamplingParams
+from jaxserve.engine.steps import LogitsLog
 from jaxserve.parallel.sharding import make_mesh
 from jaxserve.runner import attention as attention_module
 from jaxserve.runner.attention import reference_attention_fn
@@ -75,12 +76,13 @@ def test_attention_reads_a_float8_cache_as_the_values_it_holds(impl, decode_only
 
 
 def greedy_logits(engine) -> list:
-    engine.logits_log = []
+    logits = LogitsLog()
+    engine.observers.append(logits)
     try:
         engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
-        return [logits for _, logits in engine.logits_log]
+        return [row for _, row in logits.rows]
     finally:
-        engine.logits_log = None
+        engine.observers.remove(logits)
 
 
 def test_an_fp8_engine_computes_with_the_rounded_cache(tiny_checkpoint, monkeypatch):

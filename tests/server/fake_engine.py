@@ -1,4 +1,5 @@
-"""A deterministic stand-in for `jaxserve.engine.engine.Engine`, with the same surface and a real tokenizer.
+"""A deterministic stand-in for `jaxserve.engine.Engine`: the same surface (the StepEngine Protocol,
+jaxserve/engine/interface.py, which tests/engine/test_interface.py holds both to) and a real tokenizer.
 
 It makes the server and AsyncEngine testable in milliseconds: no model, no compilation. Each generated token is
 taken from a fixed script, so texts are predictable; seeds and output indices shift where in the script a
@@ -86,8 +87,9 @@ class FakeEngine:
         self.replaced_loras += [lora_request.lora_name] if load_inplace else []
         return lora_request
 
-    def remove_lora(self, lora_name):
-        self.removed_loras.append(lora_name)
+    def remove_lora(self, lora):
+        self.removed_loras.append(lora)
+        return True
 
     def prepare_request(self, request_id, prompt, params, *, priority=0, lora_request=None):
         self.lora_requests[request_id] = lora_request
@@ -138,8 +140,9 @@ class FakeEngine:
                            for i in range(request.params.n)]
         self._running[request.request_id] = request
 
-    def add_request(self, request_id, prompt, params, *, priority=0):
-        self.add_prepared_request(self.prepare_request(request_id, prompt, params, priority=priority))
+    def add_request(self, request_id, prompt, params, *, priority=0, lora_request=None):
+        self.add_prepared_request(self.prepare_request(request_id, prompt, params, priority=priority,
+                                                       lora_request=lora_request))
 
     def abort_request(self, request_id):
         if self._running.pop(request_id, None) is not None:
@@ -148,7 +151,7 @@ class FakeEngine:
     def has_unfinished_requests(self):
         return bool(self._running)
 
-    def step(self):
+    def step(self, finished_only=False):
         self.step_started.set()
         if self.fail_next_step:
             self.fail_next_step = False
@@ -158,7 +161,7 @@ class FakeEngine:
         for result in results:
             if result.finished:
                 del self._running[result.request_id]
-        return results
+        return [result for result in results if result.finished or not finished_only]
 
     def _advance(self, request):
         if isinstance(request, PoolingRequestOutput):
@@ -203,10 +206,10 @@ class FakeEngine:
         n = request.params.prompt_logprobs
         return [None] + [self._position_logprobs(t, n) for t in request.prompt_token_ids[1:]]
 
-    def generate(self, prompts, params=None, use_tqdm=True):
+    def generate(self, prompts, params=None, use_tqdm=True, lora_request=None):
         params = params or SamplingParams()
         for index, prompt in enumerate(prompts):
-            self.add_request(f"generate-{index}", prompt, params)
+            self.add_request(f"generate-{index}", prompt, params, lora_request=lora_request)
         finals = {}
         while self.has_unfinished_requests():
             finals.update({output.request_id: output for output in self.step() if output.finished})
