@@ -3,7 +3,7 @@
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.structured_outputs import StructuredOutputsParams as S
+from jaxserve.sampling_params import StructuredOutputsParams as S
 
 
 @pytest.mark.parametrize("fields, kind", [

@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from jaxserve.structured_outputs import StructuredOutputsParams
+from jaxserve.sampling_params import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 

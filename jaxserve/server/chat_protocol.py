@@ -7,10 +7,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.server.protocol import OpenAIModel, PromptLogprobs, SamplingFields, UsageInfo
 from jaxserve.server.tools import ToolChoice, template_tool_calls, tool_choice_of, tool_constraint
-from jaxserve.structured_outputs import StructuredOutputsParams
 
 
 class ChatMessageParam(BaseModel):

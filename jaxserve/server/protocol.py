@@ -16,8 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from jaxserve.sampling_params import BeamSearchParams, SamplingParams
-from jaxserve.structured_outputs import StructuredOutputsParams
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("jaxserve.server")
 # Every stop string is looked for after every token, on the engine's thread: a huge list would slow every request.

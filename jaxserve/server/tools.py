@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxserve.structured_outputs import StructuredOutputsParams
+from jaxserve.sampling_params import StructuredOutputsParams
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
 

@@ -116,7 +116,7 @@ def test_served_stream_matches_and_metrics_count_the_drafts(spec_engine, smol_en
 
 def test_a_constrained_request_beside_a_drafting_one(spec_engine, smol_engine):
     """Sampler rows are not chunk indices once a chunk drafts: the grammar's row must still find its chunk."""
-    from jaxserve.structured_outputs import StructuredOutputsParams
+    from jaxserve.sampling_params import StructuredOutputsParams
 
     prompts = [copy_prompt(spec_engine), "Answer yes or no: is the sky blue?"]
     params = [SamplingParams(temperature=0, max_tokens=24),
@@ -131,7 +131,7 @@ def test_constrained_requests_draft_and_keep_their_tokens(spec_engine, smol_engi
     equals one-at-a-time decoding, and drafts the grammar accepts are kept."""
     import re
 
-    from jaxserve.structured_outputs import StructuredOutputsParams
+    from jaxserve.sampling_params import StructuredOutputsParams
 
     words = r"[A-Za-z ,.]+"
     params = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=words))

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.structured_outputs import StructuredOutputsParams as S
+from jaxserve.sampling_params import StructuredOutputsParams as S
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2}},

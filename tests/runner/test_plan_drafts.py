@@ -64,8 +64,7 @@ def test_a_constrained_rows_masks_follow_the_drafts_before_them(smol_tokenizer):
     """Each drafted row of a constrained sequence is masked by its grammar after the drafts before that row (the
     matcher is left as it was); a draft is cut where the grammar would refuse it."""
     from jaxserve.core.grammar import GrammarCompiler, bitmask_width
-    from jaxserve.sampling_params import SamplingParams
-    from jaxserve.structured_outputs import StructuredOutputsParams
+    from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
     tokenizer = smol_tokenizer
     vocab = len(tokenizer)
     grammar = GrammarCompiler(tokenizer, vocab, (tokenizer.eos_token_id,))

@@ -9,11 +9,10 @@ import openai
 import pytest
 
 from jaxserve.async_engine.engine import AsyncEngine
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.server.app import build_app
 from jaxserve.server.reasoning_parsers import GRANITE, PromptReasoning, reasoning_parser
 from jaxserve.server.tool_parsers.hermes import HermesToolParser
-from jaxserve.structured_outputs import StructuredOutputsParams
 from tests.server.fake_engine import FakeEngine
 from tests.server.helpers import serve_in_thread
 from tests.server.test_tool_parsers import REPLY

@@ -2,10 +2,10 @@
 
 import pytest
 
+from jaxserve.sampling_params import StructuredOutputsParams as S
 from jaxserve.server.chat_protocol import ChatCompletionRequest
 from jaxserve.server.protocol import CompletionRequest
 from jaxserve.server.request_bodies import build_sampling_params
-from jaxserve.structured_outputs import StructuredOutputsParams as S
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 

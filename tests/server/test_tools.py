@@ -6,11 +6,11 @@ import json
 import pytest
 
 from jaxserve.loader.chat_content import shape_content
+from jaxserve.sampling_params import StructuredOutputsParams as S
 from jaxserve.server.chat_protocol import ChatCompletionRequest
 from jaxserve.server.errors import APIError
 from jaxserve.server.request_bodies import build_sampling_params, chat_inputs
 from jaxserve.server.tools import ToolChoice, parse_forced_calls, tool_choice_of, tool_constraint
-from jaxserve.structured_outputs import StructuredOutputsParams as S
 from tests.server.helpers import REAL_MODEL
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
