@@ -110,5 +110,5 @@ def test_int8_weights_are_stored_as_int8(int8_case):
 
 
 def test_unknown_quantization_is_refused_before_loading():
-    with pytest.raises(ValueError, match="quantization='int4' is not supported"):
+    with pytest.raises(ValueError, match="quantization must be one of int8, w8a8, got 'int4'"):
         Engine("/nonexistent/model", quantization="int4")
