@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from jaxserve.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, LAYER_LOOPS, MeshShape
+from jaxserve.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, LAYER_LOOPS, MeshShape, SpeculativeConfig
 
 DEFAULT_COMPILATION_CACHE = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxserve" / "xla")
 DTYPES = ("auto", "float32", "bfloat16", "float", "half", "float16")
@@ -122,8 +122,6 @@ def anything(value):
 
 
 def speculation(value):
-    from jaxserve.config import SpeculativeConfig
-
     SpeculativeConfig.from_dict(value)  # raises a ValueError naming the key or value
     return value
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
-import types
 
 import pytest
 
@@ -83,5 +81,5 @@ def fake_engine_module(monkeypatch, smol_tokenizer):
         built.update(kwargs, model=model)
         return FakeEngine(smol_tokenizer)
 
-    monkeypatch.setitem(sys.modules, "jaxserve.engine", types.SimpleNamespace(Engine=make_engine))
+    monkeypatch.setattr("jaxserve.engine.Engine", make_engine)
     return built

@@ -140,7 +140,7 @@ def test_generate_starts_from_the_generation_config_under_its_own_flags(capsys, 
         engines.append(engine)
         return engine
 
-    monkeypatch.setitem(sys.modules, "jaxserve.engine", types.SimpleNamespace(Engine=make_engine))
+    monkeypatch.setattr("jaxserve.engine.Engine", make_engine)
     overrides = '{"max_new_tokens": 100000, "temperature": 0.5, "top_k": 7}'
     assert cli.main(["generate", "--prompt", "Count:", "--override-generation-config", overrides]) == 0
     params = engines[-1].sampling_params["generate-0"]

@@ -15,8 +15,9 @@ from typing import Any, NoReturn
 
 import yaml
 
-from jaxserve.config import MeshShape
+from jaxserve.config import MeshShape, SpeculativeConfig
 from jaxserve.errors import UserError
+from jaxserve.loader.generation_config import check_overrides
 
 
 def fail(message: str) -> NoReturn:
@@ -88,8 +89,6 @@ def json_object(text: str) -> dict:
 
 def speculative_config(text: str) -> dict:
     """vLLM's --speculative-config JSON, checked at once (the Engine takes the dict)."""
-    from jaxserve.config import SpeculativeConfig
-
     value = json_object(text)
     try:
         SpeculativeConfig.from_dict(value)
@@ -100,8 +99,6 @@ def speculative_config(text: str) -> dict:
 
 def generation_overrides(text: str) -> dict:
     """vLLM's --override-generation-config JSON, checked at once (before the model loads)."""
-    from jaxserve.loader.generation_config import check_overrides
-
     try:
         return check_overrides(json_object(text))
     except ValueError as exc:

@@ -68,21 +68,11 @@ def is_leader(args: argparse.Namespace) -> bool:
 
 
 def fingerprint(args: argparse.Namespace) -> dict:
-    """The options every process must share: all but the per-process and the HTTP server's own. In the form the
-    other processes' arrive in (a JSON round trip: tuples become lists, a MeshShape its TPxPP text), so equal
-    options compare equal."""
-    ignored = PER_PROCESS_OPTIONS | _server_options()
+    """The options every process must share: all but the per-process and the HTTP server's own (serve's parser
+    names those in `server_only_options`). In the form the other processes' arrive in (a JSON round trip: tuples
+    become lists, a MeshShape its TPxPP text), so equal options compare equal."""
+    ignored = PER_PROCESS_OPTIONS | set(getattr(args, "server_only_options", ())) | {"server_only_options"}
     return json.loads(json.dumps({k: v for k, v in sorted(vars(args).items()) if k not in ignored}, default=str))
-
-
-def _server_options() -> set[str]:
-    from jaxserve.cli.engine_options import add_engine_arguments
-    from jaxserve.cli.serve import add_serve_arguments
-
-    serve, engine = argparse.ArgumentParser(add_help=False), argparse.ArgumentParser(add_help=False)
-    add_serve_arguments(serve)
-    add_engine_arguments(engine)
-    return {a.dest for a in serve._actions} - {a.dest for a in engine._actions}
 
 
 @dataclass

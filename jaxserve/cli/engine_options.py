@@ -20,6 +20,7 @@ from jaxserve.cli.args import (
     speculative_config,
     token_count,
 )
+from jaxserve.cli.cluster import cluster_options, is_leader, start_cluster
 from jaxserve.cli.compat import add_vllm_compat_arguments
 from jaxserve.config import MeshShape
 from jaxserve.engine_args import EngineArgs, option_fields
@@ -111,8 +112,6 @@ def build_engines(args: argparse.Namespace) -> list:
     replicas = getattr(args, "data_parallel_size", 1)
     if replicas == 1:
         return [build_engine(args)]
-    from jaxserve.cli.cluster import cluster_options
-
     if cluster_options(args) is not None or getattr(args, "distributed_executor_backend", "mp") == "ray":
         raise UserError(f"--data-parallel-size {replicas} runs its replicas in one process; it cannot be combined "
                         "with several processes (--num-processes, Ray): start one server per replica instead")
@@ -137,8 +136,6 @@ def build_engine(args: argparse.Namespace, devices=None, **overrides):
     check_model_path(args.model)
     if isinstance(args.hf_token, str):  # what huggingface_hub reads for every download, the tokenizer's included
         os.environ["HF_TOKEN"] = args.hf_token
-    from jaxserve.cli.cluster import is_leader, start_cluster
-
     leader = is_leader(args)  # only it sees prompts: the others keep the default template and sampling defaults
     options = engine_args_from(args, devices=devices, chat_template=args.chat_template if leader else None,
                                generation_config=args.generation_config if leader else "auto", **overrides)

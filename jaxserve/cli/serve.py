@@ -20,6 +20,7 @@ from jaxserve.cli.args import (
     string_list,
     url_root_path,
 )
+from jaxserve.cli.cluster import is_leader
 from jaxserve.cli.compat import add_vllm_serve_compat_arguments
 from jaxserve.cli.engine_options import add_engine_arguments, build_engines, mesh_from_args
 from jaxserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -54,6 +55,7 @@ def check_model_not_taken_as_a_key(args: argparse.Namespace) -> None:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
+    engine_dests = {action.dest for action in parser._actions}
     parser.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1, metavar="N",
                         help="serve N replicas of the model, each on its own mesh of devices (N x tp x pp in all), "
                              "each request sent to the least loaded (as vLLM's)")
@@ -131,6 +133,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     web.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=0,
                      help="client certificates: 0 not asked, 1 optional, 2 required (as Python's ssl.CERT_*)")
 
+    # The server's own options: process 0 alone serves HTTP, so several processes need not agree on them
+    # (cli/cluster.py compares the rest).
+    parser.set_defaults(server_only_options=frozenset({a.dest for a in parser._actions} - engine_dests))
+
 
 def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
     logs = parser.add_argument_group("logging (vLLM's options)")
@@ -163,7 +169,6 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from jaxserve.cli.cluster import is_leader
     from jaxserve.server.launch import serve_engine
     from jaxserve.server.transport import CORSPolicy, ssl_options
 

@@ -90,7 +90,7 @@ def _open(model: str | None, weights: bool, hf_overrides: dict, revision: str | 
         if not weights:
             raise ValueError(f"{model} is a `jaxserve convert` checkpoint, which load_format='dummy' cannot "
                              "read: give the original model (HF directory, hub id or GGUF file)")
-        ckpt = open_orbax_checkpoint(path)  # written by `jaxserve convert`, its tokenizer beside the weights
+        ckpt = Checkpoint(**open_orbax_checkpoint(path))  # written by `jaxserve convert`, its tokenizer beside the weights
         ckpt.tokenizer = tokenizer.resolve(lambda: ckpt.tokenizer, ckpt.config.vocab_size)
         return ckpt
     if path.is_dir():

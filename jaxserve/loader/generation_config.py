@@ -8,6 +8,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from jaxserve.sampling_params import SamplingParams
+
 log = logging.getLogger(__name__)
 
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -23,8 +25,6 @@ def sampling_defaults(generation: dict[str, Any], source: Path) -> dict[str, Any
     model's file must not turn every request that omits the field into a 400. Nulls are skipped (HF writes
     them), a whole-number float top_k becomes an int, and a value SamplingParams refuses is dropped with a
     warning."""
-    from jaxserve.sampling_params import SamplingParams
-
     defaults = {}
     for key in (*SAMPLING_DEFAULT_KEYS, MAX_NEW_TOKENS):
         value = generation.get(key)
@@ -56,8 +56,6 @@ def generation_defaults(model_defaults: dict[str, Any], generation_config: str =
 
 def check_overrides(overrides: dict[str, Any] | None) -> dict[str, Any]:
     """vLLM's --override-generation-config, checked: sampling defaults SamplingParams accepts."""
-    from jaxserve.sampling_params import SamplingParams
-
     overrides = dict(overrides or {})
     known = (*SAMPLING_DEFAULT_KEYS, MAX_NEW_TOKENS)
     unknown = sorted(set(overrides) - set(known))

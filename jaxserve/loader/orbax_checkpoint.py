@@ -133,16 +133,14 @@ def _bytes_read() -> int:
         return 0
 
 
-def open_orbax_checkpoint(directory: Path):
-    """-> loader.checkpoint.Checkpoint for a directory `convert` wrote."""
+def open_orbax_checkpoint(directory: Path) -> dict:
+    """The fields of a loader.checkpoint.Checkpoint for a directory `convert` wrote."""
     from transformers import AutoTokenizer
-
-    from jaxserve.loader.checkpoint import Checkpoint
 
     meta = json.loads((directory / MARKER).read_text())
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"{directory} has checkpoint format {meta.get('format')}, this jaxserve reads format "
                          f"{FORMAT_VERSION}; convert the original model again")
-    return Checkpoint(name=meta["name"], config=model_config(meta), tensors=OrbaxParams(directory.absolute(), meta),
-                      tokenizer=AutoTokenizer.from_pretrained(str(directory)),
-                      generation_defaults=meta.get("generation_defaults") or {}, pooling=meta.get("pooling"))
+    return dict(name=meta["name"], config=model_config(meta), tensors=OrbaxParams(directory.absolute(), meta),
+                tokenizer=AutoTokenizer.from_pretrained(str(directory)),
+                generation_defaults=meta.get("generation_defaults") or {}, pooling=meta.get("pooling"))

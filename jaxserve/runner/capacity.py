@@ -9,6 +9,9 @@ import psutil
 from jaxserve.config import ModelConfig
 from jaxserve.parallel.multihost import agree_on_min
 from jaxserve.runner.kv_cache import kv_bytes_per_block
+from jaxserve.runner.plan import empty_inputs
+from jaxserve.runner.sampler import SamplerFlags
+from jaxserve.runner.step import StepStatics
 
 CPU_KV_FRACTION = 0.25  # of available host memory: leaves room for weights, activations and the rest of the machine
 CPU_KV_CAP_BYTES = 4 << 30
@@ -16,10 +19,6 @@ CPU_KV_CAP_BYTES = 4 << 30
 
 def profile_step_inputs(T: int, B: int, shape):
     """The largest step with every sampler extra on: what the cache must leave room for (`shape`: a PlanShape)."""
-    from jaxserve.runner.plan import empty_inputs
-    from jaxserve.runner.sampler import SamplerFlags
-    from jaxserve.runner.step import StepStatics
-
     inputs = empty_inputs(T, B, shape, penalties=True, constrained=True)
     flags = SamplerFlags.for_constrained(penalties=True, num_logprobs=shape.max_logprobs)
     return inputs, StepStatics(sampler=flags, prompt_logprobs=shape.max_logprobs)
