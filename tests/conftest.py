@@ -49,10 +49,17 @@ def hf_smollm2(smollm2_gguf_path):
 
 
 @pytest.fixture(scope="session")
-def tiny_tokenizer_source(request) -> str:
-    """Where tiny checkpoints take their tokenizer: the SmolLM2 GGUF, or a directory holding that tokenizer saved
-    by transformers ($JAXSERVE_TEST_TOKENIZER_DIR: a GPU session, where the GGUF cannot be fetched or carried)."""
-    return os.environ.get("JAXSERVE_TEST_TOKENIZER_DIR") or request.getfixturevalue("smollm2_gguf_path")
+def tiny_tokenizer_source(request, tmp_path_factory) -> str:
+    """Where tiny checkpoints take their tokenizer: a directory holding SmolLM2's, saved by transformers once per
+    test process ($JAXSERVE_TEST_TOKENIZER_DIR: one given, as in a GPU session, where the GGUF cannot be fetched or
+    carried). From a directory it loads in a fraction of a second; from the GGUF, transformers parses the whole
+    file again for each checkpoint (about 12 s each)."""
+    given = os.environ.get("JAXSERVE_TEST_TOKENIZER_DIR")
+    if given:
+        return given
+    directory = tmp_path_factory.mktemp("smollm2-tokenizer")
+    request.getfixturevalue("smol_tokenizer").save_pretrained(directory)
+    return str(directory)
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -109,18 +110,15 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, split_ex
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(cfg["rms_norm_eps"]))
     for name, factors in _gguf_rope_factors(cfg, rope, theta, rotary).items():
         writer.add_tensor(name, np.asarray(factors, np.float32))
-    source = gguf.GGUFReader(tokenizer_gguf)
-    for key, field in source.fields.items():
-        if key.startswith("tokenizer."):
-            kind = field.types[0]
-            if kind == gguf.GGUFValueType.ARRAY:
-                writer.add_array(key, field.contents())
-            elif kind == gguf.GGUFValueType.BOOL:
-                writer.add_bool(key, field.contents())
-            elif kind == gguf.GGUFValueType.STRING:
-                writer.add_string(key, field.contents())
-            else:
-                writer.add_uint32(key, field.contents())
+    for key, kind, value in _tokenizer_fields(tokenizer_gguf):
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, value)
+        elif kind == gguf.GGUFValueType.BOOL:
+            writer.add_bool(key, value)
+        elif kind == gguf.GGUFValueType.STRING:
+            writer.add_string(key, value)
+        else:
+            writer.add_uint32(key, value)
     hf_to_gguf = {hf: name for name, hf in _GLOBAL_NAMES.items()}
     experts: dict[str, dict[int, np.ndarray]] = {}  # stacked GGUF name -> {expert: HF [out, in] matrix}
     for name, w in load_file(hf_dir / "model.safetensors").items():
@@ -155,6 +153,17 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, split_ex
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer_fields(gguf_path: str) -> tuple:
+    """(key, type, value) of a GGUF's tokenizer.* metadata, read once per file (the gguf package's reader takes
+    seconds over SmolLM2's 49k-token vocabulary)."""
+    import gguf
+
+    source = gguf.GGUFReader(gguf_path)
+    return tuple((key, field.types[0], field.contents()) for key, field in source.fields.items()
+                 if key.startswith("tokenizer."))
 
 
 def _interleave_rotary_halves(w: np.ndarray, n_heads: int) -> np.ndarray:

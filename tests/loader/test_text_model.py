@@ -31,14 +31,12 @@ def test_a_sparse_text_config_gets_transformers_defaults():
 
 
 @pytest.fixture(scope="module")
-def gemma3_multimodal(tmp_path_factory, smollm2_gguf_path):
+def gemma3_multimodal(tmp_path_factory, smol_tokenizer):
     """A tiny Gemma3ForConditionalGeneration (a one-layer vision tower) saved by transformers."""
-    import os
 
-    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    d, f = os.path.split(smollm2_gguf_path)
-    tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    tokenizer = smol_tokenizer
     text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=32, vocab_size=len(tokenizer), sliding_window=12,
                 sliding_window_pattern=2, query_pre_attn_scalar=24, rope_parameters=GEMMA3_ROPE,
@@ -77,15 +75,13 @@ def test_the_language_model_of_a_multimodal_checkpoint_matches_transformers(gemm
         check_parity(engine, reference, PROMPTS)
 
 
-def test_mistral3_serves_its_language_model_with_its_own_lm_head(smollm2_gguf_path, tmp_path):
+def test_mistral3_serves_its_language_model_with_its_own_lm_head(smol_tokenizer, tmp_path):
     """Mistral Small 3.1/3.2 (`Mistral3ForConditionalGeneration`, a Pixtral vision tower): a Mistral language
     model with untied embeddings, whose LM head sits beside the language model's tensors."""
-    import os
 
-    from transformers import AutoTokenizer, Mistral3Config, Mistral3ForConditionalGeneration
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    d, f = os.path.split(smollm2_gguf_path)
-    tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    tokenizer = smol_tokenizer
     text = dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=len(tokenizer),
                 initializer_range=0.08, max_position_embeddings=512, tie_word_embeddings=False)
