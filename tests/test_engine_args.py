@@ -68,3 +68,11 @@ def test_vllm_names_are_aliases_and_an_unknown_keyword_is_named():
     with pytest.raises(TypeError, match="Engine has no option 'max_num_seq'; its options are mesh, "):
         EngineArgs.of(max_num_seq=8)
     assert EngineArgs(compilation_cache_dir="").compilation_cache_dir is None  # '' turns the cache off
+
+
+def test_the_python_docs_table_lists_every_option():
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs" / "python.md").read_text()
+    missing = [f.name for f in dataclasses.fields(EngineArgs) if f.name != "model" and f"| `{f.name}`" not in page]
+    assert not missing, f"docs/python.md's options table lacks {missing}"
