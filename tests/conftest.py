@@ -23,7 +23,7 @@ def smollm2_gguf_path() -> str:
 
 @pytest.fixture(scope="session")
 def smol_tokenizer(smollm2_gguf_path):
-    """SmolLM2's tokenizer with its chat template, read from the GGUF once (5 s) for every test that needs it: a
+    """SmolLM2's tokenizer with its chat template, read from the GGUF once for every test that needs it: a
     byte-level BPE with <|im_start|>-style specials. Shared: tests must not change it."""
     from tests.server.helpers import load_default_tokenizer
 

@@ -157,12 +157,10 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, split_ex
 
 @functools.lru_cache(maxsize=2)
 def _tokenizer_fields(gguf_path: str) -> tuple:
-    """(key, type, value) of a GGUF's tokenizer.* metadata, read once per file (the gguf package's reader takes
-    seconds over SmolLM2's 49k-token vocabulary)."""
-    import gguf
+    """(key, type, value) of a GGUF's tokenizer.* metadata, read once per file."""
+    from jaxserve.loader.gguf_reader import GGUFReader
 
-    source = gguf.GGUFReader(gguf_path)
-    return tuple((key, field.types[0], field.contents()) for key, field in source.fields.items()
+    return tuple((key, field.type, field.value) for key, field in GGUFReader(gguf_path).fields.items()
                  if key.startswith("tokenizer."))
 
 

@@ -246,7 +246,6 @@ def test_engine_refusal_is_a_one_line_error():
 def test_ray_followers_get_the_arguments_main_was_called_with(monkeypatch):
     """Not sys.argv: `main(argv)` called in-process (tests, embedding) must forward its own argv. Ray itself is
     stubbed: the test follows the arguments from `cli.main` through `launch_followers` to each actor's run()."""
-    from jaxserve.cli import cluster as multinode
     from jaxserve.cli import ray as ray_launcher
 
     started = []
@@ -271,11 +270,12 @@ def test_ray_followers_get_the_arguments_main_was_called_with(monkeypatch):
         ray_launcher.launch_followers(args)
         raise cli.UserError("stop here")
 
-    monkeypatch.setattr(multinode, "start_cluster", fake_start_cluster)
+    monkeypatch.setattr(cli_engine, "start_cluster", fake_start_cluster)  # where build_engine looks it up
     monkeypatch.setattr(sys, "argv", ["jaxserve", "something", "else"])
     argv = ["generate", "--prompt", "x", "--mesh", "2x2", "--distributed-executor-backend", "ray",
             "--num-processes", "3", "--coordinator", "10.0.0.1:8476"]
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exited:
         cli.main(argv)
+    assert exited.value.code == 2  # the stub's UserError: the real join (which waits for followers) never ran
     assert [a[: len(argv)] for a in started] == [argv, argv]
     assert [a[a.index("--process-id") + 1] for a in started] == ["1", "2"]

@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.loader.gguf_reader import GGUFReader, GGUFTensor
 from jaxserve.loader.hf_config import attention_layout, rope_layer_flags
 from jaxserve.loader.rope_scaling import longrope_attention_factor, yarn_scaling
 from jaxserve.loader.weights import MOE_NAMES
@@ -73,7 +74,7 @@ _EXPERT_TENSOR = re.compile(r"ffn_(gate|up|down)(_exps|\.\d+)\.weight")
 _EXPERT_KINDS = {"gate": "w_gate", "up": "w_up", "down": "w_down"}
 
 
-def _hf_tensor_names(t: gguf.ReaderTensor, arch: str, architecture: str) -> list[tuple[str, int | None]]:
+def _hf_tensor_names(t: GGUFTensor, arch: str, architecture: str) -> list[tuple[str, int | None]]:
     """The HF names GGUF tensor `t` holds, each with its index on t's expert axis (None: all of `t`)."""
     if t.name in _GLOBAL_NAMES:
         return [(_GLOBAL_NAMES[t.name], None)]
@@ -113,8 +114,8 @@ class GGUFFile:
         if not path.exists():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
         try:
-            self.reader = gguf.GGUFReader(str(path))
-        except Exception as e:  # the gguf package raises assorted errors on a damaged file
+            self.reader = GGUFReader(path)
+        except (ValueError, OSError) as e:
             raise ValueError(f"{path} is not a readable GGUF file ({e}); it may be truncated: re-download it") from None
         self.path = path
         splits = self.field("split.count")
@@ -128,7 +129,7 @@ class GGUFFile:
         self.architecture = GGUF_ARCHITECTURES[self.arch]
         if self.arch == "llama" and self.field("llama.expert_count"):
             self.architecture = "MixtralForCausalLM"
-        self._tensors: dict[str, tuple[gguf.ReaderTensor, int | None]] = {}
+        self._tensors: dict[str, tuple[GGUFTensor, int | None]] = {}
         self._rope_factors = {}  # llama.cpp's per-frequency RoPE factors: rope_freqs, rope_factors_{long,short}
         for t in self.reader.tensors:
             if t.name.startswith(("rope_freqs.", "rope_factors_")):
@@ -138,7 +139,7 @@ class GGUFFile:
 
     def field(self, key: str, default=None):
         f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
+        return default if f is None else f.value
 
     def tokenizer(self):
         """The tokenizer (and chat template) this file describes.

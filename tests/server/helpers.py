@@ -23,13 +23,12 @@ REAL_SERVER_ARGS = ["--api-key", API_KEY, "--max-model-len", "512", "--num-kv-bl
 
 
 def load_default_tokenizer():
-    """SmolLM2's tokenizer (with its chat template), read from the default model's GGUF."""
-    from transformers import AutoTokenizer
-
+    """SmolLM2's tokenizer (with its chat template), built from the default model's GGUF the way the server builds
+    it (tests/loader/test_loading.py holds it equal to transformers' own reading of the GGUF)."""
     from jaxserve.loader.default_model import default_model_path
+    from jaxserve.loader.gguf import GGUFFile
 
-    path = default_model_path()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return GGUFFile(default_model_path()).tokenizer()
 
 
 def wait_for_health(base_url: str, timeout: float, is_alive=lambda: True, verify=True) -> None:
