@@ -50,6 +50,7 @@ from jaxserve.runner.capacity import capacity_line, size_kv_cache
 from jaxserve.runner.compilation_cache import enable_compilation_cache
 from jaxserve.runner.model_runner import ModelRunner, StepResult
 from jaxserve.runner.plan import PlanShape, build_step_inputs
+from jaxserve.runner.sampler import SamplerFlags
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -154,20 +155,28 @@ class Engine:
         `compile_threads`: programs compiled at once (None: one per host core, at most 8)."""
         from tqdm.auto import tqdm
 
-        total = self.runner.warmup_size(self.plan_shape)
+        variants = SamplerFlags.warm_variants(penalties=SamplingParams(**self.generation_defaults).needs_penalties)
+        total = self.runner.warmup_size(self.plan_shape, variants)
         threads = compile_threads or min(8, os.cpu_count() or 1)
         started = time.perf_counter()
         with tqdm(total=total, desc=desc, unit="program") as bar:
-            self.runner.warmup(self.plan_shape, bar, threads)
-        log.info("Warm-up: %d step programs compiled (or read from the compilation cache) in %.1f s, %d at a time",
-                 total, time.perf_counter() - started, threads)
-        self._compiles_at_warmup = self.runner.num_compiles
+            self.runner.warmup(self.plan_shape, bar, threads, variants)
+        log.info("Warm-up: %d step programs compiled (or read from the compilation cache) in %.1f s, %d at a time; "
+                 "%d more (logprobs, penalties, structured output, prompt logprobs) compile when first needed",
+                 total, time.perf_counter() - started, threads, len(self.runner.deferred))
+        self._compiles_at_warmup = self._unforeseen_compiles()
+
+    def _unforeseen_compiles(self) -> int:
+        """Compiles warm-up's plan did not foresee (a deferred program's first use is foreseen)."""
+        return self.runner.num_compiles - self.runner.deferred_compiles
 
     @property
     def compiles_after_warmup(self) -> int:
+        """Programs compiled after warm-up that its plan did not foresee: a shape or variant the buckets miss
+        (what the recompile guard watches)."""
         if self._compiles_at_warmup is None:
             return 0
-        return self.runner.num_compiles - self._compiles_at_warmup
+        return self._unforeseen_compiles() - self._compiles_at_warmup
 
     @property
     def max_model_len(self) -> int:
@@ -314,10 +323,10 @@ class Engine:
         inputs, statics = build_step_inputs(sched, self.blocks, self.plan_shape)
         if any(observer.wants_logits for observer in self.observers):
             statics = dataclasses.replace(statics, return_logits=True)
-        compiles_before = self.runner.num_compiles
+        compiles_before = self._unforeseen_compiles()
         # Multi-process runs read the step back at once: followers run each step whole (cluster/follower.py).
         pending = self.runner.launch(inputs, statics) if self.async_scheduling else self.runner.execute(inputs, statics)
-        step = InFlightStep(sched, pending, self._num_steps, recompiled=self.runner.num_compiles != compiles_before)
+        step = InFlightStep(sched, pending, self._num_steps, recompiled=self._unforeseen_compiles() != compiles_before)
         self._num_steps += 1
         self.scheduler.advance(sched)
         self._launched.append(step)
@@ -410,6 +419,7 @@ class Engine:
             "num_steps": self._num_steps,
             "num_compiles": self.runner.num_compiles,
             "compiles_after_warmup": self.compiles_after_warmup,
+            "deferred_compiles": self.runner.deferred_compiles,
             **self.adapters.usage(self.scheduler.running, self.scheduler.waiting),
         }
 

@@ -101,6 +101,8 @@ class ModelRunner:
         if unrolled:
             self.params = unstack_layers(self.params)
         self.kv = None
+        self.deferred: set[tuple] = set()  # planned programs warm-up left to the first step that needs each
+        self.deferred_compiles = 0
         attention = partial(attention_fn, scale=cfg.attention_scale or cfg.head_dim**-0.5,
                             windows=cfg.attention_windows, softcap=cfg.attn_logit_softcap)
         run_layers = pipeline_layers(self.mesh, scan_layers) if self.layout.pp > 1 else \
@@ -127,6 +129,10 @@ class ModelRunner:
     def launch(self, inputs: StepInputs, statics: StepStatics) -> PendingStep:
         """Dispatch the step and return at once: the device works while the host goes on (jax is asynchronous)."""
         f = self.fns
+        if self.deferred:
+            self._first_use(("sampler", inputs.sampling.fed_row.shape[0], statics.sampler))
+            if statics.prompt_logprobs >= 0:
+                self._first_use(("prompt logprobs", inputs.token_ids.shape[0]))
         self.kv, hidden, rows = f.forward(self.params, self.kv, inputs.token_ids, inputs.meta, inputs.logits_indices,
                                           self.fed_tokens, inputs.token_source)
         sampled, self.fed_tokens = f.sample_rows(self.params, rows, inputs.sampling, statics.sampler, self.feed_rows,
@@ -146,16 +152,24 @@ class ModelRunner:
     def execute(self, inputs: StepInputs, statics: StepStatics) -> StepResult:
         return self.collect(self.launch(inputs, statics))
 
-    def warmup(self, shape: PlanShape, progress=None, compile_threads: int = 1) -> None:
-        """Compile every program a step can need: each (T, B) forward, each sampler variant per B, and prompt
-        logprobs per T. The sampler and prompt programs are fed the forward's own outputs, so they compile for
-        the same input shardings real steps have. Padding inputs write only into the null block.
+    def warmup(self, shape: PlanShape, progress=None, compile_threads: int = 1,
+               sampler_variants: list[SamplerFlags] | None = None) -> None:
+        """Compile the programs a step can need: each (T, B) forward and, per B, the sampler variants given (None:
+        every one) and prompt logprobs per T when every variant is asked for. What is left out stays planned
+        (`deferred`): the first step that needs it compiles it, and that compile is counted apart from compiles
+        no plan foresaw (`deferred_compiles`). The sampler and prompt programs are fed the forward's own outputs,
+        so they compile for the same input shardings real steps have. Padding inputs write only into the null
+        block.
 
         With `compile_threads` > 1 the programs are traced here, one after another (tracing holds the GIL), and
         compiled by that many threads at once (XLA compiles without the GIL); the runs that follow find them in
         jit's cache. Each program is then run once, in the same order on every process."""
         tick = progress.update if progress is not None else (lambda n: None)
-        variants = SamplerFlags.all_variants(shape.max_logprobs)
+        every = SamplerFlags.all_variants(shape.max_logprobs)
+        variants = every if sampler_variants is None else sampler_variants
+        self.deferred = {("sampler", B, flags) for B in shape.buckets.seqs for flags in every if flags not in variants}
+        if sampler_variants is not None:
+            self.deferred |= {("prompt logprobs", T) for T in shape.buckets.tokens}
         forwards = [(T, B, decode_only) for T, B in shape.buckets.forward_shapes()
                     for decode_only in ((True, False) if shape.decode_kernel and T == B else (False,))]
         forward_inputs = {key: empty_inputs(key[0], key[1], shape, decode_only=key[2]) for key in forwards}
@@ -181,7 +195,8 @@ class ModelRunner:
                                                  flags, self.feed_rows, self.fed_tokens))
                          for B in shape.buckets.seqs for flags in variants]
         prompt_calls = [(self.fns.prompt_rows, (self.params, hidden[T], forward_inputs[(T, 1, False)].prompt_targets,
-                                                shape.max_logprobs)) for T in shape.buckets.tokens]
+                                                shape.max_logprobs)) for T in shape.buckets.tokens
+                        if ("prompt logprobs", T) not in self.deferred]
         precompiled = precompile(sampler_calls + prompt_calls, compile_threads, tick)
         for fn, args in sampler_calls + prompt_calls:
             jax.block_until_ready(fn(*args))
@@ -190,8 +205,18 @@ class ModelRunner:
         jax.block_until_ready(self.kv)
 
     @staticmethod
-    def warmup_size(shape: PlanShape) -> int:
+    def warmup_size(shape: PlanShape, sampler_variants: list[SamplerFlags] | None = None) -> int:
+        """How many programs `warmup` compiles."""
         b = shape.buckets
         decode_variants = sum(T == B for T, B in b.forward_shapes()) if shape.decode_kernel else 0
-        return (len(b.forward_shapes()) + decode_variants + len(b.seqs) * len(SamplerFlags.all_variants(shape.max_logprobs))
-                + len(b.tokens))
+        if sampler_variants is None:
+            return (len(b.forward_shapes()) + decode_variants
+                    + len(b.seqs) * len(SamplerFlags.all_variants(shape.max_logprobs)) + len(b.tokens))
+        return len(b.forward_shapes()) + decode_variants + len(b.seqs) * len(sampler_variants)
+
+    def _first_use(self, key: tuple) -> None:
+        """Count a deferred program's compile, which the step about to run makes."""
+        if key in self.deferred:
+            self.deferred.discard(key)
+            self.deferred_compiles += 1
+            log.info("compiling a program warm-up deferred to its first use: %s", key)

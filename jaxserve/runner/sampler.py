@@ -69,6 +69,14 @@ class SamplerFlags:
         return plain + [cls.for_constrained(pen, lp) for pen in (False, True) for lp in (-1, max_logprobs)]
 
     @classmethod
+    def warm_variants(cls, penalties: bool) -> list["SamplerFlags"]:
+        """The variants warm-up compiles at once: greedy, sampling, and sampling with top-k/p, penalised when the
+        model's generation defaults give every request a penalty. The others (logprobs, penalties, structured
+        output) compile the first time a step needs one: most servers never use most of them, and each costs a
+        compile per sequence bucket."""
+        return [cls(greedy, top, penalties, -1) for greedy, top in ((True, False), (False, False), (False, True))]
+
+    @classmethod
     def for_constrained(cls, penalties: bool, num_logprobs: int) -> "SamplerFlags":
         return cls(all_greedy=False, top_filter=True, penalties=penalties, num_logprobs=num_logprobs, constrained=True)
 
