@@ -77,7 +77,7 @@ def test_a_context_longer_than_the_cache_is_lowered_or_refused(tiny, caplog):
         Engine(tiny, max_model_len=2048, num_kv_blocks=9, warmup=False)
 
 
-def test_no_compiles_after_warmup_for_200_random_requests(tiny, caplog):
+def test_no_compiles_after_warmup_for_120_random_requests(tiny, caplog):
     with caplog.at_level(logging.INFO, logger="jaxserve"):
         engine = Engine(tiny, max_model_len=512, num_kv_blocks=128, max_num_seqs=16, max_num_batched_tokens=128,
                         recompile_guard="error")
@@ -92,13 +92,14 @@ def test_no_compiles_after_warmup_for_200_random_requests(tiny, caplog):
     assert float(concurrency) == pytest.approx(127 * 16 / 512, abs=0.05)
 
     rng = random.Random(1)
-    prompts = [[rng.randrange(10, 40000) for _ in range(rng.randint(1, 300))] for _ in range(200)]
+    prompts = [[rng.randrange(10, 40000) for _ in range(rng.randint(1, 300))] for _ in range(120)]
     params = [random_params(rng) for _ in prompts]
     outs = engine.generate(prompts, params, use_tqdm=False)  # recompile_guard="error" raises on any compile
     assert all(o.finished for o in outs)
     constrained = [o.outputs[0].text for o, p in zip(outs, params) if p.constrained]
     assert constrained and all(re.fullmatch("[a-z ]{1,40}", text) for text in constrained), constrained
     assert engine.stats()["compiles_after_warmup"] == 0
+    assert engine.stats()["deferred_compiles"] > 0  # the logprobs, penalty and grammar variants, on first use
     assert engine.stats()["free_blocks"] == engine.stats()["total_blocks"]
 
 
