@@ -25,12 +25,17 @@ def profile_step_inputs(T: int, B: int, shape):
 
 
 def free_bytes_for_cache(devices, memory_fraction: float) -> int:
-    """Bytes each device can give the cache: the minimum over the devices, so they all agree on one number."""
+    """Bytes each device can give the cache: the minimum over the devices, so they all agree on one number.
+
+    Devices without memory statistics (CPU) share this process's host memory: the host budget is split between
+    them, so a mesh of 8 CPU devices takes the budget of one (not 8 x 4 GiB, which the kernel's out-of-memory
+    killer ended on a 24 GiB machine)."""
     per_device = []
     for d in devices:
         stats = d.memory_stats() if d.platform != "cpu" else None
         if not stats or "bytes_limit" not in stats:
-            return int(min(CPU_KV_FRACTION * psutil.virtual_memory().available, CPU_KV_CAP_BYTES))
+            host = min(CPU_KV_FRACTION * psutil.virtual_memory().available, CPU_KV_CAP_BYTES)
+            return int(host // max(1, len(devices)))
         in_use = max(stats.get("peak_bytes_in_use", 0), stats.get("bytes_in_use", 0))
         per_device.append(memory_fraction * stats["bytes_limit"] - in_use)
     return int(min(per_device))
