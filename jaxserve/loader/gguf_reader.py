@@ -22,10 +22,9 @@ SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 
 VT = gguf.GGUFValueType
+# Little-endian struct codes of the scalar value types (numpy reads the same codes for arrays of them).
 _SCALARS = {VT.UINT8: "<B", VT.INT8: "<b", VT.UINT16: "<H", VT.INT16: "<h", VT.UINT32: "<I", VT.INT32: "<i",
             VT.FLOAT32: "<f", VT.BOOL: "<?", VT.UINT64: "<Q", VT.INT64: "<q", VT.FLOAT64: "<d"}
-_NUMPY = {VT.UINT8: "<u1", VT.INT8: "<i1", VT.UINT16: "<u2", VT.INT16: "<i2", VT.UINT32: "<u4", VT.INT32: "<i4",
-          VT.FLOAT32: "<f4", VT.BOOL: "?", VT.UINT64: "<u8", VT.INT64: "<i8", VT.FLOAT64: "<f8"}
 # Plain (not block-quantized) tensor types and the numpy type their elements are stored as.
 _PLAIN_TENSORS = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16,
                   gguf.GGMLQuantizationType.F64: np.float64, gguf.GGMLQuantizationType.I8: np.int8,
@@ -108,7 +107,7 @@ class GGUFReader:
             return GGUFField([self._string() for _ in range(count)], kind, element)
         if element == VT.ARRAY:
             raise ValueError("nested GGUF arrays are not read")
-        dtype = np.dtype(_NUMPY[element])
+        dtype = np.dtype(_SCALARS[element])
         values = np.frombuffer(self._buf, dtype, count, self._pos)
         self._pos += count * dtype.itemsize
         return GGUFField(values.tolist(), kind, element)

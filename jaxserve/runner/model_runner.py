@@ -209,10 +209,9 @@ class ModelRunner:
         """How many programs `warmup` compiles."""
         b = shape.buckets
         decode_variants = sum(T == B for T, B in b.forward_shapes()) if shape.decode_kernel else 0
-        if sampler_variants is None:
-            return (len(b.forward_shapes()) + decode_variants
-                    + len(b.seqs) * len(SamplerFlags.all_variants(shape.max_logprobs)) + len(b.tokens))
-        return len(b.forward_shapes()) + decode_variants + len(b.seqs) * len(sampler_variants)
+        every = sampler_variants is None  # then prompt logprobs too, one program per T
+        variants = SamplerFlags.all_variants(shape.max_logprobs) if every else sampler_variants
+        return len(b.forward_shapes()) + decode_variants + len(b.seqs) * len(variants) + (len(b.tokens) if every else 0)
 
     def _first_use(self, key: tuple) -> None:
         """Count a deferred program's compile, which the step about to run makes."""
