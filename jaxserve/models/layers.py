@@ -158,12 +158,12 @@ def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     scaling; NoPE kinds (SmolLM3) have zero frequencies, which rotate nothing."""
     full = inv_freq_of(cfg.rope_width, cfg.rope_theta, cfg.rope_scaling)
     full_factor = cfg.rope_scaling.attention_factor if cfg.rope_scaling else 1.0
-    freqs, factors = [full], [full_factor]
-    if len(cfg.window_kinds) == 2:  # the sliding kind
-        if cfg.rope_local_theta is None:
-            freqs.append(full), factors.append(full_factor)
-        else:
-            freqs.append(inv_freq_of(cfg.rope_width, cfg.rope_local_theta)), factors.append(1.0)
+    local = (full, full_factor) if cfg.rope_local_theta is None else \
+        (inv_freq_of(cfg.rope_width, cfg.rope_local_theta), 1.0)
+    # Whether a kind slides decides its base, whatever the other kinds are: a Gemma 3 whose layers all slide has
+    # one kind, and it rotates with the local base.
+    tables = [(full, full_factor) if window is None else local for window in cfg.window_kinds]
+    freqs, factors = [f for f, _ in tables], [s for _, s in tables]
     if cfg.rope_layers:
         freqs, factors = freqs + [np.zeros_like(full)] * len(freqs), factors + [1.0] * len(factors)
     return np.stack(freqs), np.array(factors, np.float32)

@@ -55,6 +55,9 @@ ARCHITECTURES = {
     # + q/k norms, and the sliding layers' own RoPE base (the full layers' scaled linearly)
     "gemma3-local-rope": ("gemma3_text", dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=12,
                                               sliding_window_pattern=2, rope_parameters=GEMMA3_ROPE)),
+    # every layer slides: one attention kind, still rotated with the sliding layers' base
+    "gemma3-all-sliding": ("gemma3_text", dict(head_dim=32, sliding_window=12, rope_parameters=GEMMA3_ROPE,
+                                               num_hidden_layers=2, layer_types=["sliding_attention"] * 2)),
 }
 
 PROMPTS = [
