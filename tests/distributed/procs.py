@@ -73,14 +73,16 @@ class Processes:
 
     def wait_healthy(self, port: int, timeout: float = 120.0) -> str:
         url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for name, proc in self.procs.items():
-                if proc.poll() is not None:
-                    raise AssertionError(f"{name} exited ({proc.returncode}) before serving:\n{self.log(name)[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return url
-            time.sleep(0.3)
+        with httpx.Client(timeout=2) as client:  # one SSL context, not one per poll (tests/server/helpers.py)
+            while time.monotonic() < deadline:
+                for name, proc in self.procs.items():
+                    if proc.poll() is not None:
+                        raise AssertionError(f"{name} exited ({proc.returncode}) before serving:\n"
+                                             f"{self.log(name)[-3000:]}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(f"{url}/health").status_code == 200:
+                        return url
+                time.sleep(0.3)
         raise AssertionError(f"no healthy server within {timeout} s:\n" + self.logs_tail())
 
     def logs_tail(self) -> str:

@@ -46,7 +46,7 @@ def adapter_dir(tmp_path_factory):
 
 
 # --- API key ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("path, method", API_ROUTES)  # in ROUTES' order: the adapter is loaded, then unloaded
+@pytest.mark.parametrize("path, method", API_ROUTES)
 def test_every_api_route_needs_the_key(keyed_server, adapter_dir, path, method):
     body = {"prompt": "x", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
             "lora_name": "x", "lora_path": adapter_dir, "input": "x", "text_1": "x", "text_2": "y", "query": "x",
@@ -57,6 +57,8 @@ def test_every_api_route_needs_the_key(keyed_server, adapter_dir, path, method):
                     {"Authorization": f"Bearer {API_KEY}x"}, {"Authorization": f"bearer {API_KEY}"}):
         response = httpx.request(method, keyed_server + path, json=body, headers=headers)
         assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key", headers
+    if path == "/v1/unload_lora_adapter":  # something to unload, whichever worker ran the load route's case
+        httpx.post(keyed_server + "/v1/load_lora_adapter", json=body, headers=AUTH)
     keyed = httpx.request(method, keyed_server + path, json=body, headers=AUTH)
     # With the key, the route answers: a path naming a stored response ("{response_id}" here) finds none.
     assert keyed.status_code == (404 if "{" in path else 200), keyed.text
