@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,15 @@ if os.environ.get("PALLAS_COMPILED") != "1":  # a GPU session's compiled kernel 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from tests.helpers import make_tiny_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Two xdist workers share two cores: the torch references (transformers) spinning a thread on each core beside
+    the other worker's XLA ran SmolLM2's greedy reference 3x slower than one thread does (its ops are small)."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -39,13 +49,33 @@ def smol_engine(smollm2_gguf_path):
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2(smollm2_gguf_path):
-    """transformers' own reading of the same GGUF (its own dequantization): the reference model."""
+def run_tmp(tmp_path_factory) -> Path:
+    """A directory this test run's processes share: under xdist, the parent of the workers' temp dirs (one per run);
+    alone, the process's own. Guard what goes in it with a FileLock."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf_path, run_tmp):
+    """transformers' own reading of the same GGUF (its own dequantization): the reference model.
+    transformers parses and dequantizes the whole GGUF in about 25 s, so the first process to need it saves what it
+    read as safetensors for the run's other workers, which load that in a second: one reading, by transformers."""
     import torch
+    from filelock import FileLock
     from transformers import AutoModelForCausalLM
 
-    d, f = os.path.split(smollm2_gguf_path)
-    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    saved = run_tmp / "smollm2-transformers-float32"
+    with FileLock(f"{saved}.lock"):
+        if not saved.exists():
+            d, f = os.path.split(smollm2_gguf_path)
+            partial = run_tmp / "smollm2-transformers-float32.partial"
+            model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+            model.hf_quantizer = None  # it holds float32 tensors now; transformers refuses to save a "GGUF model"
+            del model.config.quantization_config
+            model.save_pretrained(partial)
+            partial.rename(saved)  # whole or absent, should a process die mid-write
+    return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
@@ -90,3 +120,17 @@ def fake_engine_module(monkeypatch, smol_tokenizer):
 
     monkeypatch.setattr("jaxserve.engine.Engine", make_engine)
     return built
+
+
+# Session fixtures too costly to build once per xdist worker: every test using one runs on the same worker
+# (`--dist loadgroup`, pyproject's addopts), so the run builds it once. The real server's start-up (loading, the
+# warm-up compiles) is the largest.
+ONE_WORKER_FIXTURES = ("real_server",)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(items):
+    for item in items:
+        shared = [name for name in ONE_WORKER_FIXTURES if name in getattr(item, "fixturenames", ())]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(shared[0]))
