@@ -23,7 +23,9 @@ def test_replicas_sit_on_their_own_devices_and_agree(tiny_checkpoint, shared_che
     monkeypatch.setattr("jaxserve.runner.capacity.CPU_KV_CAP_BYTES", 1 << 20)  # a small cache for the first
     built = []
     real_engine = engine_module.Engine
-    monkeypatch.setattr(engine_module, "Engine", lambda *a, **kw: built.append(kw) or real_engine(*a, **kw))
+    # The name build_engines imports; patching engine_module.Engine misses it once an earlier test's monkeypatch of
+    # "jaxserve.engine.Engine" has been undone (the undo sets the lazily imported attribute for good).
+    monkeypatch.setattr("jaxserve.engine.Engine", lambda *a, **kw: built.append(kw) or real_engine(*a, **kw))
     args = serve_args(str(tiny_checkpoint("llama")), "-dp", "2", "--mesh", "2x1", "--max-num-seqs", "4",
                       "--max-num-batched-tokens", "16", "--max-model-len", "64")
     engines = build_engines(args)
