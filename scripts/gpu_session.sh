@@ -95,7 +95,7 @@ case "$step" in
     if [ "$dry" = 1 ]; then
       timeout -k 15 "$(left "${caps[3]}")" python3 scripts/bench_kernels.py --tiny 2>&1 | tee -a "$out/all.log"
     else
-      PALLAS_COMPILED=1 timeout -k 15 "$(left "${caps[3]}")" python3 -m pytest -q -p no:cacheprovider pallas_kernels \
+      PALLAS_COMPILED=1 timeout -k 15 "$(left "${caps[3]}")" python3 -m pytest -q -p no:cacheprovider -o addopts=-ra pallas_kernels \
         tests/models/test_parity_pallas.py -k "not test_only_the_kernels_compile_decode_variants" 2>&1 \
         | tee -a "$out/all.log"
     fi
@@ -104,7 +104,7 @@ case "$step" in
   kernels)
     # The test on the real SmolLM2 engine needs its GGUF, which cannot reach the device. The parity tests run the
     # layers unrolled there ("auto" on GPU, runner/layer_loop.py).
-    PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider pallas_kernels tests/models/test_parity_pallas.py \
+    PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider -o addopts=-ra pallas_kernels tests/models/test_parity_pallas.py \
       -k "not test_only_the_kernels_compile_decode_variants" 2>&1 | tee "$out/kernel_tests.log"
     python3 scripts/bench_kernels.py --append "$out/benchmark_rows.md" 2>&1 | tee "$out/bench_kernels.log"
     # The layer loop, scanned over stacked weights vs unrolled over per-layer ones (runner/layer_loop.py).
@@ -134,7 +134,7 @@ case "$step" in
     best=$(cat "$out/best.txt" 2>/dev/null)
     timeout -k 15 "$(left 120)" python3 scripts/bench_kernels.py --iters 5 $best --append "$out/benchmark_rows.md" 2>&1 \
       | tee "$out/bench_kernels.log"
-    PALLAS_COMPILED=1 timeout "$(left 170)" python3 -m pytest -q -p no:cacheprovider pallas_kernels \
+    PALLAS_COMPILED=1 timeout "$(left 170)" python3 -m pytest -q -p no:cacheprovider -o addopts=-ra pallas_kernels \
       tests/models/test_parity_pallas.py -k "not test_only_the_kernels_compile_decode_variants" 2>&1 \
       | tee "$out/kernel_tests.log"
     [ "$(left 60)" -lt 40 ] || timeout "$(left 60)" ncu --clock-control none -k regex:paged --launch-count 2 \
