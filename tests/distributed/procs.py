@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.server.helpers import wait_for_health
+
 # Small buckets and no warm-up: the programs a test needs compile on first use, the same on every process.
 SMALL_ENGINE = ["--num-kv-blocks", "64", "--max-num-batched-tokens", "16", "--max-num-seqs", "2", "--no-warmup",
                 "--dtype", "float32", "--log-level", "info"]
@@ -72,18 +74,18 @@ class Processes:
         return rc, time.monotonic() - start
 
     def wait_healthy(self, port: int, timeout: float = 120.0) -> str:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
-        with httpx.Client(timeout=2) as client:  # one SSL context, not one per poll (tests/server/helpers.py)
-            while time.monotonic() < deadline:
-                for name, proc in self.procs.items():
-                    if proc.poll() is not None:
-                        raise AssertionError(f"{name} exited ({proc.returncode}) before serving:\n"
-                                             f"{self.log(name)[-3000:]}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"{url}/health").status_code == 200:
-                        return url
-                time.sleep(0.3)
-        raise AssertionError(f"no healthy server within {timeout} s:\n" + self.logs_tail())
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_for_health(url, timeout, is_alive=self._none_exited)
+        except TimeoutError:
+            raise AssertionError(f"no healthy server within {timeout} s:\n" + self.logs_tail()) from None
+        return url
+
+    def _none_exited(self) -> bool:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise AssertionError(f"{name} exited ({proc.returncode}) before serving:\n{self.log(name)[-3000:]}")
+        return True
 
     def logs_tail(self) -> str:
         return "\n".join(f"--- {n}\n{self.log(n)[-2000:]}" for n in self.procs)
