@@ -64,7 +64,8 @@ def test_warmup_compiles_the_decode_variants_too(tiny_checkpoint):
     from jaxserve import SamplingParams
 
     path = tiny_checkpoint("llama", tie_word_embeddings=False)
-    engine = Engine(str(path), num_kv_blocks=16, max_num_batched_tokens=8, max_num_seqs=2,
+    # One sequence at a time: the fewest programs (each a kernel compile), the decode-only one among them.
+    engine = Engine(str(path), num_kv_blocks=16, max_num_batched_tokens=8, max_num_seqs=1,
                     attention_impl=IMPL, recompile_guard="error")
     engine.generate([PROMPTS[0], PROMPTS[1][:5]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert engine.compiles_after_warmup == 0

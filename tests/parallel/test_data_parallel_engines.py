@@ -26,7 +26,8 @@ def test_replicas_sit_on_their_own_devices_and_agree(tiny_checkpoint, shared_che
     # The name build_engines imports; patching engine_module.Engine misses it once an earlier test's monkeypatch of
     # "jaxserve.engine.Engine" has been undone (the undo sets the lazily imported attribute for good).
     monkeypatch.setattr("jaxserve.engine.Engine", lambda *a, **kw: built.append(kw) or real_engine(*a, **kw))
-    args = serve_args(str(tiny_checkpoint("llama")), "-dp", "2", "--mesh", "2x1", "--max-num-seqs", "4",
+    # One sequence at a time: the fewest buckets, so the fewest warm-up compiles (each replica compiles its own).
+    args = serve_args(str(tiny_checkpoint("llama")), "-dp", "2", "--mesh", "2x1", "--max-num-seqs", "1",
                       "--max-num-batched-tokens", "16", "--max-model-len", "64")
     engines = build_engines(args)
     progress = capsys.readouterr().err
