@@ -14,10 +14,10 @@ ENGINE = {"mesh": "4x2", "dtype": "float32", "max_num_seqs": 2, "max_num_batched
           "warmup": False}
 LINES = [completion_line(f"line-{i}", prompt, max_tokens=6, temperature=0)
          for i, prompt in enumerate(["Hello there", "The capital of France is", "Once upon a time", "1, 2, 3,"])]
-# Long enough (12 x 32 tokens, 2 at a time: 160 steps after the first result) that a signal after the first result
+# Long enough (8 x 24 tokens, 2 at a time: 72 steps after the first result) that a signal after the first result
 # lands mid-job.
-LONG_LINES = [completion_line(f"story-{i}", f"Story number {i}:", max_tokens=32, temperature=0, ignore_eos=True)
-              for i in range(12)]
+LONG_LINES = [completion_line(f"story-{i}", f"Story number {i}:", max_tokens=24, temperature=0, ignore_eos=True)
+              for i in range(8)]
 BOUND = 60  # seconds for a run that builds no engine: imports and the join, on a loaded CI machine
 
 
