@@ -14,12 +14,40 @@ log = logging.getLogger(__name__)
 KERNEL_PLATFORMS = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
 
+# The widest head the Triton kernels tile: a [pages x block_size, head] tile of K and of V per program, in registers.
+MAX_GPU_KERNEL_HEAD_DIM = 256
+
+
+def gpu_kernel_head_dim(head_dim: int) -> int:
+    """The head size the Triton kernels run at: tiles are powers of two and a dot's contraction is at least 16
+    wide, so a head of 96 (Phi-3) is stored and attended as 128, its extra dims zero in q, K and V. Zeros add
+    nothing to q.k, and the output's extra dims (zero-weighted sums of zero V dims) are cut off."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
 def kernel_supports(backend: str, cfg: ModelConfig) -> bool:
-    """Whether the Pallas kernel handles this model (Triton tiles need a power-of-two head_dim >= 16)."""
-    if backend == "gpu" and (cfg.head_dim & (cfg.head_dim - 1) or cfg.head_dim < 16):
-        log.info("head_dim %d does not suit the Triton kernel: using the reference attention", cfg.head_dim)
+    """Whether the Pallas kernel handles this model (any head size up to 256 on GPU, padded as above)."""
+    if backend == "gpu" and gpu_kernel_head_dim(cfg.head_dim) > MAX_GPU_KERNEL_HEAD_DIM:
+        log.info("head_dim %d is wider than the Triton kernels tile: using the reference attention", cfg.head_dim)
         return False
     return True
+
+
+def kernel_backend(impl: str, platform: str) -> str | None:
+    """Which Pallas kernel a resolved implementation runs ("gpu" or "tpu"), None for the reference. The
+    interpreter runs the TPU kernel on a TPU and the (quicker) GPU one anywhere else."""
+    if impl == "reference":
+        return None
+    return KERNEL_PLATFORMS.get(platform) or "gpu"
+
+
+def cache_head_dim(impl: str, platform: str, cfg: ModelConfig) -> int:
+    """The head size the KV cache stores: the model's, or the Triton kernels' padded one (gpu_kernel_head_dim),
+    which costs cache memory in proportion (96 -> 128: a third more bytes per token, counted when the cache is
+    sized)."""
+    if kernel_backend(resolve_attention_impl(impl, platform, cfg), platform) == "gpu":
+        return gpu_kernel_head_dim(cfg.head_dim)
+    return cfg.head_dim
 
 
 def resolve_attention_impl(impl: str, platform: str, cfg: ModelConfig) -> str:
@@ -38,24 +66,25 @@ def make_attention_fn(impl: str, platform: str, cfg: ModelConfig, mesh: Mesh | N
     """-> fn(q, k, v, kv, layer, meta, *, scale, sliding_window) -> (out, kv), like reference_attention_fn, for
     the implementation `resolve_attention_impl` names. `kv_dtype`: the cache's, checked against the kernel."""
     impl = resolve_attention_impl(impl, platform, cfg)
-    backend = KERNEL_PLATFORMS.get(platform)
     if impl == "reference":
         from jaxserve.runner.paged_attention_xla import blockwise_attention_fn
 
         return blockwise_attention_fn
-    if impl == "pallas" and backend is None:
+    if impl == "pallas" and KERNEL_PLATFORMS.get(platform) is None:
         raise ValueError(f"attention_impl='pallas' needs a GPU or TPU, but the platform is {platform!r}; use "
                          "'pallas-interpret' to run the kernels' interpreter here, or 'reference'")
-    kernel = backend or "gpu"  # the interpreter runs the TPU kernel on a TPU, the (quicker) GPU one elsewhere
+    kernel = kernel_backend(impl, platform)
     if kernel == "tpu" and impl == "pallas" and kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1:
         # TPUs tile 8-bit arrays 32 rows deep: 16-token pages would be padded (no memory saved, sizing wrong),
         # and the kernels' fp8 loads have never run on a TPU.
         raise ValueError("an fp8 KV cache is not supported by the TPU attention kernels yet: use kv_cache_dtype "
                          "(--kv-cache-dtype) auto or bfloat16, or attention_impl (--attention-impl) reference")
     if kernel == "gpu":  # fail at start-up, not inside the first compile
-        from pallas_kernels.gpu_pages import check_gpu_cache_dtype, check_gpu_tiles
+        from pallas_kernels.gpu_pages import check_gpu_cache_dtype
 
-        check_gpu_tiles(16, cfg.head_dim)
+        if not kernel_supports(kernel, cfg):
+            raise ValueError(f"the Triton attention kernels tile heads of at most {MAX_GPU_KERNEL_HEAD_DIM}, and this "
+                             f"model's head_dim is {cfg.head_dim}: use attention_impl (--attention-impl) reference")
         if impl == "pallas" and kv_dtype is not None and mesh is not None:
             check_gpu_cache_dtype(kv_dtype, getattr(mesh.devices.flat[0], "compute_capability", None))
     from jaxserve.runner.pallas_attention import pallas_attention_fn

@@ -41,9 +41,11 @@ def free_bytes_for_cache(devices, memory_fraction: float) -> int:
     return int(min(per_device))
 
 
-def num_blocks_for(cfg: ModelConfig, block_size: int, dtype, free_bytes: int, shards: int = 1) -> int:
-    """Blocks that fit in `free_bytes` per device when the cache is split `shards` ways (kv heads x layers)."""
-    per_block = kv_bytes_per_block(cfg, block_size, dtype) / shards
+def num_blocks_for(cfg: ModelConfig, block_size: int, dtype, free_bytes: int, shards: int = 1,
+                   head_dim: int | None = None) -> int:
+    """Blocks that fit in `free_bytes` per device when the cache is split `shards` ways (kv heads x layers), each
+    head stored `head_dim` wide (None: the model's)."""
+    per_block = kv_bytes_per_block(cfg, block_size, dtype, head_dim) / shards
     return max(2, int(free_bytes // per_block))
 
 
@@ -62,7 +64,8 @@ def size_kv_cache(runner, shape, num_blocks: int | None, memory_fraction: float)
         T, B = max(shape.buckets.forward_shapes())
         runner.execute(*profile_step_inputs(T, B, shape))
         free = free_bytes_for_cache(runner.mesh.local_devices, memory_fraction)
-        num_blocks = num_blocks_for(runner.cfg, runner.block_size, runner.kv_dtype, free, shards=runner.mesh.size)
+        num_blocks = num_blocks_for(runner.cfg, runner.block_size, runner.kv_dtype, free, shards=runner.mesh.size,
+                                    head_dim=runner.cache_head_dim)
     num_blocks = agree_on_min(num_blocks)  # across processes: all need the same cache; the fullest device decides
     if num_blocks < 2:
         raise ValueError(f"num_kv_blocks={num_blocks} is too small: block 0 is reserved, so at least 2 are needed")

@@ -63,13 +63,15 @@ class KVCache:
         return self.k.shape[3]
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype, head_dim: int | None = None) -> int:
+    """`head_dim`: the head size the cache stores (None: the model's; attention_impl.cache_head_dim)."""
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * (head_dim or cfg.head_dim) * jnp.dtype(dtype).itemsize
     return per_token * block_size
 
 
-def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, sharding=None) -> KVCache:
-    shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, sharding=None,
+                      head_dim: int | None = None) -> KVCache:
+    shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, head_dim or cfg.head_dim)
 
     @jax.jit
     def zeros():

@@ -18,7 +18,7 @@ from jaxserve.parallel.layout import describe, plan_layout
 from jaxserve.parallel.multihost import host_copy
 from jaxserve.parallel.pipeline import pipeline_layers
 from jaxserve.parallel.sharding import make_mesh, named_sharding
-from jaxserve.runner.attention_impl import make_attention_fn, resolve_attention_impl
+from jaxserve.runner.attention_impl import cache_head_dim, make_attention_fn, resolve_attention_impl
 from jaxserve.runner.kv_cache import KV_LOGICAL_AXES, allocate_kv_cache, resolve_kv_cache_dtype
 from jaxserve.runner.layer_loop import resolve_layer_loop, unrolled_layers, unstack_layers
 from jaxserve.runner.plan import PlanShape, empty_inputs
@@ -90,6 +90,12 @@ class ModelRunner:
         self.cfg = self.layout.effective_config(cfg)
         platform = self.mesh.devices.flat[0].platform
         attention_fn = make_attention_fn(attention_impl, platform, self.cfg, self.mesh, self.kv_dtype)
+        self.cache_head_dim = cache_head_dim(attention_impl, platform, self.cfg)
+        if self.cache_head_dim != self.cfg.head_dim:
+            log.info("head_dim %d runs zero-padded to %d in the attention kernels, and the KV cache stores %d "
+                     "(%.0f%% more bytes per token; --attention-impl reference stores %d)", self.cfg.head_dim,
+                     self.cache_head_dim, self.cache_head_dim, 100 * (self.cache_head_dim / self.cfg.head_dim - 1),
+                     self.cfg.head_dim)
         # The Pallas attention has a decode kernel for steps of one token per sequence. Pipeline micro-batches
         # split a step's tokens but not its sequences, which breaks the token i = row i pairing it needs.
         self.decode_kernel = resolve_attention_impl(attention_impl, platform, self.cfg) != "reference" and \
@@ -117,7 +123,7 @@ class ModelRunner:
     def allocate_cache(self, num_blocks: int) -> None:
         self.kv = None  # free the old cache first
         self.kv = allocate_kv_cache(self.cfg, num_blocks, self.block_size, self.kv_dtype,
-                                    named_sharding(self.mesh, KV_LOGICAL_AXES))
+                                    named_sharding(self.mesh, KV_LOGICAL_AXES), head_dim=self.cache_head_dim)
 
     def set_token_feed(self, max_rows: int) -> None:
         """Size the device buffer of the last step's sampled tokens, which the next step reads for the ids its

@@ -52,17 +52,27 @@ def _kernel_call(q, kv: KVCache, meta: AttentionMetadata, layer, *, window, scal
     return RAGGED_KERNELS[backend](q, kv.k, kv.v, meta.block_tables, q_start, q_lens, kv_lens, **kw)
 
 
+def pad_heads(x: jax.Array, size: int) -> jax.Array:
+    """[T, heads, d] -> [T, heads, size], zeros after d: the cache's head size (attention_impl.cache_head_dim)."""
+    d = x.shape[-1]
+    return x if d == size else jnp.pad(x, ((0, 0), (0, 0), (0, size - d)))
+
+
 def _attend(q, k, v, kv: KVCache, layer, meta: AttentionMetadata, kind=None, *, scale, windows=(None,),
             softcap=None, backend, interpret):
+    # A head size the kernel cannot tile runs padded with zeros to the cache's (q.k and the kept output dims are
+    # unchanged; `scale` is the model's own).
+    d, stored = q.shape[-1], kv.k.shape[-1]
+    q, k, v = (pad_heads(x, stored) for x in (q, k, v))
     kv = write_kv(kv, layer, k, v, meta.slot_mapping)
     call = partial(_kernel_call, q, kv, meta, layer, scale=scale, softcap=softcap, backend=backend,
                    interpret=interpret)
     if kind is None or isinstance(kind, int):  # one kind, or this layer's known while tracing (unrolled)
-        return call(window=windows[kind or 0]), kv
+        return call(window=windows[kind or 0])[..., :d], kv
     # Layers of several kinds (Gemma) under a scan: the window is a compile-time constant of the kernel, so each
     # kind has its own, and the layer's kind picks one at run time. The cache write stays outside, so the
     # branches only read.
-    return jax.lax.switch(kind, [partial(call, window=w) for w in windows]), kv
+    return jax.lax.switch(kind, [partial(call, window=w) for w in windows])[..., :d], kv
 
 
 def pallas_attention_fn(backend: str, interpret: bool, mesh: Mesh | None):

@@ -11,7 +11,7 @@ import pytest
 from jaxserve.config import ModelConfig
 from jaxserve.parallel.sharding import make_mesh
 from jaxserve.runner.attention import AttentionMetadata, reference_attention_fn
-from jaxserve.runner.attention_impl import make_attention_fn
+from jaxserve.runner.attention_impl import cache_head_dim, make_attention_fn
 from jaxserve.runner.kv_cache import KVCache
 from jaxserve.runner.paged_attention_xla import blockwise_attention_fn
 from jaxserve.runner.pallas_attention import ragged_metadata
@@ -139,9 +139,24 @@ def test_choice_of_implementation():
         make_attention_fn("pallas", "cpu", CFG)
 
 
+def head_dim_config(head_dim: int) -> ModelConfig:
+    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=96, intermediate_size=64,
+                       num_layers=1, num_heads=1, num_kv_heads=1, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("head_dim, stored", [(96, 128), (24, 32), (8, 16), (64, 64), (256, 256)])
+def test_the_triton_kernels_take_any_head_size_stored_padded(head_dim, stored):
+    cfg = head_dim_config(head_dim)
+    assert make_attention_fn("auto", "gpu", cfg) is not blockwise_attention_fn
+    assert cache_head_dim("auto", "gpu", cfg) == stored
+    assert cache_head_dim("reference", "gpu", cfg) == cache_head_dim("auto", "cpu", cfg) == head_dim
+    assert cache_head_dim("pallas-interpret", "cpu", cfg) == stored  # the interpreter runs the Triton kernel
+    assert cache_head_dim("auto", "tpu", cfg) == head_dim  # the TPU kernel takes the model's own
+
+
 def test_auto_falls_back_where_the_triton_kernel_cannot_tile():
-    odd = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=96, intermediate_size=64,
-                      num_layers=1, num_heads=1, num_kv_heads=1, head_dim=96)
-    assert make_attention_fn("auto", "gpu", odd) is blockwise_attention_fn
-    with pytest.raises(ValueError, match="head_dim to be a power of two"):
-        make_attention_fn("pallas", "gpu", odd)
+    wide = head_dim_config(320)
+    assert make_attention_fn("auto", "gpu", wide) is blockwise_attention_fn
+    assert cache_head_dim("auto", "gpu", wide) == 320
+    with pytest.raises(ValueError, match="tile heads of at most 256, and this model's head_dim is 320"):
+        make_attention_fn("pallas", "gpu", wide)
