@@ -54,17 +54,19 @@ def test_pallas_attention_keeps_parity_on_gemma2(tiny_checkpoint, monkeypatch):
 
 
 def test_a_head_size_the_kernels_cannot_tile_runs_padded(tiny_checkpoint, monkeypatch):
-    """head_dim 24 (Phi-3's 96 in small): the Triton kernels tile powers of two >= 16, so q, K and V run 32 wide,
-    the cache stores 32, and the logits are still transformers'. Split over tp where there are devices to."""
+    """A Phi-3-shaped model (head_dim 96, fused qkv and gate/up): the Triton kernels tile powers of two, so q, K and V
+    run 128 wide, the cache stores 128, and the logits are still transformers'. Split over tp where there are
+    devices to."""
     ragged, decode = spy(monkeypatch, RAGGED_KERNELS), spy(monkeypatch, DECODE_KERNELS)
-    path = tiny_checkpoint("llama", head_dim=24, tie_word_embeddings=False)
+    path = tiny_checkpoint("phi3", hidden_size=192, num_attention_heads=2, num_key_value_heads=2, pad_token_id=0,
+                           tie_word_embeddings=False)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engine = Engine(str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4,
                     attention_impl=IMPL, warmup=False, mesh=None if COMPILED else "2x1")
-    assert engine.runner.kv.k.shape[-1] == 32
+    assert engine.config.model.head_dim == 96 and engine.runner.kv.k.shape[-1] == 128
     with jax.default_matmul_precision("highest") if COMPILED else contextlib.nullcontext():
         check_parity(engine, reference, PROMPTS)
-    assert ragged and decode and {q_shape[-1] for q_shape in ragged + decode} == {32}
+    assert ragged and decode and {q_shape[-1] for q_shape in ragged + decode} == {128}
 
 
 def test_only_the_kernels_compile_decode_variants(smol_engine):

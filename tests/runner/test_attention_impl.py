@@ -21,7 +21,7 @@ CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=64
 BS = 8
 
 
-def mixed_step(T=16, B=4, L=2, NB=20):
+def mixed_step(T=16, B=4, L=2, NB=20, cfg=CFG):
     """Row 0: a 5-token prefill from 0; row 1: a decode at position 20; row 2: a chunk of 7 from 16; row 3: empty."""
     rng = np.random.default_rng(0)
     chunks = [(0, 5), (20, 1), (16, 7)]
@@ -37,7 +37,7 @@ def mixed_step(T=16, B=4, L=2, NB=20):
         t += n
     meta = AttentionMetadata(*map(jnp.asarray, (positions, slots, token_seq, tables)))
     keys = jax.random.split(jax.random.key(1), 5)
-    K, H, d = CFG.num_kv_heads, CFG.num_heads, CFG.head_dim
+    K, H, d = cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
     kv = KVCache(jax.random.normal(keys[0], (L, K, NB, BS, d)), jax.random.normal(keys[1], (L, K, NB, BS, d)))
     q, k, v = (jax.random.normal(key, (T, n, d)) for key, n in zip(keys[2:], (H, K, K)))
     return (q, k, v, kv, jnp.int32(1), meta), t
@@ -61,6 +61,21 @@ def test_pallas_interpret_matches_reference(tp):
     out, kv = run(fn, args)
     assert float(jnp.abs(out[:real] - want_out[:real]).max()) <= 1e-5
     assert jnp.array_equal(kv.k, want_kv.k) and jnp.array_equal(kv.v, want_kv.v)
+
+
+@pytest.mark.parametrize("head_dim", [24, 80, 96, 256])
+def test_a_head_size_the_kernels_cannot_tile_is_attended_padded(head_dim):
+    """The adapter pads q, K and V with zeros to the cache's width (cache_head_dim) and cuts the output back: the
+    reference's output, and its cache in the first head_dim dims with zeros after."""
+    cfg = dataclasses.replace(CFG, head_dim=head_dim)
+    (q, k, v, kv, layer, meta), real = mixed_step(cfg=cfg)
+    want_out, want_kv = run(reference_attention_fn, (q, k, v, kv, layer, meta))
+    stored = cache_head_dim("pallas-interpret", "cpu", cfg)
+    wide = KVCache(*(jnp.pad(x, [(0, 0)] * 4 + [(0, stored - head_dim)]) for x in (kv.k, kv.v)))
+    out, kv = run(make_attention_fn("pallas-interpret", "cpu", cfg), (q, k, v, wide, layer, meta))
+    assert out.shape == want_out.shape and float(jnp.abs(out[:real] - want_out[:real]).max()) <= 1e-5
+    assert jnp.array_equal(kv.k[..., :head_dim], want_kv.k) and jnp.array_equal(kv.v[..., :head_dim], want_kv.v)
+    assert not jnp.any(kv.k[..., head_dim:]) and not jnp.any(kv.v[..., head_dim:])
 
 
 def decode_step(B=4, L=2, NB=20):
