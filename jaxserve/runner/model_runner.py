@@ -89,6 +89,7 @@ class ModelRunner:
         log.info(describe(self.layout, self.mesh.devices))
         self.cfg = self.layout.effective_config(cfg)
         platform = self.mesh.devices.flat[0].platform
+        attention_impl = resolve_attention_impl(attention_impl, platform, self.cfg)  # once: "auto" decided here
         attention_fn = make_attention_fn(attention_impl, platform, self.cfg, self.mesh, self.kv_dtype)
         self.cache_head_dim = cache_head_dim(attention_impl, platform, self.cfg)
         if self.cache_head_dim != self.cfg.head_dim:
@@ -98,8 +99,7 @@ class ModelRunner:
                      self.cfg.head_dim)
         # The Pallas attention has a decode kernel for steps of one token per sequence. Pipeline micro-batches
         # split a step's tokens but not its sequences, which breaks the token i = row i pairing it needs.
-        self.decode_kernel = resolve_attention_impl(attention_impl, platform, self.cfg) != "reference" and \
-            self.layout.pp == 1
+        self.decode_kernel = attention_impl != "reference" and self.layout.pp == 1
         self.layer_loop = resolve_layer_loop(layer_loop, platform, self.layout.pp)
         unrolled = self.layer_loop == "unrolled"
         self.graphdef, self.params = load_weights(cfg, tensors, self.dtype, self.mesh, self.layout,
