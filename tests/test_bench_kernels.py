@@ -5,13 +5,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import INTERPRETED_KERNEL_XLA_FLAGS
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_kernels_tiny_runs(tmp_path):
     out = tmp_path / "BENCH.md"
     out.write_text("# Benchmarks\n")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "XLA_FLAGS": INTERPRETED_KERNEL_XLA_FLAGS}
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_kernels.py"), "--tiny", "--append", str(out),
                            "--shapes", "1x32", "2x64", "--prefetch", "pages"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)

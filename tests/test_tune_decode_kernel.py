@@ -5,11 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import INTERPRETED_KERNEL_XLA_FLAGS
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_tune_decode_kernel_tiny_runs(tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "XLA_FLAGS": INTERPRETED_KERNEL_XLA_FLAGS}
     best = tmp_path / "best.txt"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune_decode_kernel.py"), "--tiny",
                            "--best", str(best)], capture_output=True, text=True, env=env, timeout=120)
