@@ -7,19 +7,15 @@ from pathlib import Path
 
 import pytest
 
-# Tests run on the host CPU; 8 fake devices let mesh tests run anywhere. Set before jax is imported, and inherited
-# by the servers and jobs the tests start.
-TEST_XLA_FLAGS = ["--xla_force_host_platform_device_count=8"]
-if os.environ.get("PALLAS_COMPILED") != "1":  # a GPU session's compiled kernel run (pallas_kernels/testing.py)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    # XLA's CPU compiler is most of the suite's time (docs/development.md): its older loop emitters and LLVM without
-    # its expensive passes compile a tiny model's engine about a third faster and run SmolLM2 a few percent slower
-    # (the interpreted Pallas kernels up to 1.8x slower); the suite as a whole, 13% faster. Compile options only:
-    # the same programs in float32, their results equal to the last bits a change of compiler can move.
-    TEST_XLA_FLAGS += ["--xla_cpu_use_fusion_emitters=false", "--xla_llvm_disable_expensive_passes=true"]
-os.environ.setdefault("XLA_FLAGS", " ".join(TEST_XLA_FLAGS))
+from tests.helpers import FAKE_DEVICES_XLA_FLAGS, FAST_COMPILE_XLA_FLAGS, make_tiny_checkpoint
 
-from tests.helpers import make_tiny_checkpoint  # noqa: E402
+# Tests run on the host CPU. Set before jax is imported (tests.helpers does not import it), and inherited by the
+# servers and jobs the tests start.
+if os.environ.get("PALLAS_COMPILED") == "1":  # a GPU session's compiled kernel run (pallas_kernels/testing.py)
+    os.environ.setdefault("XLA_FLAGS", FAKE_DEVICES_XLA_FLAGS)
+else:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("XLA_FLAGS", f"{FAKE_DEVICES_XLA_FLAGS} {FAST_COMPILE_XLA_FLAGS}")
 
 
 @pytest.fixture(scope="session", autouse=True)

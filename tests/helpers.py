@@ -9,10 +9,17 @@ from pathlib import Path
 
 import numpy as np
 
-# XLA_FLAGS for a script that runs the Pallas kernels interpreted (bench_kernels, tune_decode_kernel): XLA's default
-# CPU compiler without the suite's compile-time options (tests/conftest.py), which run interpreted kernels up to
-# 1.8x slower. Measured on those two script tests: 51.6 s with the suite's options, 33.4 s without.
-INTERPRETED_KERNEL_XLA_FLAGS = "--xla_force_host_platform_device_count=8"
+# The XLA_FLAGS tests run with (tests/conftest.py sets them before jax is imported). 8 fake CPU devices let mesh
+# tests run anywhere. XLA's CPU compiler is most of the suite's time (docs/development.md): its older loop emitters
+# and LLVM without its expensive passes compile a tiny model's engine about a third faster and run SmolLM2 a few
+# percent slower; the suite as a whole, 13% faster. Compile options only: the same programs in float32, their
+# results equal to the last bits a change of compiler can move.
+FAKE_DEVICES_XLA_FLAGS = "--xla_force_host_platform_device_count=8"
+FAST_COMPILE_XLA_FLAGS = "--xla_cpu_use_fusion_emitters=false --xla_llvm_disable_expensive_passes=true"
+# For a script that runs the Pallas kernels interpreted (bench_kernels, tune_decode_kernel): the compile options
+# above run interpreted kernels up to 1.8x slower. Measured on those two script tests: 51.6 s with them, 33.4 s
+# without.
+INTERPRETED_KERNEL_XLA_FLAGS = FAKE_DEVICES_XLA_FLAGS
 
 # Small but not trivial: GQA (4 q heads on 2 kv heads), 3 layers, weights large enough that logits spread.
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
