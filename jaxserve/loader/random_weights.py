@@ -2,21 +2,25 @@
 downloading or writing their weights.
 
 The tensors are made under Hugging Face names and layouts, so they take the same path as a real checkpoint's
-(stacking, padding for the mesh, int8 quantization, placement). Each tensor comes from its own generator seeded
-by (seed, name): every mesh and every process of a multi-node run sees identical weights, so greedy output is
-the same everywhere, as with real weights.
+(stacking, padding for the mesh, int8 quantization), but on the devices: runner/weights.py traces that path
+inside one jitted program per weight, and each device computes its own shard. Making them on the host took 119 s
+of an 8B cold start on an H100's host (first-touch page faults of fresh arrays, one thread), against seconds here.
+Each tensor comes from its own key, (seed, name) folded: JAX's counter-based generator gives the same values
+however the output is sharded, so every mesh and every process of a multi-node run sees identical weights, and
+greedy output is the same everywhere, as with real weights.
 """
 
 from __future__ import annotations
 
 import zlib
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
 
-# Uniform in [-a, a]: standard deviation a / sqrt(3) ~= 0.02, the init std of Llama-family configs. Uniform
-# because numpy draws it several times faster than normals, which matters for 8 B parameters.
+# Uniform in [-a, a]: standard deviation a / sqrt(3) ~= 0.02, the init std of Llama-family configs.
 HALF_RANGE = 0.035
 
 
@@ -50,15 +54,17 @@ class RandomWeights:
     def names(self) -> set[str]:
         return set()  # names are asked for by the loader, never listed
 
-    def get(self, name: str) -> np.ndarray:
+    def generate(self, name: str) -> jax.Array:
+        """The tensor `name` as a jax array, float32 (traceable: runner/weights.py calls it inside jit)."""
         suffix = ".".join(name.split(".")[-2:])  # "model.layers.3.self_attn.q_proj.weight" -> "q_proj.weight"
         shape = self._shapes.get(suffix)
         if shape is None:
             raise KeyError(f"no random tensor for {name!r}: the dummy loader does not know this weight")
         if suffix.endswith("norm.weight"):
-            return np.full(shape, self._unit_gain, np.float32)  # gains of 1: random ones would only rescale
-        rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
-        x = rng.random(shape, dtype=np.float32)
-        x -= 0.5
-        x *= 2 * HALF_RANGE
-        return x
+            return jnp.full(shape, self._unit_gain, jnp.float32)  # gains of 1: random ones would only rescale
+        key = jax.random.fold_in(jax.random.key(self.seed), np.uint32(zlib.crc32(name.encode())))
+        return jax.random.uniform(key, shape, jnp.float32, -HALF_RANGE, HALF_RANGE)
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor `name` on the host (the TensorSource protocol; tests write it into a checkpoint)."""
+        return np.asarray(self.generate(name))

@@ -6,8 +6,10 @@ Every checkpoint format (safetensors, GGUF) is first presented as a `TensorSourc
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
@@ -82,49 +84,58 @@ def moe_names(cfg: ModelConfig) -> tuple[str, dict[str, str]]:
     return MOE_NAMES[cfg.architecture]
 
 
-def _expert_weight(cfg: ModelConfig, src: TensorSource, hf: str, dtype) -> np.ndarray:
-    """One expert matrix of every layer, [L, E, in, out]; filled in place so only the result is held."""
-    block = moe_names(cfg)[0]
-
-    def get(i: int, e: int) -> np.ndarray:
-        return src.get(f"model.layers.{i}.{block}.experts.{e}.{hf}.weight").T
-
-    first = get(0, 0)
-    out = np.empty((cfg.num_layers, cfg.num_experts) + first.shape, dtype)
-    for i in range(cfg.num_layers):
-        for e in range(cfg.num_experts):
-            out[i, e] = first if i == e == 0 else get(i, e)
-    return out
-
-
-def _stacked(name: str, num_layers: int, layer: Callable[[int], np.ndarray], dtype) -> np.ndarray:
-    """[L, ...] of each layer's array, filled in place in `dtype`: one stacked copy held, not np.stack's list of
-    layers and then a cast's second copy (a 70B model's stacked MLP weight is tens of GB)."""
+def stack_on_host(name: str, counts: tuple[int, ...], part: Callable[..., np.ndarray], dtype) -> np.ndarray:
+    """[*counts, ...] of `part(*index)` for every index, filled in place in `dtype`: one stacked copy held, not
+    np.stack's list of parts and then a cast's second copy (a 70B model's stacked MLP weight is tens of GB).
+    `name` has a `*` for each counted axis (for the error naming a damaged part)."""
     out = None
-    for i in range(num_layers):
-        array = layer(i)
+    for index in np.ndindex(*counts):
+        array = part(*index)
         if out is None:
-            out = np.empty((num_layers,) + array.shape, dtype)
-        elif array.shape != out.shape[1:]:  # assignment would broadcast a damaged tensor over the layer's row
-            raise ValueError(f"{name.replace('*', str(i))} has shape {array.shape}, layer 0's {out.shape[1:]}: "
+            out = np.empty(counts + array.shape, dtype)
+        elif array.shape != out.shape[len(counts):]:  # assignment would broadcast a damaged tensor over the row
+            named = name
+            for i in index:
+                named = named.replace("*", str(i), 1)
+            raise ValueError(f"{named} has shape {array.shape}, the first one's {out.shape[len(counts):]}: "
                              "the checkpoint is damaged or mixes models")
-        out[i] = array
-        del array  # one layer's source at a time
+        out[index] = array
+        del array  # one part's source at a time
     return out
+
+
+def stack_traced(name: str, counts: tuple[int, ...], part: Callable[..., Any], dtype) -> jax.Array:
+    """`stack_on_host` for a source whose parts are jax arrays, inside a jitted function (the dummy loader makes
+    its weights on the devices, runner/weights.py)."""
+    parts = [part(*index) for index in np.ndindex(*counts)]
+    return jnp.stack(parts).reshape(counts + parts[0].shape).astype(dtype)
+
+
+def param_builders(cfg: ModelConfig, get: Callable[[str], Any], dtype, stack=stack_on_host
+                   ) -> Iterator[tuple[ParamPath, Callable[[], Any]]]:
+    """(parameter path, a function making its array in our layout) for every parameter, in loading order.
+    `get` reads a tensor by its HF name (a TensorSource's `get`); `stack` joins the layers' (and experts') arrays
+    into one stacked array."""
+    yield ("embed",), lambda: get("model.embed_tokens.weight").astype(dtype)
+    yield ("final_norm",), lambda: _norm_gain(cfg)(get("model.norm.weight")).astype(dtype)
+    if not cfg.tie_word_embeddings:
+        yield ("lm_head",), lambda: get("lm_head.weight").T.astype(dtype)
+    for ours, (hf, transform) in _layer_weights(cfg).items():
+        yield ("layers", ours), lambda hf=hf, transform=transform: stack(
+            f"model.layers.*.{hf}", (cfg.num_layers,), lambda i: transform(get(f"model.layers.{i}.{hf}")), dtype)
+    if cfg.num_experts:
+        block = moe_names(cfg)[0]
+        for ours, hf in moe_names(cfg)[1].items():
+            # [L, E, in, out]: one expert matrix of every layer
+            yield ("layers", ours), lambda hf=hf: stack(
+                f"model.layers.*.{block}.experts.*.{hf}.weight", (cfg.num_layers, cfg.num_experts),
+                lambda i, e: get(f"model.layers.{i}.{block}.experts.{e}.{hf}.weight").T, dtype)
+    if cfg.layers_differ:  # not a checkpoint tensor: each layer's attention kind, stacked and split like the weights
+        yield ("layers", "attn_kind"), lambda: np.asarray(cfg.layer_kinds(), np.int32)
 
 
 def load_params(cfg: ModelConfig, src: TensorSource, dtype) -> Iterator[tuple[ParamPath, np.ndarray]]:
     """Yield (parameter path, array in our layout) one parameter at a time, so at most one stacked tensor
     is materialised beyond the checkpoint itself."""
-    yield ("embed",), src.get("model.embed_tokens.weight").astype(dtype)
-    yield ("final_norm",), _norm_gain(cfg)(src.get("model.norm.weight")).astype(dtype)
-    if not cfg.tie_word_embeddings:
-        yield ("lm_head",), src.get("lm_head.weight").T.astype(dtype)
-    for ours, (hf, transform) in _layer_weights(cfg).items():
-        yield ("layers", ours), _stacked(f"model.layers.*.{hf}", cfg.num_layers,
-                                         lambda i, hf=hf, transform=transform: transform(src.get(f"model.layers.{i}.{hf}")), dtype)
-    if cfg.num_experts:
-        for ours, hf in moe_names(cfg)[1].items():
-            yield ("layers", ours), _expert_weight(cfg, src, hf, dtype)
-    if cfg.layers_differ:  # not a checkpoint tensor: each layer's attention kind, stacked and split like the weights
-        yield ("layers", "attn_kind"), np.asarray(cfg.layer_kinds(), np.int32)
+    for path, build in param_builders(cfg, src.get, dtype):
+        yield path, build()

@@ -1,25 +1,32 @@
 """The load-time weight transform behind parallel/layout.py: a checkpoint array in our stacked layout -> the
 padded array the effective config describes. Which axes change is read from the weight's logical axis names, so
-a new weight needs no entry here. Numpy only, applied one weight at a time before it is placed on devices.
+a new weight needs no entry here. Applied one weight at a time: to numpy arrays on the host before a weight is
+placed on devices, or to jax arrays inside the jitted program that makes a dummy load's weights on the devices.
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.parallel.layout import ParallelLayout
 
 
-def pad_axis(a: np.ndarray, axis: int, size: int) -> np.ndarray:
+def _xp(a):
+    """numpy for a host array, jax.numpy for a jax one (traced or not)."""
+    return np if isinstance(a, np.ndarray) else jnp
+
+
+def pad_axis(a, axis: int, size: int):
     """Zeros appended along `axis` up to `size`."""
     if a.shape[axis] == size:
         return a
     widths = [(0, 0)] * a.ndim
     widths[axis] = (0, size - a.shape[axis])
-    return np.pad(a, widths)
+    return _xp(a).pad(a, widths)
 
 
-def pad_q_heads(a: np.ndarray, axis: int, layout: ParallelLayout, num_kv_heads: int) -> np.ndarray:
+def pad_q_heads(a, axis: int, layout: ParallelLayout, num_kv_heads: int):
     """[.., H, ..] kv-major (H = K*G) -> [.., K_pad*G_pad, ..]: zero heads fill each group and the padded groups."""
     h = layout.heads
     grouped = a.reshape(a.shape[:axis] + (num_kv_heads, -1) + a.shape[axis + 1:])
@@ -27,25 +34,27 @@ def pad_q_heads(a: np.ndarray, axis: int, layout: ParallelLayout, num_kv_heads: 
     return grouped.reshape(a.shape[:axis] + (h.kv_heads * h.group,) + a.shape[axis + 1:])
 
 
-def pad_kv_heads(a: np.ndarray, axis: int, layout: ParallelLayout) -> np.ndarray:
+def pad_kv_heads(a, axis: int, layout: ParallelLayout):
     """[.., K, ..] -> [.., K_pad*rep, ..]: zero heads, then each head repeated next to itself (kv head j*rep+r
     is a copy of head j, matching the q-head grouping above)."""
-    return np.repeat(pad_axis(a, axis, layout.heads.kv_heads), layout.heads.replicas, axis=axis)
+    return _xp(a).repeat(pad_axis(a, axis, layout.heads.kv_heads), layout.heads.replicas, axis=axis)
 
 
-def pad_layers(a: np.ndarray, axis: int, layout: ParallelLayout) -> np.ndarray:
+def pad_layers(a, axis: int, layout: ParallelLayout):
     """[L, ..] -> [pp*slots, ..]: each stage's real layers first in its slots, zero layers after them."""
     if layout.pp * layout.slots == a.shape[axis]:
         return a
-    out = np.zeros(a.shape[:axis] + (layout.pp * layout.slots,) + a.shape[axis + 1:], a.dtype)
+    shape = a.shape[:axis] + (layout.pp * layout.slots,) + a.shape[axis + 1:]
     index = [slice(None)] * a.ndim
-    index[axis] = layout.layer_slots()
-    out[tuple(index)] = a
-    return out
+    index[axis] = np.asarray(layout.layer_slots())
+    if isinstance(a, np.ndarray):
+        out = np.zeros(shape, a.dtype)
+        out[tuple(index)] = a  # in place: one padded copy held
+        return out
+    return jnp.zeros(shape, a.dtype).at[tuple(index)].set(a)
 
 
-def pad_weight(a: np.ndarray, logical: tuple[str | None, ...], layout: ParallelLayout,
-               num_kv_heads: int) -> np.ndarray:
+def pad_weight(a, logical: tuple[str | None, ...], layout: ParallelLayout, num_kv_heads: int):
     """The checkpoint array `a` (real sizes) padded on every axis whose logical name needs it."""
     sizes = {"mlp": layout.mlp, "vocab": layout.vocab, "experts": layout.experts}
     for axis, name in enumerate(logical):

@@ -4,6 +4,10 @@ Each weight is read, padded for the mesh (parallel/padding.py) and handed to `ja
 its logical names give, one weight at a time: every device receives only its own slice, and the host holds at
 most one (padded) weight beyond the checkpoint reader's own buffers. A quantized model's matmul weights are
 quantized on the host as they are read (runner/quantize.py), so only int8 values travel to the devices.
+
+A dummy load (`load_format="dummy"`) reads nothing: each weight's random HF tensors are made, stacked, padded and
+quantized by the same functions inside one jitted program whose outputs carry the weight's sharding, so each
+device computes only its own slice and the host holds none of it (loader/random_weights.py).
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
-from jaxserve.loader.weights import TensorSource, load_params
+from jaxserve.loader.random_weights import RandomWeights
+from jaxserve.loader.weights import TensorSource, load_params, param_builders, stack_traced
 from jaxserve.models.lora import is_lora_path
 from jaxserve.models.registry import abstract_model
 from jaxserve.parallel.layout import ParallelLayout, plan_layout
@@ -31,7 +36,8 @@ def _flat_abstract(cfg: ModelConfig, dtype, quantization: str | None = None):
 def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, layout: ParallelLayout | None = None,
                  quantization: str | None = None, per_layer: bool = False):
     """-> (graphdef, params) of the model under `layout`'s effective config (default: no padding, one stage);
-    with `quantization="int8"`, every matmul weight is quantized on the host as it is read. `per_layer`: each
+    with `quantization="int8"`, every matmul weight is quantized on the host as it is read (a dummy load's on
+    the devices). `per_layer`: each
     layer weight is placed as a tuple of per-layer arrays (runner/layer_loop.py), split on the host so the device
     never holds a stacked copy beside them (except a `jaxserve convert` checkpoint's, restored stacked)."""
     layout = layout or plan_layout(cfg, 1, 1)
@@ -47,24 +53,16 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
     _, real = _flat_abstract(cfg, dtype)  # checkpoint shapes, checked before padding
     graphdef, flat = _flat_abstract(layout.effective_config(cfg), dtype, quantization)
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
-    placed = {}
-    for path, array in load_params(cfg, tensors, np_dtype):
-        if tuple(array.shape) != tuple(real[path].shape):
-            raise ValueError(f"weight {'.'.join(path)} has shape {array.shape} in the checkpoint but the config "
-                             f"implies {real[path].shape}")
-        var = flat[path]
-        logical = var.get_metadata()["logical"]
-        array = pad_weight(array, logical, layout, cfg.num_kv_heads)
-        split = per_layer and path[0] == "layers"
-        scale_path = path[:-1] + (path[-1] + "_scale",)
-        if scale_path in flat:  # quantized: int8 values and float32 scales replace the float weight
-            scale_var = flat[scale_path]
-            scale_logical = scale_var.get_metadata()["logical"]
-            contract = tuple(i for i, name in enumerate(logical) if name not in scale_logical)
-            array, scale = quantize_int8(array, contract)
-            placed[scale_path] = scale_var.replace(_place(scale, scale_logical, mesh, split))
-        placed[path] = var.replace(_place(array, logical, mesh, split))
-        del array
+    if isinstance(tensors, RandomWeights):
+        placed = _random_on_devices(cfg, tensors, np_dtype, mesh, layout, flat, real, per_layer)
+    else:
+        placed = {}
+        for path, array in load_params(cfg, tensors, np_dtype):
+            _check_shape(path, array, real)
+            split = per_layer and path[0] == "layers"
+            for part_path, part in _prepared(cfg, path, array, flat, layout).items():
+                placed[part_path] = flat[part_path].replace(_place(part, _logical(flat, part_path), mesh, split))
+            del array, part
     for path in filter(is_lora_path, flat):  # adapter slots start empty (zeros); runner/lora_weights.py fills them
         var = flat[path]
         sharding = named_sharding(mesh, var.get_metadata()["logical"])
@@ -73,6 +71,56 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
     if missing:
         raise ValueError(f"the checkpoint provides no weights for {sorted('.'.join(p) for p in missing)}")
     return graphdef, nnx.from_flat_state(list(placed.items()))
+
+
+def _random_on_devices(cfg: ModelConfig, tensors: RandomWeights, dtype, mesh: Mesh, layout: ParallelLayout,
+                       flat: dict, real: dict, per_layer: bool) -> dict:
+    """A dummy load: each weight made by one jitted program straight into its sharding (module docstring)."""
+    placed = {}
+    for path, build in param_builders(cfg, tensors.generate, dtype, stack=stack_traced):
+        split = per_layer and path[0] == "layers"
+
+        def make(build=build, path=path, split=split):
+            array = build()
+            _check_shape(path, array, real)
+            parts = _prepared(cfg, path, array, flat, layout)
+            return {p: tuple(a[i] for i in range(a.shape[0])) if split else a for p, a in parts.items()}
+
+        shardings = {p: _sharding(_logical(flat, p), mesh, len(shape) if split else None)
+                     for p, shape in jax.eval_shape(make).items()}
+        for part_path, part in jax.jit(make, out_shardings=shardings)().items():
+            placed[part_path] = flat[part_path].replace(part)
+    return placed
+
+
+def _check_shape(path, array, real: dict) -> None:
+    if tuple(array.shape) != tuple(real[path].shape):
+        raise ValueError(f"weight {'.'.join(path)} has shape {array.shape} in the checkpoint but the config "
+                         f"implies {real[path].shape}")
+
+
+def _logical(flat: dict, path) -> tuple[str, ...]:
+    return flat[path].get_metadata()["logical"]
+
+
+def _prepared(cfg: ModelConfig, path, array, flat: dict, layout: ParallelLayout) -> dict:
+    """The weight at `path` padded for the mesh: {path: array}, or for a quantized weight its int8 values and
+    float32 scales, {path: values, path_scale: scales}. Numpy in, numpy out; jax in, jax out."""
+    logical = _logical(flat, path)
+    array = pad_weight(array, logical, layout, cfg.num_kv_heads)
+    scale_path = path[:-1] + (path[-1] + "_scale",)
+    if scale_path not in flat:
+        return {path: array}
+    contract = tuple(i for i, name in enumerate(logical) if name not in _logical(flat, scale_path))
+    values, scale = quantize_int8(array, contract)
+    return {path: values, scale_path: scale}
+
+
+def _sharding(logical: tuple[str, ...], mesh: Mesh, num_layers: int | None):
+    """The output sharding of a weight made on the devices; a tuple of `num_layers` when it is placed per layer."""
+    if num_layers is None:
+        return named_sharding(mesh, logical)
+    return (named_sharding(mesh, logical[1:]),) * num_layers
 
 
 def _place(array: np.ndarray, logical: tuple[str, ...], mesh: Mesh, per_layer: bool):

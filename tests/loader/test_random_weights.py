@@ -5,17 +5,23 @@ for that name, so a wrong shape, name or layout in the dummy loader fails here (
 the copy, or as a logit difference).
 """
 
+import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from jaxserve import Engine, SamplingParams
 from jaxserve.loader.hf_config import model_config_from_hf
 from jaxserve.loader.random_weights import RandomWeights
+from jaxserve.parallel.layout import plan_layout
+from jaxserve.parallel.sharding import make_mesh
+from jaxserve.runner.weights import load_weights
 from tests.models.test_parity import PROMPTS, check_parity
 from tests.parallel.test_tiny_meshes import MODELS
 
@@ -28,8 +34,6 @@ def config_only_copy(src, dst):
 
 def random_weights_copy(src, dst):
     """The HF directory with every tensor replaced by the dummy loader's tensor of the same name."""
-    import json
-
     shutil.copytree(src, dst)
     source = RandomWeights(model_config_from_hf(json.loads((src / "config.json").read_text())))
     for file in dst.glob("*.safetensors"):
@@ -37,7 +41,7 @@ def random_weights_copy(src, dst):
         for name, w in tensors.items():
             made = source.get(name)
             assert made.shape == tuple(w.shape), (name, made.shape, tuple(w.shape))
-            tensors[name] = torch.from_numpy(made)
+            tensors[name] = torch.from_numpy(np.array(made))
         save_file(tensors, file, metadata={"format": "pt"})
     return dst
 
@@ -64,6 +68,37 @@ def test_dummy_weights_are_the_same_on_every_mesh_and_every_load(tiny_checkpoint
               for mesh in (None, None, "4x2")]
     assert tokens[0] == tokens[1] == tokens[2]
     assert len({tuple(t) for t in tokens[0]}) > 1  # not one degenerate token stream for every prompt
+
+
+class OnTheHost:
+    """The dummy tensors read one by one on the host, as any checkpoint's are."""
+
+    def __init__(self, source):
+        self.names, self.get = source.names, source.get
+
+
+@pytest.mark.parametrize("name, quantization, per_layer", [("llama-odd-sizes", None, True),
+                                                           ("mixtral", "int8", False)])
+def test_weights_made_on_the_devices_are_the_host_path_s(name, quantization, per_layer, tiny_checkpoint):
+    """The dummy load makes, pads, quantizes and splits each weight on the 4x2 mesh's devices (runner/weights.py):
+    every array equals the host path's from the same named tensors, padding and int8 values included."""
+    arch, overrides = MODELS[name]
+    cfg = model_config_from_hf(json.loads((tiny_checkpoint(arch, **overrides) / "config.json").read_text()))
+    mesh, layout = make_mesh(4, 2), plan_layout(cfg, 4, 2)
+    loads = [load_weights(cfg, source, np.float32, mesh, layout, quantization, per_layer)[1]
+             for source in (RandomWeights(cfg), OnTheHost(RandomWeights(cfg)))]
+    on_devices, on_host = (dict(nnx.to_flat_state(params)) for params in loads)
+    assert on_devices.keys() == on_host.keys() and ("layers", "wq") in on_devices
+    for path, var in on_devices.items():
+        made, read = jax.tree.leaves(var.get_value()), jax.tree.leaves(on_host[path].get_value())
+        assert len(made) == len(read) == (layout.pp * layout.slots if per_layer and path[0] == "layers" else 1)
+        for a, b in zip(made, read):
+            assert a.sharding == b.sharding and a.dtype == b.dtype, path
+            a, b = np.asarray(a), np.asarray(b)
+            if a.dtype == np.int8:  # a scale an ulp apart (below) can round a value on a .5 boundary the other way
+                assert np.abs(a.astype(int) - b).max() <= 1 and (a != b).mean() < 1e-4, path
+            else:  # one float32 ulp: XLA's division by 127 is not numpy's to the last bit
+                np.testing.assert_allclose(a, b, rtol=1.2e-7, atol=0, err_msg=str(path))
 
 
 def test_random_tensors_look_like_an_initialised_model():
