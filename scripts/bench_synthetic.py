@@ -20,7 +20,8 @@ memory to itself. Measured, in order, each line printed (and --json written) as 
 - offline throughput: --num-prompts requests of exactly --input-len prompt and --output-len new tokens, output
   tokens/s and total (prompt + output) tokens/s as vLLM's benchmark_throughput reports them; best of --repeats
   runs, the first of which compiles the step programs it needs. Each run takes fresh random prompts, so the
-  prefix cache cannot serve one run from the last (the prefix-cache hits of the best run are printed);
+  prefix cache cannot serve one run from the last (the prompt tokens it served in the best run are printed: a
+  request preempted when the KV cache filled finds its own blocks there when it resumes);
 - prefill: the same number of fresh prompts with one output token each, its FLOPs (roofline.prefill_flops) over
   its time, and that as a share of the rated bf16 FLOP/s (MFU);
 - transformers: batched greedy `generate` over the same prompts as jaxserve's runs; each --hf-batch-sizes is
@@ -189,7 +190,7 @@ def run_jaxserve(model_dir: Path, args) -> dict:
     output_rate, total_rate = n * args.output_len / best, n * (args.input_len + args.output_len) / best
     r.put(f"jaxserve offline {n} x ({args.input_len} in + {args.output_len} out): {output_rate:.0f} output tok/s, "
           f"{total_rate:.0f} total tok/s ({best:.1f} s, best of {args.repeats}; {compiles} programs compiled and "
-          f"{hits} prefix-cache blocks hit in that run)",
+          f"{hits} prompt tokens served by the prefix cache in that run, to preempted requests resuming)",
           offline_seconds=best, output_tok_s=output_rate, total_tok_s=total_rate, offline_compiles=compiles)
 
     prefill_prompts = random_prompts(n, args.input_len, cfg.vocab_size, seed=20_000)
