@@ -4,15 +4,21 @@ downloading or writing their weights.
 The tensors are made under Hugging Face names and layouts, so they take the same path as a real checkpoint's
 (stacking, padding for the mesh, int8 quantization), but on the devices: runner/weights.py traces that path
 inside one jitted program per weight, and each device computes its own shard. Making them on the host took 119 s
-of an 8B cold start on an H100's host (first-touch page faults of fresh arrays, one thread), against seconds here.
-Each tensor comes from its own key, (seed, name) folded: JAX's counter-based generator gives the same values
-however the output is sharded, so every mesh and every process of a multi-node run sees identical weights, and
-greedy output is the same everywhere, as with real weights.
+of an 8B cold start on an H100's host (first-touch page faults of fresh arrays, one thread).
+
+Each tensor has its own key: the seed, folded with the CRC of its name with the layer (and expert) numbers as
+`*`, then with each number. A stacked weight's tensors are then one vmapped draw, so a weight's program holds one
+generator however many layers it stacks (unrolled per layer, the 8B load spent most of its time compiling).
+JAX's counter-based generator gives the same values however the output is sharded, so every mesh and every
+process of a multi-node run sees identical weights, and greedy output is the same everywhere, as with real
+weights.
 """
 
 from __future__ import annotations
 
+import re
 import zlib
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -55,16 +61,31 @@ class RandomWeights:
         return set()  # names are asked for by the loader, never listed
 
     def generate(self, name: str) -> jax.Array:
-        """The tensor `name` as a jax array, float32 (traceable: runner/weights.py calls it inside jit)."""
-        suffix = ".".join(name.split(".")[-2:])  # "model.layers.3.self_attn.q_proj.weight" -> "q_proj.weight"
-        shape = self._shapes.get(suffix)
-        if shape is None:
-            raise KeyError(f"no random tensor for {name!r}: the dummy loader does not know this weight")
-        if suffix.endswith("norm.weight"):
-            return jnp.full(shape, self._unit_gain, jnp.float32)  # gains of 1: random ones would only rescale
-        key = jax.random.fold_in(jax.random.key(self.seed), np.uint32(zlib.crc32(name.encode())))
-        return jax.random.uniform(key, shape, jnp.float32, -HALF_RANGE, HALF_RANGE)
+        """The tensor `name` as a jax array, float32."""
+        numbers = [int(n) for n in re.findall(r"(?<=\.)\d+(?=\.)", name)]  # layer, expert
+        template = re.sub(r"(?<=\.)\d+(?=\.)", "*", name)
+        return self._draw(template, jnp.asarray(numbers, jnp.uint32))
 
     def get(self, name: str) -> np.ndarray:
         """The tensor `name` on the host (the TensorSource protocol; tests write it into a checkpoint)."""
         return np.asarray(self.generate(name))
+
+    def stack(self, template: str, counts: tuple[int, ...], transform: Callable, dtype) -> jax.Array:
+        """[*counts, ...] of the named tensors in our layout, as `loader.weights.stacker_on_host` makes them from a
+        checkpoint: one vmapped draw (traceable: runner/weights.py calls it inside jit)."""
+        numbers = jnp.asarray(list(np.ndindex(*counts)), jnp.uint32)  # every (layer, expert) index, in order
+        stacked = jax.vmap(lambda index: transform(self._draw(template, index)))(numbers)
+        return stacked.reshape(counts + stacked.shape[1:]).astype(dtype)
+
+    def _draw(self, template: str, numbers: jax.Array) -> jax.Array:
+        """The tensor `fill(template, numbers)`; `numbers` may be traced."""
+        suffix = ".".join(template.split(".")[-2:])  # "model.layers.*.self_attn.q_proj.weight" -> "q_proj.weight"
+        shape = self._shapes.get(suffix)
+        if shape is None:
+            raise KeyError(f"no random tensor for {template!r}: the dummy loader does not know this weight")
+        if suffix.endswith("norm.weight"):
+            return jnp.full(shape, self._unit_gain, jnp.float32)  # gains of 1: random ones would only rescale
+        key = jax.random.fold_in(jax.random.key(self.seed), np.uint32(zlib.crc32(template.encode())))
+        for i in range(numbers.shape[0]):
+            key = jax.random.fold_in(key, numbers[i])
+        return jax.random.uniform(key, shape, jnp.float32, -HALF_RANGE, HALF_RANGE)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Protocol
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
@@ -84,52 +82,56 @@ def moe_names(cfg: ModelConfig) -> tuple[str, dict[str, str]]:
     return MOE_NAMES[cfg.architecture]
 
 
-def stack_on_host(name: str, counts: tuple[int, ...], part: Callable[..., np.ndarray], dtype) -> np.ndarray:
-    """[*counts, ...] of `part(*index)` for every index, filled in place in `dtype`: one stacked copy held, not
-    np.stack's list of parts and then a cast's second copy (a 70B model's stacked MLP weight is tens of GB).
-    `name` has a `*` for each counted axis (for the error naming a damaged part)."""
-    out = None
-    for index in np.ndindex(*counts):
-        array = part(*index)
-        if out is None:
-            out = np.empty(counts + array.shape, dtype)
-        elif array.shape != out.shape[len(counts):]:  # assignment would broadcast a damaged tensor over the row
-            named = name
-            for i in index:
-                named = named.replace("*", str(i), 1)
-            raise ValueError(f"{named} has shape {array.shape}, the first one's {out.shape[len(counts):]}: "
-                             "the checkpoint is damaged or mixes models")
-        out[index] = array
-        del array  # one part's source at a time
-    return out
+def fill(template: str, index: tuple[int, ...]) -> str:
+    """The name `template` with its `*`s replaced by `index`: ("model.layers.*.w", (3,)) -> "model.layers.3.w"."""
+    for i in index:
+        template = template.replace("*", str(i), 1)
+    return template
 
 
-def stack_traced(name: str, counts: tuple[int, ...], part: Callable[..., Any], dtype) -> jax.Array:
-    """`stack_on_host` for a source whose parts are jax arrays, inside a jitted function (the dummy loader makes
-    its weights on the devices, runner/weights.py)."""
-    parts = [part(*index) for index in np.ndindex(*counts)]
-    return jnp.stack(parts).reshape(counts + parts[0].shape).astype(dtype)
+# A stacked tensor's maker: (HF name template with a `*` per counted axis, the counts, the transform from one
+# tensor's HF layout to ours, dtype) -> the [*counts, ...] array.
+Stack = Callable[[str, tuple[int, ...], Callable[[Any], Any], Any], Any]
 
 
-def param_builders(cfg: ModelConfig, get: Callable[[str], Any], dtype, stack=stack_on_host
+def stacker_on_host(get: Callable[[str], np.ndarray]) -> Stack:
+    """A Stack reading each tensor with `get` and filling one array in place, in `dtype`: one stacked copy held,
+    not np.stack's list of parts and then a cast's second copy (a 70B model's stacked MLP weight is tens of GB)."""
+
+    def stack(template: str, counts: tuple[int, ...], transform: Callable, dtype) -> np.ndarray:
+        out = None
+        for index in np.ndindex(*counts):
+            array = transform(get(fill(template, index)))
+            if out is None:
+                out = np.empty(counts + array.shape, dtype)
+            elif array.shape != out.shape[len(counts):]:  # assignment would broadcast a damaged tensor over the row
+                raise ValueError(f"{fill(template, index)} has shape {array.shape}, the first one's "
+                                 f"{out.shape[len(counts):]}: the checkpoint is damaged or mixes models")
+            out[index] = array
+            del array  # one tensor's source at a time
+        return out
+
+    return stack
+
+
+def param_builders(cfg: ModelConfig, get: Callable[[str], Any], stack: Stack, dtype
                    ) -> Iterator[tuple[ParamPath, Callable[[], Any]]]:
     """(parameter path, a function making its array in our layout) for every parameter, in loading order.
-    `get` reads a tensor by its HF name (a TensorSource's `get`); `stack` joins the layers' (and experts') arrays
-    into one stacked array."""
+    `get` reads one tensor by its HF name; `stack` makes a stacked one (the layers', and the experts')."""
     yield ("embed",), lambda: get("model.embed_tokens.weight").astype(dtype)
     yield ("final_norm",), lambda: _norm_gain(cfg)(get("model.norm.weight")).astype(dtype)
     if not cfg.tie_word_embeddings:
         yield ("lm_head",), lambda: get("lm_head.weight").T.astype(dtype)
     for ours, (hf, transform) in _layer_weights(cfg).items():
         yield ("layers", ours), lambda hf=hf, transform=transform: stack(
-            f"model.layers.*.{hf}", (cfg.num_layers,), lambda i: transform(get(f"model.layers.{i}.{hf}")), dtype)
+            f"model.layers.*.{hf}", (cfg.num_layers,), transform, dtype)
     if cfg.num_experts:
         block = moe_names(cfg)[0]
         for ours, hf in moe_names(cfg)[1].items():
             # [L, E, in, out]: one expert matrix of every layer
             yield ("layers", ours), lambda hf=hf: stack(
                 f"model.layers.*.{block}.experts.*.{hf}.weight", (cfg.num_layers, cfg.num_experts),
-                lambda i, e: get(f"model.layers.{i}.{block}.experts.{e}.{hf}.weight").T, dtype)
+                lambda w: w.T, dtype)
     if cfg.layers_differ:  # not a checkpoint tensor: each layer's attention kind, stacked and split like the weights
         yield ("layers", "attn_kind"), lambda: np.asarray(cfg.layer_kinds(), np.int32)
 
@@ -137,5 +139,5 @@ def param_builders(cfg: ModelConfig, get: Callable[[str], Any], dtype, stack=sta
 def load_params(cfg: ModelConfig, src: TensorSource, dtype) -> Iterator[tuple[ParamPath, np.ndarray]]:
     """Yield (parameter path, array in our layout) one parameter at a time, so at most one stacked tensor
     is materialised beyond the checkpoint itself."""
-    for path, build in param_builders(cfg, src.get, dtype):
+    for path, build in param_builders(cfg, src.get, stacker_on_host(src.get), dtype):
         yield path, build()

@@ -5,9 +5,10 @@ its logical names give, one weight at a time: every device receives only its own
 most one (padded) weight beyond the checkpoint reader's own buffers. A quantized model's matmul weights are
 quantized on the host as they are read (runner/quantize.py), so only int8 values travel to the devices.
 
-A dummy load (`load_format="dummy"`) reads nothing: each weight's random HF tensors are made, stacked, padded and
-quantized by the same functions inside one jitted program whose outputs carry the weight's sharding, so each
-device computes only its own slice and the host holds none of it (loader/random_weights.py).
+A dummy load (`load_format="dummy"`) reads nothing: each weight's random HF tensors are drawn and stacked
+(loader/random_weights.py), then padded and quantized by the same functions as a checkpoint's, inside one jitted
+program whose outputs carry the weight's sharding, so each device computes only its own slice and the host holds
+none of it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
 from jaxserve.loader.random_weights import RandomWeights
-from jaxserve.loader.weights import TensorSource, load_params, param_builders, stack_traced
+from jaxserve.loader.weights import TensorSource, load_params, param_builders
 from jaxserve.models.lora import is_lora_path
 from jaxserve.models.registry import abstract_model
 from jaxserve.parallel.layout import ParallelLayout, plan_layout
@@ -77,7 +78,7 @@ def _random_on_devices(cfg: ModelConfig, tensors: RandomWeights, dtype, mesh: Me
                        flat: dict, real: dict, per_layer: bool) -> dict:
     """A dummy load: each weight made by one jitted program straight into its sharding (module docstring)."""
     placed = {}
-    for path, build in param_builders(cfg, tensors.generate, dtype, stack=stack_traced):
+    for path, build in param_builders(cfg, tensors.generate, tensors.stack, dtype):
         split = per_layer and path[0] == "layers"
 
         def make(build=build, path=path, split=split):

@@ -5,7 +5,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from jaxserve.loader.weights import stack_on_host
+from jaxserve.loader.weights import stacker_on_host
 
 
 def test_stacking_layers_holds_one_copy_of_the_result_in_the_target_dtype():
@@ -15,7 +15,8 @@ def test_stacking_layers_holds_one_copy_of_the_result_in_the_target_dtype():
     result_bytes = layers * np.prod(shape) * 2  # float16 target: half the float32 source
     tracemalloc.start()
     try:
-        stacked = stack_on_host("w.*", (layers,), lambda i: tensors[i] * 1.0, np.float16)  # each layer a fresh float32 array
+        # each layer a fresh float32 array
+        stacked = stacker_on_host(lambda name: tensors[int(name)] * 1.0)("*", (layers,), lambda w: w, np.float16)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -29,14 +30,16 @@ def test_stacking_layers_holds_one_copy_of_the_result_in_the_target_dtype():
 def test_a_layer_of_another_shape_is_named_not_broadcast():
     shapes = [(4, 8), (4, 8), (1,)]
     with pytest.raises(ValueError, match=r"model.layers.2.w has shape \(1,\), the first one's \(4, 8\)"):
-        stack_on_host("model.layers.*.w", (3,), lambda i: np.ones(shapes[i], np.float32), np.float32)
+        stacker_on_host(lambda name: np.ones(shapes[int(name.split(".")[2])], np.float32))(
+            "model.layers.*.w", (3,), lambda w: w, np.float32)
 
 
 def test_an_expert_of_another_shape_is_named_by_layer_and_expert():
-    def part(i, e):
-        return np.ones((1,) if (i, e) == (1, 2) else (4, 8), np.float32)
+    def get(name):  # "layers.I.experts.E.w"
+        i, e = int(name.split(".")[1]), int(name.split(".")[3])
+        return np.ones((1,) if (i, e) == (1, 2) else (4, 8), np.float32) if name.endswith("w") else np.full(4, 10 * i + e)
 
     with pytest.raises(ValueError, match=r"layers.1.experts.2.w has shape \(1,\), the first one's \(4, 8\)"):
-        stack_on_host("layers.*.experts.*.w", (2, 3), part, np.float32)
-    stacked = stack_on_host("layers.*.experts.*.w", (2, 3), lambda i, e: np.full((4,), 10 * i + e), np.int32)
+        stacker_on_host(get)("layers.*.experts.*.w", (2, 3), lambda w: w, np.float32)
+    stacked = stacker_on_host(get)("layers.*.experts.*.v", (2, 3), lambda w: w, np.int32)
     assert stacked.shape == (2, 3, 4) and stacked[1, 2, 0] == 12
