@@ -17,7 +17,9 @@ def quantize_int8(w, contract: tuple[int, ...]):
     """(int8 values shaped like `w`, float32 scales over the axes not in `contract`): numpy arrays for a numpy
     `w`, jax arrays for a jax one."""
     xp = np if isinstance(w, np.ndarray) else jnp
-    if w.ndim > len(contract) + 1 and 0 not in contract:  # stacked layers (or experts): one slice at a time
+    # A stacked weight (layers, experts) on the host: one slice at a time, so temporaries stay one layer's size. A
+    # jax one is quantized whole: XLA fuses it, and a program unrolled per slice compiled seconds longer.
+    if xp is np and w.ndim > len(contract) + 1 and 0 not in contract:
         inner = tuple(a - 1 for a in contract)
         parts = [quantize_int8(w[i], inner) for i in range(w.shape[0])]
         return xp.stack([p[0] for p in parts]), xp.stack([p[1] for p in parts])

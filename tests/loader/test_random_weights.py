@@ -80,14 +80,15 @@ class OnTheHost:
         self.names, self.get = source.names, source.get
 
 
-@pytest.mark.parametrize("name, quantization, per_layer", [("llama-odd-sizes", None, True),
-                                                           ("mixtral", "int8", False)])
-def test_weights_made_on_the_devices_are_the_host_path_s(name, quantization, per_layer, tiny_checkpoint):
-    """The dummy load makes, pads, quantizes and splits each weight on the 4x2 mesh's devices (runner/weights.py):
-    every array equals the host path's from the same named tensors, padding and int8 values included."""
+@pytest.mark.parametrize("name, tp, pp, quantization, per_layer", [("llama-odd-sizes", 4, 2, None, True),
+                                                                   ("mixtral", 2, 1, "int8", False)])
+def test_weights_made_on_the_devices_are_the_host_path_s(name, tp, pp, quantization, per_layer, tiny_checkpoint):
+    """The dummy load makes, pads, quantizes and splits each weight on the mesh's devices (runner/weights.py): every
+    array equals the host path's from the same named tensors, padding (heads, vocab, layers on 4x2), stacked
+    experts and int8 values included."""
     arch, overrides = MODELS[name]
     cfg = model_config_from_hf(json.loads((tiny_checkpoint(arch, **overrides) / "config.json").read_text()))
-    mesh, layout = make_mesh(4, 2), plan_layout(cfg, 4, 2)
+    mesh, layout = make_mesh(tp, pp), plan_layout(cfg, tp, pp)
     loads = [load_weights(cfg, source, np.float32, mesh, layout, quantization, per_layer)[1]
              for source in (RandomWeights(cfg), OnTheHost(RandomWeights(cfg)))]
     on_devices, on_host = (dict(nnx.to_flat_state(params)) for params in loads)
