@@ -78,7 +78,9 @@ case "$step" in
                  --hf-batch-sizes 2 4 --max-num-seqs 4 --max-num-batched-tokens 64)
       caps=(300 300 300 120)
     else
-      accuracy=() coldstart=() synthetic=() caps=(150 240 330 170)
+      # The cold start gets 210 s: projected ~210 s at the 8B shape on 2026-11-28 (BENCHMARKS.md), never finished
+      # inside 170 s; it is the one figure never measured, so it comes before the synthetic run's.
+      accuracy=() coldstart=() synthetic=() caps=(150 270 330 170)
     fi
     # 1. Is bfloat16 right? Never checked end to end before; cheap (a 135M model, a few programs per engine).
     timeout -k 15 "$(left "${caps[0]}")" python3 scripts/gpu_accuracy.py "${accuracy[@]}" --json "$out/accuracy.json" 2>&1 \
@@ -86,7 +88,7 @@ case "$step" in
     # 2. How long until `jaxserve serve` answers: every warm-up program of the 8B shape from an empty cache, then
     # from the cache it filled.
     timeout -k 15 "$(left "${caps[1]}")" python3 scripts/bench_coldstart.py "${coldstart[@]}" --cache-dir "$cache" --echo \
-      --timeout "$(($(left "${caps[1]}") - 70))" --json "$out/coldstart.json" --append "$out/benchmark_rows.md" 2>&1 \
+      --timeout "$(($(left "${caps[1]}") - 60))" --json "$out/coldstart.json" --append "$out/benchmark_rows.md" 2>&1 \
       | tee -a "$out/all.log"
     # 3. The throughput and latency figures, counted by the bytes and FLOPs a step needs.
     timeout -k 15 "$(left "${caps[2]}")" python3 scripts/bench_synthetic.py "${synthetic[@]}" --compilation-cache-dir "$cache" \
