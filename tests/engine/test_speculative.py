@@ -54,20 +54,23 @@ def test_seeded_sampling_logprobs_and_stops_are_unchanged(spec_engine, smol_engi
              SamplingParams(temperature=0, max_tokens=60, min_tokens=last),
              # penalties mild enough that the copy (and its drafts) goes on; the rows' histories: test_plan_drafts.py
              SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.05, frequency_penalty=0.1)]
-    for params in cases:
-        ours = spec_engine.generate(prompts, params, use_tqdm=False)
-        theirs = smol_engine.generate(prompts, params, use_tqdm=False)
-        for a, b in zip(ours, theirs):
-            assert [(o.token_ids, o.text, o.finish_reason) for o in a.outputs] == \
-                   [(o.token_ids, o.text, o.finish_reason) for o in b.outputs]
-            if params.logprobs:
-                for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-                    assert x.keys() == y.keys()
-                    assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
-        if params.stop:
-            assert theirs[0].outputs[0].finish_reason == "stop"  # the copy reached the stop string
-        if params.min_tokens:
-            assert len(theirs[0].outputs[0].token_ids) == last + 1
+    # Every case in one batch on each engine: drafted and plain rows of different sampling settings side by side
+    requests = [(prompt, params) for params in cases for prompt in prompts]
+    accepted = spec_engine.stats()["spec_decode_num_accepted_tokens"]
+    ours, theirs = (engine.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)
+                    for engine in (spec_engine, smol_engine))
+    for (prompt, params), a, b in zip(requests, ours, theirs):
+        assert [(o.token_ids, o.text, o.finish_reason) for o in a.outputs] == \
+               [(o.token_ids, o.text, o.finish_reason) for o in b.outputs]
+        if params.logprobs:
+            for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert x.keys() == y.keys()
+                assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+        if prompt is prompts[0] and params.stop:
+            assert b.outputs[0].finish_reason == "stop"  # the copy reached the stop string
+        if prompt is prompts[0] and params.min_tokens:
+            assert len(b.outputs[0].token_ids) == last + 1
+    assert spec_engine.stats()["spec_decode_num_accepted_tokens"] > accepted  # drafts were kept in this batch
 
 
 def test_logits_match_transformers_on_a_2x2_mesh(tiny_checkpoint):
