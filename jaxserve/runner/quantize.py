@@ -22,7 +22,7 @@ def quantize_int8(w, contract: tuple[int, ...]):
     if xp is np and w.ndim > len(contract) + 1 and 0 not in contract:
         inner = tuple(a - 1 for a in contract)
         parts = [quantize_int8(w[i], inner) for i in range(w.shape[0])]
-        return xp.stack([p[0] for p in parts]), xp.stack([p[1] for p in parts])
+        return np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts])
     w32 = w.astype(np.float32, copy=False) if xp is np else w.astype(np.float32)
     amax = xp.abs(w32).max(axis=contract)
     scale = xp.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)  # zero channels: padding

@@ -87,8 +87,8 @@ def _random_on_devices(cfg: ModelConfig, tensors: RandomWeights, dtype, mesh: Me
             parts = _prepared(cfg, path, array, flat, layout)
             return {p: tuple(a[i] for i in range(a.shape[0])) if split else a for p, a in parts.items()}
 
-        shardings = {p: _sharding(_logical(flat, p), mesh, len(shape) if split else None)
-                     for p, shape in jax.eval_shape(make).items()}
+        shardings = {p: _sharding(_logical(flat, p), mesh, flat[p].shape[0] if split else None)
+                     for p in _part_paths(path, flat)}
         for part_path, part in jax.jit(make, out_shardings=shardings)().items():
             placed[part_path] = flat[part_path].replace(part)
     return placed
@@ -109,12 +109,16 @@ def _prepared(cfg: ModelConfig, path, array, flat: dict, layout: ParallelLayout)
     float32 scales, {path: values, path_scale: scales}. Numpy in, numpy out; jax in, jax out."""
     logical = _logical(flat, path)
     array = pad_weight(array, logical, layout, cfg.num_kv_heads)
-    scale_path = path[:-1] + (path[-1] + "_scale",)
-    if scale_path not in flat:
+    if len(paths := _part_paths(path, flat)) == 1:
         return {path: array}
-    contract = tuple(i for i, name in enumerate(logical) if name not in _logical(flat, scale_path))
-    values, scale = quantize_int8(array, contract)
-    return {path: values, scale_path: scale}
+    contract = tuple(i for i, name in enumerate(logical) if name not in _logical(flat, paths[1]))
+    return dict(zip(paths, quantize_int8(array, contract)))
+
+
+def _part_paths(path, flat: dict) -> tuple:
+    """The parameters the checkpoint weight at `path` becomes: itself, or its int8 values and their scales."""
+    scale_path = path[:-1] + (path[-1] + "_scale",)
+    return (path, scale_path) if scale_path in flat else (path,)
 
 
 def _sharding(logical: tuple[str, ...], mesh: Mesh, num_layers: int | None):
