@@ -126,14 +126,14 @@ def fake_engine_module(monkeypatch, smol_tokenizer):
 
 
 # Session fixtures too costly to build once per xdist worker: every test using one runs on the same worker
-# (`--dist loadgroup`, pyproject's addopts), so the run builds it once. The real server's start-up (loading, the
-# warm-up compiles) is the largest.
-ONE_WORKER_FIXTURES = ("real_server",)
+# (`--dist loadgroup`, pyproject's addopts), so the run builds each once. The real server's start-up (loading, the
+# warm-up compiles) is the largest; the shared engine's tests run together there too, so that the worker switches
+# XLA's optimisations (../conftest.py) around them once, not at every file (a switch drops its programs).
+ONE_WORKER_FIXTURES = ("real_server", "smol_engine")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
 def pytest_collection_modifyitems(items):
     for item in items:
-        shared = [name for name in ONE_WORKER_FIXTURES if name in getattr(item, "fixturenames", ())]
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(shared[0]))
+        if any(name in ONE_WORKER_FIXTURES for name in getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("real_model"))

@@ -5,11 +5,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import INTERPRETED_KERNEL_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.xla_optimised  # interpreted kernels run 1.8x slower unoptimised
 def test_bench_kernels_tiny_runs(tmp_path):
     out = tmp_path / "BENCH.md"
     out.write_text("# Benchmarks\n")

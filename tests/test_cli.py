@@ -228,6 +228,7 @@ def key_required(app, key: str) -> bool:
 
 
 # --- with the real default model (a few seconds each: loading, first compile) -------------------------------
+@pytest.mark.xla_optimised  # the real model
 def test_generate_with_the_default_model():
     result = run_cli("generate", "--prompt", "What is 2+2?", "--chat", "--max-tokens", "6", "--max-model-len", "256",
                      "--num-kv-blocks", "32", "--log-level", "warning")

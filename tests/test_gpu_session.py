@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).parents[1]
 
 
+@pytest.mark.xla_optimised  # its benchmarks run many steps
 def test_gpu_session_all_dry_run(tmp_path):
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_session.sh"), "all"], capture_output=True, text=True,
                           timeout=900, env={**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path)})

@@ -5,11 +5,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import INTERPRETED_KERNEL_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.xla_optimised  # interpreted kernels run 1.8x slower unoptimised
 def test_tune_decode_kernel_tiny_runs(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "XLA_FLAGS": INTERPRETED_KERNEL_XLA_FLAGS}
     best = tmp_path / "best.txt"

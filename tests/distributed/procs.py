@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.helpers import FAST_COMPILE_XLA_FLAGS
 from tests.server.helpers import wait_for_health
 
 # Small buckets and no warm-up: the programs a test needs compile on first use, the same on every process.
@@ -49,7 +50,9 @@ class Processes:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, argv: list[str], devices: int = 4, env: dict | None = None) -> subprocess.Popen:
-        environment = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        # This many fake devices, compiled as the test process compiles (the same programs, the same roundings).
+        xla_flags = f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE_XLA_FLAGS}"
+        environment = {**os.environ, "XLA_FLAGS": xla_flags,
                        "JAX_PLATFORMS": "cpu", **(env or {})}
         log = open(self.directory / f"{name}.log", "w")  # noqa: SIM115 (the child writes it; closed below)
         # A session of its own: a signal meant for one child never reaches pytest or its siblings.

@@ -77,6 +77,7 @@ def test_a_context_longer_than_the_cache_is_lowered_or_refused(tiny, caplog):
         Engine(tiny, max_model_len=2048, num_kv_blocks=9, warmup=False)
 
 
+@pytest.mark.xla_optimised  # runs 120 requests: 1.4x slower unoptimised
 def test_no_compiles_after_warmup_for_120_random_requests(tiny, caplog):
     with caplog.at_level(logging.INFO, logger="jaxserve"):
         # Few buckets (each a compile, and compiles are this test's whole cost): T in 1, 4, 16, 32, 64; B in 1, 4.
@@ -104,6 +105,7 @@ def test_no_compiles_after_warmup_for_120_random_requests(tiny, caplog):
     assert engine.stats()["free_blocks"] == engine.stats()["total_blocks"]
 
 
+@pytest.mark.xla_optimised  # fills a default-sized cache
 def test_kv_capacity_defaults_from_memory(tiny):
     engine = Engine(tiny, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, warmup=False)
     stats = engine.stats()
