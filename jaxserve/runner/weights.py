@@ -8,7 +8,8 @@ quantized on the host as they are read (runner/quantize.py), so only int8 values
 A dummy load (`load_format="dummy"`) reads nothing: each weight's random HF tensors are drawn and stacked
 (loader/random_weights.py), then padded and quantized by the same functions as a checkpoint's, inside one jitted
 program whose outputs carry the weight's sharding, so each device computes only its own slice and the host holds
-none of it.
+none of it. On a CPU, whose devices are host memory, the tensors are drawn on the host and placed like a
+checkpoint's instead: a program per weight costs more compile time there (~0.5 s each) than it saves.
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ def _flat_abstract(cfg: ModelConfig, dtype, quantization: str | None = None):
 
 
 def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, layout: ParallelLayout | None = None,
-                 quantization: str | None = None, per_layer: bool = False):
+                 quantization: str | None = None, per_layer: bool = False, dummy_on_devices: bool | None = None):
     """-> (graphdef, params) of the model under `layout`'s effective config (default: no padding, one stage);
     with `quantization="int8"`, every matmul weight is quantized on the host as it is read (a dummy load's on
     the devices). `per_layer`: each
     layer weight is placed as a tuple of per-layer arrays (runner/layer_loop.py), split on the host so the device
-    never holds a stacked copy beside them (except a `jaxserve convert` checkpoint's, restored stacked)."""
+    never holds a stacked copy beside them (except a `jaxserve convert` checkpoint's, restored stacked).
+    `dummy_on_devices`: where a dummy load draws its tensors (None: on the devices unless they are CPUs)."""
     layout = layout or plan_layout(cfg, 1, 1)
     if hasattr(tensors, "restore"):  # a `jaxserve convert` checkpoint: stored padded, each process reads its shards
         if cfg.lora_slots:
@@ -54,7 +56,9 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
     _, real = _flat_abstract(cfg, dtype)  # checkpoint shapes, checked before padding
     graphdef, flat = _flat_abstract(layout.effective_config(cfg), dtype, quantization)
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
-    if isinstance(tensors, RandomWeights):
+    if dummy_on_devices is None:
+        dummy_on_devices = mesh.devices.flat[0].platform != "cpu"
+    if isinstance(tensors, RandomWeights) and dummy_on_devices:
         placed = _random_on_devices(cfg, tensors, np_dtype, mesh, layout, flat, real, per_layer)
     else:
         placed = {}

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from jaxserve import Engine, SamplingParams
+from jaxserve.loader.checkpoint import open_checkpoint
 from jaxserve.loader.hf_config import model_config_from_hf
 from jaxserve.loader.random_weights import RandomWeights
 from jaxserve.parallel.layout import plan_layout
@@ -51,47 +52,60 @@ def dummy_engine(path, mesh=None):
                   max_num_seqs=4, warmup=False)
 
 
+def flat_params(cfg, tensors, mesh, layout, quantization=None, per_layer=False, on_devices=None) -> dict:
+    params = load_weights(cfg, tensors, np.float32, mesh, layout, quantization, per_layer, on_devices)[1]
+    return dict(nnx.to_flat_state(params))
+
+
 # Every tensor name and layout the dummy loader makes: an untied LM head and odd sizes, biases, Mixtral's and Qwen3's
 # experts (with q/k norms), Gemma 3's extra norms stored as w for 1 + w. (SmolLM3's and Qwen3's dense layers add no
 # tensor name these lack.)
 @pytest.mark.parametrize("name", ["llama-odd-sizes", "qwen2-bias", "mixtral", "qwen3-moe", "gemma3-mixed-windows"])
-def test_dummy_weights_are_the_named_tensors_transformers_would_load(name, tiny_checkpoint, tmp_path):
+def test_dummy_weights_are_the_named_tensors_the_checkpoint_holds(name, tiny_checkpoint, tmp_path):
+    """Each weight the dummy loader makes equals the one loaded from the checkpoint transformers wrote with every
+    tensor replaced by the dummy tensor of its name: the names, shapes and layouts are a real checkpoint's. (That
+    loading a checkpoint gives transformers' logits is tests/models/test_parity.py's; the test below runs dummy
+    weights against transformers end to end.)"""
     arch, overrides = MODELS[name]
+    replaced = open_checkpoint(str(random_weights_copy(tiny_checkpoint(arch, **overrides), tmp_path / "random")))
+    cfg, mesh = replaced.config, make_mesh(1, 1)
+    layout = plan_layout(cfg, 1, 1)
+    dummy, read = (flat_params(cfg, source, mesh, layout) for source in (RandomWeights(cfg), replaced.tensors))
+    assert dummy.keys() == read.keys()
+    for path, var in dummy.items():
+        for a, b in zip(jax.tree.leaves(var.get_value()), jax.tree.leaves(read[path].get_value()), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+
+
+def test_dummy_weights_give_transformers_logits_and_the_same_tokens_on_every_mesh(tiny_checkpoint, tmp_path):
+    """Dummy weights end to end: one device against transformers on the replaced checkpoint, then a second load, on
+    4x2 (heads and vocab padded), generates the same tokens: the same weights on every mesh and every load."""
+    arch, overrides = MODELS["llama-odd-sizes"]
     path = tiny_checkpoint(arch, **overrides)
+    config_only = config_only_copy(path, tmp_path / "config-only")
     reference = AutoModelForCausalLM.from_pretrained(random_weights_copy(path, tmp_path / "random"),
                                                      dtype=torch.float32, attn_implementation="eager").eval()
-    check_parity(dummy_engine(config_only_copy(path, tmp_path / "config-only")), reference, PROMPTS[:2])
-
-
-def test_dummy_weights_are_the_same_on_every_mesh_and_every_load(tiny_checkpoint, tmp_path):
-    arch, overrides = MODELS["llama-odd-sizes"]  # heads and vocab padded on 4x2
-    path = config_only_copy(tiny_checkpoint(arch, **overrides), tmp_path / "config-only")
+    one_device = dummy_engine(config_only)
+    check_parity(one_device, reference, PROMPTS[:2])
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    tokens = [[o.outputs[0].token_ids for o in dummy_engine(path, mesh).generate(PROMPTS, params, use_tqdm=False)]
-              for mesh in (None, None, "4x2")]
-    assert tokens[0] == tokens[1] == tokens[2]
+    tokens = [[o.outputs[0].token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False)]
+              for engine in (one_device, dummy_engine(config_only, "4x2"))]
+    assert tokens[0] == tokens[1]
     assert len({tuple(t) for t in tokens[0]}) > 1  # not one degenerate token stream for every prompt
 
 
-class OnTheHost:
-    """The dummy tensors read one by one on the host, as any checkpoint's are."""
-
-    def __init__(self, source):
-        self.names, self.get = source.names, source.get
-
-
+@pytest.mark.xla_optimised  # as users compile it: unoptimised, the vmapped draw rounds apart from the host's
 @pytest.mark.parametrize("name, tp, pp, quantization, per_layer", [("llama-odd-sizes", 4, 2, None, True),
                                                                    ("mixtral", 2, 1, "int8", False)])
 def test_weights_made_on_the_devices_are_the_host_path_s(name, tp, pp, quantization, per_layer, tiny_checkpoint):
-    """The dummy load makes, pads, quantizes and splits each weight on the mesh's devices (runner/weights.py): every
-    array equals the host path's from the same named tensors, padding (heads, vocab, layers on 4x2), stacked
+    """The dummy load makes, pads, quantizes and splits each weight on the mesh's devices (runner/weights.py; what
+    a GPU or TPU runs, the CPU draws on the host): every array equals the host path's from the same named tensors, padding (heads, vocab, layers on 4x2), stacked
     experts and int8 values included."""
     arch, overrides = MODELS[name]
     cfg = model_config_from_hf(json.loads((tiny_checkpoint(arch, **overrides) / "config.json").read_text()))
     mesh, layout = make_mesh(tp, pp), plan_layout(cfg, tp, pp)
-    loads = [load_weights(cfg, source, np.float32, mesh, layout, quantization, per_layer)[1]
-             for source in (RandomWeights(cfg), OnTheHost(RandomWeights(cfg)))]
-    on_devices, on_host = (dict(nnx.to_flat_state(params)) for params in loads)
+    on_devices, on_host = (flat_params(cfg, RandomWeights(cfg), mesh, layout, quantization, per_layer, where)
+                           for where in (True, False))
     assert on_devices.keys() == on_host.keys() and ("layers", "wq") in on_devices
     for path, var in on_devices.items():
         made, read = jax.tree.leaves(var.get_value()), jax.tree.leaves(on_host[path].get_value())
