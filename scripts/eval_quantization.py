@@ -4,18 +4,20 @@ against the float model, on the same weights (default: SmolLM2, float32 on CPU).
 
     python scripts/eval_quantization.py [--model PATH] [--quantization int8|w8a8|none] [--kv-cache-dtype fp8]
                                         [--max-tokens 64] [--append BENCHMARKS.md]
+    python scripts/eval_quantization.py --variant int8 --variant none,fp8   # several, one float reference
 
 Three measures, each side by side:
 - perplexity of a fixed English text (teacher-forced, from prompt logprobs);
 - next-token agreement: how often the two models' most likely next token is the same, over that text;
 - greedy continuations of a few prompts: how many tokens match before the first difference.
-The last line is the perplexity ratio quantized / float, e.g. "perplexity ratio int8/float: 1.0050" (the
+Each variant ends with its perplexity ratio quantized / float, e.g. "perplexity ratio int8/float: 1.0050" (the
 quantized side named by what it changes: "int8", "fp8 KV cache", "int8 + fp8 KV cache").
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 
@@ -34,6 +36,8 @@ TEXT = (
     "Leave it to rise in a warm place for an hour or two, shape it into a loaf, let it rise again, and bake it "
     "in a hot oven until the crust is brown and the loaf sounds hollow when tapped underneath."
 )
+QUANTIZATIONS = ("int8", "w8a8", "none")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16")
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "The three primary colors are"]
 
 
@@ -71,59 +75,79 @@ def variant_name(quantization: str | None, kv_cache_dtype: str) -> str:
     return " + ".join(parts) or "float"
 
 
-def evaluate(model: str, max_tokens: int, quantization: str | None = "int8", kv_cache_dtype: str = "auto") -> dict:
-    import math
-
+def engine(model: str, quantization: str | None, kv_cache_dtype: str):
     from jaxserve import Engine
 
-    def engine(quantization, kv_cache_dtype):
-        return Engine(model, quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_model_len=512,
-                      num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=512, warmup=False)
+    return Engine(model, quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_model_len=512,
+                  num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=512, warmup=False)
 
-    results = {}
-    for name, options in (("float", (None, "auto")), ("variant", (quantization, kv_cache_dtype))):
-        e = engine(*options)
-        ids = e.tokenizer(TEXT)["input_ids"]
-        results[name] = (teacher_forced(e, [ids])[0], greedy(e, PROMPTS, max_tokens))
-        del e
-    (ref_tf, ref_greedy), (q_tf, q_greedy) = results["float"], results["variant"]
-    ppl = {name: math.exp(-sum(lp for lp, _ in tf) / len(tf)) for name, (tf, _) in results.items()}
+
+def measure(model: str, max_tokens: int, quantization: str | None, kv_cache_dtype: str):
+    """-> (teacher-forced results over TEXT, greedy continuations of PROMPTS) of one engine, built and dropped."""
+    e = engine(model, quantization, kv_cache_dtype)
+    return teacher_forced(e, [e.tokenizer(TEXT)["input_ids"]])[0], greedy(e, PROMPTS, max_tokens)
+
+
+def perplexity(teacher_forced_results) -> float:
+    return math.exp(-sum(lp for lp, _ in teacher_forced_results) / len(teacher_forced_results))
+
+
+def compare(reference, measured, max_tokens: int) -> dict:
+    (ref_tf, ref_greedy), (q_tf, q_greedy) = reference, measured
     agree = sum(a[1] == b[1] for a, b in zip(ref_tf, q_tf)) / len(ref_tf)
     prefixes = [common_prefix(a, b) for a, b in zip(ref_greedy, q_greedy)]
-    return dict(ppl_float=ppl["float"], ppl_variant=ppl["variant"], top1_agreement=agree, positions=len(ref_tf),
-                greedy_prefixes=prefixes, max_tokens=max_tokens)
+    return dict(ppl_float=perplexity(ref_tf), ppl_variant=perplexity(q_tf), top1_agreement=agree,
+                positions=len(ref_tf), greedy_prefixes=prefixes, max_tokens=max_tokens)
+
+
+def parse_variant(text: str) -> tuple[str, str]:
+    """"int8" -> ("int8", "auto"); "none,fp8" -> ("none", "fp8")."""
+    quantization, _, kv_cache_dtype = text.partition(",")
+    if quantization not in QUANTIZATIONS or (kv_cache_dtype or "auto") not in KV_CACHE_DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r}: a variant is QUANTIZATION[,KV_CACHE_DTYPE] with QUANTIZATION in "
+                                         f"{', '.join(QUANTIZATIONS)} and KV_CACHE_DTYPE in {', '.join(KV_CACHE_DTYPES)}")
+    return quantization, kv_cache_dtype or "auto"
+
+
+def report(r: dict, quantization_flag: str, kv_cache_dtype: str, append: str | None) -> None:
+    quantization = None if quantization_flag == "none" else quantization_flag
+    q = variant_name(quantization, kv_cache_dtype)
+    ratio = r["ppl_variant"] / r["ppl_float"]
+    prefixes = "/".join(map(str, r["greedy_prefixes"]))
+    print(f"perplexity: float {r['ppl_float']:.3f}, {q} {r['ppl_variant']:.3f} ({r['positions']} tokens)   "
+          f"next-token agreement {100 * r['top1_agreement']:.1f}%   "
+          f"greedy tokens equal before the first difference: {prefixes} of {r['max_tokens']}")
+    if append:
+        append_row(append, f"{platform.node() or 'cpu'} ({os.cpu_count()} cores)",
+                   f"scripts/eval_quantization.py --max-tokens {r['max_tokens']}"
+                   + ("" if quantization_flag == "int8" else f" --quantization {quantization_flag}")
+                   + ("" if kv_cache_dtype == "auto" else f" --kv-cache-dtype {kv_cache_dtype}"),
+                   f"{r['ppl_float']:.3f}",
+                   f"{r['ppl_variant']:.3f} ({q}, {100 * (ratio - 1):+.1f}%)", f"{100 * r['top1_agreement']:.1f}%",
+                   f"{prefixes} of {r['max_tokens']}")
+    print(f"perplexity ratio {q}/float: {ratio:.4f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model to evaluate (default: the built-in SmolLM2 GGUF)")
     ap.add_argument("--max-tokens", type=int, default=64, help="length of each greedy continuation")
-    ap.add_argument("--quantization", choices=("int8", "w8a8", "none"), default="int8",
+    ap.add_argument("--quantization", choices=QUANTIZATIONS, default="int8",
                     help="the weights' quantization to compare with float (none: float weights)")
-    ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16"), default="auto",
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                     help="the KV cache's dtype on the compared side (auto: the model's)")
-    ap.add_argument("--append", metavar="BENCHMARKS.md", help="append a result row to this file")
+    ap.add_argument("--variant", action="append", type=parse_variant, metavar="QUANTIZATION[,KV_CACHE_DTYPE]",
+                    help="a variant to compare (repeatable; replaces --quantization and --kv-cache-dtype): every "
+                         "one against the same float run, measured once")
+    ap.add_argument("--append", metavar="BENCHMARKS.md", help="append a result row per variant to this file")
     args = ap.parse_args()
     from jaxserve.loader.default_model import default_model_path
 
     model = args.model or str(default_model_path())
-    quantization = None if args.quantization == "none" else args.quantization
-    r = evaluate(model, args.max_tokens, quantization, args.kv_cache_dtype)
-    q = variant_name(quantization, args.kv_cache_dtype)
-    ratio = r["ppl_variant"] / r["ppl_float"]
-    prefixes = "/".join(map(str, r["greedy_prefixes"]))
-    print(f"perplexity: float {r['ppl_float']:.3f}, {q} {r['ppl_variant']:.3f} ({r['positions']} tokens)   "
-          f"next-token agreement {100 * r['top1_agreement']:.1f}%   "
-          f"greedy tokens equal before the first difference: {prefixes} of {r['max_tokens']}")
-    if args.append:
-        append_row(args.append, f"{platform.node() or 'cpu'} ({os.cpu_count()} cores)",
-                   f"scripts/eval_quantization.py --max-tokens {args.max_tokens}"
-                   + ("" if args.quantization == "int8" else f" --quantization {args.quantization}")
-                   + ("" if args.kv_cache_dtype == "auto" else f" --kv-cache-dtype {args.kv_cache_dtype}"),
-                   f"{r['ppl_float']:.3f}",
-                   f"{r['ppl_variant']:.3f} ({q}, {100 * (ratio - 1):+.1f}%)", f"{100 * r['top1_agreement']:.1f}%",
-                   f"{prefixes} of {r['max_tokens']}")
-    print(f"perplexity ratio {q}/float: {ratio:.4f}")
+    reference = measure(model, args.max_tokens, None, "auto")
+    for quantization, kv_cache_dtype in args.variant or [(args.quantization, args.kv_cache_dtype)]:
+        measured = measure(model, args.max_tokens, None if quantization == "none" else quantization, kv_cache_dtype)
+        report(compare(reference, measured, args.max_tokens), quantization, kv_cache_dtype, args.append)
 
 
 if __name__ == "__main__":
