@@ -16,7 +16,7 @@ SCRIPT = Path(__file__).parents[1] / "scripts" / "eval_quantization.py"
 def test_int8_weights_and_an_fp8_kv_cache_stay_close_to_float(smollm2_gguf_path, tmp_path):
     """Both variants in one run, against one float run (the script measures the reference once)."""
     table = tmp_path / "BENCHMARKS.md"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--max-tokens", "16", "--variant", "int8", "--variant",
+    done = subprocess.run([sys.executable, str(SCRIPT), "--max-tokens", "8", "--variant", "int8", "--variant",
                            "none,fp8", "--append", str(table)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     int8_summary, int8_last, fp8_summary, fp8_last = done.stdout.strip().splitlines()[-4:]
@@ -32,8 +32,8 @@ def test_int8_weights_and_an_fp8_kv_cache_stay_close_to_float(smollm2_gguf_path,
     assert agreement >= 93.0, fp8_summary
 
     rows = table.read_text()
-    assert "`scripts/eval_quantization.py --max-tokens 16`" in rows
-    assert "`scripts/eval_quantization.py --max-tokens 16 --quantization none --kv-cache-dtype fp8`" in rows
+    assert "`scripts/eval_quantization.py --max-tokens 8`" in rows
+    assert "`scripts/eval_quantization.py --max-tokens 8 --quantization none --kv-cache-dtype fp8`" in rows
 
 
 def test_a_malformed_variant_is_named():
