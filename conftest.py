@@ -13,7 +13,8 @@ import pytest
 # faster (the kernel tests, a third). The real model (135M parameters) runs twice as slow unoptimised, so a test that
 # uses one of these fixtures, or is marked `xla_optimised`, compiles optimised. Set per test before any of its
 # fixtures (a session server started for it keeps the setting), in jax and in the environment the processes a test
-# starts inherit (on the CPU only). A compile option: part of the persistent compilation cache's key, never mixed up there.
+# starts inherit (on the CPU only). A compile option: part of the persistent compilation cache's key, never mixed up
+# there.
 REAL_MODEL_FIXTURES = ("smollm2_gguf_path", "smol_engine", "real_server", "hf_smollm2")
 
 

@@ -104,8 +104,9 @@ def parse_variant(text: str) -> tuple[str, str]:
     """"int8" -> ("int8", "auto"); "none,fp8" -> ("none", "fp8")."""
     quantization, _, kv_cache_dtype = text.partition(",")
     if quantization not in QUANTIZATIONS or (kv_cache_dtype or "auto") not in KV_CACHE_DTYPES:
-        raise argparse.ArgumentTypeError(f"{text!r}: a variant is QUANTIZATION[,KV_CACHE_DTYPE] with QUANTIZATION in "
-                                         f"{', '.join(QUANTIZATIONS)} and KV_CACHE_DTYPE in {', '.join(KV_CACHE_DTYPES)}")
+        raise argparse.ArgumentTypeError(f"{text!r}: a variant is QUANTIZATION[,KV_CACHE_DTYPE] with QUANTIZATION "
+                                         f"in {', '.join(QUANTIZATIONS)} and KV_CACHE_DTYPE in "
+                                         f"{', '.join(KV_CACHE_DTYPES)}")
     return quantization, kv_cache_dtype or "auto"
 
 

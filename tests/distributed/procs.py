@@ -52,8 +52,7 @@ class Processes:
     def start(self, name: str, argv: list[str], devices: int = 4, env: dict | None = None) -> subprocess.Popen:
         # This many fake devices, compiled as the test process compiles (the same programs, the same roundings).
         xla_flags = f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE_XLA_FLAGS}"
-        environment = {**os.environ, "XLA_FLAGS": xla_flags,
-                       "JAX_PLATFORMS": "cpu", **(env or {})}
+        environment = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu", **(env or {})}
         log = open(self.directory / f"{name}.log", "w")  # noqa: SIM115 (the child writes it; closed below)
         # A session of its own: a signal meant for one child never reaches pytest or its siblings.
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "jaxserve.cli.main", *argv], stdout=log,

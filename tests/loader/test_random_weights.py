@@ -94,7 +94,8 @@ def test_dummy_weights_give_transformers_logits_and_the_same_tokens_on_every_mes
     assert len({tuple(t) for t in tokens[0]}) > 1  # not one degenerate token stream for every prompt
 
 
-@pytest.mark.xla_optimised  # as users compile it: unoptimised, the vmapped draw rounds apart from the host's
+# As users compile it: unoptimised, the vmapped draw rounds apart from the host's.
+@pytest.mark.xla_optimised
 @pytest.mark.parametrize("name, tp, pp, quantization, per_layer", [("llama-odd-sizes", 4, 2, None, True),
                                                                    ("mixtral", 2, 1, "int8", False)])
 def test_weights_made_on_the_devices_are_the_host_path_s(name, tp, pp, quantization, per_layer, tiny_checkpoint):
