@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.models.layers import soft_cap
-from jaxserve.runner.kv_cache import KVCache, to_cache_dtype
+from jaxserve.runner.kv_cache import KVCache, cache_values, to_cache_dtype
 
 
 @jax.tree_util.register_dataclass
@@ -44,14 +44,17 @@ def layer_window(windows: tuple[int | None, ...], kind: int | jax.Array | None):
     return jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)[kind]
 
 
-def write_kv(kv: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVCache:
-    """Scatter this step's K/V [T, K, d] into their pages of `layer`, in place on the donated cache."""
+def write_kv(kv: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
+             values_dtype=None) -> KVCache:
+    """Scatter this step's K/V [T, K, d] into their pages of `layer`, in place on the donated cache, as values of
+    `values_dtype` (None: the cache's own dtype; a float8 cache may be held as bytes, kv_cache.storage_dtype)."""
     block_size = kv.block_size
+    values = values_dtype or kv.k.dtype
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     # Index arrays split by a slice: numpy puts their [T] dim first, so the update is [T, K, d], like k.
     return KVCache(
-        kv.k.at[layer, :, blocks, offsets].set(to_cache_dtype(k, kv.k.dtype)),
-        kv.v.at[layer, :, blocks, offsets].set(to_cache_dtype(v, kv.v.dtype)),
+        kv.k.at[layer, :, blocks, offsets].set(to_cache_dtype(k, values, kv.k.dtype)),
+        kv.v.at[layer, :, blocks, offsets].set(to_cache_dtype(v, values, kv.v.dtype)),
     )
 
 
@@ -64,13 +67,15 @@ def paged_attention_reference(
     scale: float,
     sliding_window: int | jax.Array | None = None,
     softcap: float | None = None,
+    values_dtype=None,
 ) -> jax.Array:
     T, H, d = q.shape
     K, _, bs, _ = k_pages.shape
     rows = meta.block_tables[meta.token_seq]  # [T, MB]
     S = rows.shape[1] * bs
-    k = k_pages[:, rows].reshape(K, T, S, d).astype(q.dtype)  # a float8 cache is read in the compute dtype
-    v = v_pages[:, rows].reshape(K, T, S, d).astype(q.dtype)
+    # A float8 cache is read in the compute dtype.
+    k = cache_values(k_pages[:, rows], values_dtype).reshape(K, T, S, d).astype(q.dtype)
+    v = cache_values(v_pages[:, rows], values_dtype).reshape(K, T, S, d).astype(q.dtype)
     qg = q.reshape(T, K, H // K, d)
     scores = soft_cap(jnp.einsum("TKGd,KTSd->TKGS", qg, k, preferred_element_type=jnp.float32) * scale, softcap)
     kv_pos = jnp.arange(S)[None, :]
@@ -84,10 +89,12 @@ def paged_attention_reference(
 
 
 def reference_attention_fn(q, k, v, kv: KVCache, layer, meta: AttentionMetadata, kind=None, *, scale,
-                           windows=(None,), softcap=None):
+                           windows=(None,), softcap=None, values_dtype=None):
     """Write this step's K/V, then attend over the pages: the signature every attention implementation shares.
-    `windows`: the sliding window of each attention kind; `kind`: this layer's (None when there is one kind)."""
-    kv = write_kv(kv, layer, k, v, meta.slot_mapping)
+    `windows`: the sliding window of each attention kind; `kind`: this layer's (None when there is one kind);
+    `values_dtype`: what a cache held as bytes holds (kv_cache.storage_dtype)."""
+    kv = write_kv(kv, layer, k, v, meta.slot_mapping, values_dtype)
     out = paged_attention_reference(q, kv.k[layer], kv.v[layer], meta, scale=scale,
-                                    sliding_window=layer_window(windows, kind), softcap=softcap)
+                                    sliding_window=layer_window(windows, kind), softcap=softcap,
+                                    values_dtype=values_dtype)
     return out, kv

@@ -19,7 +19,7 @@ from jaxserve.parallel.multihost import host_copy
 from jaxserve.parallel.pipeline import pipeline_layers
 from jaxserve.parallel.sharding import make_mesh, named_sharding
 from jaxserve.runner.attention_impl import cache_head_dim, make_attention_fn, resolve_attention_impl
-from jaxserve.runner.kv_cache import KV_LOGICAL_AXES, allocate_kv_cache, resolve_kv_cache_dtype
+from jaxserve.runner.kv_cache import KV_LOGICAL_AXES, allocate_kv_cache, resolve_kv_cache_dtype, storage_dtype
 from jaxserve.runner.layer_loop import resolve_layer_loop, unrolled_layers, unstack_layers
 from jaxserve.runner.plan import PlanShape, empty_inputs
 from jaxserve.runner.sampler import SamplerFlags
@@ -92,6 +92,7 @@ class ModelRunner:
         attention_impl = resolve_attention_impl(attention_impl, platform, self.cfg)  # once: "auto" decided here
         attention_fn = make_attention_fn(attention_impl, platform, self.cfg, self.mesh, self.kv_dtype)
         self.cache_head_dim = cache_head_dim(attention_impl, platform, self.cfg)
+        self.kv_storage_dtype = storage_dtype(self.kv_dtype, platform, xla_attention=attention_impl == "reference")
         if self.cache_head_dim != self.cfg.head_dim:
             log.info("head_dim %d runs zero-padded to %d in the attention kernels, and the KV cache stores %d "
                      "(%.0f%% more bytes per token; --attention-impl reference stores %d)", self.cfg.head_dim,
@@ -122,7 +123,7 @@ class ModelRunner:
 
     def allocate_cache(self, num_blocks: int) -> None:
         self.kv = None  # free the old cache first
-        self.kv = allocate_kv_cache(self.cfg, num_blocks, self.block_size, self.kv_dtype,
+        self.kv = allocate_kv_cache(self.cfg, num_blocks, self.block_size, self.kv_storage_dtype,
                                     named_sharding(self.mesh, KV_LOGICAL_AXES), head_dim=self.cache_head_dim)
 
     def set_token_feed(self, max_rows: int) -> None:

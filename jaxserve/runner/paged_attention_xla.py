@@ -12,13 +12,15 @@ import jax.numpy as jnp
 
 from jaxserve.models.layers import soft_cap
 from jaxserve.runner.attention import AttentionMetadata, layer_window, write_kv
-from jaxserve.runner.kv_cache import KVCache
+from jaxserve.runner.kv_cache import KVCache, cache_values
 
 
 def blockwise_paged_attention(q, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale: float,
-                              sliding_window: int | jax.Array | None = None, softcap: float | None = None) -> jax.Array:
+                              sliding_window: int | jax.Array | None = None, softcap: float | None = None,
+                              values_dtype=None) -> jax.Array:
     """Attention over `layer` of the whole cache [L, K, NB, bs, d]. The pages are gathered straight from the
-    whole cache: slicing the layer out first would copy that layer's every page, i.e. the whole cache per step."""
+    whole cache: slicing the layer out first would copy that layer's every page, i.e. the whole cache per step.
+    `values_dtype`: what a cache held as bytes holds (kv_cache.storage_dtype)."""
     T, H, d = q.shape
     _, K, _, bs, _ = k_cache.shape
     G = H // K
@@ -28,8 +30,8 @@ def blockwise_paged_attention(q, k_cache, v_cache, layer, meta: AttentionMetadat
 
     def body(j, carry):
         m, l, acc = carry  # running max [T,K,G], normaliser [T,K,G], output [T,K,G,d]
-        k = k_cache[layer, :, rows[:, j]].astype(jnp.float32)  # [T, K, bs, d]
-        v = v_cache[layer, :, rows[:, j]].astype(jnp.float32)
+        k = cache_values(k_cache[layer, :, rows[:, j]], values_dtype).astype(jnp.float32)  # [T, K, bs, d]
+        v = cache_values(v_cache[layer, :, rows[:, j]], values_dtype).astype(jnp.float32)
         s = soft_cap(jnp.einsum("TKGd,TKSd->TKGS", qg, k), softcap)
         kv_pos = j * bs + jnp.arange(bs)
         visible = kv_pos[None, :] <= meta.positions[:, None]
@@ -50,8 +52,9 @@ def blockwise_paged_attention(q, k_cache, v_cache, layer, meta: AttentionMetadat
 
 
 def blockwise_attention_fn(q, k, v, kv: KVCache, layer, meta: AttentionMetadata, kind=None, *, scale,
-                           windows=(None,), softcap=None):
-    kv = write_kv(kv, layer, k, v, meta.slot_mapping)
+                           windows=(None,), softcap=None, values_dtype=None):
+    kv = write_kv(kv, layer, k, v, meta.slot_mapping, values_dtype)
     out = blockwise_paged_attention(q, kv.k, kv.v, layer, meta, scale=scale,
-                                    sliding_window=layer_window(windows, kind), softcap=softcap)
+                                    sliding_window=layer_window(windows, kind), softcap=softcap,
+                                    values_dtype=values_dtype)
     return out, kv

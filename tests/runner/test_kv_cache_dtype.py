@@ -14,7 +14,7 @@ from jaxserve.parallel.sharding import make_mesh
 from jaxserve.runner import attention as attention_module
 from jaxserve.runner.attention import reference_attention_fn
 from jaxserve.runner.attention_impl import make_attention_fn
-from jaxserve.runner.kv_cache import KVCache, resolve_kv_cache_dtype, to_cache_dtype
+from jaxserve.runner.kv_cache import KVCache, cache_values, resolve_kv_cache_dtype, storage_dtype, to_cache_dtype
 from tests.models.test_parity import PROMPTS
 from tests.runner.test_attention_impl import CFG, decode_step, mixed_step
 
@@ -67,12 +67,27 @@ def test_attention_reads_a_float8_cache_as_the_values_it_holds(impl, decode_only
     q, k, v, kv, layer, meta = as_fp8(args)
     widened = KVCache(kv.k.astype(jnp.float32), kv.v.astype(jnp.float32))
     want_out, want_kv = jax.jit(lambda *a: reference_attention_fn(*a, scale=0.125))(q, k, v, widened, layer, meta)
-    fn = make_attention_fn(impl, "cpu", CFG, make_mesh(1, 1))
+    stored = storage_dtype(jnp.float8_e4m3fn, "cpu", xla_attention=impl == "reference")
+    assert stored == (jnp.uint8 if impl == "reference" else jnp.float8_e4m3fn)  # the engine's cache on a CPU
+    kv = KVCache(*(jax.lax.bitcast_convert_type(x, stored) for x in (kv.k, kv.v)))
+    fn = make_attention_fn(impl, "cpu", CFG, make_mesh(1, 1), jnp.float8_e4m3fn)
     out, new_kv = jax.jit(lambda *a: fn(*a, scale=0.125))(q, k, v, kv, layer, meta)
-    assert new_kv.k.dtype == jnp.float8_e4m3fn
+    assert new_kv.k.dtype == stored
     assert float(jnp.abs(out[:real] - want_out[:real]).max()) <= 1e-5
-    assert jnp.array_equal(new_kv.k.astype(jnp.float32), want_kv.k) and \
-        jnp.array_equal(new_kv.v.astype(jnp.float32), want_kv.v)
+    held = [cache_values(x, jnp.float8_e4m3fn).astype(jnp.float32) for x in (new_kv.k, new_kv.v)]
+    assert jnp.array_equal(held[0], want_kv.k) and jnp.array_equal(held[1], want_kv.v)
+
+
+def test_only_the_xla_attention_on_a_cpu_holds_float8_as_bytes():
+    """XLA:CPU's scatter into a float8 array converts the whole array (kv_cache.storage_dtype): there the cache
+    holds bytes. The kernels read float8 pages themselves, and other dtypes need nothing."""
+    assert storage_dtype(jnp.float8_e5m2, "cpu", xla_attention=True) == jnp.uint8
+    assert storage_dtype(jnp.float8_e4m3fn, "gpu", xla_attention=True) == jnp.float8_e4m3fn
+    assert storage_dtype(jnp.float8_e4m3fn, "cpu", xla_attention=False) == jnp.float8_e4m3fn
+    assert storage_dtype(jnp.bfloat16, "cpu", xla_attention=True) == jnp.bfloat16
+    e5m2 = jnp.asarray([1.5, -3.0, 57344.0], jnp.float8_e5m2)
+    as_bytes = to_cache_dtype(e5m2.astype(jnp.float32), jnp.float8_e5m2, jnp.uint8)
+    assert as_bytes.dtype == jnp.uint8 and cache_values(as_bytes, jnp.float8_e5m2).tolist() == e5m2.tolist()
 
 
 def greedy_logits(engine) -> list:
@@ -92,11 +107,12 @@ def test_an_fp8_engine_computes_with_the_rounded_cache(tiny_checkpoint, monkeypa
     path = str(tiny_checkpoint("llama", tie_word_embeddings=False))
     options = dict(num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
     fp8 = Engine(path, kv_cache_dtype="fp8", **options)
-    assert fp8.runner.kv.k.dtype == jnp.float8_e4m3fn and fp8.runner.kv.v.dtype == jnp.float8_e4m3fn
+    assert fp8.runner.kv_dtype == jnp.float8_e4m3fn
+    assert fp8.runner.kv.k.dtype == fp8.runner.kv.v.dtype == jnp.uint8  # its bytes, on a CPU
     got = greedy_logits(fp8)
     plain = greedy_logits(Engine(path, **options))
     rounded_store = attention_module.to_cache_dtype
-    monkeypatch.setattr(attention_module, "to_cache_dtype", lambda x, dtype: rounded_store(
+    monkeypatch.setattr(attention_module, "to_cache_dtype", lambda x, dtype, stored: rounded_store(
         x, jnp.float8_e4m3fn).astype(dtype))
     want = greedy_logits(Engine(path, **options))
     assert len(got) == len(want) == 3 * 5
