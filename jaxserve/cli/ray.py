@@ -64,7 +64,7 @@ def launch_followers(args: argparse.Namespace) -> RayFollowers:
         ).remote()
         actor.run.remote(_follower_argv(args.argv, coordinator, num, i))
         actors.append(actor)
-    log.info("started %d Ray follower actors; coordinator %s", num - 1, coordinator)
+    log.info("started %d Ray follower actor%s; coordinator %s", num - 1, "s" * (num > 2), coordinator)
     return RayFollowers(coordinator, num, actors, pg)
 
 

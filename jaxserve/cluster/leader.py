@@ -44,6 +44,6 @@ def lead(engine, cluster: Cluster):
     engine.adapters.before_write = lambda slot, factors: cluster.broadcast(
         wire.frame(wire.LORA, wire.encode_adapter(slot, factors)))
     cluster.serving = True
-    log.info("leading %d followers: %s", len(cluster.peers),
+    log.info("leading %d follower%s: %s", len(cluster.peers), "s" * (len(cluster.peers) > 1),
              ", ".join(p.describe() for p in cluster.peers.values()))
     return engine
