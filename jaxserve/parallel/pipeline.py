@@ -79,15 +79,17 @@ def _stage(run_stage_layers, num_stages: int, num_micro: int, weights, x, kv, me
     return jax.lax.psum(outs, PIPELINE_AXIS).reshape(T, D), kv, trace[None]
 
 
-def pipeline_layers(mesh: Mesh, scan_layers, with_trace: bool = False):
+def pipeline_layers(mesh: Mesh, stage_layers, with_trace: bool = False):
     """-> run_layers(layer_fn, weights, x, kv, meta) -> (x, kv) [, trace [pp, ticks]], the pipelined drop-in for
-    the model's `scan_layers` (which runs each stage's own layers)."""
+    the model's `scan_layers`. `stage_layers` runs a stage's own layers, with scan_layers' signature: the model's
+    scan over the stage's share of the stacked weights, or runner/layer_loop.unrolled_stage_layers over its
+    per-layer arrays (the leaves' `layers` axis splits over stages either way)."""
     num_stages = mesh.shape[PIPELINE_AXIS]
     stacked, whole = partition_spec(("layers",)), partition_spec(())
 
     def run(layer_fn, weights, x, kv, meta):
         num_micro = num_microbatches(x.shape[0], num_stages)
-        run_stage_layers = partial(scan_layers, layer_fn)
+        run_stage_layers = partial(stage_layers, layer_fn)
         body = partial(_stage, run_stage_layers, num_stages, num_micro)
         # check_vma=False: the stage body runs code written without stages in mind (attention loops start
         # from fresh carries), so whether each value varies over stages is not tracked; the specs say it.

@@ -11,7 +11,13 @@ batch-1 pass over the 32 layers' matmuls took 15.97 ms scanned and 7.32 ms unrol
 `unstack_layers` splits what arrives stacked) and runs the layers as a Python loop: every matmul reads its own
 buffer in place. The program grows with depth, so compiles take longer; "auto" unrolls on GPU only. CPU keeps
 the scan (compile time dominates there: tests and warm-up compile every bucket), as does TPU (not measured
-here), and a pipeline (pp > 1) always scans: its stages split the stacked axis.
+here).
+
+A pipeline (pp > 1) unrolls too. Its stages split the stacked `layers` axis, so per-layer arrays are grouped by
+slot instead: one array [pp, ...] per slot j of a stage, holding layer s * slots + j of each stage s and split
+over the pipeline axis like the stack. Inside a stage's program (parallel/pipeline.py) each such array is the
+stage's own layer j with a leading axis of one, which a reshape drops for free: every matmul still reads its
+weight in place, and the stages run the same code as one device.
 """
 
 from __future__ import annotations
@@ -29,23 +35,33 @@ from jaxserve.parallel.sharding import named_sharding
 log = logging.getLogger(__name__)
 
 
-def resolve_layer_loop(choice: str, platform: str, pp: int) -> str:
+def resolve_layer_loop(choice: str, platform: str) -> str:
     if choice not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, got {choice!r}")
-    if pp > 1:
-        if choice == "unrolled":
-            log.warning("layer_loop='unrolled' runs as a scan with pipeline parallelism (its stages split the "
-                        "stacked layers)")
-        return "scan"
     if choice == "auto":
         return "unrolled" if platform == "gpu" else "scan"
     return choice
 
 
-def unstack_layers(params):
+def split_layers(stacked, stages: int = 1) -> tuple:
+    """A stacked layer weight [L, ...] (numpy or jax) -> the unrolled loop's per-layer arrays: L arrays [...] on
+    one stage; over `stages` pipeline stages, one array [stages, ...] per slot (module docstring)."""
+    if stages == 1:
+        return tuple(stacked[i] for i in range(stacked.shape[0]))
+    grouped = stacked.reshape(stages, stacked.shape[0] // stages, *stacked.shape[1:])
+    return tuple(grouped[:, j] for j in range(grouped.shape[1]))
+
+
+def per_layer_logical(logical: tuple, stages: int = 1) -> tuple:
+    """The logical axes of `split_layers`' arrays: the stack's less `layers`, or with it when `layers` now
+    counts the stages (the pipeline axis splits it as it split the stack)."""
+    return logical[1:] if stages == 1 else logical
+
+
+def unstack_layers(params, stages: int = 1):
     """`params` with each layer weight still stacked [L, ...] (a `jaxserve convert` checkpoint's, restored so)
-    replaced by a tuple of L arrays [...], sharded by the weight's logical axes less `layers` (as loading places
-    them, runner/weights.py). LoRA adapter slots stay stacked: runner/lora_weights.py writes into them at run
+    replaced by its `split_layers` arrays, sharded by `per_layer_logical` (as loading places them,
+    runner/weights.py). LoRA adapter slots stay stacked: runner/lora_weights.py writes into them at run
     time. Each stacked array is freed as soon as it is split; `params` must not be used afterwards. The device
     holds one weight twice meanwhile, which the KV cache sizing counts (it reads the peak memory in use)."""
     flat = dict(nnx.to_flat_state(params))
@@ -53,8 +69,8 @@ def unstack_layers(params):
         if key[0] != "layers" or is_lora_path(key) or isinstance(var.get_value(), tuple):
             continue
         stacked = var[...]
-        sharding = named_sharding(stacked.sharding.mesh, var.get_metadata()["logical"][1:])  # less `layers`
-        split = jax.jit(lambda a: tuple(a[i] for i in range(a.shape[0])), out_shardings=sharding)
+        sharding = named_sharding(stacked.sharding.mesh, per_layer_logical(var.get_metadata()["logical"], stages))
+        split = jax.jit(lambda a: split_layers(a, stages), out_shardings=sharding)
         flat[key] = var.replace(split(stacked))
         stacked.delete()
     return nnx.from_flat_state(list(flat.items()))
@@ -75,3 +91,11 @@ def unrolled_layers(layer_fn, weights: dict, x: jax.Array, kv, meta, *, kinds: l
             layer_weights["attn_kind"] = kinds[i]
         x, kv = layer_fn((x, kv), layer_weights, jnp.int32(i), meta)
     return x, kv
+
+
+def unrolled_stage_layers(layer_fn, weights: dict, x: jax.Array, kv, meta):
+    """`unrolled_layers` inside a pipeline stage's program (parallel/pipeline.py), where each per-layer array is
+    this stage's share [1, ...] of a slot's [pp, ...] array: its one row is the stage's own layer. Layer kinds
+    stay traced (`attn_kind`, like the scan's): a slot's layers may differ from stage to stage."""
+    own = {name: tuple(a[0] for a in w) if isinstance(w, tuple) else w for name, w in weights.items()}
+    return unrolled_layers(layer_fn, own, x, kv, meta)

@@ -20,7 +20,7 @@ from jaxserve.parallel.pipeline import pipeline_layers
 from jaxserve.parallel.sharding import make_mesh, named_sharding
 from jaxserve.runner.attention_impl import cache_head_dim, make_attention_fn, resolve_attention_impl
 from jaxserve.runner.kv_cache import KV_LOGICAL_AXES, allocate_kv_cache, resolve_kv_cache_dtype, storage_dtype
-from jaxserve.runner.layer_loop import resolve_layer_loop, unrolled_layers, unstack_layers
+from jaxserve.runner.layer_loop import resolve_layer_loop, unrolled_layers, unrolled_stage_layers, unstack_layers
 from jaxserve.runner.plan import PlanShape, empty_inputs
 from jaxserve.runner.sampler import SamplerFlags
 from jaxserve.runner.step import StepFunctions, StepInputs, StepStatics
@@ -101,20 +101,23 @@ class ModelRunner:
         # The Pallas attention has a decode kernel for steps of one token per sequence. Pipeline micro-batches
         # split a step's tokens but not its sequences, which breaks the token i = row i pairing it needs.
         self.decode_kernel = attention_impl != "reference" and self.layout.pp == 1
-        self.layer_loop = resolve_layer_loop(layer_loop, platform, self.layout.pp)
+        self.layer_loop = resolve_layer_loop(layer_loop, platform)
         unrolled = self.layer_loop == "unrolled"
         self.graphdef, self.params = load_weights(cfg, tensors, self.dtype, self.mesh, self.layout,
                                                   quantization, per_layer=unrolled)
         if unrolled:
-            self.params = unstack_layers(self.params)
+            self.params = unstack_layers(self.params, self.layout.pp)
         self.kv = None
         self.deferred: set[tuple] = set()  # planned programs warm-up left to the first step that needs each
         self.deferred_compiles = 0
         attention = partial(attention_fn, scale=cfg.attention_scale or cfg.head_dim**-0.5,
                             windows=cfg.attention_windows, softcap=cfg.attn_logit_softcap)
-        run_layers = pipeline_layers(self.mesh, scan_layers) if self.layout.pp > 1 else \
-            partial(unrolled_layers, kinds=self.cfg.layer_kinds() if self.cfg.layers_differ else None) \
-            if self.layer_loop == "unrolled" else None
+        if self.layout.pp > 1:
+            run_layers = pipeline_layers(self.mesh, unrolled_stage_layers if unrolled else scan_layers)
+        elif unrolled:
+            run_layers = partial(unrolled_layers, kinds=self.cfg.layer_kinds() if self.cfg.layers_differ else None)
+        else:
+            run_layers = None  # the model's own scan
         self.fns = StepFunctions(self.graphdef, attention, run_layers, platform)
 
     @property

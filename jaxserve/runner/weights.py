@@ -27,6 +27,7 @@ from jaxserve.models.registry import abstract_model
 from jaxserve.parallel.layout import ParallelLayout, plan_layout
 from jaxserve.parallel.padding import pad_weight
 from jaxserve.parallel.sharding import named_sharding
+from jaxserve.runner.layer_loop import per_layer_logical, split_layers
 from jaxserve.runner.quantize import quantize_int8
 
 
@@ -40,8 +41,9 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
     """-> (graphdef, params) of the model under `layout`'s effective config (default: no padding, one stage);
     with `quantization="int8"`, every matmul weight is quantized on the host as it is read (a dummy load's on
     the devices). `per_layer`: each
-    layer weight is placed as a tuple of per-layer arrays (runner/layer_loop.py), split on the host so the device
-    never holds a stacked copy beside them (except a `jaxserve convert` checkpoint's, restored stacked).
+    layer weight is placed as a tuple of per-layer arrays (runner/layer_loop.split_layers, grouped by stage slot
+    when `layout` has several stages), split on the host so the device never holds a stacked copy beside them
+    (except a `jaxserve convert` checkpoint's, restored stacked).
     `dummy_on_devices`: where a dummy load draws its tensors (None: on the devices unless they are CPUs)."""
     layout = layout or plan_layout(cfg, 1, 1)
     if hasattr(tensors, "restore"):  # a `jaxserve convert` checkpoint: stored padded, each process reads its shards
@@ -58,13 +60,14 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     if dummy_on_devices is None:
         dummy_on_devices = mesh.devices.flat[0].platform != "cpu"
+    stages = layout.pp if per_layer else None  # how split_layers groups a layer weight's arrays, if at all
     if isinstance(tensors, RandomWeights) and dummy_on_devices:
-        placed = _random_on_devices(cfg, tensors, np_dtype, mesh, layout, flat, real, per_layer)
+        placed = _random_on_devices(cfg, tensors, np_dtype, mesh, layout, flat, real, stages)
     else:
         placed = {}
         for path, array in load_params(cfg, tensors, np_dtype):
             _check_shape(path, array, real)
-            split = per_layer and path[0] == "layers"
+            split = stages if path[0] == "layers" else None
             for part_path, part in _prepared(cfg, path, array, flat, layout).items():
                 placed[part_path] = flat[part_path].replace(_place(part, _logical(flat, part_path), mesh, split))
             del array, part
@@ -79,20 +82,19 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
 
 
 def _random_on_devices(cfg: ModelConfig, tensors: RandomWeights, dtype, mesh: Mesh, layout: ParallelLayout,
-                       flat: dict, real: dict, per_layer: bool) -> dict:
+                       flat: dict, real: dict, stages: int | None) -> dict:
     """A dummy load: each weight made by one jitted program straight into its sharding (module docstring)."""
     placed = {}
     for path, build in param_builders(cfg, tensors.generate, tensors.stack, dtype):
-        split = per_layer and path[0] == "layers"
+        split = stages if path[0] == "layers" else None
 
         def make(build=build, path=path, split=split):
             array = build()
             _check_shape(path, array, real)
             parts = _prepared(cfg, path, array, flat, layout)
-            return {p: tuple(a[i] for i in range(a.shape[0])) if split else a for p, a in parts.items()}
+            return {p: a if split is None else split_layers(a, split) for p, a in parts.items()}
 
-        shardings = {p: _sharding(_logical(flat, p), mesh, flat[p].shape[0] if split else None)
-                     for p in _part_paths(path, flat)}
+        shardings = {p: _sharding(_logical(flat, p), mesh, flat[p].shape[0], split) for p in _part_paths(path, flat)}
         for part_path, part in jax.jit(make, out_shardings=shardings)().items():
             placed[part_path] = flat[part_path].replace(part)
     return placed
@@ -125,16 +127,18 @@ def _part_paths(path, flat: dict) -> tuple:
     return (path, scale_path) if scale_path in flat else (path,)
 
 
-def _sharding(logical: tuple[str, ...], mesh: Mesh, num_layers: int | None):
-    """The output sharding of a weight made on the devices; a tuple of `num_layers` when it is placed per layer."""
-    if num_layers is None:
+def _sharding(logical: tuple[str, ...], mesh: Mesh, num_layers: int, stages: int | None):
+    """The output sharding of a weight made on the devices; one per `split_layers` array when it is split over
+    `stages` (None: kept stacked)."""
+    if stages is None:
         return named_sharding(mesh, logical)
-    return (named_sharding(mesh, logical[1:]),) * num_layers
+    return (named_sharding(mesh, per_layer_logical(logical, stages)),) * (num_layers // stages)
 
 
-def _place(array: np.ndarray, logical: tuple[str, ...], mesh: Mesh, per_layer: bool):
-    """The host array on the mesh; a stacked layer weight as one array per layer when `per_layer`."""
-    if not per_layer:
+def _place(array: np.ndarray, logical: tuple[str, ...], mesh: Mesh, stages: int | None):
+    """The host array on the mesh; a stacked layer weight as its `split_layers` arrays when split over `stages`
+    (None: kept stacked), each placed on its own."""
+    if stages is None:
         return jax.device_put(array, named_sharding(mesh, logical))
-    sharding = named_sharding(mesh, logical[1:])  # less the leading `layers` axis
-    return tuple(jax.device_put(layer, sharding) for layer in array)
+    sharding = named_sharding(mesh, per_layer_logical(logical, stages))
+    return tuple(jax.device_put(layer, sharding) for layer in split_layers(array, stages))

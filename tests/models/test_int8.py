@@ -77,10 +77,12 @@ def test_int8_logits_match_transformers_on_dequantized_weights(name, int8_case):
     check_parity(int8_engine(path), reference, PROMPTS)
 
 
-def test_int8_with_unrolled_layers_matches_too(int8_case):
-    """Unrolled (GPU's default): the int8 weights and their scales are both split per layer."""
+@pytest.mark.parametrize("mesh", [None, "2x2"])
+def test_int8_with_unrolled_layers_matches_too(mesh, int8_case):
+    """Unrolled (GPU's default): the int8 weights and their scales are both split per layer (per stage slot on
+    two pipeline stages)."""
     path, reference = int8_case("llama-odd-sizes")
-    engine = int8_engine(path, layer_loop="unrolled")
+    engine = int8_engine(path, mesh=mesh, layer_loop="unrolled")
     assert isinstance(engine.runner.params["layers"]["wq_scale"].get_value(), tuple)
     check_parity(engine, reference, PROMPTS)
 

@@ -1,5 +1,8 @@
 """The unrolled layer loop (runner/layer_loop.py, GPU's default): per-layer weight arrays give the same logits as
-transformers, on one device and tensor-parallel, and each array keeps its stacked weight's sharding."""
+transformers, on one device, tensor-parallel and inside pipeline stages, and each array keeps its stacked weight's
+sharding."""
+
+import re
 
 import jax
 import pytest
@@ -9,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from jaxserve import Engine
 from jaxserve.runner import paged_attention_xla
 from jaxserve.runner.layer_loop import resolve_layer_loop
+from jaxserve.runner.plan import empty_inputs
 from tests.models.test_parity import ARCHITECTURES, PROMPTS, check_parity
 
 
@@ -48,12 +52,52 @@ def test_unrolled_layers_keep_their_tensor_parallel_sharding(tiny_checkpoint):
     check_parity(engine, reference, PROMPTS)
 
 
+@pytest.mark.parametrize("name, mesh", [("llama-untied-llama3-rope", "1x2"), ("gemma2-softcap-mixed-windows", "2x2")])
+def test_unrolled_pipeline_stages_match_transformers(name, mesh, tiny_checkpoint):
+    """A stage runs its own layers unrolled: one array [pp, ...] per stage slot, split over the stages, each
+    stage's row its own layer (3 layers on 2 stages: the second stage's other slot is padding). Gemma 2's
+    kinds alternate, so a slot's kind differs between stages and stays traced."""
+    engine, reference = engine_and_reference(tiny_checkpoint, name, mesh=mesh)
+    runner, pp = engine.runner, engine.runner.layout.pp
+    assert runner.layer_loop == "unrolled" and pp == 2
+    for array in runner.params["layers"]["wq"].get_value():
+        assert array.shape[0] == pp and "pp" in jax.tree.leaves(tuple(array.sharding.spec))
+        assert {shard.data.shape[0] for shard in array.addressable_shards} == {1}
+    assert len(runner.params["layers"]["wq"].get_value()) == runner.cfg.num_layers // pp
+    check_parity(engine, reference, PROMPTS)
+
+
+def stage_program_text(engine) -> str:
+    runner = engine.runner
+    x = empty_inputs(16, 4, engine.plan_shape)
+    return runner.fns.forward.lower(runner.params, runner.kv, x.token_ids, x.meta, x.logits_indices,
+                                    runner.fed_tokens, x.token_source).compile().as_text()
+
+
+def test_unrolled_stages_slice_no_layer_out_of_a_stack(tiny_checkpoint):
+    """Scanned, a stage's program dynamic-slices each layer's weights out of its share of the stacks (what
+    XLA:GPU copies before every matmul); unrolled over per-slot arrays, no weight is sliced at run time."""
+    path = str(tiny_checkpoint("llama", tie_word_embeddings=False))
+    options = dict(mesh="1x2", num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=4, warmup=False)
+    scanned = Engine(path, layer_loop="scan", **options)
+    # One layer's slice of each stacked weight [L, ...] as the compiled HLO names its type: f32[1,...].
+    layer_types = {"f32[" + ",".join(map(str, (1, *var.get_value().shape[1:]))) + "]"
+                   for var in jax.tree.leaves(scanned.runner.params["layers"], is_leaf=lambda v: hasattr(v, "get_value"))}
+
+    def sliced(text: str) -> set[str]:
+        return {t for t in layer_types if re.search(re.escape(f"= {t}") + r"\{[\d,]*\} dynamic-slice\(", text)}
+
+    assert sliced(stage_program_text(scanned)) == layer_types  # the check sees every weight the scan slices
+    del scanned
+    assert not sliced(stage_program_text(Engine(path, layer_loop="unrolled", **options)))
+
+
 def test_layer_loop_choice():
-    assert resolve_layer_loop("auto", "gpu", pp=1) == "unrolled"
-    assert resolve_layer_loop("auto", "cpu", pp=1) == "scan"
-    assert resolve_layer_loop("unrolled", "cpu", pp=2) == "scan"  # pipeline stages split the stacked axis
+    assert resolve_layer_loop("auto", "gpu") == "unrolled"
+    assert resolve_layer_loop("auto", "cpu") == "scan"
+    assert resolve_layer_loop("unrolled", "cpu") == "unrolled"
     with pytest.raises(ValueError, match="layer_loop must be one of auto, scan, unrolled, got 'unroll'"):
-        resolve_layer_loop("unroll", "cpu", pp=1)
+        resolve_layer_loop("unroll", "cpu")
 
 
 
@@ -70,9 +114,11 @@ def test_per_layer_weights_are_placed_from_the_host(tiny_checkpoint, monkeypatch
     assert (cfg.num_layers, *per_layer) not in placed
 
 
-def test_stacked_weights_are_split_on_their_mesh(tiny_checkpoint):
+@pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2)])
+def test_stacked_weights_are_split_on_their_mesh(tp, pp, tiny_checkpoint):
     """What arrives stacked (a `jaxserve convert` checkpoint restores so) is split on the devices: the same values,
-    each layer's array with the stack's sharding less its `layers` axis, the stack freed."""
+    each array with the stack's sharding (less its `layers` axis on one stage; on several, one array per stage
+    slot, its rows the stages' layers), the stack freed."""
     import numpy as np
 
     from jaxserve.loader.checkpoint import open_checkpoint
@@ -81,14 +127,14 @@ def test_stacked_weights_are_split_on_their_mesh(tiny_checkpoint):
     from jaxserve.runner.layer_loop import unstack_layers
     from jaxserve.runner.weights import load_weights
 
-    ckpt = open_checkpoint(str(tiny_checkpoint("llama", tie_word_embeddings=True)))
-    layout = plan_layout(ckpt.config, 2, 1)
-    _, params = load_weights(ckpt.config, ckpt.tensors, "float32", make_mesh(2, 1), layout)
+    ckpt = open_checkpoint(str(tiny_checkpoint("llama", tie_word_embeddings=True, num_hidden_layers=4)))
+    layout = plan_layout(ckpt.config, tp, pp)
+    _, params = load_weights(ckpt.config, ckpt.tensors, "float32", make_mesh(tp, pp), layout)
     stacked = params["layers"]["w_down"].get_value()
-    want, spec = np.asarray(stacked), stacked.sharding.spec
-    split = unstack_layers(params)["layers"]["w_down"].get_value()
+    want, spec = np.asarray(stacked), tuple(stacked.sharding.spec)
+    split = unstack_layers(params, pp)["layers"]["w_down"].get_value()
     assert stacked.is_deleted()
-    assert len(split) == len(want)
-    for i, layer in enumerate(split):
-        np.testing.assert_array_equal(np.asarray(layer), want[i])
-        assert tuple(layer.sharding.spec) == tuple(spec)[1:] and "tp" in jax.tree.leaves(tuple(spec))
+    assert len(split) == len(want) // pp
+    for j, array in enumerate(split):
+        np.testing.assert_array_equal(np.asarray(array), want[j] if pp == 1 else want[j::len(split)])
+        assert tuple(array.sharding.spec) == (spec[1:] if pp == 1 else spec) and "tp" in jax.tree.leaves(spec)

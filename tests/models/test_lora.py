@@ -61,7 +61,7 @@ def check_lora_parity(engine: Engine, references: dict, prompts, loras, tol: flo
     return outs
 
 
-@pytest.mark.parametrize("mesh, layer_loop", [(None, "scan"), ("4x2", "scan"), (None, "unrolled")])
+@pytest.mark.parametrize("mesh, layer_loop", [(None, "scan"), ("4x2", "scan"), (None, "unrolled"), ("2x2", "unrolled")])
 def test_adapters_and_base_in_one_batch_match_peft(mesh, layer_loop, llama_with_adapters):
     """On 4x2, tp pads the 2 kv heads to 4 (replicated) and pp pads 3 layers to 4 slots: the factors pad alike.
     Unrolled (GPU's default), the adapter slots stay stacked beside the per-layer weights."""
