@@ -38,9 +38,18 @@ def schedule(num_stages: int, num_micro: int) -> np.ndarray:
 
 
 def _micro_meta(meta, num_micro: int):
-    """Per-token fields [T] -> [M, T/M]; block tables are per sequence and shared by every micro-batch."""
-    split = {name: getattr(meta, name).reshape(num_micro, -1) for name in _present(meta)}
+    """Per-token fields [T] -> [M, T/M]. Block tables are per sequence and shared by every micro-batch, except
+    in a decode step (`decode_only`: token i is row i's only token), where each micro-batch takes its own rows
+    [M, B/M, MB] and its tokens index them from 0: the decode kernel pairs query i with row i."""
+    split = {name: _by_micro(getattr(meta, name), num_micro) for name in _present(meta)}
+    if meta.decode_only:
+        per_micro = meta.positions.shape[0] // num_micro
+        split["token_seq"] = jnp.broadcast_to(jnp.arange(per_micro, dtype=jnp.int32), (num_micro, per_micro))
     return dataclasses.replace(meta, **split)
+
+
+def _by_micro(x: jax.Array, num_micro: int) -> jax.Array:
+    return x.reshape(num_micro, -1, *x.shape[1:])
 
 
 def _pick_meta(meta, m: jax.Array, active: jax.Array):
@@ -51,7 +60,9 @@ def _pick_meta(meta, m: jax.Array, active: jax.Array):
 
 
 def _present(meta) -> list[str]:
-    return [name for name in PER_TOKEN_META if getattr(meta, name) is not None]
+    """The fields split into micro-batches: the per-token ones, and the block table in a decode step."""
+    names = [name for name in PER_TOKEN_META if getattr(meta, name) is not None]
+    return names + ["block_tables"] if meta.decode_only else names
 
 
 def _stage(run_stage_layers, num_stages: int, num_micro: int, weights, x, kv, meta):

@@ -98,9 +98,9 @@ class ModelRunner:
                      "(%.0f%% more bytes per token; --attention-impl reference stores %d)", self.cfg.head_dim,
                      self.cache_head_dim, self.cache_head_dim, 100 * (self.cache_head_dim / self.cfg.head_dim - 1),
                      self.cfg.head_dim)
-        # The Pallas attention has a decode kernel for steps of one token per sequence. Pipeline micro-batches
-        # split a step's tokens but not its sequences, which breaks the token i = row i pairing it needs.
-        self.decode_kernel = attention_impl != "reference" and self.layout.pp == 1
+        # The Pallas attention has a decode kernel for steps of one token per sequence (inside pipeline stages
+        # too: a decode step's micro-batches take their own rows of the block table, parallel/pipeline.py).
+        self.decode_kernel = attention_impl != "reference"
         self.layer_loop = resolve_layer_loop(layer_loop, platform)
         unrolled = self.layer_loop == "unrolled"
         self.graphdef, self.params = load_weights(cfg, tensors, self.dtype, self.mesh, self.layout,

@@ -121,12 +121,23 @@ def test_compiled_step_has_tp_reductions_and_stage_hand_offs(engines):
     assert "collective-permute" in text  # activations handed from stage to stage
 
 
-def test_pallas_kernel_runs_inside_a_pipeline_stage(tiny_checkpoint, shared_checkpoints):
-    """The kernel's own shard_map over heads nests inside the pipeline's map over stages (interpret mode here)."""
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+def test_pallas_kernels_run_inside_pipeline_stages(layer_loop, tiny_checkpoint, shared_checkpoints, monkeypatch):
+    """The kernels' own shard_map over heads nests inside the pipeline's map over stages (interpret mode here):
+    the ragged kernel on prefill, the decode kernel on decode steps, whose micro-batches take their own rows of
+    the block table; under the scan and unrolled alike."""
+    from jaxserve.runner import pallas_attention
+
+    decode_calls = []
+    kernels = dict(pallas_attention.DECODE_KERNELS)
+    monkeypatch.setattr(pallas_attention, "DECODE_KERNELS", {
+        backend: lambda q, *a, _k=kernel, **kw: decode_calls.append(q.shape) or _k(q, *a, **kw)
+        for backend, kernel in kernels.items()})
     arch, overrides = MODELS["qwen2-bias"]
     path = tiny_checkpoint(arch, **overrides)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     engine = Engine(str(path), mesh="2x2", num_kv_blocks=16, max_num_batched_tokens=64, max_num_seqs=4, warmup=False,
-                    attention_impl="pallas-interpret")
-    assert not engine.plan_shape.decode_kernel  # micro-batches split tokens, not sequences: ragged only
+                    attention_impl="pallas-interpret", layer_loop=layer_loop)
+    assert engine.plan_shape.decode_kernel
     check_parity(engine, reference, [PROMPTS[0], PROMPTS[2]], max_tokens=3)
+    assert decode_calls  # traced into the decode steps' stage programs
