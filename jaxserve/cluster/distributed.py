@@ -62,8 +62,9 @@ class Cluster:
     peers: dict[int, Peer] = field(default_factory=dict)
     launched: object | None = None  # Ray followers this process started: held, since Ray ends unreferenced actors
     serving: bool = False  # leader: the engine runs, so an exit now is a normal end (clean STOP)
-    step_lock: threading.Lock = field(default_factory=threading.Lock)  # leader: held while a step runs
+    step_lock: threading.Lock = field(default_factory=threading.Lock)  # leader: held while a step is sent
     closed: bool = False  # leader: the followers were released (the step lock stays held from then on)
+    last_launched: object | None = None  # leader: the outputs of the newest step launched (it may still run)
 
     @property
     def is_leader(self) -> bool:
@@ -97,10 +98,14 @@ class Cluster:
             return
         self.closed = True
         clean = self.serving if clean is None else clean
-        # Let a step in flight (the engine thread may still be in one) finish on every process first: a follower
-        # released mid-step would wait in that step's collectives for a leader that is gone. Never released:
-        # no step may start after the STOP.
+        # Let a step in flight (the engine thread may still be sending one, and with async scheduling one may be
+        # launched and not read back) finish on every process first: a follower released mid-step would wait in
+        # that step's collectives for a leader that is gone. Never released: no step may start after the STOP.
         self.step_lock.acquire(timeout=10)
+        if self.last_launched is not None:
+            import jax
+
+            jax.block_until_ready(self.last_launched)  # the devices run steps in order: every earlier one is done
         self.leader.stop(clean=clean, reason="" if clean else reason)
 
 

@@ -1,4 +1,5 @@
-"""A follower's life after its engine is built: run each step process 0 sends, in order, until it says stop.
+"""A follower's life after its engine is built: launch each step process 0 sends and read each back when it
+says, in its order, until it says stop.
 
 The follower built the same Engine as the leader (same options, checked when they joined), so its weights,
 cache and compiled programs match; it never schedules anything itself. Signals: the first SIGTERM or Ctrl-C
@@ -14,6 +15,7 @@ import logging
 import queue
 import signal
 import time
+from collections import deque
 
 import jax
 
@@ -56,7 +58,7 @@ def follow(engine, cluster: Cluster, shutdown: _ShutdownRequest) -> None:
     treedefs = {flag: inputs_treedef(engine.plan_shape, flag) for flag in (False, True)}
     frames = cluster.follower.frames
     log.info("following process 0 at %s", cluster.options.coordinator)
-    num_steps = 0
+    num_steps, launched = 0, deque()
     while True:
         try:
             kind, payload = frames.get(timeout=1.0)
@@ -66,11 +68,17 @@ def follow(engine, cluster: Cluster, shutdown: _ShutdownRequest) -> None:
             continue
         if kind == wire.STEP:
             leaves, statics = wire.decode_step(payload, StepStatics)
-            engine.runner.execute(jax.tree_util.tree_unflatten(treedefs[statics.decode_only], leaves), statics)
+            launched.append(engine.runner.launch(jax.tree_util.tree_unflatten(treedefs[statics.decode_only], leaves),
+                                                 statics))
             num_steps += 1
+        elif kind == wire.READ:
+            if not launched:
+                fatal("process 0 asked to read back a step this process never launched")
+            engine.runner.collect(launched.popleft())  # its outputs are process 0's to use
         elif kind == wire.LORA:
             engine.adapters.write_factors(*wire.decode_adapter(payload))
         elif kind == wire.STOP:
+            jax.block_until_ready([vars(step) for step in launched])  # steps process 0 never read back: it waited for them too
             _released(cluster, payload)
             log.info("process 0 released this process after %d steps", num_steps)
             return

@@ -1,8 +1,10 @@
 """Process 0's side: every step the engine runs is first sent to the followers, which run it too.
 
-The broadcast sits in front of `ModelRunner.execute`, the one place a step's inputs are complete: the padded
-numpy arrays (`StepInputs`) and the static choices (`StepStatics`). Sending before executing lets the
-followers start at once; they would wait in the step's first collective anyway.
+The broadcast sits in front of `ModelRunner.launch`, the one place a step's inputs are complete: the padded
+numpy arrays (`StepInputs`) and the static choices (`StepStatics`). Sending before launching lets the
+followers start at once; they would wait in the step's first collective anyway. Each read-back is announced
+too (READ), since copying a step's outputs to the host may be a collective: with async scheduling the leader
+launches step N+1 before it reads step N back, and the followers do both in that same order.
 """
 
 from __future__ import annotations
@@ -19,17 +21,27 @@ log = logging.getLogger(__name__)
 
 
 class BroadcastingRunner:
-    """A ModelRunner whose `execute` first tells the followers to execute the same step."""
+    """A ModelRunner whose `launch` and `collect` first tell the followers to do the same."""
 
     def __init__(self, runner, cluster: Cluster):
         self._runner = runner
         self._cluster = cluster
 
-    def execute(self, inputs, statics):
+    def launch(self, inputs, statics):
         leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(inputs)]
-        with self._cluster.step_lock:  # so that an exit releases the followers between steps, never inside one
+        with self._cluster.step_lock:  # so that an exit releases the followers between frames, never inside one
             self._cluster.broadcast(wire.frame(wire.STEP, wire.encode_step(leaves, statics)))
-            return self._runner.execute(inputs, statics)
+            pending = self._runner.launch(inputs, statics)
+            self._cluster.last_launched = vars(pending)  # its device arrays
+            return pending
+
+    def collect(self, pending):
+        with self._cluster.step_lock:
+            self._cluster.broadcast(wire.frame(wire.READ))
+            return self._runner.collect(pending)
+
+    def execute(self, inputs, statics):
+        return self.collect(self.launch(inputs, statics))
 
     def __getattr__(self, name):  # everything else (mesh, kv, num_compiles, ...) is the runner's own
         return getattr(self._runner, name)

@@ -109,11 +109,11 @@ class Engine:
                                     args.block_size, cfg.vocab_size, max_model_len, args.max_logprobs,
                                     self.runner.decode_kernel)
         self.runner.set_token_feed(self.plan_shape.buckets.seqs[-1])
-        # Overlap needs the step's read-back to stay this process's own: with several processes, followers run
-        # each step whole and the host copy can be a collective (parallel/multihost.py). Drafting needs a
-        # sequence's latest tokens on the host, which overlap would always leave one step behind (as in vLLM,
-        # speculative decoding runs its steps one after the other).
-        self.async_scheduling = args.async_scheduling and jax.process_count() == 1 and speculative is None
+        # Several processes overlap steps too: followers launch and read back each step when process 0 does
+        # (cluster/leader.py), as a read-back can be a collective. Drafting needs a sequence's latest tokens on the
+        # host, which overlap would always leave one step behind (as in vLLM, speculative decoding runs its steps
+        # one after the other).
+        self.async_scheduling = args.async_scheduling and speculative is None
         self._launched: deque[InFlightStep] = deque()  # dispatched, not read back yet (oldest first)
         started = time.perf_counter()
         num_kv_blocks = size_kv_cache(self.runner, self.plan_shape, num_kv_blocks, args.kv_cache_memory_fraction)
@@ -147,8 +147,9 @@ class Engine:
         self._compiles_at_warmup: int | None = None
         if args.warmup:
             self.warmup()
-        log.info("Loaded %s (%s, %s%s, mesh %dx%d)", self.model_name, cfg.architecture, dtype,
-                 f", {args.quantization} quantization" if args.quantization else "", *self.mesh_shape)
+        log.info("Loaded %s (%s, %s%s, mesh %dx%d; %s)", self.model_name, cfg.architecture, dtype,
+                 f", {args.quantization} quantization" if args.quantization else "", *self.mesh_shape,
+                 "steps overlap: async scheduling" if self.async_scheduling else "one step at a time")
 
     def warmup(self, desc: str = "Compiling step buckets", compile_threads: int | None = None) -> None:
         """Compile every step program now (a progress bar titled `desc`), so serving never stalls on a compile.
@@ -324,7 +325,6 @@ class Engine:
         if any(observer.wants_logits for observer in self.observers):
             statics = dataclasses.replace(statics, return_logits=True)
         compiles_before = self._unforeseen_compiles()
-        # Multi-process runs read the step back at once: followers run each step whole (cluster/follower.py).
         pending = self.runner.launch(inputs, statics) if self.async_scheduling else self.runner.execute(inputs, statics)
         step = InFlightStep(sched, pending, self._num_steps, recompiled=self._unforeseen_compiles() != compiles_before)
         self._num_steps += 1

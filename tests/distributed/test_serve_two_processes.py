@@ -47,6 +47,8 @@ def test_converted_checkpoint_served_by_two_processes_matches_one_process(proces
     expected = reference_texts(model, "4x2")  # one process, the original checkpoint
     served = [complete(url, model, prompt) for prompt in PROMPTS]
     assert served == expected
+    # The same tokens with steps overlapped: process 1 launches step N+1 before reading step N back, as process 0.
+    assert "steps overlap: async scheduling" in processes.log("p0")
     for name in ("p0", "p1"):  # each process read about its own half of the layers, not the whole checkpoint
         read, _, total = restore_line(processes.log(name))
         assert 0 < read < 0.8 * total, processes.log(name)[-2000:]

@@ -193,3 +193,52 @@ def test_an_abort_after_load_reaches_the_follower_at_once():
     leader.stop(clean=False, reason="the model is missing")
     assert aborted.wait(5) and follower.frames.get(timeout=1)[0] == wire.LOAD
     assert not follower.main_thread_waits
+
+
+def test_followers_launch_and_read_back_in_the_leader_s_order():
+    """With async scheduling process 0 launches step N+1 before it reads step N back, and a read-back may be a
+    collective: the leader announces each launch (STEP) and each read-back (READ), and a follower does both in
+    that order; at STOP it waits for the steps never read back."""
+    import json
+    import queue
+    from types import SimpleNamespace
+
+    from jaxserve.cluster.follower import follow
+    from jaxserve.cluster.leader import BroadcastingRunner
+
+    shape = PlanShape(Buckets.for_limits(32, 4), 8, 1000, 64, 5)
+    events, sent = [], queue.Queue()
+
+    class Runner:  # records what it is asked to do, in order
+        def launch(self, inputs, statics):
+            events.append(("launch", int(inputs.token_ids[0])))
+            return SimpleNamespace(step=int(inputs.token_ids[0]))
+
+        def collect(self, pending):
+            events.append(("collect", pending.step))
+            return pending.step
+
+    cluster = SimpleNamespace(step_lock=threading.Lock(), broadcast=lambda data: sent.put(data), last_launched=None)
+    leader = BroadcastingRunner(Runner(), cluster)
+    steps = []
+    for first_token in (7, 8):
+        inputs = empty_inputs(16, 4, shape)
+        inputs.token_ids[0] = first_token
+        steps.append(leader.launch(inputs, StepStatics()))
+    assert leader.collect(steps[0]) == 7 and leader.collect(steps[1]) == 8
+    assert events == [("launch", 7), ("launch", 8), ("collect", 7), ("collect", 8)]
+
+    frames = queue.Queue()
+    while not sent.empty():
+        data = sent.get()
+        kind, _ = wire._HEADER.unpack(data[:wire._HEADER.size])
+        frames.put((kind, data[wire._HEADER.size:]))
+    assert [kind for kind, _ in list(frames.queue)] == [wire.STEP, wire.STEP, wire.READ, wire.READ]
+    frames.put((wire.STEP, frames.queue[0][1]))  # a third step, launched and never read back
+    frames.put((wire.STOP, json.dumps({"clean": True}).encode()))
+    events.clear()
+    closed = []
+    follower_cluster = SimpleNamespace(follower=SimpleNamespace(frames=frames, close=lambda: closed.append(True)),
+                                       options=SimpleNamespace(coordinator="127.0.0.1:1234"))
+    follow(SimpleNamespace(runner=Runner(), plan_shape=shape), follower_cluster, SimpleNamespace(overdue=lambda: False))
+    assert events == [("launch", 7), ("launch", 8), ("collect", 7), ("collect", 8), ("launch", 7)] and closed
