@@ -1,0 +1,46 @@
+"""scripts/bench_pipeline_model.py: its step-time model on step times known in closed form, and the script end to
+end on a tiny shape (its figures, on SmolLM2's shape, are in BENCHMARKS.md)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "bench_pipeline_model.py"
+
+
+def test_the_model_splits_steps_into_layers_and_a_fixed_part():
+    """Steps of 2 ms fixed plus 1.25 ms a layer at 2 sequences: 8 layers on 4 stages of 2, a batch of 8 in 4
+    micro-batches of 2. Data parallelism: 4 replicas of 2 sequences, 12 ms a step. Fill-drain: 7 ticks of 2
+    layers, then the fixed part once: 19.5 ms for 8 tokens. Stages busy: a batch of 2 every 2 layers + fixed."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from bench_pipeline_model import model
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+    def seconds(layers: int, batch: int) -> float:
+        return 2e-3 + layers * 1e-3 * (1 + batch / 8)
+
+    r = model(seconds, num_layers=8, batch=8, pp=4)
+    assert (r["micro"], r["stage_layers"]) == (4, 2)
+    assert r["data_parallel"] == pytest.approx(8 / 12e-3)
+    assert r["fill_drain"] == pytest.approx(8 / 19.5e-3)
+    assert r["busy"] == pytest.approx(2 / 4.5e-3)
+
+
+def test_bench_pipeline_model_tiny(tmp_path):
+    table = tmp_path / "BENCHMARKS.md"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--shape", "tiny", "--batch", "2", "--stages", "2",
+                           "--append", str(table)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("pp=2 (1 layer a stage, 2 micro-batches), batch 2: data parallel ")
+    assert "| `scripts/bench_pipeline_model.py --shape tiny --batch 2 --stages 2` | tiny | 2 | 2 |" in table.read_text()
+
+
+def test_stages_must_divide_the_batch():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--batch", "6", "--stages", "4"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "--stages 4: each needs 1 < PP <= 30" in done.stderr, done.stderr
