@@ -188,12 +188,14 @@ class ChatRendering:
         if choice.kind == "auto":
             content, calls = self.tool_parser.split(text, final=True)
             content, calls = content or None, choice.kept_calls(calls)
-        else:  # forced: the whole text is the call(s), unless max_tokens cut it short
-            content, calls = None, (parse_forced_calls(choice, text) if reason == "stop" else None)
+        else:  # forced: the whole text is the call(s), as far as max_tokens let it go
+            content, calls = None, parse_forced_calls(choice, text)
         if not calls:
             return plain, reason
-        # "length" too, as vLLM: the calls found are whole, and a client should run them.
-        reason = "tool_calls" if reason in ("stop", "length") and choice.kind != "named" else reason
+        # Under "auto", "length" too, as vLLM: the calls found are whole, and a client should run them. A forced
+        # output cut short keeps "length": its last call may be unfinished.
+        if choice.kind == "auto" and reason in ("stop", "length") or choice.kind == "required" and reason == "stop":
+            reason = "tool_calls"
         return ChatMessage(content=content, reasoning=reasoning, tool_calls=[call.body() for call in calls]), reason
 
     def full_response(self, output: RequestOutput) -> ChatCompletionResponse:

@@ -91,9 +91,7 @@ async def create_response(request: Request) -> Response:
         return Response(status_code=499)  # the client left; nobody reads this
     final = finals[0]
     message, reason = chat_job.message(final.outputs[0])
-    choice = chat_job.tool_choice
-    named = choice.name if choice is not None and choice.kind == "named" else None
-    return JSONResponse(job.finished(output_items(message, reason, named), final, state.responses))
+    return JSONResponse(job.finished(output_items(message, reason), final, state.responses))
 
 
 async def _events(job: ResponseJob, state: ServerState) -> AsyncIterator[dict[str, Any]]:

@@ -243,22 +243,21 @@ def function_call_item(item_id: str, call_id: str, name: str, arguments: str, st
             "status": status}
 
 
-def output_items(message: ChatMessage, finish_reason: str | None, named_call: str | None = None
-                 ) -> list[dict[str, Any]]:
+def output_items(message: ChatMessage, finish_reason: str | None) -> list[dict[str, Any]]:
     """A finished chat message as output items: its reasoning, its text, its tool calls (an answer with none of
-    them is one empty message, as when streamed). `named_call`: the function tool_choice named, whose call
-    max_output_tokens cut short (chat leaves the partial arguments as text): an incomplete call, as streamed."""
+    them is one empty message, as when streamed). Cut short by max_output_tokens, the last item is incomplete:
+    a forced call's arguments as far as they got, as streamed."""
     status = "incomplete" if finish_reason == "length" else "completed"
     thinking_cut = status == "incomplete" and not (message.content or message.tool_calls)  # as streamed
     items = [reasoning_item(new_id("rs"), message.reasoning, "incomplete" if thinking_cut else "completed")
              ] if message.reasoning else []
-    if named_call is not None and status == "incomplete" and not message.tool_calls and message.content:
-        return [*items, function_call_item(new_id("fc"), new_id("call"), named_call, message.content, status)]
     if message.content or not (items or message.tool_calls):
         items.append(message_item(new_id("msg"), message.content or "", status))
-    for call in message.tool_calls:
+    for i, call in enumerate(message.tool_calls):
         function = call["function"]
-        items.append(function_call_item(new_id("fc"), call["id"], function["name"], function["arguments"]))
+        last = i == len(message.tool_calls) - 1
+        items.append(function_call_item(new_id("fc"), call["id"], function["name"], function["arguments"],
+                                        status if last else "completed"))
     return items
 
 

@@ -13,6 +13,7 @@ which `tool_parsers.py` parses out of the text; without a parser (`serve --tool-
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,28 +100,58 @@ def tool_choice_of(tool_choice: Any, tools: list[dict[str, Any]] | None, paralle
 
 
 def tool_constraint(choice: ToolChoice, tools: list[dict[str, Any]]) -> StructuredOutputsParams:
-    """The output's JSON schema: the named function's parameters, or for "required" a non-empty array of calls."""
+    """The output's JSON schema: the named function's parameters, or for "required" a non-empty array of calls.
+    Strict, as vLLM's: an object holds only the properties its schema lists unless the schema allows more itself
+    (`additionalProperties`), since JSON Schema's open default let a model add keys until max_tokens."""
     schemas = function_tools(tools)
+    strict = dict(source="tools[].function.parameters", disable_additional_properties=True)
     if choice.kind == "named":
-        return StructuredOutputsParams(json=schemas[choice.name], source="tools[].function.parameters")
+        return StructuredOutputsParams(json=schemas[choice.name], **strict)
     calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": parameters},
               "required": ["name", "parameters"], "additionalProperties": False}
              for name, parameters in schemas.items()]
     one_or_more = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not choice.parallel:
         one_or_more["maxItems"] = 1
-    return StructuredOutputsParams(json=one_or_more, source="tools[].function.parameters")
+    return StructuredOutputsParams(json=one_or_more, **strict)
 
 
 def parse_forced_calls(choice: ToolChoice, text: str) -> list[ToolCall] | None:
-    """The calls in a finished forced output, or None when the text is not a complete call (max_tokens cut it)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
+    """The calls in a forced output. Cut short by max_tokens, a call is still returned with its arguments as
+    generated (the client sees finish_reason "length", as vLLM answers): a named call's text, and in a
+    "required" array the calls it completed, then the one it was writing once its name is out. None when not one
+    call is there."""
     if choice.kind == "named":
         return [ToolCall(choice.name, text)]
-    return [ToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in value]
+    items, rest = _whole_items(text)
+    calls = [ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
+    cut = _CUT_CALL.match(rest)
+    if cut:
+        calls.append(ToolCall(json.loads(f'"{cut.group(1)}"'), cut.group(2)))
+    return calls or None
+
+
+# The call a "required" array was writing when max_tokens cut it: its name whole (the grammar writes the schema's
+# properties in order, name first), then its arguments so far.
+_CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*(.*)\Z', re.DOTALL)
+
+
+def _whole_items(text: str) -> tuple[list, str]:
+    """The items of a JSON array that are complete in `text`, which may stop anywhere after its "[" (the grammar
+    wrote it, so what is there is valid so far), and the text after them."""
+    decoder, items = json.JSONDecoder(), []
+    i = text.find("[") + 1
+    while 0 < i < len(text):
+        while i < len(text) and text[i] in " \t\n\r,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            break
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break
+        items.append(item)
+    return items, text[i:] if i > 0 else ""
 
 
 def template_tool_calls(message: dict[str, Any]) -> dict[str, Any]:

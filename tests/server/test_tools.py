@@ -27,7 +27,8 @@ def request(**fields) -> ChatCompletionRequest:
 
 def test_a_named_function_constrains_the_output_to_its_parameters():
     params = build_sampling_params(request(tools=TOOLS, tool_choice=NAMED))
-    assert params.structured_outputs == S(json=WEATHER["function"]["parameters"])
+    assert params.structured_outputs == S(json=WEATHER["function"]["parameters"], disable_additional_properties=True)
+    assert params.structured_outputs.json["additionalProperties"] is False  # strict, as vLLM
     assert request(tools=TOOLS, tool_choice=NAMED).rendering()["tools"] == TOOLS  # the template sees them
 
 
@@ -35,7 +36,8 @@ def test_a_function_named_required_is_not_tool_choice_required():
     tools = [{"type": "function", "function": {"name": "required", "parameters": {"type": "integer"}}}]
     named = request(tools=tools, tool_choice={"type": "function", "function": {"name": "required"}})
     assert named.resolved_tool_choice() == ToolChoice("named", "required")
-    assert build_sampling_params(named).structured_outputs == S(json={"type": "integer"})
+    assert build_sampling_params(named).structured_outputs == S(json={"type": "integer"},
+                                                                disable_additional_properties=True)
 
 
 def test_required_constrains_the_output_to_a_list_of_calls():
@@ -43,7 +45,8 @@ def test_required_constrains_the_output_to_a_list_of_calls():
     assert schema["type"] == "array" and schema["minItems"] == 1
     names = [option["properties"]["name"]["enum"] for option in schema["items"]["anyOf"]]
     assert names == [["get_weather"], ["get_time"]]
-    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {},
+                                                                       "additionalProperties": False}
 
 
 def test_required_without_parallel_calls_is_one_call(tokenizer):
@@ -61,6 +64,25 @@ def test_required_without_parallel_calls_is_one_call(tokenizer):
     parallel = build_sampling_params(request(tools=TOOLS, tool_choice="required")).structured_outputs
     assert accepts(parallel, f"[{call}, {call}]") and accepts(params.structured_outputs, f"[{call}]")
     assert not accepts(params.structured_outputs, f"[{call}, {call}]")
+
+
+def test_tool_arguments_hold_only_the_properties_their_schema_lists(tokenizer):
+    """vLLM's strict default: a named call may not add keys its parameters do not list (the model kept adding some
+    until max_tokens, LangChain's named tool choice then got no call), unless the schema itself allows them."""
+    from jaxserve.core.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+
+    def accepts(tools, choice, text: str) -> bool:
+        matcher = compiler.matcher(build_sampling_params(request(tools=tools, tool_choice=choice)).structured_outputs)
+        return all(matcher.consume_token(token) for token in tokenizer.encode(text))
+
+    assert accepts(TOOLS, NAMED, '{"city": "Paris"}')
+    assert not accepts(TOOLS, NAMED, '{"city": "Paris", "unit"')
+    assert not accepts(TOOLS, "required", '[{"name": "get_weather", "parameters": {"city": "Paris", "unit"')
+    open_weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "additionalProperties": True}}}
+    assert accepts([open_weather], NAMED, '{"city": "Paris", "unit"')
 
 
 def test_none_ignores_even_tools_it_would_refuse():
@@ -105,7 +127,11 @@ def test_calls_are_parsed_from_the_finished_text():
     calls = parse_forced_calls(ToolChoice("required"), '[{"name": "get_time", "parameters": {}}, '
                                          '{"name": "get_weather", "parameters": {"city": "Rome"}}]')
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {}), ("get_weather", {"city": "Rome"})]
-    assert parse_forced_calls(ToolChoice("required"), '[{"name": "get_ti') is None  # cut off by max_tokens: left as text
+    assert parse_forced_calls(ToolChoice("required"), '[{"name": "get_ti') is None  # cut before any name: text
+    cut = parse_forced_calls(ToolChoice("required"), '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", '
+                                                      '"parameters": {"ci')
+    assert [(c.name, c.arguments) for c in cut] == [("get_time", "{}"), ("get_weather", '{"ci')]  # as generated
+    assert parse_forced_calls(ToolChoice("named", "get_weather"), '{"ci')[0].arguments == '{"ci'
     body = calls[0].body(index=0)
     assert body["index"] == 0 and body["type"] == "function" and body["id"].startswith("call_")
 
@@ -124,8 +150,9 @@ def test_tool_call_arguments_in_the_history_reach_the_template_as_objects():
 
 
 # ---- on the real server ------------------------------------------------------------------------------------
-def ask(client, **kwargs):
-    return client.chat.completions.create(model=REAL_MODEL, temperature=0, max_completion_tokens=60, tools=TOOLS,
+def ask(client, max_completion_tokens=60, **kwargs):
+    return client.chat.completions.create(model=REAL_MODEL, temperature=0, max_completion_tokens=max_completion_tokens,
+                                          tools=TOOLS,
                                           messages=[{"role": "user", "content": "What is the weather in Paris?"}],
                                           **kwargs)
 
@@ -155,3 +182,24 @@ def test_required_tool_calls_whole_and_streamed(openai_client):
     assert [(t.function.name, t.function.arguments) for t in streamed] == \
         [(t.function.name, t.function.arguments) for t in choice.message.tool_calls]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("tool_choice", [NAMED, "required"])
+def test_a_forced_call_cut_by_max_tokens_is_still_a_tool_call(openai_client, tool_choice):
+    """As vLLM answers: the call with its arguments as generated so far, and finish_reason "length", whole and
+    streamed alike (LangChain and the Agents SDK look for tool_calls, not for text)."""
+    whole = ask(openai_client, tool_choice=tool_choice)
+    full_call = whole.choices[0].message.tool_calls[-1]
+    budget = whole.usage.completion_tokens - 3  # stops inside the last call's arguments
+    cut = ask(openai_client, tool_choice=tool_choice, max_completion_tokens=budget)
+    choice = cut.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None, choice
+    call = choice.message.tool_calls[-1]
+    assert call.function.name == full_call.function.name
+    assert full_call.function.arguments.startswith(call.function.arguments) and \
+        len(call.function.arguments) < len(full_call.function.arguments)
+    chunks = list(ask(openai_client, tool_choice=tool_choice, max_completion_tokens=budget, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls for t in c.choices[0].delta.tool_calls]
+    assert "".join(t.function.arguments or "" for t in streamed if t.index == len(choice.message.tool_calls) - 1) \
+        == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "length"
