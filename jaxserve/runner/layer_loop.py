@@ -87,15 +87,26 @@ def unrolled_layers(layer_fn, weights: dict, x: jax.Array, kv, meta, *, kinds: l
     num_layers = next(len(v) for v in weights.values() if isinstance(v, tuple))
     for i in range(num_layers):
         layer_weights = {name: w[i] for name, w in weights.items()}
-        if kinds is not None:
+        if kinds is not None and kinds[i] is not None:  # None: this layer's kind stays traced
             layer_weights["attn_kind"] = kinds[i]
         x, kv = layer_fn((x, kv), layer_weights, jnp.int32(i), meta)
     return x, kv
 
 
-def unrolled_stage_layers(layer_fn, weights: dict, x: jax.Array, kv, meta):
+def unrolled_stage_layers(layer_fn, weights: dict, x: jax.Array, kv, meta, *, kinds: list[int | None] | None = None):
     """`unrolled_layers` inside a pipeline stage's program (parallel/pipeline.py), where each per-layer array is
-    this stage's share [1, ...] of a slot's [pp, ...] array: its one row is the stage's own layer. Layer kinds
-    stay traced (`attn_kind`, like the scan's): a slot's layers may differ from stage to stage."""
+    this stage's share [1, ...] of a slot's [pp, ...] array: its one row is the stage's own layer. `kinds`: each
+    slot's attention kind where its layers agree on every stage (`slot_kinds`); elsewhere it stays traced."""
     own = {name: tuple(a[0] for a in w) if isinstance(w, tuple) else w for name, w in weights.items()}
-    return unrolled_layers(layer_fn, own, x, kv, meta)
+    return unrolled_layers(layer_fn, own, x, kv, meta, kinds=kinds)
+
+
+def slot_kinds(kinds: list[int], layer_slots: list[int], slots: int) -> list[int | None]:
+    """Each stage slot's attention kind, given each real layer's (`cfg.layer_kinds()`) and its slot over all
+    stages (`ParallelLayout.layer_slots`): every stage runs one program, so a slot's kind is static only when the
+    real layers in it agree on every stage (None otherwise). A padded slot's zero-weight layer adds nothing
+    whatever its kind."""
+    seen: list[set[int]] = [set() for _ in range(slots)]
+    for kind, slot in zip(kinds, layer_slots, strict=True):
+        seen[slot % slots].add(kind)
+    return [next(iter(k)) if len(k) == 1 else None for k in seen]

@@ -20,7 +20,13 @@ from jaxserve.parallel.pipeline import pipeline_layers
 from jaxserve.parallel.sharding import make_mesh, named_sharding
 from jaxserve.runner.attention_impl import cache_head_dim, make_attention_fn, resolve_attention_impl
 from jaxserve.runner.kv_cache import KV_LOGICAL_AXES, allocate_kv_cache, resolve_kv_cache_dtype, storage_dtype
-from jaxserve.runner.layer_loop import resolve_layer_loop, unrolled_layers, unrolled_stage_layers, unstack_layers
+from jaxserve.runner.layer_loop import (
+    resolve_layer_loop,
+    slot_kinds,
+    unrolled_layers,
+    unrolled_stage_layers,
+    unstack_layers,
+)
 from jaxserve.runner.plan import PlanShape, empty_inputs
 from jaxserve.runner.sampler import SamplerFlags
 from jaxserve.runner.step import StepFunctions, StepInputs, StepStatics
@@ -113,7 +119,9 @@ class ModelRunner:
         attention = partial(attention_fn, scale=cfg.attention_scale or cfg.head_dim**-0.5,
                             windows=cfg.attention_windows, softcap=cfg.attn_logit_softcap)
         if self.layout.pp > 1:
-            run_layers = pipeline_layers(self.mesh, unrolled_stage_layers if unrolled else scan_layers)
+            stage_layers = scan_layers if not unrolled else partial(unrolled_stage_layers, kinds=slot_kinds(
+                cfg.layer_kinds(), self.layout.layer_slots(), self.layout.slots) if cfg.layers_differ else None)
+            run_layers = pipeline_layers(self.mesh, stage_layers)
         elif unrolled:
             run_layers = partial(unrolled_layers, kinds=self.cfg.layer_kinds() if self.cfg.layers_differ else None)
         else:

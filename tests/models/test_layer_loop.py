@@ -16,9 +16,9 @@ from jaxserve.runner.plan import empty_inputs
 from tests.models.test_parity import ARCHITECTURES, PROMPTS, check_parity
 
 
-def engine_and_reference(tiny_checkpoint, name: str, **engine_options):
+def engine_and_reference(tiny_checkpoint, name: str, num_layers: int | None = None, **engine_options):
     arch, overrides = ARCHITECTURES[name]
-    path = tiny_checkpoint(arch, **overrides)
+    path = tiny_checkpoint(arch, **overrides, **({} if num_layers is None else dict(num_hidden_layers=num_layers)))
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     engine = Engine(str(path), num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, warmup=False,
                     layer_loop="unrolled", **engine_options)
@@ -52,12 +52,20 @@ def test_unrolled_layers_keep_their_tensor_parallel_sharding(tiny_checkpoint):
     check_parity(engine, reference, PROMPTS)
 
 
-@pytest.mark.parametrize("name, mesh", [("llama-untied-llama3-rope", "1x2"), ("gemma2-softcap-mixed-windows", "2x2")])
-def test_unrolled_pipeline_stages_match_transformers(name, mesh, tiny_checkpoint):
+@pytest.mark.parametrize("name, mesh, num_layers", [("llama-untied-llama3-rope", "1x2", None),
+                                                    ("gemma2-softcap-mixed-windows", "2x2", None),
+                                                    ("gemma2-softcap-mixed-windows", "1x2", 5)])
+def test_unrolled_pipeline_stages_match_transformers(name, mesh, num_layers, tiny_checkpoint, monkeypatch):
     """A stage runs its own layers unrolled: one array [pp, ...] per stage slot, split over the stages, each
-    stage's row its own layer (3 layers on 2 stages: the second stage's other slot is padding). Gemma 2's
-    kinds alternate, so a slot's kind differs between stages and stays traced."""
-    engine, reference = engine_and_reference(tiny_checkpoint, name, mesh=mesh)
+    stage's row its own layer (3 layers on 2 stages: the second stage's other slot is padding). Gemma 2's kinds
+    alternate: a slot whose layers agree on both stages takes its kind while tracing (3 layers: both slots), one
+    whose layers differ keeps it traced (5 layers on stages of 3 and 2: slots 0 and 1 hold one sliding and one
+    full layer each, slot 2 one real layer)."""
+    windows_seen = []
+    layer_window = paged_attention_xla.layer_window
+    monkeypatch.setattr(paged_attention_xla, "layer_window", lambda windows, kind: windows_seen.append(
+        kind) or layer_window(windows, kind))
+    engine, reference = engine_and_reference(tiny_checkpoint, name, num_layers, mesh=mesh)
     runner, pp = engine.runner, engine.runner.layout.pp
     assert runner.layer_loop == "unrolled" and pp == 2
     for array in runner.params["layers"]["wq"].get_value():
@@ -65,6 +73,18 @@ def test_unrolled_pipeline_stages_match_transformers(name, mesh, tiny_checkpoint
         assert {shard.data.shape[0] for shard in array.addressable_shards} == {1}
     assert len(runner.params["layers"]["wq"].get_value()) == runner.cfg.num_layers // pp
     check_parity(engine, reference, PROMPTS)
+    if runner.cfg.layers_differ:
+        static = [isinstance(kind, int) for kind in windows_seen[: runner.layout.slots]]
+        assert static == ([True, True] if num_layers is None else [False, False, True]), windows_seen
+
+
+def test_slot_kinds_are_static_where_every_stage_agrees():
+    from jaxserve.runner.layer_loop import slot_kinds
+
+    assert slot_kinds([0, 1, 0], [0, 1, 2], 2) == [0, 1]  # 3 layers on (2, 1): slot 1 of stage 1 is padding
+    assert slot_kinds([0, 1, 0, 1, 0, 1], [0, 1, 2, 3, 4, 5], 3) == [None, None, None]
+    assert slot_kinds([0, 1, 0, 1, 0], [0, 1, 2, 3, 4], 3) == [None, None, 0]  # (3, 2): slot 2 of stage 1 pads
+    assert slot_kinds([0, 1, 0, 1], [0, 1, 2, 3], 2) == [0, 1]
 
 
 def stage_program_text(engine) -> str:
