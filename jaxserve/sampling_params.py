@@ -211,20 +211,35 @@ def _schema(value: Any) -> dict:
     return value
 
 
+# JSON Schema's keywords whose values are subschemas: one schema, a list of them, or a map of names to them.
+_SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "unevaluatedItems", "unevaluatedProperties",
+              "contains", "propertyNames", "not", "if", "then", "else")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
 def closed_objects(schema: dict) -> dict:
     """A copy of the schema in which every object that lists its properties and does not say otherwise has
-    `additionalProperties: false` (as vLLM decides it; a bare {"type": "object"} stays free-form)."""
+    `additionalProperties: false` (as vLLM decides it; a bare {"type": "object"} stays free-form). The walk
+    follows the keywords that hold subschemas, so a property that happens to be named "properties" is a name,
+    not a keyword."""
     schema = copy.deepcopy(schema)
 
     def close(node: Any) -> None:
-        if isinstance(node, list):
-            for item in node:
-                close(item)
-        elif isinstance(node, dict):
-            if ("properties" in node or "patternProperties" in node) and "additionalProperties" not in node:
-                node["additionalProperties"] = False
-            for value in node.values():
-                close(value)
+        if not isinstance(node, dict):
+            return
+        if ("properties" in node or "patternProperties" in node) and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+        for key in _SUBSCHEMA:
+            close(node.get(key))
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                for sub in node[key]:
+                    close(sub)
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                for sub in node[key].values():
+                    close(sub)
 
     close(schema)
     return schema

@@ -64,6 +64,19 @@ def test_vllm_options_are_accepted_and_additional_properties_can_be_closed():
         {"type": "object", "additionalProperties": True}  # what a schema says itself stands
 
 
+def test_closing_follows_schema_keywords_not_property_names():
+    """A property named "properties" is a name: its map is left alone and its own schema is closed; schemas under
+    anyOf and $defs are closed too."""
+    schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"a": {}}},
+                                               "u": {"anyOf": [{"type": "object", "properties": {"b": {}}}]}},
+              "$defs": {"D": {"type": "object", "properties": {"c": {}}}}}
+    closed = S(json=schema, disable_additional_properties=True).json
+    assert set(closed["properties"]) == {"properties", "u"}  # no "additionalProperties" property was added
+    assert closed["properties"]["properties"]["additionalProperties"] is False
+    assert closed["properties"]["u"]["anyOf"][0]["additionalProperties"] is False
+    assert closed["$defs"]["D"]["additionalProperties"] is False
+
+
 def test_free_form_objects_stay_open_and_options_are_checked():
     schema = {"type": "object", "properties": {"meta": {"type": "object"}}}
     closed = S(json=schema, disable_additional_properties=True, disable_any_whitespace=True).json
