@@ -37,6 +37,7 @@ from jaxserve.server.errors import (
 from jaxserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from jaxserve.server.lora_admin import load_lora_adapter, unload_lora_adapter
 from jaxserve.server.metrics import PREFIX, VLLM_PREFIX, ServerMetrics
+from jaxserve.server.openapi import docs_page, openapi_json
 from jaxserve.server.request_bodies import parse_request
 from jaxserve.server.response_bodies import OutputOptions
 from jaxserve.server.responses import create_response, delete_response, retrieve_response
@@ -178,6 +179,8 @@ ROUTES = [
     Route("/health", health, methods=["GET"]),
     Route("/version", version, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
+    Route("/openapi.json", openapi_json, methods=["GET"]),
+    Route("/docs", docs_page, methods=["GET"]),
 ]
 
 
