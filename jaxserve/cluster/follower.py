@@ -78,7 +78,7 @@ def follow(engine, cluster: Cluster, shutdown: _ShutdownRequest) -> None:
         elif kind == wire.LORA:
             engine.adapters.write_factors(*wire.decode_adapter(payload))
         elif kind == wire.STOP:
-            jax.block_until_ready([vars(step) for step in launched])  # steps process 0 never read back: it waited for them too
+            jax.block_until_ready(list(launched))  # steps process 0 never read back: it waited for them too
             _released(cluster, payload)
             log.info("process 0 released this process after %d steps", num_steps)
             return

@@ -32,7 +32,7 @@ class BroadcastingRunner:
         with self._cluster.step_lock:  # so that an exit releases the followers between frames, never inside one
             self._cluster.broadcast(wire.frame(wire.STEP, wire.encode_step(leaves, statics)))
             pending = self._runner.launch(inputs, statics)
-            self._cluster.last_launched = vars(pending)  # its device arrays
+            self._cluster.last_launched = pending
             return pending
 
     def collect(self, pending):

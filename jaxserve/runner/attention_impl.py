@@ -9,7 +9,6 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.config import ATTENTION_IMPLS, ModelConfig
-from jaxserve.runner.kv_cache import storage_dtype
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +70,9 @@ def make_attention_fn(impl: str, platform: str, cfg: ModelConfig, mesh: Mesh | N
     if impl == "reference":
         from jaxserve.runner.paged_attention_xla import blockwise_attention_fn
 
-        if kv_dtype is not None and storage_dtype(kv_dtype, platform, xla_attention=True) != kv_dtype:
-            return partial(blockwise_attention_fn, values_dtype=jnp.dtype(kv_dtype))  # a float8 cache as bytes
-        return blockwise_attention_fn
+        # The values the cache holds, whatever it stores them as (a float8 cache on a CPU: bytes, storage_dtype).
+        return blockwise_attention_fn if kv_dtype is None else partial(blockwise_attention_fn,
+                                                                       values_dtype=jnp.dtype(kv_dtype))
     if impl == "pallas" and KERNEL_PLATFORMS.get(platform) is None:
         raise ValueError(f"attention_impl='pallas' needs a GPU or TPU, but the platform is {platform!r}; use "
                          "'pallas-interpret' to run the kernels' interpreter here, or 'reference'")

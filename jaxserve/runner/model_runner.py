@@ -35,6 +35,7 @@ from jaxserve.runner.weights import load_weights
 log = logging.getLogger(__name__)
 
 
+@jax.tree_util.register_dataclass
 @dataclass
 class PendingStep:
     """A launched step's device outputs, not read back yet."""
@@ -118,12 +119,14 @@ class ModelRunner:
         self.deferred_compiles = 0
         attention = partial(attention_fn, scale=cfg.attention_scale or cfg.head_dim**-0.5,
                             windows=cfg.attention_windows, softcap=cfg.attn_logit_softcap)
+        # Unrolled, a layer slot's attention kind is fixed while tracing where it is the same on every stage.
+        kinds = slot_kinds(cfg.layer_kinds(), self.layout.layer_slots(), self.layout.slots) \
+            if unrolled and cfg.layers_differ else None
         if self.layout.pp > 1:
-            stage_layers = scan_layers if not unrolled else partial(unrolled_stage_layers, kinds=slot_kinds(
-                cfg.layer_kinds(), self.layout.layer_slots(), self.layout.slots) if cfg.layers_differ else None)
-            run_layers = pipeline_layers(self.mesh, stage_layers)
+            run_layers = pipeline_layers(self.mesh, partial(unrolled_stage_layers, kinds=kinds) if unrolled
+                                         else scan_layers)
         elif unrolled:
-            run_layers = partial(unrolled_layers, kinds=self.cfg.layer_kinds() if self.cfg.layers_differ else None)
+            run_layers = partial(unrolled_layers, kinds=kinds)
         else:
             run_layers = None  # the model's own scan
         self.fns = StepFunctions(self.graphdef, attention, run_layers, platform)
