@@ -62,18 +62,27 @@ def decode_step_seconds(model_dir: Path, num_layers: int, batch: int) -> float:
     return min(times)
 
 
-def model(measure, num_layers: int, batch: int, pp: int, check: bool = True) -> dict:
-    """The three throughputs of pp stages at `batch`, from `measure(layers, batch)` -> seconds per step.
-    `check`: refuse step times in which the extra layers cost nothing (noise)."""
+def stage_shape(num_layers: int, batch: int, pp: int) -> tuple[int, int]:
+    """(layers a stage, micro-batches a step) of pp stages at `batch`, as parallel/pipeline.py cuts them."""
     from jaxserve.parallel.pipeline import num_microbatches
 
-    stage = math.ceil(num_layers / pp)
-    micro = num_microbatches(batch, pp)
+    return math.ceil(num_layers / pp), num_microbatches(batch, pp)
+
+
+def step_times_needed(num_layers: int, batch: int, pp: int) -> set[tuple[int, int]]:
+    """The (layers, batch) step times `model` reads for pp stages."""
+    stage, micro = stage_shape(num_layers, batch, pp)
+    return {(layers, n) for layers in (num_layers, stage) for n in (batch // pp, batch // micro, batch)}
+
+
+def model(measure, num_layers: int, batch: int, pp: int) -> dict:
+    """The three throughputs of pp stages at `batch`, from `measure(layers, batch)` -> seconds per step."""
+    stage, micro = stage_shape(num_layers, batch, pp)
 
     def parts(n: int) -> tuple[float, float]:
         whole, share = measure(num_layers, n), measure(stage, n)
         per_layer = (whole - share) / (num_layers - stage)
-        if check and per_layer <= 0:
+        if per_layer <= 0:
             raise SystemExit(f"at batch {n}, {num_layers} layers stepped no slower than {stage} ({1e3 * whole:.2f} vs "
                              f"{1e3 * share:.2f} ms): the machine's noise is larger than the layers' time; rerun "
                              "on a quiet machine or with a larger --batch")
@@ -108,26 +117,16 @@ def main() -> None:
     import jax
 
     device = jax.devices()[0].device_kind
+    needed = sorted(set().union(*(step_times_needed(num_layers, args.batch, pp) for pp in args.stages)))
     times: dict[tuple[int, int], float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(args.shape, Path(tmp))
-
-        def measure(layers: int, batch: int) -> float:
-            if (layers, batch) not in times:
-                times[layers, batch] = decode_step_seconds(model_dir, layers, batch)
-            return times[layers, batch]
-
-        def measured(layers: int, batch: int) -> float:
-            return times[layers, batch]
-
-        for pp in args.stages:  # every step time the model needs, first in this order...
-            model(measure, num_layers, args.batch, pp, check=False)
-        for _ in range(args.rounds - 1):  # ...then again, each keeping its fastest: a noisy engine counts less
-            for key in list(times):
-                times[key] = min(times[key], decode_step_seconds(model_dir, *key))
-        for (layers, batch), seconds in sorted(times.items()):
-            print(f"decode step, {layers} layers, batch {batch}: {1e3 * seconds:.2f} ms", flush=True)
-        results = [model(measured, num_layers, args.batch, pp) for pp in args.stages]
+        for _ in range(args.rounds):  # every step time once, then again: each keeps its fastest
+            for key in needed:
+                times[key] = min(times.get(key, math.inf), decode_step_seconds(model_dir, *key))
+    for (layers, batch), seconds in times.items():
+        print(f"decode step, {layers} layers, batch {batch}: {1e3 * seconds:.2f} ms", flush=True)
+    results = [model(lambda layers, n: times[layers, n], num_layers, args.batch, pp) for pp in args.stages]
     for r in results:
         dp = r["data_parallel"]
         layers = f"{r['stage_layers']} layer{'s' * (r['stage_layers'] > 1)}"
