@@ -44,7 +44,7 @@ from jaxserve.server.responses import create_response, delete_response, retrieve
 from jaxserve.server.scores import create_rerank, create_score
 from jaxserve.server.serving import ServerState
 from jaxserve.server.stats_log import StatsLogger
-from jaxserve.server.transport import CORSPolicy, RequestIdMiddleware, RootPathMiddleware, route_path
+from jaxserve.server.transport import CORSPolicy, RequestIdMiddleware, RootPathMiddleware, needs_api_key, route_path
 from jaxserve.server.utility_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -53,10 +53,6 @@ from jaxserve.server.utility_protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-
-# Only the API routes need a key; health, metrics and tokenisation stay open, as in vLLM.
-PROTECTED_PREFIXES = ("/v1/", "/v2/")
-PROTECTED_PATHS = {"/score", "/rerank", "/classify"}
 
 
 class APIKeyMiddleware:
@@ -74,12 +70,8 @@ class APIKeyMiddleware:
 
     def _needs_key(self, scope) -> bool:
         return (bool(self.expected) and scope["type"] == "http" and scope["method"] != "OPTIONS"
-                and self._protected(route_path(scope)))
-
-    @staticmethod
-    def _protected(path: str) -> bool:
-        # The routed path, not the raw one: under --root-path /llm, /llm/v1/models is /v1/models.
-        return path.startswith(PROTECTED_PREFIXES) or path in PROTECTED_PATHS
+                # The routed path, not the raw one: under --root-path /llm, /llm/v1/models is /v1/models.
+                and needs_api_key(route_path(scope)))
 
     def _authorised(self, headers: Headers) -> bool:
         given = headers.get("authorization", "").encode()

@@ -25,6 +25,7 @@ from jaxserve.server.lora_admin import LoadLoRAAdapterRequest, UnloadLoRAAdapter
 from jaxserve.server.protocol import CompletionRequest, CompletionResponse, ErrorResponse
 from jaxserve.server.responses_protocol import ResponsesRequest
 from jaxserve.server.scores import RerankRequest, RerankResponse, ScoreRequest, ScoreResponse
+from jaxserve.server.transport import needs_api_key
 from jaxserve.server.utility_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -44,7 +45,6 @@ class Operation:
     body: type[BaseModel] | None = None
     answer: type[BaseModel] | None = None
     streams: bool = False  # with "stream": true the answer is server-sent events
-    needs_key: bool = True  # under --api-key
 
 
 OPERATIONS = (
@@ -65,13 +65,11 @@ OPERATIONS = (
               LoadLoRAAdapterRequest),
     Operation("post", ("/v1/unload_lora_adapter",), "Unload a LoRA adapter (--enable-runtime-lora-updating)",
               UnloadLoRAAdapterRequest),
-    Operation("post", ("/tokenize",), "Tokenize a prompt or chat", TokenizeRequest, TokenizeResponse,
-              needs_key=False),
-    Operation("post", ("/detokenize",), "Detokenize token ids", DetokenizeRequest, DetokenizeResponse,
-              needs_key=False),
-    Operation("get", ("/health",), "Whether the engine runs (200) or not (503)", needs_key=False),
-    Operation("get", ("/version",), "The server's version", needs_key=False),
-    Operation("get", ("/metrics",), "Prometheus metrics", needs_key=False),
+    Operation("post", ("/tokenize",), "Tokenize a prompt or chat", TokenizeRequest, TokenizeResponse),
+    Operation("post", ("/detokenize",), "Detokenize token ids", DetokenizeRequest, DetokenizeResponse),
+    Operation("get", ("/health",), "Whether the engine runs (200) or not (503)"),
+    Operation("get", ("/version",), "The server's version"),
+    Operation("get", ("/metrics",), "Prometheus metrics"),
 )
 
 
@@ -110,7 +108,7 @@ def _operation(op: Operation, path: str, ref: dict) -> dict[str, Any]:
     if "{response_id}" in path:
         operation["parameters"] = [{"name": "response_id", "in": "path", "required": True,
                                     "schema": {"type": "string"}}]
-    if op.needs_key:
+    if needs_api_key(path):
         operation["security"] = [{"apiKey": []}, {}]  # the key is needed only when the server was given one
     return operation
 

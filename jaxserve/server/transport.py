@@ -103,6 +103,16 @@ class RootPathMiddleware:
         await self.app(scope, receive, send)
 
 
+# Only the API routes need a key; health, metrics, tokenisation and the API description stay open, as in vLLM.
+PROTECTED_PREFIXES = ("/v1/", "/v2/")
+PROTECTED_PATHS = {"/score", "/rerank", "/classify"}
+
+
+def needs_api_key(path: str) -> bool:
+    """Whether a routed path (`route_path`) answers only with the API key, when the server has one."""
+    return path.startswith(PROTECTED_PREFIXES) or path in PROTECTED_PATHS
+
+
 def route_path(scope) -> str:
     """The path the routes match, as Starlette's routing finds it: without the root path if it starts with it."""
     path, root = scope["path"], scope.get("root_path", "")

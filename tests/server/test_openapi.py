@@ -8,9 +8,10 @@ import httpx
 import pytest
 
 from jaxserve.async_engine.engine import AsyncEngine
-from jaxserve.server.app import PROTECTED_PATHS, PROTECTED_PREFIXES, ROUTES, build_app
+from jaxserve.server.app import ROUTES, build_app
 from jaxserve.server.chat_protocol import ChatCompletionRequest
 from jaxserve.server.openapi import openapi_document
+from jaxserve.server.transport import PROTECTED_PATHS, PROTECTED_PREFIXES
 from tests.server.fake_engine import FakeEngine
 from tests.server.helpers import API_KEY, serve_in_thread
 
