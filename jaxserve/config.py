@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+ROUTER_SCORINGS = ("softmax", "sigmoid")
+
 
 @dataclass(frozen=True)
 class MeshShape:
@@ -155,6 +157,10 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_renormalize: bool = True  # the top-k router weights rescaled to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
+    router_scoring: str = "softmax"  # the router's scores: "softmax" over the experts, or each expert's "sigmoid"
+    # Whole experts split over tp (expert parallelism; Engine's enable_expert_parallel) instead of each expert's MLP
+    # width. Set on the runner's effective config (parallel/layout.py), not by the checkpoint.
+    expert_parallel: bool = False
     # Zero rows appended so the vocabulary / the experts split evenly over tensor-parallel devices. Set only on
     # the runner's effective config (parallel/layout.py); the model slices padded logits off and never routes to
     # padded experts.
@@ -169,6 +175,9 @@ class ModelConfig:
     int8_activations: bool = False
 
     def __post_init__(self):
+        if self.router_scoring not in ROUTER_SCORINGS:
+            raise ValueError(f"router scoring {self.router_scoring!r} is not supported: jaxserve's mixture-of-experts "
+                             f"routers score with {' or '.join(ROUTER_SCORINGS)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "

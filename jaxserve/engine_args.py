@@ -168,6 +168,9 @@ class EngineArgs:
         None, "decoder layers per pipeline stage, e.g. 8,8,7,7 (default: even, the remainder going to the stages "
         "before the last, as in vLLM)", check=optional(layer_counts), kind="partition", metavar="N,N,...",
         group="parallelism")
+    enable_expert_parallel: bool = option(
+        False, "split a mixture of experts' whole experts over the tensor-parallel devices (E/tp each) instead of "
+        "each expert's MLP width, as vLLM's flag does", check=boolean, kind="switch", group="parallelism")
     devices: Any = option(None, "the devices the mesh is built from (default: the first tp x pp of jax.devices())",
                           cli=False, job=False)
     # --- the model and its files

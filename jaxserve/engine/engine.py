@@ -93,6 +93,8 @@ class Engine:
         cfg = model_for_context(cfg, max_model_len)
         dtype = resolve_dtype(dtype, platform)
         self.mesh_shape = args.mesh_shape
+        if args.enable_expert_parallel:  # whole experts split over tp (checked against the model and mesh there)
+            cfg = dataclasses.replace(cfg, expert_parallel=True)
         if enable_lora:  # the layers get adapter slots beside their weights (models/lora.py)
             cfg = dataclasses.replace(cfg, lora_slots=max_loras, lora_rank=args.max_lora_rank)
         started = time.perf_counter()

@@ -151,11 +151,13 @@ class LlamaForCausalLM(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = param((D, V), ("embed", "vocab"), dtype)
 
-    def __call__(self, token_ids: jax.Array, kv, meta, attention_fn, run_layers=scan_layers):
+    def __call__(self, token_ids: jax.Array, kv, meta, attention_fn, run_layers=scan_layers, experts_fn=None):
         """Hidden states [T, D] after the final norm, and the updated cache. `run_layers` runs the layers: a
-        plain scan, the unrolled loop over per-layer arrays (runner/layer_loop.py), or the pipeline over stages."""
+        plain scan, the unrolled loop over per-layer arrays (runner/layer_loop.py), or the pipeline over stages.
+        `experts_fn`: how a mixture of experts runs its chosen experts on the mesh (runner/experts_impl.py)."""
         x = self.embed_tokens(token_ids)
-        layer_fn = partial(decoder_layer, self.cfg, attention_fn, self.mlp_fn)
+        mlp_fn = self.mlp_fn if experts_fn is None else partial(self.mlp_fn, experts_fn=experts_fn)
+        layer_fn = partial(decoder_layer, self.cfg, attention_fn, mlp_fn)
         x, kv = run_layers(layer_fn, self.layers.arrays(), x, kv, meta)
         return rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps), kv
 

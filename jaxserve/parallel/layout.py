@@ -8,8 +8,8 @@ Every padding is exact:
   rep = tp / K_pad times so every device holds whole groups. G is padded to G_pad (a multiple of rep). q heads
   stay kv-major ([K_pad, G_pad] flattened), so q head h attends with kv head h // (G_pad / rep), which is a
   copy of real kv head h // G_pad. Padded q heads have zero `wo` rows and contribute nothing.
-- MLP width, vocabulary and experts: zero columns/rows appended (padded logits are sliced off, padded experts
-  are never routed to).
+- MLP width (each expert's too, unless whole experts split), vocabulary and, with expert parallelism, experts:
+  zero columns/rows appended (padded logits are sliced off, padded experts are never routed to).
 - layers: every stage gets the same number of layer slots; a stage with fewer real layers ends in zero-weight
   layers, which are identities (x + 0).
 """
@@ -76,7 +76,7 @@ class ParallelLayout:
     heads: HeadPlan
     mlp: int  # F, padded (dense models)
     vocab: int  # V, padded
-    experts: int  # E, padded (mixture-of-experts models; 0 otherwise)
+    experts: int  # E, padded when whole experts split over tp (mixture-of-experts models; 0 otherwise)
 
     @property
     def slots(self) -> int:
@@ -89,8 +89,8 @@ class ParallelLayout:
 
     def effective_config(self, cfg: ModelConfig) -> ModelConfig:
         h = self.heads
-        # A mixture of experts splits its experts over tp, not each expert's MLP width.
-        mlp = cfg.intermediate_size if cfg.num_experts else self.mlp
+        # Expert parallelism splits whole experts over tp, not each expert's MLP width.
+        mlp = cfg.intermediate_size if cfg.expert_parallel else self.mlp
         return dataclasses.replace(
             cfg, num_layers=self.pp * self.slots, num_heads=h.kv_heads * h.group,
             num_kv_heads=h.kv_heads * h.replicas, intermediate_size=mlp, vocab_pad=self.vocab - cfg.vocab_size,
@@ -101,11 +101,24 @@ def plan_layout(cfg: ModelConfig, tp: int, pp: int, partition: Sequence[int] | N
     if pp > cfg.num_layers:
         raise ValueError(f"pp={pp} is more pipeline stages than the model's {cfg.num_layers} layers; "
                          f"use pp <= {cfg.num_layers}")
+    check_expert_parallel(cfg, tp)
     parts = default_partition(cfg.num_layers, pp) if partition is None else check_partition(partition,
                                                                                            cfg.num_layers, pp)
     return ParallelLayout(tp=tp, pp=pp, partition=parts, heads=plan_heads(cfg.num_heads, cfg.num_kv_heads, tp),
                           mlp=round_up(cfg.intermediate_size, tp), vocab=round_up(cfg.vocab_size, tp),
-                          experts=round_up(cfg.num_experts, tp) if cfg.num_experts else 0)
+                          experts=round_up(cfg.num_experts, tp) if cfg.expert_parallel else cfg.num_experts)
+
+
+def check_expert_parallel(cfg: ModelConfig, tp: int) -> None:
+    if not cfg.expert_parallel:
+        return
+    if not cfg.num_experts:
+        raise ValueError(f"expert parallelism (--enable-expert-parallel) needs a mixture-of-experts model; "
+                         f"{cfg.architecture} has a dense MLP: drop the flag")
+    if tp > cfg.num_experts:
+        raise ValueError(f"expert parallelism splits whole experts over the {tp} tensor-parallel devices, but the "
+                         f"model has only {cfg.num_experts} experts; use tp <= {cfg.num_experts} or drop "
+                         f"--enable-expert-parallel (each expert's MLP width then splits instead)")
 
 
 def describe(layout: ParallelLayout, device_grid) -> str:

@@ -22,8 +22,11 @@ LOGICAL_RULES: dict[str, str | None] = {
     "kv_heads": "tp",
     "head_dim": None,
     "mlp": "tp",
-    "experts": "tp",
-    "expert_mlp": None,  # an expert's own MLP width: whole, since its experts already split over tp
+    # Mixture of experts. By default every device holds a slice of every expert: its MLP width splits as a dense
+    # MLP's ("mlp"). With expert parallelism whole experts split over tp instead, each keeping its width whole.
+    "experts": None,
+    "parallel_experts": "tp",
+    "expert_mlp": None,
     "lora_slots": None,  # LoRA factors: every device holds every adapter, split like the weight they change
     "lora_rank": None,
 }

@@ -19,6 +19,7 @@ from jaxserve.parallel.multihost import host_copy
 from jaxserve.parallel.pipeline import pipeline_layers
 from jaxserve.parallel.sharding import make_mesh, named_sharding
 from jaxserve.runner.attention_impl import cache_head_dim, make_attention_fn, resolve_attention_impl
+from jaxserve.runner.experts_impl import make_experts_fn
 from jaxserve.runner.kv_cache import KV_LOGICAL_AXES, allocate_kv_cache, resolve_kv_cache_dtype, storage_dtype
 from jaxserve.runner.layer_loop import (
     resolve_layer_loop,
@@ -129,7 +130,8 @@ class ModelRunner:
             run_layers = partial(unrolled_layers, kinds=kinds)
         else:
             run_layers = None  # the model's own scan
-        self.fns = StepFunctions(self.graphdef, attention, run_layers, platform)
+        experts_fn = make_experts_fn(self.cfg, platform, self.mesh) if cfg.num_experts else None
+        self.fns = StepFunctions(self.graphdef, attention, run_layers, platform, experts_fn)
 
     @property
     def num_compiles(self) -> int:

@@ -53,12 +53,15 @@ class TraceCounter:
 
 
 class StepFunctions:
-    def __init__(self, graphdef, attention_fn, run_layers=None, platform: str = "cpu"):
+    def __init__(self, graphdef, attention_fn, run_layers=None, platform: str = "cpu", experts_fn=None):
         """`run_layers`: how the layers run (None: the model's own scan; the unrolled loop, runner/layer_loop.py;
-        a pipeline on pp > 1). `platform`: the devices', for the sampler."""
+        a pipeline on pp > 1). `platform`: the devices', for the sampler. `experts_fn`: a mixture of experts'
+        grouped matmuls on the mesh (runner/experts_impl.py; None for dense models)."""
         self.traces = TraceCounter()
         traces = self.traces
         layer_runner = {} if run_layers is None else {"run_layers": run_layers}
+        if experts_fn is not None:
+            layer_runner["experts_fn"] = experts_fn
 
         def forward(params, kv, token_ids, meta, logits_indices, fed_tokens, token_source):
             traces.count += 1  # runs only while tracing, i.e. once per compiled shape

@@ -18,9 +18,12 @@ MODELS = {
                                       vocab_size=49157, num_hidden_layers=5, hidden_size=48,
                                       tie_word_embeddings=False)),
     "qwen2-bias": ("qwen2", dict(tie_word_embeddings=True)),
+    # each expert's MLP width split over tp (expert tensor parallelism, the default)
     "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2)),
-    "qwen3-moe": ("qwen3_moe", dict(head_dim=32, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
-                                    norm_topk_prob=True)),  # 6 experts: padded to 8 on tp=4
+    # whole experts split over tp (expert parallelism): 6 experts padded to 8 on tp=4, 5 to 6 on tp=2, top-1
+    "qwen3-moe-expert-parallel": ("qwen3_moe", dict(head_dim=32, num_experts=6, num_experts_per_tok=2,
+                                                    moe_intermediate_size=32, norm_topk_prob=True)),
+    "mixtral-top1-expert-parallel": ("mixtral", dict(num_local_experts=5, num_experts_per_tok=1)),
     "qwen3-qk-norm": ("qwen3", dict(head_dim=32)),  # 4 q / 2 kv heads: replicated kv heads on tp=4
     # NoPE layers 1 and 3 of 5: kinds past the window kinds, carried onto stages like any layer's
     "smollm3-nope-layers": ("smollm3", dict(num_hidden_layers=5, no_rope_layer_interval=2, pad_token_id=0)),
@@ -32,7 +35,7 @@ MODELS = {
 # Each model on the mesh its padding needs (tp=4: experts 6 -> 8, kv heads replicated), the others on 2x2, the
 # awkward Llama on both: every model's sharding on a 2D mesh once, every padding path, one engine each.
 CASES = [("llama-odd-sizes", "2x2"), ("llama-odd-sizes", "4x2"), ("qwen2-bias", "2x2"), ("mixtral", "4x2"),
-         ("qwen3-moe", "4x2"), ("qwen3-qk-norm", "4x2"), ("smollm3-nope-layers", "2x2"),
+         ("qwen3-moe-expert-parallel", "4x2"), ("mixtral-top1-expert-parallel", "2x1"), ("qwen3-qk-norm", "4x2"), ("smollm3-nope-layers", "2x2"),
          ("gemma3-mixed-windows", "4x2")]
 
 
@@ -48,7 +51,7 @@ def engines(tiny_checkpoint, shared_checkpoints):
             reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                              attn_implementation="eager").eval()
             engine = Engine(str(path), mesh=mesh, num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4,
-                            warmup=False)
+                            warmup=False, enable_expert_parallel=name.endswith("-expert-parallel"))
             built[name, mesh] = engine, reference
         return built[name, mesh]
 
@@ -103,11 +106,19 @@ def test_kv_cache_split_by_kv_heads_and_by_stage(engines):
         assert shard.index[0] == slice(stage * L // 2, (stage + 1) * L // 2)
 
 
-def test_experts_split_over_tp(engines):
+def test_each_expert_width_split_over_tp_by_default(engines):
     engine, _ = engines("mixtral", "4x2")
     w_gate = engine.runner.params["layers"]["w_gate"][...]  # [L, E, D, F]
-    assert {s.data.shape[1] for s in w_gate.addressable_shards} == {8 // 4}
-    assert {s.data.shape[3] for s in w_gate.addressable_shards} == {w_gate.shape[3]}  # each expert whole
+    assert {s.data.shape[1] for s in w_gate.addressable_shards} == {8}  # every device holds every expert
+    assert {s.data.shape[3] for s in w_gate.addressable_shards} == {w_gate.shape[3] // 4}
+
+
+def test_whole_experts_split_over_tp_with_expert_parallelism(engines):
+    engine, _ = engines("qwen3-moe-expert-parallel", "4x2")
+    w_down = engine.runner.params["layers"]["w_down"][...]  # [L, E, F, D]
+    assert w_down.shape[1] == 8  # 6 experts and 2 never chosen
+    assert {s.data.shape[1] for s in w_down.addressable_shards} == {2}
+    assert {s.data.shape[2] for s in w_down.addressable_shards} == {32}  # each expert whole
 
 
 def test_compiled_step_has_tp_reductions_and_stage_hand_offs(engines):
