@@ -55,12 +55,14 @@ BOS, EOS = 0, 1
 DECODE_PROMPT_LEN = 16  # the batch-1 request's prompt
 
 
-def write_model_dir(shape: str, out: Path) -> Path:
+def write_model_dir(shape: str, out: Path, architecture: str = "LlamaForCausalLM", model_type: str = "llama",
+                    **overrides) -> Path:
+    """`out` holding the shape's config.json (fields laid over by `overrides`) and the stand-in tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    config = dict(SHAPES[shape], architectures=["LlamaForCausalLM"], model_type="llama", rms_norm_eps=1e-5,
-                  bos_token_id=BOS, eos_token_id=EOS, torch_dtype="bfloat16")
+    config = dict(SHAPES[shape], architectures=[architecture], model_type=model_type, rms_norm_eps=1e-5,
+                  bos_token_id=BOS, eos_token_id=EOS, torch_dtype="bfloat16") | overrides
     (out / "config.json").write_text(json.dumps(config, indent=1))
     vocab = {f"w{i}": i for i in range(config["vocab_size"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))

@@ -35,11 +35,14 @@ from jaxserve.parallel.sharding import named_sharding
 log = logging.getLogger(__name__)
 
 
-def resolve_layer_loop(choice: str, platform: str) -> str:
+def resolve_layer_loop(choice: str, platform: str, experts: bool = False) -> str:
+    """"auto": unrolled on GPU, and for a mixture of experts (`experts`) everywhere: a scan hands each layer a
+    slice of the stacked weights, which the expert loop cannot read in place, so XLA:CPU copied every expert of
+    the layer each step (a 2-layer model's batch-1 decode step: 19.8 ms scanned, 0.83 ms unrolled)."""
     if choice not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, got {choice!r}")
     if choice == "auto":
-        return "unrolled" if platform == "gpu" else "scan"
+        return "unrolled" if platform == "gpu" or experts else "scan"
     return choice
 
 

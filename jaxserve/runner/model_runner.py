@@ -109,7 +109,7 @@ class ModelRunner:
         # The Pallas attention has a decode kernel for steps of one token per sequence (inside pipeline stages
         # too: a decode step's micro-batches take their own rows of the block table, parallel/pipeline.py).
         self.decode_kernel = attention_impl != "reference"
-        self.layer_loop = resolve_layer_loop(layer_loop, platform)
+        self.layer_loop = resolve_layer_loop(layer_loop, platform, experts=bool(cfg.num_experts))
         unrolled = self.layer_loop == "unrolled"
         self.graphdef, self.params = load_weights(cfg, tensors, self.dtype, self.mesh, self.layout,
                                                   quantization, per_layer=unrolled)

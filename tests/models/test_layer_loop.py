@@ -115,6 +115,7 @@ def test_unrolled_stages_slice_no_layer_out_of_a_stack(tiny_checkpoint):
 def test_layer_loop_choice():
     assert resolve_layer_loop("auto", "gpu") == "unrolled"
     assert resolve_layer_loop("auto", "cpu") == "scan"
+    assert resolve_layer_loop("auto", "cpu", experts=True) == "unrolled"
     assert resolve_layer_loop("unrolled", "cpu") == "unrolled"
     with pytest.raises(ValueError, match="layer_loop must be one of auto, scan, unrolled, got 'unroll'"):
         resolve_layer_loop("unroll", "cpu")

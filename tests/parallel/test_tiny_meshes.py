@@ -108,14 +108,14 @@ def test_kv_cache_split_by_kv_heads_and_by_stage(engines):
 
 def test_each_expert_width_split_over_tp_by_default(engines):
     engine, _ = engines("mixtral", "4x2")
-    w_gate = engine.runner.params["layers"]["w_gate"][...]  # [L, E, D, F]
+    w_gate = engine.runner.params["layers"]["w_gate"][0]  # unrolled: layer slot 0 of each stage [pp, E, D, F]
     assert {s.data.shape[1] for s in w_gate.addressable_shards} == {8}  # every device holds every expert
     assert {s.data.shape[3] for s in w_gate.addressable_shards} == {w_gate.shape[3] // 4}
 
 
 def test_whole_experts_split_over_tp_with_expert_parallelism(engines):
     engine, _ = engines("qwen3-moe-expert-parallel", "4x2")
-    w_down = engine.runner.params["layers"]["w_down"][...]  # [L, E, F, D]
+    w_down = engine.runner.params["layers"]["w_down"][0]  # [pp, E, F, D]
     assert w_down.shape[1] == 8  # 6 experts and 2 never chosen
     assert {s.data.shape[1] for s in w_down.addressable_shards} == {2}
     assert {s.data.shape[2] for s in w_down.addressable_shards} == {32}  # each expert whole
