@@ -157,6 +157,7 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_renormalize: bool = True  # the top-k router weights rescaled to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
+    shared_expert_size: int = 0  # Qwen2-MoE: the MLP width of an expert every token runs, behind a sigmoid gate
     router_scoring: str = "softmax"  # the router's scores: "softmax" over the experts, or each expert's "sigmoid"
     # Whole experts split over tp (expert parallelism; Engine's enable_expert_parallel) instead of each expert's MLP
     # width. Set on the runner's effective config (parallel/layout.py), not by the checkpoint.

@@ -191,7 +191,9 @@ def _activation(arch: str, d: dict[str, Any]) -> str:
 
 
 def _experts(arch: str, d: dict[str, Any]) -> dict[str, Any]:
-    """Mixture-of-experts fields (Mixtral, Qwen3-MoE); intermediate_size becomes each expert's MLP width."""
+    """Mixture-of-experts fields (Mixtral, Qwen2-MoE, Qwen3-MoE); intermediate_size becomes each expert's MLP
+    width. Mixtral always renormalises the top-k weights; Qwen's norm_topk_prob defaults to false, as in
+    transformers."""
     experts = int(d.get("num_local_experts") or d.get("num_experts") or 0)
     if not experts:
         return {}
@@ -200,8 +202,10 @@ def _experts(arch: str, d: dict[str, Any]) -> dict[str, Any]:
                          f"{d.get('mlp_only_layers')}, decoder_sparse_step {d.get('decoder_sparse_step')}) are not "
                          f"supported; every layer must be a mixture of experts")
     return dict(num_experts=experts, num_experts_per_tok=int(d["num_experts_per_tok"]),
-                moe_renormalize=bool(d.get("norm_topk_prob", True)),
-                intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]))
+                moe_renormalize=bool(d.get("norm_topk_prob", arch.startswith("Mixtral"))),
+                intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
+                shared_expert_size=int(d.get("shared_expert_intermediate_size") or 0),
+                router_scoring=str(d.get("scoring_func", "softmax")))
 
 
 def _granite(arch: str, d: dict[str, Any]) -> dict[str, Any]:

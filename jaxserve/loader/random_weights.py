@@ -46,6 +46,10 @@ def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if cfg.num_experts:
         shapes |= {"gate.weight": (cfg.num_experts, D), "w1.weight": (F, D), "w3.weight": (F, D),
                    "w2.weight": (D, F)}
+    if cfg.shared_expert_size:  # named by three parts: the routed experts' gate_proj has two
+        Fs = cfg.shared_expert_size
+        shapes |= {"shared_expert.gate_proj.weight": (Fs, D), "shared_expert.up_proj.weight": (Fs, D),
+                   "shared_expert.down_proj.weight": (D, Fs), "shared_expert_gate.weight": (1, D)}
     return shapes
 
 
@@ -79,7 +83,8 @@ class RandomWeights:
 
     def _draw(self, template: str, numbers: jax.Array) -> jax.Array:
         """The tensor `fill(template, numbers)`; `numbers` may be traced."""
-        suffix = ".".join(template.split(".")[-2:])  # "model.layers.*.self_attn.q_proj.weight" -> "q_proj.weight"
+        parts = template.split(".")  # "model.layers.*.self_attn.q_proj.weight" -> "q_proj.weight"
+        suffix = ".".join(parts[-3:]) if ".".join(parts[-3:]) in self._shapes else ".".join(parts[-2:])
         shape = self._shapes.get(suffix)
         if shape is None:
             raise KeyError(f"no random tensor for {template!r}: the dummy loader does not know this weight")

@@ -67,6 +67,13 @@ def _layer_weights(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
             "w_up": ("mlp.up_proj.weight", lambda w: w.T),
             "w_down": ("mlp.down_proj.weight", lambda w: w.T),
         }
+    if cfg.shared_expert_size:
+        table |= {
+            "shared_gate": ("mlp.shared_expert.gate_proj.weight", lambda w: w.T),
+            "shared_up": ("mlp.shared_expert.up_proj.weight", lambda w: w.T),
+            "shared_down": ("mlp.shared_expert.down_proj.weight", lambda w: w.T),
+            "shared_expert_gate": ("mlp.shared_expert_gate.weight", lambda w: w.T),
+        }
     return table
 
 
@@ -74,6 +81,7 @@ def _layer_weights(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
 # names the expert matrices w1 (gate), w3 (up), w2 (down). Ours are stacked [L, E, ...].
 MOE_NAMES = {
     "MixtralForCausalLM": ("block_sparse_moe", {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}),
+    "Qwen2MoeForCausalLM": ("mlp", {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}),
     "Qwen3MoeForCausalLM": ("mlp", {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}),
 }
 

@@ -185,4 +185,17 @@ def moe_mlp(cfg: ModelConfig, w: dict[str, jax.Array], h: jax.Array, adapters: j
     weights, experts = route(cfg, h, w["router"])
     ew = {name: value for name, value in w.items() if name.split("_scale")[0] in EXPERT_WEIGHTS}
     out = (experts_fn or local_experts)(cfg, h, weights, experts, ew)
+    if cfg.shared_expert_size:
+        out = out + shared_expert(cfg, h, w)
     return out.astype(h.dtype)
+
+
+def shared_expert(cfg: ModelConfig, h: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+    """Qwen2-MoE's shared expert [T, D] float32: a gated MLP every token runs (split over tp as a dense MLP),
+    scaled per token by sigmoid(h . shared_expert_gate)."""
+    act = ACTIVATIONS[cfg.hidden_act]
+    gate = dense("TD,DF->TF", h, w, "shared_gate", int8_activations=cfg.int8_activations)
+    up = dense("TD,DF->TF", h, w, "shared_up", int8_activations=cfg.int8_activations)
+    out = dense("TF,FD->TD", act(gate) * up, w, "shared_down", int8_activations=cfg.int8_activations)
+    scale = jax.nn.sigmoid(jnp.einsum("TD,DO->TO", h, w["shared_expert_gate"], preferred_element_type=jnp.float32))
+    return out.astype(jnp.float32) * scale

@@ -1,4 +1,4 @@
-"""Mixtral and Qwen3-MoE: the Llama decoder with a mixture-of-experts MLP (models/experts.py: a router choosing
+"""Mixtral, Qwen2-MoE and Qwen3-MoE: the Llama decoder with a mixture-of-experts MLP (models/experts.py: a router choosing
 k experts per token, their weights renormalised or not, and only the chosen experts run).
 
 Architecture only; attention and the layer loop are llama.py's.
@@ -24,7 +24,15 @@ class MoeDecoderLayers(DecoderLayers):
             value, scale = weight(shape, ("layers",) + axes[name], dtype, EXPERT_CONTRACTS[name], q)
             setattr(self, name, value)
             setattr(self, name + "_scale", scale)
-
+        if cfg.shared_expert_size:  # Qwen2-MoE: one expert every token runs, its output scaled by a sigmoid gate
+            Fs = cfg.shared_expert_size
+            self.shared_gate, self.shared_gate_scale = weight((L, D, Fs), ("layers", "embed", "shared_mlp"), dtype,
+                                                              ("embed",), q)
+            self.shared_up, self.shared_up_scale = weight((L, D, Fs), ("layers", "embed", "shared_mlp"), dtype,
+                                                          ("embed",), q)
+            self.shared_down, self.shared_down_scale = weight((L, Fs, D), ("layers", "shared_mlp", "embed"), dtype,
+                                                              ("shared_mlp",), q)
+            self.shared_expert_gate = param((L, D, 1), ("layers", "embed", None), dtype)
 
 class MixtralForCausalLM(LlamaForCausalLM):
     layers_class = MoeDecoderLayers

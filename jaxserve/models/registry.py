@@ -22,6 +22,7 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,  # Llama with NoPE layers (no RoPE on every 4th)
+    "Qwen2MoeForCausalLM": MixtralForCausalLM,  # Qwen2's attention (q/k/v biases), routed and shared experts
     "Qwen3MoeForCausalLM": MixtralForCausalLM,  # Qwen3's attention (q/k norms) with Mixtral's kind of MLP
 }
 

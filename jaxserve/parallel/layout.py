@@ -77,6 +77,7 @@ class ParallelLayout:
     mlp: int  # F, padded (dense models)
     vocab: int  # V, padded
     experts: int  # E, padded when whole experts split over tp (mixture-of-experts models; 0 otherwise)
+    shared_mlp: int = 0  # the shared expert's MLP width, padded (Qwen2-MoE; 0 otherwise)
 
     @property
     def slots(self) -> int:
@@ -94,7 +95,7 @@ class ParallelLayout:
         return dataclasses.replace(
             cfg, num_layers=self.pp * self.slots, num_heads=h.kv_heads * h.group,
             num_kv_heads=h.kv_heads * h.replicas, intermediate_size=mlp, vocab_pad=self.vocab - cfg.vocab_size,
-            expert_pad=self.experts - cfg.num_experts)
+            expert_pad=self.experts - cfg.num_experts, shared_expert_size=self.shared_mlp)
 
 
 def plan_layout(cfg: ModelConfig, tp: int, pp: int, partition: Sequence[int] | None = None) -> ParallelLayout:
@@ -106,7 +107,8 @@ def plan_layout(cfg: ModelConfig, tp: int, pp: int, partition: Sequence[int] | N
                                                                                            cfg.num_layers, pp)
     return ParallelLayout(tp=tp, pp=pp, partition=parts, heads=plan_heads(cfg.num_heads, cfg.num_kv_heads, tp),
                           mlp=round_up(cfg.intermediate_size, tp), vocab=round_up(cfg.vocab_size, tp),
-                          experts=round_up(cfg.num_experts, tp) if cfg.expert_parallel else cfg.num_experts)
+                          experts=round_up(cfg.num_experts, tp) if cfg.expert_parallel else cfg.num_experts,
+                          shared_mlp=round_up(cfg.shared_expert_size, tp))
 
 
 def check_expert_parallel(cfg: ModelConfig, tp: int) -> None:

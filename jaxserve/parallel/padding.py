@@ -56,7 +56,8 @@ def pad_layers(a, axis: int, layout: ParallelLayout):
 
 def pad_weight(a, logical: tuple[str | None, ...], layout: ParallelLayout, num_kv_heads: int):
     """The checkpoint array `a` (real sizes) padded on every axis whose logical name needs it."""
-    sizes = {"mlp": layout.mlp, "vocab": layout.vocab, "parallel_experts": layout.experts}
+    sizes = {"mlp": layout.mlp, "vocab": layout.vocab, "parallel_experts": layout.experts,
+             "shared_mlp": layout.shared_mlp}
     for axis, name in enumerate(logical):
         if name == "q_heads":
             a = pad_q_heads(a, axis, layout, num_kv_heads)

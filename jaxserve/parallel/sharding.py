@@ -27,6 +27,7 @@ LOGICAL_RULES: dict[str, str | None] = {
     "experts": None,
     "parallel_experts": "tp",
     "expert_mlp": None,
+    "shared_mlp": "tp",  # a shared expert (every token runs it) splits as a dense MLP does
     "lora_slots": None,  # LoRA factors: every device holds every adapter, split like the weight they change
     "lora_rank": None,
 }

@@ -142,6 +142,17 @@ def test_qwen3_moe_reads_its_expert_fields():
         config("Qwen3MoeForCausalLM", **moe, mlp_only_layers=[0])
 
 
+def test_qwen_moe_defaults_and_shared_expert_and_router_scoring():
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128)
+    assert not config("Qwen3MoeForCausalLM", **moe).moe_renormalize  # transformers' default for a missing key
+    qwen2 = config("Qwen2MoeForCausalLM", **moe, shared_expert_intermediate_size=96)
+    assert qwen2.shared_expert_size == 96 and qwen2.qkv_bias and not qwen2.moe_renormalize
+    assert config("Qwen3MoeForCausalLM", **moe).shared_expert_size == 0
+    assert config("Qwen3MoeForCausalLM", **moe, scoring_func="sigmoid").router_scoring == "sigmoid"
+    with pytest.raises(ValueError, match="router scoring 'noaux_tc' is not supported"):
+        config("Qwen3MoeForCausalLM", **moe, scoring_func="noaux_tc")
+
+
 def test_smollm3_nope_layers_become_kinds_without_rope():
     """transformers' no_rope_layers marks the layers that DO rotate; by default every 4th layer does not."""
     cfg = config("SmolLM3ForCausalLM", num_hidden_layers=8)

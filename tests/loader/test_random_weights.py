@@ -58,10 +58,10 @@ def flat_params(cfg, tensors, mesh, layout, quantization=None, per_layer=False, 
 
 
 # Every tensor name and layout the dummy loader makes: an untied LM head and odd sizes, biases, Mixtral's and Qwen3's
-# experts (with q/k norms), Gemma 3's extra norms stored as w for 1 + w. (SmolLM3's and Qwen3's dense layers add no
-# tensor name these lack.)
+# experts (with q/k norms), Qwen2-MoE's shared expert, Gemma 3's extra norms stored as w for 1 + w. (SmolLM3's and
+# Qwen3's dense layers add no tensor name these lack.)
 @pytest.mark.parametrize("name", ["llama-odd-sizes", "qwen2-bias", "mixtral", "qwen3-moe-expert-parallel",
-                                  "gemma3-mixed-windows"])
+                                  "qwen2-moe-shared-expert-parallel", "gemma3-mixed-windows"])
 def test_dummy_weights_are_the_named_tensors_the_checkpoint_holds(name, tiny_checkpoint, tmp_path):
     """Each weight the dummy loader makes equals the one loaded from the checkpoint transformers wrote with every
     tensor replaced by the dummy tensor of its name: the names, shapes and layouts are a real checkpoint's. (That

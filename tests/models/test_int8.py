@@ -17,9 +17,10 @@ from jaxserve import Engine
 from tests.models.test_parity import PROMPTS, check_parity
 from tests.parallel.test_tiny_meshes import MODELS
 
-# Only the decoder layers' matmuls are quantized: norms, embedding, LM head, the routers (Mixtral's, Qwen3-MoE's) and
-# biases stay float.
-NOT_QUANTIZED = ("norm", "embed_tokens", "lm_head", "block_sparse_moe.gate.", "mlp.gate.", "bias")
+# Only the decoder layers' matmuls are quantized: norms, embedding, LM head, the routers (Mixtral's, Qwen's), the
+# shared expert's gate and biases stay float.
+NOT_QUANTIZED = ("norm", "embed_tokens", "lm_head", "block_sparse_moe.gate.", "mlp.gate.", "shared_expert_gate.",
+                 "bias")
 
 
 def int8_rounded(t):

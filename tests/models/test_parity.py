@@ -43,6 +43,9 @@ ARCHITECTURES = {
     # experts under Qwen's names, 32 wide, router weights not renormalised (norm_topk_prob false)
     "qwen3-moe": ("qwen3_moe", dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                     norm_topk_prob=False, tie_word_embeddings=False)),
+    # routed experts (5, top-4, not renormalised) beside a shared expert behind its sigmoid gate; q/k/v biases
+    "qwen2-moe-shared-expert": ("qwen2_moe", dict(num_experts=5, num_experts_per_tok=4, moe_intermediate_size=24,
+                                                  shared_expert_intermediate_size=40, tie_word_embeddings=False)),
     # fused qkv_proj and gate_up_proj, split at load
     "phi3-fused-sliding-window": ("phi3", dict(sliding_window=12, tie_word_embeddings=False, pad_token_id=0)),
     "phi4-mini-partial-rotary": ("phi3", PHI4_MINI),
