@@ -34,6 +34,8 @@
 #   sync       the same without transformers and with --no-async-scheduling: what overlapping host work buys
 #   tune       scripts/tune_decode_kernel.py: the decode kernel's knobs swept at six shapes (~5 minutes)
 #   pipeline   scripts/bench_pipeline_model.py: pp = 2, 4 vs data parallelism in steady decode, 8B shape (~3 min)
+#   moe        scripts/bench_moe.py at Qwen3-30B-A3B's shape, bfloat16: sparse experts vs the dense model of equal
+#              active width (issue 35; the every-expert column only at the CPU's shape)
 #   decode     issue 4's goals in one call: tune_decode_kernel.py at 64x2048, 8x8192 and 1x512, bench_kernels.py
 #              at the best setting, the compiled kernel and parity tests, Nsight Compute if time is left (~9 min)
 #   profile    Nsight Compute on both decode kernels at batch 64 x 2048: duration, DRAM throughput, occupancy,
@@ -42,7 +44,7 @@
 # Logs, JSON results and BENCHMARKS.md rows land in $OUT (the device tool brings them back); copy the rows into
 # BENCHMARKS.md. A command cut by its time limit leaves its log and JSON as far as it got.
 set -uo pipefail
-step=${1:?usage: scripts/gpu_session.sh all|kernels|synthetic|sync|tune|pipeline|decode|profile}
+step=${1:?usage: scripts/gpu_session.sh all|kernels|synthetic|sync|tune|pipeline|moe|decode|profile}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -133,6 +135,11 @@ case "$step" in
     python3 scripts/bench_pipeline_model.py --shape llama3-8b --batch 64 --rounds 1 --append "$out/benchmark_rows.md" \
       2>&1 | tee "$out/bench_pipeline_model.log"
     ;;
+  moe)
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+    timeout -k 15 540 python3 scripts/bench_moe.py --shape qwen3-30b-a3b --variants dense moe --repeats 2 \
+      --machine "${gpu:-GPU}" --append "$out/benchmark_rows.md" 2>&1 | tee "$out/bench_moe.log"
+    ;;
   decode)
     # Issue 4's open goals in one call of under 9.5 minutes (a session's device time is 15 minutes, a machine's
     # start included): the knobs swept where the goals are hardest, the 12-shape table at the sweep's best
@@ -160,7 +167,7 @@ case "$step" in
     done
     ;;
   *)
-    echo "unknown step $step: use all, kernels, synthetic, sync, tune, pipeline, decode or profile" >&2
+    echo "unknown step $step: use all, kernels, synthetic, sync, tune, pipeline, moe, decode or profile" >&2
     exit 2
     ;;
 esac

@@ -11,7 +11,7 @@ One layer's work:
    - `looped_experts` (CPU): a loop over the experts that have rows, each slicing its weights once and running
      its rows in chunks. XLA:CPU reads a sliced expert in place and each expert's bytes once per step;
      measured faster than gathering weights per block (2-10x) and than running every expert on every token
-     (3-17x at 1-512 tokens; docs/models.md).
+     (3-17x at 1-512 tokens; docs/architecture.md, "Mixture of experts").
    - `gathered_experts` (GPU, TPU): the sorted rows padded to blocks of `block` rows, each block's expert weights
      gathered, and one batched matmul over the blocks: no sequential loop, which a GPU would run kernel by
      kernel. (`jax.lax.ragged_dot` is the natural op, but jax's CUDA and CPU backends lower it to a dense matmul
@@ -89,7 +89,7 @@ def sort_pairs(weights: jax.Array, experts: jax.Array, first: jax.Array | int, n
 def rows_per_chunk(pairs: int, experts: int, cap: int) -> int:
     """Rows one matmul of an expert takes: about half an expert's expected rows (pairs / experts), a power of two
     in [1, cap]. Smaller chunks waste less on padding, larger ones run fewer, better-shaped matmuls (measured on
-    CPU: docs/models.md)."""
+    CPU: docs/architecture.md)."""
     size = 1
     while size * 2 <= min(cap, pairs / (2 * experts)):
         size *= 2
