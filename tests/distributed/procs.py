@@ -108,12 +108,12 @@ def complete(url: str, model: str, prompt: str, max_tokens: int = 8) -> str:
     return reply.json()["choices"][0]["text"]
 
 
-def reference_texts(model: str, mesh: str, max_tokens: int = 8) -> list[str]:
+def reference_texts(model: str, mesh: str, max_tokens: int = 8, **options) -> list[str]:
     """What one process (this pytest process, 8 fake devices) generates for PROMPTS."""
     from jaxserve import Engine, SamplingParams
 
     engine = Engine(model, mesh=mesh, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=2, warmup=False,
-                    dtype="float32")
+                    dtype="float32", **options)
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     # One prompt at a time, as the server gets them: the same step shapes, so the same programs.
     return [engine.generate([p], params, use_tqdm=False)[0].outputs[0].text for p in PROMPTS]

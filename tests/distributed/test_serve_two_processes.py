@@ -60,6 +60,16 @@ def test_converted_checkpoint_served_by_two_processes_matches_one_process(proces
     assert "process 1 (host" in processes.log("p0") and "received a shutdown signal" in processes.log("p0")
 
 
+def test_expert_parallel_mixture_of_experts_served_by_two_processes_matches_one_process(processes,
+                                                                                      tiny_checkpoint):
+    """Each process holds one pipeline stage's 4 tp devices, 2 of the 8 experts on each: the experts' psum runs
+    within a process, the stage hand-off between them. The same greedy text as one process."""
+    model = str(tiny_checkpoint("mixtral", num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=2))
+    url = start_pair(processes, model, free_port(), "--enable-expert-parallel")
+    served = [complete(url, model, prompt) for prompt in PROMPTS]
+    assert served == reference_texts(model, "4x2", enable_expert_parallel=True)
+
+
 def test_killed_follower_makes_the_leader_exit_naming_it(processes, tiny_checkpoint):
     model = str(tiny_checkpoint("llama"))
     url = start_pair(processes, model, free_port())
