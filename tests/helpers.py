@@ -155,6 +155,10 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, split_ex
         if rest.endswith(".gate.weight"):  # the router
             writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", w)
             continue
+        if rest in QWEN2MOE_SHARED_EXPERT:  # llama.cpp keeps the shared expert's gate as a vector
+            writer.add_tensor(f"blk.{layer}.{QWEN2MOE_SHARED_EXPERT[rest]}", w.reshape(-1) if "gate_inp" in
+                              QWEN2MOE_SHARED_EXPERT[rest] else w)
+            continue
         gguf_name = next(g for g, hf in layer_names(arch).items() if hf == rest)
         if arch in LLAMA_LINEAGE and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
             w = _interleave_rotary_halves(w, cfg["num_attention_heads" if "q_proj" in rest else "num_key_value_heads"])
@@ -192,6 +196,12 @@ GEMMA2_NORMS = {"post_attention_layernorm.weight": "post_attention_norm.weight",
                 "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                 "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 
+# Qwen2-MoE's shared expert as llama.cpp's tensor map names it (written out here, not taken from the reader).
+QWEN2MOE_SHARED_EXPERT = {"mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+                          "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+                          "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+                          "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight"}
+
 # HF expert matrix names (Mixtral's w1/w3/w2, Qwen's) -> llama.cpp's ffn_{gate,up,down}.
 _EXPERT_MATRICES = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
@@ -209,6 +219,8 @@ def _gguf_model_metadata(cfg: dict) -> dict:
         keys |= {"expert_count": experts, "expert_used_count": cfg["num_experts_per_tok"]}
         if "moe_intermediate_size" in cfg:
             keys["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
+        if cfg.get("shared_expert_intermediate_size"):
+            keys["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
     granite = {"attention_multiplier": "attention.scale", "embedding_multiplier": "embedding_scale",
                "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
     if cfg["model_type"] == "granite":

@@ -17,7 +17,7 @@ from jaxserve.loader.weights import MOE_NAMES
 
 # GGUF `general.architecture` -> HF architecture name. llama.cpp converts Mixtral to "llama" (with experts).
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
+                      "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
                       "smollm3": "SmolLM3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
                       "gemma3": "Gemma3ForCausalLM"}
 # llama.cpp's converter interleaves the rotary halves of each q/k head for the Llama lineage.
@@ -59,8 +59,13 @@ _LAYER_NAMES = {
 _GEMMA2_NORMS = {"post_attention_norm.weight": "post_attention_layernorm.weight",
                  "ffn_norm.weight": "pre_feedforward_layernorm.weight",
                  "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+# Qwen2-MoE's shared expert and its gate (`_shexp`).
+_SHARED_EXPERT = {"ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+                  "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+                  "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+                  "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"}
 ARCH_LAYER_NAMES = {"phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"}, "gemma2": _GEMMA2_NORMS,
-                    "gemma3": _GEMMA2_NORMS}
+                    "gemma3": _GEMMA2_NORMS, "qwen2moe": _SHARED_EXPERT}
 
 
 def layer_names(arch: str) -> dict[str, str]:
@@ -192,7 +197,7 @@ class GGUFFile:
             rotary_dim=None if rotary is None or int(rotary) == head_dim else int(rotary),
             max_position_embeddings=int(self.field(f"{a}.context_length", 2048)),
             tie_word_embeddings="lm_head.weight" not in self._tensors,
-            qkv_bias=a == "qwen2",
+            qkv_bias=a in ("qwen2", "qwen2moe"),
             qk_norm=a in ("qwen3", "qwen3moe"),
             sliding_window=int(self.field(f"{a}.attention.sliding_window", 0)) or None,
             rope_layers=rope_layer_flags(layers, SMOLLM3_NOPE_INTERVAL) if a == "smollm3" else (),
@@ -213,15 +218,17 @@ class GGUFFile:
         return tuple(dict.fromkeys(([] if eos is None else [int(eos)]) + turn_ends))
 
     def _experts(self) -> dict:
-        """Mixtral's and Qwen3-MoE's experts; intermediate_size becomes each expert's MLP width."""
+        """Mixtral's, Qwen2-MoE's and Qwen3-MoE's experts; intermediate_size becomes each expert's MLP width."""
         a = self.arch
         experts = int(self.field(f"{a}.expert_count", 0))
         if not experts:
             return {}
         width = self.field(f"{a}.expert_feed_forward_length") or self.field(f"{a}.feed_forward_length")
-        # llama.cpp renormalises the top-k router weights of both unless the file says otherwise.
+        # llama.cpp renormalises the top-k router weights unless the file says otherwise, but never Qwen2-MoE's.
+        renormalize = self.field(f"{a}.expert_weights_norm", a != "qwen2moe")
         return dict(num_experts=experts, num_experts_per_tok=int(self.field(f"{a}.expert_used_count")),
-                    intermediate_size=int(width), moe_renormalize=bool(self.field(f"{a}.expert_weights_norm", True)))
+                    intermediate_size=int(width), moe_renormalize=bool(renormalize),
+                    shared_expert_size=int(self.field(f"{a}.expert_shared_feed_forward_length", 0)))
 
     def _granite(self) -> dict:
         """Granite's multipliers, which llama.cpp's converter writes as *_scale keys (each only when set)."""

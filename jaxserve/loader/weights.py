@@ -72,7 +72,8 @@ def _layer_weights(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
             "shared_gate": ("mlp.shared_expert.gate_proj.weight", lambda w: w.T),
             "shared_up": ("mlp.shared_expert.up_proj.weight", lambda w: w.T),
             "shared_down": ("mlp.shared_expert.down_proj.weight", lambda w: w.T),
-            "shared_expert_gate": ("mlp.shared_expert_gate.weight", lambda w: w.T),
+            # [1, D] in HF files, [D] in GGUF ones
+            "shared_expert_gate": ("mlp.shared_expert_gate.weight", lambda w: w.reshape(1, -1).T),
         }
     return table
 

@@ -71,10 +71,10 @@ def _write_metadata_gguf(path, arch: str, metadata: dict[str, int], tensors: dic
     return path
 
 
-@pytest.mark.parametrize("arch", ["falcon", "qwen2moe"])
+@pytest.mark.parametrize("arch", ["falcon", "deepseek2"])
 def test_unsupported_gguf_architecture_is_named(arch, tmp_path):
     with pytest.raises(ValueError, match=f"GGUF architecture '{arch}' in m.gguf is not supported; supported: "
-                                         f"llama, qwen2, qwen3, qwen3moe, phi3, granite, smollm3, gemma, gemma2, gemma3"):
+                                         f"llama, qwen2, qwen3, qwen2moe, qwen3moe, phi3, granite, smollm3, gemma, gemma2, gemma3"):
         Engine(str(_write_metadata_gguf(tmp_path / "m.gguf", arch, {})))
 
 

@@ -152,6 +152,9 @@ GGUF_CASES = {
     "mixtral-one-tensor-per-expert": ("llama", MIXTRAL, {"split_experts": True}, 16),
     # norm_topk_prob false, which llama.cpp's expert_weights_norm says (absent, it renormalises, as for Mixtral)
     "qwen3-moe": ("qwen3moe", ARCHITECTURES["qwen3-moe"], {"expert_weights_norm": False}, 32),
+    # the shared expert's tensors and length key; no expert_weights_norm key, and llama.cpp never renormalises
+    # Qwen2-MoE's
+    "qwen2-moe-shared-expert": ("qwen2moe", ARCHITECTURES["qwen2-moe-shared-expert"], {}, 16),
     "granite-multipliers": ("granite", ARCHITECTURES["granite-multipliers"], {}, 16),
     "smollm3-every-4th-layer-nope": ("smollm3", SMOLLM3_GGUF, {}, 16),
     "gemma-geglu": ("gemma", ARCHITECTURES["gemma-geglu"], {}, 16),
