@@ -129,6 +129,9 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
+    o_bias: bool = False  # a bias on the attention's output projection too (attention_bias: Llama's, gpt-oss)
+    # gpt-oss: a learned logit per q head that joins each softmax's denominator and attends to nothing
+    attention_sinks: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each q and k head (its own gains, shared by heads) before RoPE
     sliding_window: int | None = None  # Mistral, when configured; with layer_types, the sliding layers' window
     # Per layer, "sliding_attention" or "full_attention", only when layers differ (Gemma 2/3, some Qwen2); () when
@@ -157,6 +160,12 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_renormalize: bool = True  # the top-k router weights rescaled to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
+    # gpt-oss: biases on the router and on every expert matrix, and its clamped SwiGLU,
+    # (up + 1) * g * sigmoid(alpha * g) with g = min(gate, limit) and up clamped to [-limit, limit]
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     shared_expert_size: int = 0  # Qwen2-MoE: the MLP width of an expert every token runs, behind a sigmoid gate
     router_scoring: str = "softmax"  # the router's scores: "softmax" over the experts, or each expert's "sigmoid"
     # Whole experts split over tp (expert parallelism; Engine's enable_expert_parallel) instead of each expert's MLP

@@ -40,7 +40,7 @@ def make_tiny_checkpoint(arch: str, out: Path, tokenizer_source: str, **override
     config = AutoConfig.for_model(arch, **settings)
     config.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                             "qwen2_moe": "Qwen2MoeForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                             "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                              "granite": "GraniteForCausalLM",
                              "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
                              "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[arch]]

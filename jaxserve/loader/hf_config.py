@@ -191,9 +191,10 @@ def _activation(arch: str, d: dict[str, Any]) -> str:
 
 
 def _experts(arch: str, d: dict[str, Any]) -> dict[str, Any]:
-    """Mixture-of-experts fields (Mixtral, Qwen2-MoE, Qwen3-MoE); intermediate_size becomes each expert's MLP
-    width. Mixtral always renormalises the top-k weights; Qwen's norm_topk_prob defaults to false, as in
-    transformers."""
+    """Mixture-of-experts fields (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss); intermediate_size becomes each expert's
+    MLP width. Mixtral and gpt-oss (a softmax over the top-k logits) always renormalise the top-k weights; Qwen's
+    norm_topk_prob defaults to false, as in transformers. gpt-oss adds biases to its router and experts and clamps
+    its SwiGLU."""
     experts = int(d.get("num_local_experts") or d.get("num_experts") or 0)
     if not experts:
         return {}
@@ -202,10 +203,12 @@ def _experts(arch: str, d: dict[str, Any]) -> dict[str, Any]:
                          f"{d.get('mlp_only_layers')}, decoder_sparse_step {d.get('decoder_sparse_step')}) are not "
                          f"supported; every layer must be a mixture of experts")
     return dict(num_experts=experts, num_experts_per_tok=int(d["num_experts_per_tok"]),
-                moe_renormalize=bool(d.get("norm_topk_prob", arch.startswith("Mixtral"))),
+                moe_renormalize=bool(d.get("norm_topk_prob", arch.startswith(("Mixtral", "GptOss")))),
                 intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
                 shared_expert_size=int(d.get("shared_expert_intermediate_size") or 0),
-                router_scoring=str(d.get("scoring_func", "softmax")))
+                router_scoring=str(d.get("scoring_func", "softmax")),
+                **(dict(router_bias=True, expert_bias=True, swiglu_limit=float(d.get("swiglu_limit", 7.0)),
+                        swiglu_alpha=float(d.get("swiglu_alpha", 1.702))) if arch.startswith("GptOss") else {}))
 
 
 def _granite(arch: str, d: dict[str, Any]) -> dict[str, Any]:
@@ -263,6 +266,8 @@ def model_config_from_hf(d: dict[str, Any], generation: dict[str, Any] | None = 
         # transformers' defaults when the key is absent: SmolLM3 ties (Gemma too: _gemma), the others do not
         tie_word_embeddings=bool(d.get("tie_word_embeddings", arch.startswith("SmolLM3"))),
         qkv_bias=arch.startswith("Qwen2") or bool(d.get("attention_bias", False)),
+        o_bias=bool(d.get("attention_bias", False)),  # Llama-style attention_bias covers o_proj too
+        attention_sinks=arch.startswith("GptOss"),
         qk_norm=arch.startswith("Qwen3"),
         sliding_window=window,
         layer_types=layer_types,

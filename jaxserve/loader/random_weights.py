@@ -39,13 +39,18 @@ def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
         "pre_feedforward_layernorm.weight": (D,), "post_feedforward_layernorm.weight": (D,),
         "q_proj.weight": (H * d, D), "k_proj.weight": (K * d, D), "v_proj.weight": (K * d, D),
-        "o_proj.weight": (D, H * d), "q_proj.bias": (H * d,), "k_proj.bias": (K * d,), "v_proj.bias": (K * d,),
+        "o_proj.weight": (D, H * d), "q_proj.bias": (H * d,), "k_proj.bias": (K * d,), "v_proj.bias": (K * d,), "o_proj.bias": (D,),
         "q_norm.weight": (d,), "k_norm.weight": (d,),
         "gate_proj.weight": (F, D), "up_proj.weight": (F, D), "down_proj.weight": (D, F),
     }
     if cfg.num_experts:
         shapes |= {"gate.weight": (cfg.num_experts, D), "w1.weight": (F, D), "w3.weight": (F, D),
                    "w2.weight": (D, F)}
+    if cfg.expert_bias:  # gpt-oss: experts stacked per layer, gate and up in one tensor; biased router
+        E = cfg.num_experts
+        shapes |= {"experts.gate_up_proj": (E, D, 2 * F), "experts.gate_up_proj_bias": (E, 2 * F),
+                   "experts.down_proj": (E, F, D), "experts.down_proj_bias": (E, D), "router.weight": (E, D),
+                   "router.bias": (E,), "self_attn.sinks": (H,)}
     if cfg.shared_expert_size:  # named by three parts: the routed experts' gate_proj has two
         Fs = cfg.shared_expert_size
         shapes |= {"shared_expert.gate_proj.weight": (Fs, D), "shared_expert.up_proj.weight": (Fs, D),

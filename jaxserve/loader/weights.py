@@ -57,7 +57,13 @@ def _layer_weights(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
             "q_norm": ("self_attn.q_norm.weight", norm),
             "k_norm": ("self_attn.k_norm.weight", norm),
         }
-    if cfg.num_experts:
+    if cfg.o_bias:
+        table["bo"] = ("self_attn.o_proj.bias", lambda b: b)
+    if cfg.attention_sinks:
+        table["sinks"] = ("self_attn.sinks", lambda s: s)
+    if cfg.architecture in STACKED_EXPERTS:
+        table |= STACKED_EXPERTS[cfg.architecture]
+    elif cfg.num_experts:
         table |= {
             "router": (f"{moe_names(cfg)[0]}.gate.weight", lambda w: w.T),
         }
@@ -84,6 +90,22 @@ MOE_NAMES = {
     "MixtralForCausalLM": ("block_sparse_moe", {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}),
     "Qwen2MoeForCausalLM": ("mlp", {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}),
     "Qwen3MoeForCausalLM": ("mlp", {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}),
+}
+
+
+# Experts a checkpoint already stacks per layer, [E, in, out] (gpt-oss: gate and up in one tensor, alternating
+# column by column), and the router with its bias. Read like any layer weight, then stacked over layers.
+STACKED_EXPERTS = {
+    "GptOssForCausalLM": {
+        "router": ("mlp.router.weight", lambda w: w.T),
+        "router_bias": ("mlp.router.bias", lambda b: b),
+        "w_gate": ("mlp.experts.gate_up_proj", lambda w: w[..., ::2]),
+        "w_up": ("mlp.experts.gate_up_proj", lambda w: w[..., 1::2]),
+        "w_down": ("mlp.experts.down_proj", lambda w: w),
+        "b_gate": ("mlp.experts.gate_up_proj_bias", lambda b: b[..., ::2]),
+        "b_up": ("mlp.experts.gate_up_proj_bias", lambda b: b[..., 1::2]),
+        "b_down": ("mlp.experts.down_proj_bias", lambda b: b),
+    },
 }
 
 
@@ -134,7 +156,7 @@ def param_builders(cfg: ModelConfig, get: Callable[[str], Any], stack: Stack, dt
     for ours, (hf, transform) in _layer_weights(cfg).items():
         yield ("layers", ours), lambda hf=hf, transform=transform: stack(
             f"model.layers.*.{hf}", (cfg.num_layers,), transform, dtype)
-    if cfg.num_experts:
+    if cfg.num_experts and cfg.architecture in MOE_NAMES:  # one tensor per expert
         block = moe_names(cfg)[0]
         for ours, hf in moe_names(cfg)[1].items():
             # [L, E, in, out]: one expert matrix of every layer

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.models.layers import ACTIVATIONS, dense
 
-EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down", "b_gate", "b_up")  # what the grouped matmuls read (gpt-oss: biases)
 EXPERT_IMPLS = ("looped", "gathered")
 
 
@@ -43,19 +43,24 @@ def expert_axes(expert_parallel: bool) -> dict[str, tuple[str, ...]]:
     parallelism whole experts are split ("parallel_experts") and each keeps its width whole ("expert_mlp")."""
     experts, width = ("parallel_experts", "expert_mlp") if expert_parallel else ("experts", "mlp")
     return {"w_gate": (experts, "embed", width), "w_up": (experts, "embed", width),
-            "w_down": (experts, width, "embed")}
+            "w_down": (experts, width, "embed"), "b_gate": (experts, width), "b_up": (experts, width),
+            "b_down": (experts, "embed")}
 
 
 # What each weight's matmul sums over (its int8 scale keeps the other axes).
 EXPERT_CONTRACTS = {"w_gate": ("embed",), "w_up": ("embed",), "w_down": ("mlp", "expert_mlp")}
 
 
-def route(cfg: ModelConfig, h: jax.Array, router: jax.Array) -> tuple[jax.Array, jax.Array]:
+def route(cfg: ModelConfig, h: jax.Array, router: jax.Array, bias: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array]:
     """(weights [T, k] float32, experts [T, k] int32): each token's top-k experts by router score and the weight
     its output gets. Scores are a softmax over the experts (Mixtral, Qwen) or each expert's sigmoid
-    (`cfg.router_scoring`); renormalised to sum to 1 where `cfg.moe_renormalize`. Padded experts have no router
+    (`cfg.router_scoring`); renormalised to sum to 1 where `cfg.moe_renormalize`. (gpt-oss's softmax over its
+    top-k logits is the softmax over all of them renormalised over the top k.) Padded experts have no router
     column, so they are never chosen."""
     logits = jnp.einsum("TD,DE->TE", h, router, preferred_element_type=jnp.float32)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
     scores = jax.nn.sigmoid(logits) if cfg.router_scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(scores, cfg.num_experts_per_tok)
     if cfg.moe_renormalize:
@@ -96,14 +101,25 @@ def rows_per_chunk(pairs: int, experts: int, cap: int) -> int:
     return size
 
 
+def gated(cfg: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """act(gate) * up; gpt-oss's clamped SwiGLU where the model has a limit."""
+    if cfg.swiglu_limit is None:
+        return ACTIVATIONS[cfg.hidden_act](gate) * up
+    gate = jnp.minimum(gate, cfg.swiglu_limit)
+    up = jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
+    return (up + 1) * gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha)
+
+
 def expert_mlp(cfg: ModelConfig, x: jax.Array, w: dict[str, jax.Array], batched: bool = False) -> jax.Array:
     """down(act(gate(x)) * up(x)) with one expert's weights: x [R, D] (or [N, R, D] with each block's weights
-    [N, ...] when `batched`); int8 weights carry their scales (`<name>_scale`)."""
+    [N, ...] when `batched`); int8 weights carry their scales (`<name>_scale`); gate and up their biases where
+    the model has them (the down projection's is added once, after the experts: `moe_mlp`)."""
     n = "N" if batched else ""
-    act = ACTIVATIONS[cfg.hidden_act]
     gate = dense(f"{n}RD,{n}DF->{n}RF", x, w, "w_gate", int8_activations=cfg.int8_activations)
     up = dense(f"{n}RD,{n}DF->{n}RF", x, w, "w_up", int8_activations=cfg.int8_activations)
-    return dense(f"{n}RF,{n}FD->{n}RD", act(gate) * up, w, "w_down", int8_activations=cfg.int8_activations)
+    if "b_gate" in w:
+        gate, up = gate + w["b_gate"], up + w["b_up"]
+    return dense(f"{n}RF,{n}FD->{n}RD", gated(cfg, gate, up), w, "w_down", int8_activations=cfg.int8_activations)
 
 
 def looped_experts(cfg: ModelConfig, x: jax.Array, pairs: Pairs, w: dict[str, jax.Array],
@@ -156,9 +172,8 @@ def gathered_experts(cfg: ModelConfig, x: jax.Array, pairs: Pairs, w: dict[str, 
     block_expert = jnp.minimum(jnp.searchsorted(block_end, jnp.arange(num_blocks), side="right"), num_local - 1)
     token_of_row = jnp.concatenate([pairs.tokens, jnp.zeros((1,), jnp.int32)])[pair_of_row]
     blocks = x[token_of_row].reshape(num_blocks, block, x.shape[-1])
-    # Each block's weights; a scale [N, out] gains a row axis so it meets the batched [N, R, out] product.
-    wb = {name: value[block_expert] if not name.endswith("_scale") else value[block_expert][:, None]
-          for name, value in w.items()}
+    # Each block's weights; a scale or bias [N, out] gains a row axis so it meets the batched [N, R, out] product.
+    wb = {name: value[block_expert] if value.ndim == 3 else value[block_expert][:, None] for name, value in w.items()}
     y = expert_mlp(cfg, blocks, wb, batched=True).reshape(num_blocks * block, -1)
     return jnp.zeros((P + 1, y.shape[-1]), y.dtype).at[pair_of_row].set(y)[:P]  # back to sorted pair order
 
@@ -182,9 +197,11 @@ def moe_mlp(cfg: ModelConfig, w: dict[str, jax.Array], h: jax.Array, adapters: j
     [T, D] float32, the runner's sharded `local_experts`; on one device `local_experts` itself), plus the shared
     expert where the model has one. (LoRA adapters change only the attention of these models: `adapters` is
     unused.)"""
-    weights, experts = route(cfg, h, w["router"])
+    weights, experts = route(cfg, h, w["router"], w.get("router_bias"))
     ew = {name: value for name, value in w.items() if name.split("_scale")[0] in EXPERT_WEIGHTS}
     out = (experts_fn or local_experts)(cfg, h, weights, experts, ew)
+    if cfg.expert_bias:  # each chosen expert's down-projection bias, by its routing weight: once, not per device
+        out = out + jnp.einsum("Tk,TkD->TD", weights, w["b_down"][experts].astype(jnp.float32))
     if cfg.shared_expert_size:
         out = out + shared_expert(cfg, h, w)
     return out.astype(h.dtype)

@@ -47,6 +47,10 @@ class DecoderLayers(nnx.Module):
             self.bq = param((L, H, d), ("layers", "q_heads", "head_dim"), dtype)
             self.bk = param((L, K, d), ("layers", "kv_heads", "head_dim"), dtype)
             self.bv = param((L, K, d), ("layers", "kv_heads", "head_dim"), dtype)
+        if cfg.o_bias:
+            self.bo = param((L, D), ("layers", "embed"), dtype)
+        if cfg.attention_sinks:
+            self.sinks = param((L, H), ("layers", "q_heads"), dtype)
         if cfg.qk_norm:
             self.q_norm = param((L, d), ("layers", "head_dim"), dtype)
             self.k_norm = param((L, d), ("layers", "head_dim"), dtype)
@@ -95,12 +99,14 @@ def self_attention(cfg: ModelConfig, attention_fn, w: dict[str, jax.Array], h: j
         inv_freq, factor = jnp.asarray(inv_freqs)[kind], jnp.asarray(factors)[kind]
     q = apply_rope(q, meta.positions, inv_freq, factor)
     k = apply_rope(k, meta.positions, inv_freq, factor)
-    attn, kv = attention_fn(q, k, v, kv, layer, meta, kind)
+    sinks = {"sinks": w["sinks"]} if cfg.attention_sinks else {}
+    attn, kv = attention_fn(q, k, v, kv, layer, meta, kind, **sinks)
     if cfg.int8_activations:
         # A q head padded in for tp (zero weights, so q == 0) attends uniformly and outputs the mean of v; wo's
         # zero rows cancel it in float, but it would count in each token's activation scale: zero it.
         attn = attn * jnp.any(q != 0, axis=-1, keepdims=True).astype(attn.dtype)
-    return dense("THd,HdD->TD", attn, w, "wo", adapters, cfg.int8_activations), kv
+    out = dense("THd,HdD->TD", attn, w, "wo", adapters, cfg.int8_activations)
+    return (out + w["bo"] if cfg.o_bias else out), kv
 
 
 def decoder_layer(cfg: ModelConfig, attention_fn, mlp_fn, carry, w: dict[str, jax.Array], layer: jax.Array, meta):

@@ -1,4 +1,4 @@
-"""Mixtral, Qwen2-MoE and Qwen3-MoE: the Llama decoder with a mixture-of-experts MLP (models/experts.py: a router choosing
+"""Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss: the Llama decoder with a mixture-of-experts MLP (models/experts.py: a router choosing
 k experts per token, their weights renormalised or not, and only the chosen experts run).
 
 Architecture only; attention and the layer loop are llama.py's.
@@ -18,12 +18,18 @@ class MoeDecoderLayers(DecoderLayers):
         Ep = E + cfg.expert_pad  # never-chosen experts, so that whole experts split evenly over tp
         # The router stays in the model's dtype and unquantized: small, and routing is precision-sensitive.
         self.router = param((L, D, E), ("layers", "embed", None), dtype)
+        if cfg.router_bias:
+            self.router_bias = param((L, E), ("layers", None), dtype)
         axes = expert_axes(cfg.expert_parallel)
         shapes = {"w_gate": (L, Ep, D, F), "w_up": (L, Ep, D, F), "w_down": (L, Ep, F, D)}
         for name, shape in shapes.items():
             value, scale = weight(shape, ("layers",) + axes[name], dtype, EXPERT_CONTRACTS[name], q)
             setattr(self, name, value)
             setattr(self, name + "_scale", scale)
+        if cfg.expert_bias:  # gpt-oss
+            self.b_gate = param((L, Ep, F), ("layers",) + axes["b_gate"], dtype)
+            self.b_up = param((L, Ep, F), ("layers",) + axes["b_up"], dtype)
+            self.b_down = param((L, Ep, D), ("layers",) + axes["b_down"], dtype)
         if cfg.shared_expert_size:  # Qwen2-MoE: one expert every token runs, its output scaled by a sigmoid gate
             Fs = cfg.shared_expert_size
             self.shared_gate, self.shared_gate_scale = weight((L, D, Fs), ("layers", "embed", "shared_mlp"), dtype,

@@ -68,7 +68,9 @@ def paged_attention_reference(
     sliding_window: int | jax.Array | None = None,
     softcap: float | None = None,
     values_dtype=None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
+    """`sinks` [H]: each head's extra logit in the softmax's denominator, attending to nothing (gpt-oss)."""
     T, H, d = q.shape
     K, _, bs, _ = k_pages.shape
     rows = meta.block_tables[meta.token_seq]  # [T, MB]
@@ -83,18 +85,22 @@ def paged_attention_reference(
     if sliding_window is not None:
         visible &= kv_pos > meta.positions[:, None] - sliding_window
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, H // K, 1), (T, K, H // K, 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
     out = jnp.einsum("TKGS,KTSd->TKGd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(T, H, d).astype(q.dtype)
 
 
 def reference_attention_fn(q, k, v, kv: KVCache, layer, meta: AttentionMetadata, kind=None, *, scale,
-                           windows=(None,), softcap=None, values_dtype=None):
+                           windows=(None,), softcap=None, values_dtype=None, sinks=None):
     """Write this step's K/V, then attend over the pages: the signature every attention implementation shares.
     `windows`: the sliding window of each attention kind; `kind`: this layer's (None when there is one kind);
     `values_dtype`: what a cache held as bytes holds (kv_cache.storage_dtype)."""
     kv = write_kv(kv, layer, k, v, meta.slot_mapping, values_dtype)
     out = paged_attention_reference(q, kv.k[layer], kv.v[layer], meta, scale=scale,
                                     sliding_window=layer_window(windows, kind), softcap=softcap,
-                                    values_dtype=values_dtype)
+                                    values_dtype=values_dtype, sinks=sinks)
     return out, kv

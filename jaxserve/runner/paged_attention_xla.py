@@ -17,10 +17,12 @@ from jaxserve.runner.kv_cache import KVCache, cache_values
 
 def blockwise_paged_attention(q, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale: float,
                               sliding_window: int | jax.Array | None = None, softcap: float | None = None,
-                              values_dtype=None) -> jax.Array:
+                              values_dtype=None, sinks: jax.Array | None = None) -> jax.Array:
     """Attention over `layer` of the whole cache [L, K, NB, bs, d]. The pages are gathered straight from the
     whole cache: slicing the layer out first would copy that layer's every page, i.e. the whole cache per step.
-    `values_dtype`: what a cache held as bytes holds (kv_cache.storage_dtype)."""
+    `values_dtype`: what a cache held as bytes holds (kv_cache.storage_dtype). `sinks` [H] (gpt-oss): each
+    head's extra logit, which joins the denominator and attends to nothing: the online softmax starts from it
+    (running max the sink, normaliser exp(0) = 1, output 0)."""
     T, H, d = q.shape
     _, K, _, bs, _ = k_cache.shape
     G = H // K
@@ -45,16 +47,20 @@ def blockwise_paged_attention(q, k_cache, v_cache, layer, meta: AttentionMetadat
         acc = acc * correction[..., None] + jnp.einsum("TKGS,TKSd->TKGd", p, v)
         return m_new, l, acc
 
-    init = (jnp.full((T, K, G), -1e30, jnp.float32), jnp.zeros((T, K, G), jnp.float32),
-            jnp.zeros((T, K, G, d), jnp.float32))
+    if sinks is None:
+        init = (jnp.full((T, K, G), -1e30, jnp.float32), jnp.zeros((T, K, G), jnp.float32))
+    else:
+        init = (jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, G), (T, K, G)),
+                jnp.ones((T, K, G), jnp.float32))
+    init += (jnp.zeros((T, K, G, d), jnp.float32),)
     _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
     return (acc / l[..., None]).reshape(T, H, d).astype(q.dtype)
 
 
 def blockwise_attention_fn(q, k, v, kv: KVCache, layer, meta: AttentionMetadata, kind=None, *, scale,
-                           windows=(None,), softcap=None, values_dtype=None):
+                           windows=(None,), softcap=None, values_dtype=None, sinks=None):
     kv = write_kv(kv, layer, k, v, meta.slot_mapping, values_dtype)
     out = blockwise_paged_attention(q, kv.k, kv.v, layer, meta, scale=scale,
                                     sliding_window=layer_window(windows, kind), softcap=softcap,
-                                    values_dtype=values_dtype)
+                                    values_dtype=values_dtype, sinks=sinks)
     return out, kv

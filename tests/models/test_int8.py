@@ -17,10 +17,10 @@ from jaxserve import Engine
 from tests.models.test_parity import PROMPTS, check_parity
 from tests.parallel.test_tiny_meshes import MODELS
 
-# Only the decoder layers' matmuls are quantized: norms, embedding, LM head, the routers (Mixtral's, Qwen's), the
-# shared expert's gate and biases stay float.
-NOT_QUANTIZED = ("norm", "embed_tokens", "lm_head", "block_sparse_moe.gate.", "mlp.gate.", "shared_expert_gate.",
-                 "bias")
+# Only the decoder layers' matmuls are quantized: norms, embedding, LM head, the routers (Mixtral's, Qwen's,
+# gpt-oss's), the shared expert's gate, attention sinks and biases stay float.
+NOT_QUANTIZED = ("norm", "embed_tokens", "lm_head", "block_sparse_moe.gate.", "mlp.gate.", "mlp.router.",
+                 "shared_expert_gate.", "bias")
 
 
 def int8_rounded(t):
@@ -39,7 +39,7 @@ def dequantized_reference(path, directory):
 
 def dequantized_copy(src, dst):
     """A copy of the HF checkpoint `src` whose layer matmul weights are int8-rounded per output channel (per row of
-    the [out, in] matrices)."""
+    the [out, in] matrices; per column of the experts gpt-oss stacks [E, in, out])."""
     import shutil
 
     shutil.copytree(src, dst)
@@ -48,6 +48,8 @@ def dequantized_copy(src, dst):
         for name, w in tensors.items():
             if w.ndim == 2 and not any(part in name for part in NOT_QUANTIZED):
                 tensors[name] = int8_rounded(w)
+            elif w.ndim == 3:
+                tensors[name] = int8_rounded(w.transpose(1, 2)).transpose(1, 2).contiguous()
         save_file(tensors, file, metadata={"format": "pt"})
     return dst
 

@@ -46,6 +46,10 @@ ARCHITECTURES = {
     # routed experts (5, top-4, not renormalised) beside a shared expert behind its sigmoid gate; q/k/v biases
     "qwen2-moe-shared-expert": ("qwen2_moe", dict(num_experts=5, num_experts_per_tok=4, moe_intermediate_size=24,
                                                   shared_expert_intermediate_size=40, tie_word_embeddings=False)),
+    # attention sinks and biases, sliding and full layers alternating, YaRN; a biased router (softmax over the top-k
+    # logits), experts stacked per layer with gate and up interleaved, biased, and the clamped SwiGLU
+    "gpt-oss": ("gpt_oss", dict(head_dim=16, num_local_experts=5, num_experts_per_tok=2, intermediate_size=24,
+                                sliding_window=8, swiglu_limit=0.5)),
     # fused qkv_proj and gate_up_proj, split at load
     "phi3-fused-sliding-window": ("phi3", dict(sliding_window=12, tie_word_embeddings=False, pad_token_id=0)),
     "phi4-mini-partial-rotary": ("phi3", PHI4_MINI),

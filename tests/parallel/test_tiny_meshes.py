@@ -28,6 +28,10 @@ MODELS = {
     "qwen2-moe-shared-expert-parallel": ("qwen2_moe", dict(num_experts=5, num_experts_per_tok=4,
                                                            moe_intermediate_size=24,
                                                            shared_expert_intermediate_size=40)),
+    # sinks split with their q heads; each expert's width (24: 6 a device) with its gate/up biases, the down
+    # biases added once after the devices' sum; sliding and full layers on both stages
+    "gpt-oss": ("gpt_oss", dict(head_dim=16, num_hidden_layers=4, num_local_experts=5, num_experts_per_tok=2,
+                                intermediate_size=24, sliding_window=8, swiglu_limit=0.5)),
     "qwen3-qk-norm": ("qwen3", dict(head_dim=32)),  # 4 q / 2 kv heads: replicated kv heads on tp=4
     # NoPE layers 1 and 3 of 5: kinds past the window kinds, carried onto stages like any layer's
     "smollm3-nope-layers": ("smollm3", dict(num_hidden_layers=5, no_rope_layer_interval=2, pad_token_id=0)),
@@ -40,7 +44,7 @@ MODELS = {
 # awkward Llama on both: every model's sharding on a 2D mesh once, every padding path, one engine each.
 CASES = [("llama-odd-sizes", "2x2"), ("llama-odd-sizes", "4x2"), ("qwen2-bias", "2x2"), ("mixtral", "4x2"),
          ("qwen3-moe-expert-parallel", "4x2"), ("mixtral-top1-expert-parallel", "2x1"),
-         ("qwen2-moe-shared-expert-parallel", "4x1"), ("qwen3-qk-norm", "4x2"), ("smollm3-nope-layers", "2x2"),
+         ("qwen2-moe-shared-expert-parallel", "4x1"), ("gpt-oss", "4x2"), ("qwen3-qk-norm", "4x2"), ("smollm3-nope-layers", "2x2"),
          ("gemma3-mixed-windows", "4x2")]
 
 
