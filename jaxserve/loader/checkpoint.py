@@ -18,6 +18,8 @@ from jaxserve.loader.generation_config import sampling_defaults
 from jaxserve.loader.gguf import GGUFFile
 from jaxserve.loader.heads import ModelHead, causal_config, open_head
 from jaxserve.loader.hf_config import model_config_from_hf
+from jaxserve.loader.mxfp4 import ARCHITECTURES as MXFP4_ARCHITECTURES
+from jaxserve.loader.mxfp4 import is_mxfp4, mxfp4_source
 from jaxserve.loader.orbax_checkpoint import is_orbax_checkpoint, open_orbax_checkpoint
 from jaxserve.loader.pooling import declared_pooling
 from jaxserve.loader.random_weights import RandomWeights
@@ -164,6 +166,8 @@ def _open_hf_dir(directory: Path, name: str, weights: bool = True, hf_overrides:
     tokenizer = tokenizer_choice.resolve(own, config.vocab_size)
     config, tensors, head = open_head(raw, config, tensors, tokenizer)
     tensors = None if tensors is None else _split_fused(tensors, config)
+    if tensors is not None and is_mxfp4(raw):
+        tensors = mxfp4_source(tensors, config)
     defaults = sampling_defaults(generation, gen_path)
     return Checkpoint(name=name, config=config, tensors=tensors, tokenizer=tokenizer, generation_defaults=defaults,
                       pooling=declared_pooling(directory), head=head)
@@ -173,6 +177,8 @@ def refuse_quantized(raw: dict[str, Any], config_path: Path) -> None:
     """A checkpoint quantized ahead of time (FP8, GPTQ, AWQ, bitsandbytes...) stores weights jaxserve does not read:
     say so, rather than fail on a tensor's dtype or a missing weight later."""
     method = (raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {})
+    if is_mxfp4(raw) and (raw.get("architectures") or [None])[0] in MXFP4_ARCHITECTURES:
+        return  # read, dequantized at load (loader/mxfp4.py)
     if method:
         name = method.get("quant_method", "quantized") if isinstance(method, dict) else "quantized"
         raise ValueError(f"{config_path} describes a {name} checkpoint, whose weights jaxserve cannot read: serve "
