@@ -147,3 +147,22 @@ def test_expert_parallelism_refusals():
 def test_engine_refuses_expert_parallelism_on_a_dense_model(tiny_checkpoint):
     with pytest.raises(ValueError, match="drop the flag"):
         Engine(str(tiny_checkpoint("llama")), enable_expert_parallel=True, num_kv_blocks=8, warmup=False)
+
+
+def test_gpu_scheme_serves_transformers_logits_on_a_mesh(tiny_checkpoint, monkeypatch):
+    """The gathered blocks GPUs and TPUs run, through the engine here on CPU: expert parallelism on 2x2 (inside
+    pipeline stages), a shared expert, top-4 of 5 experts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxserve.runner import experts_impl
+    from tests.models.test_parity import PROMPTS, check_parity
+    from tests.parallel.test_tiny_meshes import MODELS
+
+    monkeypatch.setattr(experts_impl, "expert_impl", lambda platform: "gathered")
+    arch, overrides = MODELS["qwen2-moe-shared-expert-parallel"]
+    path = tiny_checkpoint(arch, **overrides)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    engine = Engine(str(path), mesh="2x2", enable_expert_parallel=True, num_kv_blocks=64, max_num_batched_tokens=64,
+                    max_num_seqs=4, warmup=False)
+    check_parity(engine, reference, PROMPTS)
