@@ -60,16 +60,6 @@ def test_converted_checkpoint_served_by_two_processes_matches_one_process(proces
     assert "process 1 (host" in processes.log("p0") and "received a shutdown signal" in processes.log("p0")
 
 
-def test_expert_parallel_mixture_of_experts_served_by_two_processes_matches_one_process(processes,
-                                                                                      tiny_checkpoint):
-    """Each process holds one pipeline stage's 4 tp devices, 2 of the 8 experts on each: the experts' psum runs
-    within a process, the stage hand-off between them. The same greedy text as one process."""
-    model = str(tiny_checkpoint("mixtral", num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=2))
-    url = start_pair(processes, model, free_port(), "--enable-expert-parallel")
-    served = [complete(url, model, prompt) for prompt in PROMPTS]
-    assert served == reference_texts(model, "4x2", enable_expert_parallel=True)
-
-
 def test_killed_follower_makes_the_leader_exit_naming_it(processes, tiny_checkpoint):
     model = str(tiny_checkpoint("llama"))
     url = start_pair(processes, model, free_port())
@@ -82,8 +72,15 @@ def test_killed_follower_makes_the_leader_exit_naming_it(processes, tiny_checkpo
     assert rc == 1 and re.search(r"process 1 \(host \S+, pid \d+\) was lost", log), log[-2000:]
 
 
-def test_killed_leader_makes_the_follower_exit(processes, tiny_checkpoint):
-    start_pair(processes, str(tiny_checkpoint("llama")), free_port())
+def test_expert_parallel_moe_served_by_two_processes_then_a_killed_leader_ends_the_follower(processes,
+                                                                                         tiny_checkpoint):
+    """Each process holds one pipeline stage's 4 tp devices, 2 of the 8 experts on each: the experts' psum runs
+    within a process, the stage hand-off between them. The same greedy text as one process; then the leader is
+    killed and the follower exits, naming it."""
+    model = str(tiny_checkpoint("mixtral", num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=2))
+    url = start_pair(processes, model, free_port(), "--enable-expert-parallel")
+    served = [complete(url, model, prompt) for prompt in PROMPTS]
+    assert served == reference_texts(model, "4x2", enable_expert_parallel=True)
     processes.signal("p0", signal.SIGKILL)
     rc, _ = processes.wait("p1", EXIT_BOUND)
     log = processes.log("p1")

@@ -74,7 +74,9 @@ def int8_engine(path, mesh=None, layer_loop="auto"):
                   max_num_seqs=4, warmup=False, layer_loop=layer_loop)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+# On one device expert parallelism changes nothing: those models' experts are Mixtral's and Qwen's, already here.
+@pytest.mark.parametrize("name", [name for name in MODELS if not name.endswith("-expert-parallel")
+                                  or name.startswith("qwen2-moe")])
 def test_int8_logits_match_transformers_on_dequantized_weights(name, int8_case):
     path, reference = int8_case(name)
     check_parity(int8_engine(path), reference, PROMPTS)
