@@ -22,7 +22,7 @@ from jaxserve.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, LAYER_LOOPS, MeshS
 
 DEFAULT_COMPILATION_CACHE = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxserve" / "xla")
 DTYPES = ("auto", "float32", "bfloat16", "float", "half", "float16")
-QUANTIZATIONS = ("int8", "w8a8")
+QUANTIZATIONS = ("int8", "w8a8", "fp8")
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf", "pt")
 RECOMPILE_GUARDS = ("warn", "error", "off")
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -179,8 +179,9 @@ class EngineArgs:
         "not supported, bfloat16 replaces it)", choices=DTYPES, check=dtype_name)
     quantization: str | None = option(
         None, "int8: weight-only int8 with per-channel scales (a quarter of float32's weight bytes, faster "
-        "memory-bound decode); w8a8: those weights times int8 activations quantized per token (integer matmuls). "
-        "docs/quantization.md has the accuracy of each", choices=QUANTIZATIONS,
+        "memory-bound decode); w8a8: those weights times int8 activations quantized per token (integer matmuls); "
+        "fp8: weight-only float8 e4m3 with per-channel scales (vLLM's dynamic FP8 weights). docs/quantization.md "
+        "has the accuracy of each", choices=QUANTIZATIONS,
         flags=("--quantization", "-q"))
     load_format: str = option(
         "auto", "dummy: random weights for the model's config (no weight files needed; benchmarks); auto reads "

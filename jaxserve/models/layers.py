@@ -28,13 +28,16 @@ def param(shape: tuple[int, ...], logical: tuple[str | None, ...], dtype, init: 
     return nnx.Param(value, logical=logical)
 
 
-QUANTIZATIONS = (None, "int8", "w8a8")
+QUANTIZATIONS = (None, "int8", "w8a8", "fp8")
+# What a quantized weight's values are stored as. fp8 (vLLM's dynamic FP8): float8 e4m3, per-channel scales
+# max |w| / 448, dequantized inside the matmul like int8.
+STORED_DTYPES = {"int8": jnp.int8, "w8a8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 
 def weight(shape: tuple[int, ...], logical: tuple[str | None, ...], dtype, contract: tuple[str, ...],
            quantization: str | None) -> tuple[nnx.Param, nnx.Param | None]:
     """A matmul weight and its scales: (float weight, None), or with `quantization="int8"` or "w8a8" (int8 weight,
-    float32 scale per output channel). `contract` names the axes the matmul sums over; the scale has every other axis.
+    float32 scale per output channel), or "fp8" (float8 e4m3 weight, the same scales). `contract` names the axes the matmul sums over; the scale has every other axis.
 
     Weight-only int8: activations stay float and `dense` converts the int8 weight inside the matmul, so
     memory-bound decode reads a quarter of the float32 bytes (half of bf16). Symmetric per-channel scales
@@ -43,11 +46,11 @@ def weight(shape: tuple[int, ...], logical: tuple[str | None, ...], dtype, contr
     if quantization is None:
         return param(shape, logical, dtype), None
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization={quantization!r} is not supported; use None, 'int8' or 'w8a8'")
+        raise ValueError(f"quantization={quantization!r} is not supported; use None, 'int8', 'w8a8' or 'fp8'")
     kept = [i for i, name in enumerate(logical) if name not in contract]
     assert len(kept) < len(logical), (logical, contract)
     scale = param(tuple(shape[i] for i in kept), tuple(logical[i] for i in kept), jnp.float32)
-    return param(shape, logical, jnp.int8), scale
+    return param(shape, logical, STORED_DTYPES[quantization]), scale
 
 
 def dense(spec: str, x: jax.Array, weights: dict[str, jax.Array], name: str,

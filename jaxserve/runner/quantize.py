@@ -1,6 +1,7 @@
-"""Weight-only int8 quantization, done on the host as each checkpoint weight is read.
+"""Weight-only int8 and fp8 quantization, done on the host as each checkpoint weight is read.
 
-Symmetric, per output channel: scale = max |w| over the contracted axes / 127, values = round(w / scale). It is
+Symmetric, per output channel: scale = max |w| over the contracted axes / 127, values = round(w / scale) (int8);
+or scale = max |w| / 448, values = w / scale rounded to float8 e4m3 (fp8, vLLM's dynamic FP8 weights). It is
 computed in numpy (IEEE division), before the weight is split over the mesh, so every platform and every mesh
 serves the same int8 weights, and a quarter of the float32 bytes travels to the devices. A stacked weight is
 quantized one layer at a time, so the temporaries stay the size of one layer. A dummy load's random weights are
@@ -11,6 +12,24 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+
+FP8_MAX = 448.0  # float8 e4m3's largest finite value
+
+
+def quantize(w, contract: tuple[int, ...], dtype=np.int8):
+    """(values shaped like `w` in `dtype`, int8 or float8 e4m3, and float32 scales over the axes not in `contract`):
+    numpy arrays for a numpy `w`, jax arrays for a jax one."""
+    if np.dtype(dtype) == np.int8:
+        return quantize_int8(w, contract)
+    xp = np if isinstance(w, np.ndarray) else jnp
+    if xp is np and w.ndim > len(contract) + 1 and 0 not in contract:  # one slice at a time, as below
+        parts = [quantize(w[i], tuple(a - 1 for a in contract), dtype) for i in range(w.shape[0])]
+        return np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts])
+    w32 = w.astype(np.float32, copy=False) if xp is np else w.astype(np.float32)
+    amax = xp.abs(w32).max(axis=contract)
+    scale = xp.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1)).astype(np.float32)
+    values = xp.clip(w32 / xp.expand_dims(scale, contract), -FP8_MAX, FP8_MAX).astype(dtype)  # round to nearest
+    return values, scale
 
 
 def quantize_int8(w, contract: tuple[int, ...]):

@@ -28,7 +28,7 @@ from jaxserve.parallel.layout import ParallelLayout, plan_layout
 from jaxserve.parallel.padding import pad_weight
 from jaxserve.parallel.sharding import named_sharding
 from jaxserve.runner.layer_loop import per_layer_logical, split_layers
-from jaxserve.runner.quantize import quantize_int8
+from jaxserve.runner.quantize import quantize
 
 
 def _flat_abstract(cfg: ModelConfig, dtype, quantization: str | None = None):
@@ -118,7 +118,7 @@ def _prepared(cfg: ModelConfig, path, array, flat: dict, layout: ParallelLayout)
     if len(paths := _part_paths(path, flat)) == 1:
         return {path: array}
     contract = tuple(i for i, name in enumerate(logical) if name not in _logical(flat, paths[1]))
-    return dict(zip(paths, quantize_int8(array, contract)))
+    return dict(zip(paths, quantize(array, contract, flat[path].get_value().dtype)))
 
 
 def _part_paths(path, flat: dict) -> tuple:

@@ -7,6 +7,7 @@ difference far above the tolerance. SmolLM2's accuracy against the float model i
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -31,15 +32,22 @@ def int8_rounded(t):
     return torch.clamp(torch.round(t / scale), -127, 127) * scale
 
 
-def dequantized_reference(path, directory):
-    """transformers on a copy of `path` with int8-rounded layer weights (written under `directory`)."""
-    copy = dequantized_copy(path, directory / "model")
+def fp8_rounded(t):
+    """`t` rounded per row to float8 e4m3 (torch's cast) after scaling the row's max |t| to 448, back in float."""
+    amax = t.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+    return (t / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale
+
+
+def dequantized_reference(path, directory, rounded=int8_rounded):
+    """transformers on a copy of `path` with `rounded` layer weights (written under `directory`)."""
+    copy = dequantized_copy(path, directory / "model", rounded)
     return AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def dequantized_copy(src, dst):
-    """A copy of the HF checkpoint `src` whose layer matmul weights are int8-rounded per output channel (per row of
-    the [out, in] matrices; per column of the experts gpt-oss stacks [E, in, out])."""
+def dequantized_copy(src, dst, rounded=int8_rounded):
+    """A copy of the HF checkpoint `src` whose layer matmul weights are rounded (int8 by default) per output
+    channel (per row of the [out, in] matrices; per column of the experts gpt-oss stacks [E, in, out])."""
     import shutil
 
     shutil.copytree(src, dst)
@@ -47,9 +55,9 @@ def dequantized_copy(src, dst):
         tensors = load_file(file)
         for name, w in tensors.items():
             if w.ndim == 2 and not any(part in name for part in NOT_QUANTIZED):
-                tensors[name] = int8_rounded(w)
+                tensors[name] = rounded(w)
             elif w.ndim == 3:
-                tensors[name] = int8_rounded(w.transpose(1, 2)).transpose(1, 2).contiguous()
+                tensors[name] = rounded(w.transpose(1, 2)).transpose(1, 2).contiguous()
         save_file(tensors, file, metadata={"format": "pt"})
     return dst
 
@@ -116,6 +124,19 @@ def test_int8_weights_are_stored_as_int8(int8_case):
     assert layer_bytes(engine) < 0.3 * layer_bytes(float_engine)  # a quarter, plus float norms and scales
 
 
+@pytest.mark.parametrize("name, mesh", [("llama-odd-sizes", None), ("mixtral", "2x2")])
+def test_fp8_logits_match_transformers_on_fp8_rounded_weights(name, mesh, tiny_checkpoint, tmp_path):
+    """quantization="fp8": float8 e4m3 weights with per-channel scales (rounded by numpy's ml_dtypes on the host
+    here, by torch's cast in the reference), dequantized in the matmul; on a padded 2x2 mesh with experts too."""
+    arch, overrides = MODELS[name]
+    path = tiny_checkpoint(arch, **overrides)
+    reference = dequantized_reference(path, tmp_path, fp8_rounded)
+    engine = Engine(str(path), quantization="fp8", mesh=mesh, num_kv_blocks=64, max_num_batched_tokens=64,
+                    max_num_seqs=4, warmup=False)
+    assert {w.dtype for w in jax.tree.leaves(engine.runner.params["layers"]["wq"].get_value())} == {jnp.dtype(jnp.float8_e4m3fn)}
+    check_parity(engine, reference, PROMPTS)
+
+
 def test_unknown_quantization_is_refused_before_loading():
-    with pytest.raises(ValueError, match="quantization must be one of int8, w8a8, got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be one of int8, w8a8, fp8, got 'int4'"):
         Engine("/nonexistent/model", quantization="int4")
