@@ -23,6 +23,9 @@ import platform
 
 from benchmark_table import append_row
 
+from jaxserve.config import KV_CACHE_DTYPES
+from jaxserve.engine_args import QUANTIZATIONS as ENGINE_QUANTIZATIONS
+
 TEXT = (
     "The river starts high in the mountains, where snow melts in the spring and runs down through narrow "
     "valleys. By the time it reaches the town it is wide and slow, and children fish from the old stone bridge "
@@ -36,8 +39,7 @@ TEXT = (
     "Leave it to rise in a warm place for an hour or two, shape it into a loaf, let it rise again, and bake it "
     "in a hot oven until the crust is brown and the loaf sounds hollow when tapped underneath."
 )
-QUANTIZATIONS = ("int8", "w8a8", "none")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16")
+QUANTIZATIONS = (*ENGINE_QUANTIZATIONS, "none")  # the engine's, declared once (engine_args.py, config.py)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "The three primary colors are"]
 
 
