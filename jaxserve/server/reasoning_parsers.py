@@ -13,6 +13,10 @@ Each parser reads a block at the start of the output, between its start and end 
   up to "Here is my response:" ("Here's" too, which quantized Granite models write, as vLLM accepts), or 3.3's
   `<think> ... </think>` followed by an answer wrapped in `<response> ... </response>`, whose tags are taken off
   the content; never read in the prompt, where they could be the user's own words.
+- `openai_gptoss` (gpt-oss's harmony format): the analysis channel, `<|channel|>analysis<|message|> ... <|end|>`,
+  is the reasoning; the final channel's header (`<|start|>assistant<|channel|>final<|message|>`, or
+  `<|channel|>final<|message|>` when the model answers at once) and its `<|return|>` come off the answer. A grammar
+  holds from the first token here: harmony's headers come before the answer, so it cannot start after `<|end|>`.
 
 An output that ends (max_tokens) before the end marker is all reasoning, with content None, as in vLLM.
 Constrained output (response_format, a forced tool call) is reasoned freely first, the grammar starting after the
@@ -44,8 +48,9 @@ class Markers:
     # Whether a chat template writes these into the prompt to open or close the block (Qwen3's <think>). Plain-text
     # markers are not read there: the user's own words could end a prompt with them.
     read_in_prompt: bool = True
-    # Tags the answer comes wrapped in (Granite 3.3's <response>, </response>), taken off the content.
-    content_tags: tuple[str, str] | None = None
+    # Tags the answer comes wrapped in, taken off the content: its openings (any one of them) and its closing
+    # (Granite 3.3's <response>, </response>; harmony's final-channel headers and <|return|>).
+    content_tags: tuple[tuple[str, ...], str] | None = None
     # For a set joining several models' markers (Granite 3.2's phrases, 3.3's tags): (starts, ends) of each, so a
     # block is closed only by an end of the kind that opened it. Empty: any end closes any start.
     families: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
@@ -75,10 +80,11 @@ class Markers:
         is held back: leading blanks, a partial opening tag, the start of the closing one."""
         if self.content_tags is None:
             return content
-        opening, closing = self.content_tags
+        openings, closing = self.content_tags
         body = content.lstrip()
-        if not body.startswith(opening):  # an answer without the tags is left as written
-            return "" if not final and opening.startswith(body) else content
+        opening = next((o for o in openings if body.startswith(o)), None)
+        if opening is None:  # an answer without the tags is left as written
+            return "" if not final and any(o.startswith(body) for o in openings) else content
         content = body[len(opening):]
         cut = content.find(closing)
         if cut >= 0:
@@ -90,8 +96,11 @@ THINK = Markers((THINK_START,), (THINK_END,))
 GRANITE_32 = (("Here is my thought process:", "Here's my thought process:"),
               ("Here is my response:", "Here's my response:"))
 GRANITE = Markers((*GRANITE_32[0], THINK_START), (*GRANITE_32[1], THINK_END), read_in_prompt=False,
-                  content_tags=("<response>", "</response>"),
+                  content_tags=(("<response>",), "</response>"),
                   families=(GRANITE_32, ((THINK_START,), (THINK_END,))))
+HARMONY_FINAL = "<|channel|>final<|message|>"
+HARMONY = Markers(("<|channel|>analysis<|message|>",), ("<|end|>",), read_in_prompt=False,
+                  content_tags=(("<|start|>assistant" + HARMONY_FINAL, HARMONY_FINAL), "<|return|>"))
 
 
 @dataclass(frozen=True)
@@ -157,7 +166,8 @@ class PromptReasoning:
 
 
 # --reasoning-parser NAME -> (its markers, whether the output is reasoning even when nothing opened a block)
-REASONING_PARSERS = {"deepseek_r1": (THINK, True), "granite": (GRANITE, False), "qwen3": (THINK, False)}
+REASONING_PARSERS = {"deepseek_r1": (THINK, True), "granite": (GRANITE, False), "openai_gptoss": (HARMONY, False),
+                     "qwen3": (THINK, False)}
 
 
 def reasoning_parser(name: str | None, tokenizer) -> ReasoningParser | None:
@@ -167,8 +177,10 @@ def reasoning_parser(name: str | None, tokenizer) -> ReasoningParser | None:
         raise ValueError(f"reasoning parser {name!r} is not supported; supported: {', '.join(REASONING_PARSERS)}")
     markers, implicit_start = REASONING_PARSERS[name]
     special = set(getattr(tokenizer, "all_special_tokens", []))
-    # A grammar can wait for one end token only: none where the model may end its reasoning in several ways.
-    end_token = _single_token(tokenizer, markers.ends[0]) if len(markers.ends) == 1 else None
+    # A grammar can wait for one end token only: none where the model may end its reasoning in several ways, or
+    # where headers come between that end and the answer (harmony).
+    waits = len(markers.ends) == 1 and markers is not HARMONY
+    end_token = _single_token(tokenizer, markers.ends[0]) if waits else None
     return ReasoningParser(tokenizer, markers, implicit_start, bool({*markers.starts, *markers.ends} & special),
                            end_token)
 

@@ -11,7 +11,7 @@ import pytest
 from jaxserve.async_engine.engine import AsyncEngine
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.server.app import build_app
-from jaxserve.server.reasoning_parsers import GRANITE, PromptReasoning, reasoning_parser
+from jaxserve.server.reasoning_parsers import GRANITE, HARMONY, PromptReasoning, reasoning_parser
 from jaxserve.server.tool_parsers.hermes import HermesToolParser
 from tests.server.fake_engine import FakeEngine
 from tests.server.helpers import serve_in_thread
@@ -46,6 +46,42 @@ def test_while_streaming_each_part_only_grows(text, starts_in_block):
         assert reasoning is None or (final_reasoning or "").startswith(reasoning), (n, reasoning)
     assert bound.split("<think>ab</thi", final=False) == ("ab", "")
     assert bound.split(" <thi", final=False) == (None, "")  # may yet open a block
+
+
+HARMONY_REPLY = ("<|channel|>analysis<|message|>The user wants the weather.<|end|>"
+                 "<|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>")
+
+
+@pytest.mark.parametrize("text, expected", [
+    (HARMONY_REPLY, ("The user wants the weather.", "It is sunny.")),
+    ("<|channel|>final<|message|>It is sunny.", (None, "It is sunny.")),  # no analysis: the final channel at once
+    ("<|channel|>analysis<|message|>still thinking", ("still thinking", "")),  # cut by max_tokens
+    ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>b",  # stopped at <|return|>
+     ("a", "b")),
+    ("Plain text.", (None, "Plain text.")),
+])
+def test_harmony_channels_split_reasoning_from_the_answer(text, expected):
+    """gpt-oss's harmony format (`openai_gptoss`, vLLM's name): the analysis channel is the reasoning, the final
+    channel's headers come off the answer."""
+    assert PromptReasoning(False, HARMONY).split(text, final=True) == expected
+
+
+def test_harmony_streamed_parts_only_grow():
+    bound = PromptReasoning(False, HARMONY)
+    final_reasoning, final_content = bound.split(HARMONY_REPLY, final=True)
+    for n in range(len(HARMONY_REPLY) + 1):
+        reasoning, content = bound.split(HARMONY_REPLY[:n], final=False)
+        assert final_content.startswith(content), (n, content)
+        assert reasoning is None or final_reasoning.startswith(reasoning), (n, reasoning)
+        assert "<|" not in content and "<|" not in (reasoning or ""), (n, reasoning, content)
+
+
+def test_harmony_parser_keeps_special_tokens_and_lets_a_grammar_hold_from_the_start(tokenizer):
+    special = copy.deepcopy(tokenizer)
+    special.add_special_tokens({"additional_special_tokens": ["<|end|>", "<|channel|>", "<|message|>"]})
+    parser = reasoning_parser("openai_gptoss", special)
+    assert parser.keep_special_tokens and parser.end_token is None
+    assert parser.adjust(SamplingParams(), [1]).skip_special_tokens is False
 
 
 GRANITE_REPLY = "Here is my thought process:\nWeather needs a lookup.\nHere is my response:\nIt is sunny."
@@ -140,7 +176,7 @@ def test_special_markers_are_kept_in_the_text(tokenizer):
     special.encode, special.decode = (lambda text, add_special_tokens: [7]), (lambda ids: "</think>")
     assert reasoning_parser("qwen3", special).adjust(SamplingParams(), [1]).skip_special_tokens is False
     assert reasoning_parser("qwen3", tokenizer).adjust(SamplingParams(), [1]).skip_special_tokens is True
-    with pytest.raises(ValueError, match="'step3' is not supported; supported: deepseek_r1, granite, qwen3"):
+    with pytest.raises(ValueError, match="'step3' is not supported; supported: deepseek_r1, granite, openai_gptoss, qwen3"):
         reasoning_parser("step3", tokenizer)
 
 
