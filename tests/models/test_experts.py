@@ -127,6 +127,27 @@ def test_compiled_layer_flops_grow_with_k_not_with_the_number_of_experts():
     assert dense[64] > 10 * sparse[64, 2]
 
 
+@pytest.mark.parametrize("impl", ["looped", "gathered"])
+def test_routing_is_data_nothing_recompiles(impl):
+    """Group sizes are data: inputs routed to different experts (all to one, spread out) run one compiled
+    program."""
+    cfg = moe_config(6, 2)
+    w = random_weights(cfg, seed=7)
+    traces = []
+
+    def layer(x, w):
+        traces.append(1)
+        return moe_mlp(cfg, w, x, experts_fn=partial(local_experts, impl=impl))
+
+    fn = jax.jit(layer)
+    rng = np.random.default_rng(8)
+    spread = jnp.asarray(rng.normal(size=(12, cfg.hidden_size)).astype(np.float32))
+    crowded = jnp.tile(spread[:1], (12, 1))  # every token the same: every pair on the same two experts
+    for x in (spread, crowded):
+        np.testing.assert_allclose(fn(x, w), every_expert_on_every_token(cfg, x, w), atol=1e-5, rtol=1e-5)
+    assert len(traces) == 1
+
+
 def test_rows_per_chunk_follows_the_rows_each_expert_expects():
     assert rows_per_chunk(8, 128, cap=32) == 1  # decode: most experts get no row
     assert rows_per_chunk(512, 128, cap=32) == 2
