@@ -28,8 +28,8 @@ def gpu_kernel_head_dim(head_dim: int) -> int:
 
 def kernel_supports(backend: str, cfg: ModelConfig) -> bool:
     """Whether the Pallas kernel handles this model (any head size up to 256 on GPU, padded as above)."""
-    if cfg.attention_sinks:
-        log.info("the Pallas kernels do not take attention sinks yet: using the reference attention")
+    if cfg.attention_sinks and backend == "tpu":
+        log.info("the TPU kernels do not take attention sinks yet: using the reference attention")
         return False
     if backend == "gpu" and gpu_kernel_head_dim(cfg.head_dim) > MAX_GPU_KERNEL_HEAD_DIM:
         log.info("head_dim %d is wider than the Triton kernels tile: using the reference attention", cfg.head_dim)
@@ -63,9 +63,9 @@ def resolve_attention_impl(impl: str, platform: str, cfg: ModelConfig) -> str:
     backend = KERNEL_PLATFORMS.get(platform)
     if impl == "auto":
         return "pallas" if backend and kernel_supports(backend, cfg) else "reference"
-    if impl != "reference" and cfg.attention_sinks:
-        raise ValueError(f"{cfg.architecture}'s attention sinks run in the XLA attention only: use attention_impl "
-                         f"(--attention-impl) reference or auto")
+    if cfg.attention_sinks and kernel_backend(impl, platform) == "tpu":
+        raise ValueError(f"{cfg.architecture}'s attention sinks need the GPU decode kernel or the XLA attention; "
+                         f"the TPU kernels do not take them: use attention_impl (--attention-impl) reference or auto")
     return impl
 
 

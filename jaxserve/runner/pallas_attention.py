@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from jaxserve.parallel.sharding import mesh_axes, nested_map_mesh, partition_spec
 from jaxserve.runner.attention import AttentionMetadata, write_kv
 from jaxserve.runner.kv_cache import KVCache
+from jaxserve.runner.paged_attention_xla import blockwise_paged_attention
 from pallas_kernels.paged_attention import DECODE_KERNELS
 from pallas_kernels.ragged_attention import RAGGED_KERNELS
 
@@ -41,13 +42,25 @@ def ragged_metadata(meta: AttentionMetadata, block_size: int):
     return jnp.where(has, q_start, 0), q_lens, jnp.where(has, kv_lens, 0).astype(jnp.int32)
 
 
-def _kernel_call(q, kv: KVCache, meta: AttentionMetadata, layer, *, window, scale, softcap, backend, interpret):
-    """The kernel's output for a step whose K/V are in the cache already (read-only on the cache)."""
+def _kernel_call(q, kv: KVCache, meta: AttentionMetadata, layer, *, window, scale, softcap, backend, interpret,
+                 sinks=None):
+    """The kernel's output for a step whose K/V are in the cache already (read-only on the cache).
+
+    Attention sinks (gpt-oss: each head's logit that joins the softmax's denominator and attends to nothing):
+    the GPU decode kernel returns its log-sum-exp, so its output is rescaled by sigmoid(lse - sink), the share the
+    keys keep beside the sink. The other kernels return none: those steps run the XLA attention."""
     kw = dict(layer=layer, scale=scale, sliding_window=window, softcap=softcap, interpret=interpret)
+    if sinks is not None and not (meta.decode_only and backend == "gpu"):
+        return blockwise_paged_attention(q, kv.k, kv.v, layer, meta, scale=scale, sliding_window=window,
+                                         softcap=softcap, sinks=sinks)
     if meta.decode_only:  # token i is row i's only token: the decode kernel (one query per sequence)
         assert q.shape[0] == meta.block_tables.shape[0], (q.shape, meta.block_tables.shape)
         context_lens = jnp.where(meta.slot_mapping >= kv.block_size, meta.positions + 1, 0)  # padding rows: 0
-        return DECODE_KERNELS[backend](q, kv.k, kv.v, meta.block_tables, context_lens, **kw)
+        if sinks is None:
+            return DECODE_KERNELS[backend](q, kv.k, kv.v, meta.block_tables, context_lens, **kw)
+        out, lse = DECODE_KERNELS[backend](q, kv.k, kv.v, meta.block_tables, context_lens, return_lse=True, **kw)
+        kept = jax.nn.sigmoid(lse - sinks.astype(jnp.float32)[None, :])  # e^lse / (e^lse + e^sink)
+        return (out.astype(jnp.float32) * kept[..., None]).astype(q.dtype)
     q_start, q_lens, kv_lens = ragged_metadata(meta, kv.block_size)
     return RAGGED_KERNELS[backend](q, kv.k, kv.v, meta.block_tables, q_start, q_lens, kv_lens, **kw)
 
@@ -59,14 +72,14 @@ def pad_heads(x: jax.Array, size: int) -> jax.Array:
 
 
 def _attend(q, k, v, kv: KVCache, layer, meta: AttentionMetadata, kind=None, *, scale, windows=(None,),
-            softcap=None, backend, interpret):
+            softcap=None, backend, interpret, sinks=None):
     # A head size the kernel cannot tile runs padded with zeros to the cache's (q.k and the kept output dims are
     # unchanged; `scale` is the model's own).
     d, stored = q.shape[-1], kv.k.shape[-1]
     q, k, v = (pad_heads(x, stored) for x in (q, k, v))
     kv = write_kv(kv, layer, k, v, meta.slot_mapping)
     call = partial(_kernel_call, q, kv, meta, layer, scale=scale, softcap=softcap, backend=backend,
-                   interpret=interpret)
+                   interpret=interpret, sinks=sinks)
     if kind is None or isinstance(kind, int):  # one kind, or this layer's known while tracing (unrolled)
         return call(window=windows[kind or 0])[..., :d], kv
     # Layers of several kinds (Gemma) under a scan: the window is a compile-time constant of the kernel, so each
@@ -84,7 +97,7 @@ def pallas_attention_fn(backend: str, interpret: bool, mesh: Mesh | None):
     # Compiled kernels need only the head axis manual; the interpreters' callbacks need every mesh axis manual.
     axes = frozenset(mesh.axis_names) if interpret else mesh_axes(CACHE_HEAD_AXES)
 
-    def sharded(q, k, v, kv, layer, meta, kind=None, *, scale, windows=(None,), softcap=None):
+    def sharded(q, k, v, kv, layer, meta, kind=None, *, scale, windows=(None,), softcap=None, sinks=None):
         heads, kv_heads = partition_spec((None, "q_heads", None)), partition_spec((None, "kv_heads", None))
         cache = KVCache(partition_spec(CACHE_HEAD_AXES), partition_spec(CACHE_HEAD_AXES))
         everywhere = partition_spec(())
@@ -94,6 +107,10 @@ def pallas_attention_fn(backend: str, interpret: bool, mesh: Mesh | None):
             body = partial(body, kind=kind)
         elif kind is not None:
             args, specs = args + (kind,), specs + (everywhere,)
+        if sinks is not None:  # each device's own q heads' sinks, passed last
+            with_sinks = body
+            body = lambda *a: with_sinks(*a[:-1], sinks=a[-1])  # noqa: E731
+            args, specs = args + (sinks,), specs + (partition_spec(("q_heads",)),)
         outer, manual = nested_map_mesh(mesh)  # inside a pipeline stage, pp is manual already
         # check_vma=False: pallas_call has no replication rule; the kernel is purely per-device anyway.
         return jax.shard_map(body, mesh=outer, in_specs=specs, out_specs=(heads, cache), axis_names=axes - manual,

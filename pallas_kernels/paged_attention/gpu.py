@@ -64,12 +64,12 @@ def default_splits(B: int, K: int, num_page_blocks: int, target_programs: int = 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "softcap", "pages_per_block", "num_splits",
                                              "num_warps", "num_stages", "prefetch", "target_programs",
-                                             "interpret"))
+                                             "interpret", "return_lse"))
 def paged_decode_gpu(q, k_cache, v_cache, block_tables, context_lens, *, layer=0, scale: float,
                      sliding_window: int | None = None, softcap: float | None = None,
                      pages_per_block: int = 4, num_splits: int | None = None,
                      num_warps: int = 2, num_stages: int = 1, prefetch: str = "pages",
-                     target_programs: int = TARGET_PROGRAMS, interpret: bool = False) -> jax.Array:
+                     target_programs: int = TARGET_PROGRAMS, interpret: bool = False, return_lse: bool = False):
     """q [B, H, d]; caches [L, K, NB, bs, d] (or one layer's [K, NB, bs, d]); block_tables [B, MB];
     context_lens [B] (including this step's token, whose K/V is already in the cache) -> [B, H, d].
 
@@ -79,7 +79,10 @@ def paged_decode_gpu(q, k_cache, v_cache, block_tables, context_lens, *, layer=0
     The defaults were the fastest of sweeps (bf16, 32 q / 8 kv heads, head_dim 128, 16-token pages;
     BENCHMARKS.md): 4 pages a load and no software pipelining on an H100 and an H200 (num_stages 1: the tiles take
     ~220 registers a thread, so few programs fit an SM, and more of them hide the gathered loads' latency better
-    than a pipeline within one); 2 warps and the next block's page ids loaded a step ahead on the H200."""
+    than a pipeline within one); 2 warps and the next block's page ids loaded a step ahead on the H200.
+
+    `return_lse`: also return each head's log-sum-exp of its scores [B, H] (float32), from which a caller adds
+    what the kernel does not see (gpt-oss's attention sinks)."""
     k_cache, v_cache = as_layered(k_cache), as_layered(v_cache)
     K, G = check_shapes(q, k_cache, v_cache)
     B, H, d = q.shape
@@ -109,4 +112,9 @@ def paged_decode_gpu(q, k_cache, v_cache, block_tables, context_lens, *, layer=0
         name="paged_decode_attention",
     )(jnp.asarray(layer, jnp.int32).reshape(1), context_lens.astype(jnp.int32), tables, qg, k_cache, v_cache)
     out = (o[:, :, 0] if S == 1 else merge_splits(o, lse))[:, :, :G]  # one split: already normalised
-    return out.reshape(B, H, d).astype(q.dtype)
+    out = out.reshape(B, H, d).astype(q.dtype)
+    if not return_lse:
+        return out
+    top = jnp.max(lse, axis=2)  # the splits' log-sum-exps combined: [B, K, R]
+    total = top + jnp.log(jnp.sum(jnp.exp(lse - top[:, :, None]), axis=2))
+    return out, total[:, :, :G].reshape(B, H)

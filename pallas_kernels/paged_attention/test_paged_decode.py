@@ -63,6 +63,24 @@ def test_gpu_context_splits_agree(backend, num_splits):
     assert max_abs_diff(out, exact(case, **kw)) <= 1e-5
 
 
+@pytest.mark.parametrize("backend", GPU_ONLY)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_gpu_log_sum_exp_of_the_scores(backend, num_splits):
+    """return_lse: each head's log-sum-exp of its scaled scores over its context (attention sinks are added
+    from it), merged over the splits."""
+    case = random_paged_case(4, kv_lens=[1, 37, 100], num_tokens=3, H=4, K=2, d=64)
+    out, lse = decode(backend, case, pages_per_block=1, num_splits=num_splits, scale=0.125, return_lse=True)
+    assert max_abs_diff(out, exact(case, scale=0.125)) <= 1e-5
+    q, k = np.asarray(case.q), np.asarray(case.k_cache[case.layer])  # [T, H, d], [K, NB, bs, d]
+    for b, n in enumerate(np.asarray(case.kv_lens)):
+        pages = np.asarray(case.block_tables[b])[: -(-n // 16)]
+        keys = k[:, pages].reshape(2, -1, 64)[:, :n]  # [K, n, d]
+        for h in range(4):
+            scores = 0.125 * keys[h // 2] @ q[b, h]
+            expected = scores.max() + np.log(np.exp(scores - scores.max()).sum())
+            assert abs(float(lse[b, h]) - expected) <= 1e-4, (b, h)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_one_layer_pages_and_empty_sequences(backend):
     """A [K, NB, bs, d] cache of one layer is accepted; a sequence with no context (batch padding) gives 0."""

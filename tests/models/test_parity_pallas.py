@@ -85,3 +85,18 @@ def test_warmup_compiles_the_decode_variants_too(tiny_checkpoint):
                     attention_impl=IMPL, recompile_guard="error")
     engine.generate([PROMPTS[0], PROMPTS[1][:5]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert engine.compiles_after_warmup == 0
+
+
+def test_attention_sinks_through_the_gpu_decode_kernel(tiny_checkpoint, monkeypatch):
+    """gpt-oss: decode steps run the GPU decode kernel and rescale its output by its log-sum-exp beside each head's
+    sink; prefills run the XLA attention (the ragged kernel returns no log-sum-exp). On 2x1: the sinks split with
+    their q heads."""
+    ragged, decode = spy(monkeypatch, RAGGED_KERNELS), spy(monkeypatch, DECODE_KERNELS)
+    arch, overrides = ARCHITECTURES["gpt-oss"]
+    path = tiny_checkpoint(arch, **overrides)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    engine = Engine(str(path), dtype="float32", mesh="2x1", num_kv_blocks=64, max_num_batched_tokens=64,
+                    max_num_seqs=4, attention_impl=IMPL, warmup=False)
+    with jax.default_matmul_precision("highest") if COMPILED else contextlib.nullcontext():
+        check_parity(engine, reference, PROMPTS)
+    assert decode and not ragged
