@@ -77,7 +77,8 @@ def measure(path: Path, variant: str, vocab: int, args) -> dict:
     try:
         engine = Engine(str(path), load_format="dummy", max_num_seqs=max(args.batches),
                         max_num_batched_tokens=args.prefill_len, max_model_len=args.prefill_len + 64,
-                        enable_prefix_caching=False, **dict(a.split("=") for a in args.engine))
+                        enable_prefix_caching=False, warmup=False,  # each measurement's first run compiles its own
+                        **dict(a.split("=") for a in args.engine))
     finally:
         model_runner.make_experts_fn = original
 
