@@ -187,7 +187,9 @@ def local_experts(cfg: ModelConfig, x: jax.Array, weights: jax.Array, experts: j
     device; a device's share under expert parallelism, whose outputs the caller sums)."""
     pairs = sort_pairs(weights, experts, first, w["w_gate"].shape[0])
     out = GROUPED[impl](cfg, x, pairs, w)
-    combined = out.astype(jnp.float32) * pairs.weights[:, None]
+    # Selected, not multiplied: rows of experts held elsewhere hold whatever a chunk left there, which 0 * inf
+    # would turn into NaN.
+    combined = jnp.where(pairs.weights[:, None] != 0, out.astype(jnp.float32) * pairs.weights[:, None], 0.0)
     return jnp.zeros(x.shape, jnp.float32).at[pairs.tokens].add(combined)
 
 
