@@ -47,22 +47,26 @@ def _kernel_call(q, kv: KVCache, meta: AttentionMetadata, layer, *, window, scal
     """The kernel's output for a step whose K/V are in the cache already (read-only on the cache).
 
     Attention sinks (gpt-oss: each head's logit that joins the softmax's denominator and attends to nothing):
-    the GPU decode kernel returns its log-sum-exp, so its output is rescaled by sigmoid(lse - sink), the share the
-    keys keep beside the sink. The other kernels return none: those steps run the XLA attention."""
+    the GPU kernels return their log-sum-exp, so their output is rescaled by sigmoid(lse - sink), the share the
+    keys keep beside the sink. The TPU kernels return none: there the XLA attention runs."""
     kw = dict(layer=layer, scale=scale, sliding_window=window, softcap=softcap, interpret=interpret)
-    if sinks is not None and not (meta.decode_only and backend == "gpu"):
-        return blockwise_paged_attention(q, kv.k, kv.v, layer, meta, scale=scale, sliding_window=window,
-                                         softcap=softcap, sinks=sinks)
+    if sinks is not None:
+        if backend != "gpu":
+            return blockwise_paged_attention(q, kv.k, kv.v, layer, meta, scale=scale, sliding_window=window,
+                                             softcap=softcap, sinks=sinks)
+        kw["return_lse"] = True
     if meta.decode_only:  # token i is row i's only token: the decode kernel (one query per sequence)
         assert q.shape[0] == meta.block_tables.shape[0], (q.shape, meta.block_tables.shape)
         context_lens = jnp.where(meta.slot_mapping >= kv.block_size, meta.positions + 1, 0)  # padding rows: 0
-        if sinks is None:
-            return DECODE_KERNELS[backend](q, kv.k, kv.v, meta.block_tables, context_lens, **kw)
-        out, lse = DECODE_KERNELS[backend](q, kv.k, kv.v, meta.block_tables, context_lens, return_lse=True, **kw)
-        kept = jax.nn.sigmoid(lse - sinks.astype(jnp.float32)[None, :])  # e^lse / (e^lse + e^sink)
-        return (out.astype(jnp.float32) * kept[..., None]).astype(q.dtype)
-    q_start, q_lens, kv_lens = ragged_metadata(meta, kv.block_size)
-    return RAGGED_KERNELS[backend](q, kv.k, kv.v, meta.block_tables, q_start, q_lens, kv_lens, **kw)
+        out = DECODE_KERNELS[backend](q, kv.k, kv.v, meta.block_tables, context_lens, **kw)
+    else:
+        q_start, q_lens, kv_lens = ragged_metadata(meta, kv.block_size)
+        out = RAGGED_KERNELS[backend](q, kv.k, kv.v, meta.block_tables, q_start, q_lens, kv_lens, **kw)
+    if sinks is None:
+        return out
+    out, lse = out
+    kept = jax.nn.sigmoid(lse - sinks.astype(jnp.float32)[None, :])  # e^lse / (e^lse + e^sink)
+    return (out.astype(jnp.float32) * kept[..., None]).astype(q.dtype)
 
 
 def pad_heads(x: jax.Array, size: int) -> jax.Array:

@@ -17,12 +17,21 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import as_layered, cdiv, check_shapes, dot_precision, next_pow2, normalise, pad_axis
+from pallas_kernels.common import (
+    MASK_VALUE,
+    as_layered,
+    cdiv,
+    check_shapes,
+    dot_precision,
+    next_pow2,
+    normalise,
+    pad_axis,
+)
 from pallas_kernels.gpu_pages import attend_pages, block_count, check_gpu_tiles, choose_block_pages
 from pallas_kernels.ragged_attention.tiles import gather_tiles, plan_tiles, scatter_tiles, tile_pages
 
 
-def _ragged_kernel(layer_ref, seq_ref, len_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, group,
+def _ragged_kernel(layer_ref, seq_ref, len_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *lse_ref, group,
                    pages_per_block, scale, window, softcap, precision):
     i, h = pl.program_id(0), pl.program_id(1)
     P, bs = pages_per_block, k_ref.shape[-2]
@@ -36,15 +45,19 @@ def _ragged_kernel(layer_ref, seq_ref, len_ref, pos_ref, tables_ref, q_ref, k_re
                              block_count(lo, hi, P), pages_per_block=P, scale=scale, window=window,
                              softcap=softcap, precision=precision)
     o_ref[...] = normalise(l, acc).astype(o_ref.dtype)
+    if lse_ref:  # asked for (return_lse): each row's log-sum-exp of its scores
+        lse_ref[0][...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), MASK_VALUE).reshape(l.shape[0])
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "softcap", "rows_per_tile", "pages_per_block",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "num_warps", "num_stages", "interpret", "return_lse"))
 def ragged_attention_gpu(q, k_cache, v_cache, block_tables, q_start, q_lens, kv_lens, *, layer=0, scale: float,
                          sliding_window: int | None = None, softcap: float | None = None,
                          rows_per_tile: int = 64, pages_per_block: int = 4,
-                         num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> jax.Array:
-    """q [T, H, d]; caches [L, K, NB, bs, d]; block_tables [B, MB]; q_start, q_lens, kv_lens [B] -> [T, H, d]."""
+                         num_warps: int = 4, num_stages: int = 2, interpret: bool = False, return_lse: bool = False):
+    """q [T, H, d]; caches [L, K, NB, bs, d]; block_tables [B, MB]; q_start, q_lens, kv_lens [B] -> [T, H, d].
+    `return_lse`: also each token's and head's log-sum-exp of its scores [T, H] (float32), for what the kernel
+    does not see (gpt-oss's attention sinks)."""
     k_cache, v_cache = as_layered(k_cache), as_layered(v_cache)
     K, G = check_shapes(q, k_cache, v_cache)
     T, H, d = q.shape
@@ -60,15 +73,20 @@ def ragged_attention_gpu(q, k_cache, v_cache, block_tables, q_start, q_lens, kv_
                                precision=dot_precision(q.dtype))
     whole = pl.BlockSpec()
     tile_spec = pl.BlockSpec((None, None, R, d), lambda i, h: (i, h, 0, 0))
-    o = pl.pallas_call(
+    out_specs, out_shape = [tile_spec], [jax.ShapeDtypeStruct((NT, K, R, d), q.dtype)]
+    if return_lse:
+        out_specs.append(pl.BlockSpec((None, None, R), lambda i, h: (i, h, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((NT, K, R), jnp.float32))
+    outs = pl.pallas_call(
         kernel,
         grid=(NT, K),
         in_specs=[whole] * 5 + [tile_spec, whole, whole],
-        out_specs=tile_spec,
-        out_shape=jax.ShapeDtypeStruct((NT, K, R, d), q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
     )(jnp.asarray(layer, jnp.int32).reshape(1), plan.seq, plan.length, plan.first_pos, tables,
       gather_tiles(q, plan, K, R), k_cache, v_cache)
-    return scatter_tiles(o, plan, T, G)
+    out = scatter_tiles(outs[0], plan, T, G)
+    return (out, scatter_tiles(outs[1][..., None], plan, T, G)[..., 0]) if return_lse else out

@@ -11,7 +11,7 @@ import pytest
 from pallas_kernels.paged_attention import paged_decode_reference
 from pallas_kernels.ragged_attention import RAGGED_KERNELS, ragged_reference
 from pallas_kernels.ragged_attention.tiles import plan_tiles
-from pallas_kernels.testing import BACKENDS, INTERPRET, max_abs_diff, random_paged_case
+from pallas_kernels.testing import BACKENDS, GPU_ONLY, INTERPRET, max_abs_diff, random_paged_case
 
 # (tokens this step, context length after it): a decode with context 1; a whole first block of prefill; a chunk
 # ending mid-block of a longer context; a decode at a block boundary; a prefill spanning several tiles and
@@ -83,3 +83,23 @@ def test_tile_plan_covers_each_token_once():
     assert list(np.asarray(plan.first_pos)[real]) == [0, 11, 15, 19, 7]
     tokens = np.asarray(plan.token).reshape(-1)
     assert sorted(tokens[tokens < 16]) == list(range(13))
+
+
+@pytest.mark.parametrize("backend", GPU_ONLY)
+def test_gpu_log_sum_exp_of_each_token_scores(backend):
+    """return_lse: each token's and head's log-sum-exp of its scaled, causally visible scores (attention sinks
+    are added from it)."""
+    case, seq_args = ragged_case(6, [(5, 37), (1, 1), (20, 20)], H=4, K=2, d=64)
+    out, lse = RAGGED_KERNELS[backend](case.q, case.k_cache, case.v_cache, case.block_tables, *seq_args,
+                                       layer=case.layer, scale=0.125, interpret=INTERPRET, return_lse=True)
+    assert max_abs_diff(out, exact(case, seq_args, scale=0.125)) <= 1e-5
+    q, k = np.asarray(case.q), np.asarray(case.k_cache[case.layer])
+    for b, (start, n, context) in enumerate(zip(*(np.asarray(a) for a in seq_args))):
+        pages = np.asarray(case.block_tables[b])[: -(-context // 16)]
+        keys = k[:, pages].reshape(2, -1, 64)
+        for i in range(n):
+            visible = context - n + i + 1
+            for h in range(4):
+                scores = 0.125 * keys[h // 2, :visible] @ q[start + i, h]
+                expected = scores.max() + np.log(np.exp(scores - scores.max()).sum())
+                assert abs(float(lse[start + i, h]) - expected) <= 1e-4, (b, i, h)

@@ -87,10 +87,9 @@ def test_warmup_compiles_the_decode_variants_too(tiny_checkpoint):
     assert engine.compiles_after_warmup == 0
 
 
-def test_attention_sinks_through_the_gpu_decode_kernel(tiny_checkpoint, monkeypatch):
-    """gpt-oss: decode steps run the GPU decode kernel and rescale its output by its log-sum-exp beside each head's
-    sink; prefills run the XLA attention (the ragged kernel returns no log-sum-exp). On 2x1: the sinks split with
-    their q heads."""
+def test_attention_sinks_through_the_gpu_kernels(tiny_checkpoint, monkeypatch):
+    """gpt-oss: both GPU kernels' outputs rescaled by their log-sum-exp beside each head's sink. On 2x1: the sinks
+    split with their q heads."""
     ragged, decode = spy(monkeypatch, RAGGED_KERNELS), spy(monkeypatch, DECODE_KERNELS)
     arch, overrides = ARCHITECTURES["gpt-oss"]
     path = tiny_checkpoint(arch, **overrides)
@@ -99,4 +98,4 @@ def test_attention_sinks_through_the_gpu_decode_kernel(tiny_checkpoint, monkeypa
                     max_num_seqs=4, attention_impl=IMPL, warmup=False)
     with jax.default_matmul_precision("highest") if COMPILED else contextlib.nullcontext():
         check_parity(engine, reference, PROMPTS)
-    assert decode and not ragged
+    assert decode and ragged
