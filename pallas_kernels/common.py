@@ -94,6 +94,12 @@ def normalise(l: jax.Array, acc: jax.Array) -> jax.Array:
     return acc / jnp.where(l > 0, l, 1.0)
 
 
+def log_sum_exp(m: jax.Array, l: jax.Array) -> jax.Array:
+    """Each row's log-sum-exp of its scores from the online softmax's running max and sum ([R]); MASK_VALUE for a
+    row that saw no key."""
+    return jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), MASK_VALUE).reshape(l.shape[0])
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

@@ -19,31 +19,19 @@ FP8_MAX = 448.0  # float8 e4m3's largest finite value
 def quantize(w, contract: tuple[int, ...], dtype=np.int8):
     """(values shaped like `w` in `dtype`, int8 or float8 e4m3, and float32 scales over the axes not in `contract`):
     numpy arrays for a numpy `w`, jax arrays for a jax one."""
-    if np.dtype(dtype) == np.int8:
-        return quantize_int8(w, contract)
-    xp = np if isinstance(w, np.ndarray) else jnp
-    if xp is np and w.ndim > len(contract) + 1 and 0 not in contract:  # one slice at a time, as below
-        parts = [quantize(w[i], tuple(a - 1 for a in contract), dtype) for i in range(w.shape[0])]
-        return np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts])
-    w32 = w.astype(np.float32, copy=False) if xp is np else w.astype(np.float32)
-    amax = xp.abs(w32).max(axis=contract)
-    scale = xp.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1)).astype(np.float32)
-    values = xp.clip(w32 / xp.expand_dims(scale, contract), -FP8_MAX, FP8_MAX).astype(dtype)  # round to nearest
-    return values, scale
-
-
-def quantize_int8(w, contract: tuple[int, ...]):
-    """(int8 values shaped like `w`, float32 scales over the axes not in `contract`): numpy arrays for a numpy
-    `w`, jax arrays for a jax one."""
     xp = np if isinstance(w, np.ndarray) else jnp
     # A stacked weight (layers, experts) on the host: one slice at a time, so temporaries stay one layer's size. A
     # jax one is quantized whole: XLA fuses it, and a program unrolled per slice compiled seconds longer.
     if xp is np and w.ndim > len(contract) + 1 and 0 not in contract:
         inner = tuple(a - 1 for a in contract)
-        parts = [quantize_int8(w[i], inner) for i in range(w.shape[0])]
+        parts = [quantize(w[i], inner, dtype) for i in range(w.shape[0])]
         return np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts])
+    integer = np.dtype(dtype) == np.int8
+    top = np.float32(127 if integer else FP8_MAX)
     w32 = w.astype(np.float32, copy=False) if xp is np else w.astype(np.float32)
     amax = xp.abs(w32).max(axis=contract)
-    scale = xp.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)  # zero channels: padding
-    values = xp.clip(xp.rint(w32 / xp.expand_dims(scale, contract)), -127, 127).astype(np.int8)
-    return values, scale
+    scale = xp.where(amax > 0, amax / top, np.float32(1)).astype(np.float32)  # zero channels: padding
+    scaled = w32 / xp.expand_dims(scale, contract)
+    if integer:
+        scaled = xp.rint(scaled)
+    return xp.clip(scaled, -top, top).astype(dtype), scale  # fp8: the cast rounds to nearest

@@ -20,11 +20,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import (
-    MASK_VALUE,
     as_layered,
     cdiv,
     check_shapes,
     dot_precision,
+    log_sum_exp,
     next_pow2,
     normalise,
     pad_axis,
@@ -48,7 +48,7 @@ def _decode_kernel(layer_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, 
                              block_count(lo, hi, P), pages_per_block=P, scale=scale, window=window,
                              softcap=softcap, precision=precision, prefetch=prefetch)
     o_ref[...] = normalise(l, acc)
-    lse_ref[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), MASK_VALUE).reshape(l.shape[0])
+    lse_ref[...] = log_sum_exp(m, l)
 
 
 def merge_splits(o: jax.Array, lse: jax.Array) -> jax.Array:

@@ -18,11 +18,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import (
-    MASK_VALUE,
     as_layered,
     cdiv,
     check_shapes,
     dot_precision,
+    log_sum_exp,
     next_pow2,
     normalise,
     pad_axis,
@@ -46,7 +46,7 @@ def _ragged_kernel(layer_ref, seq_ref, len_ref, pos_ref, tables_ref, q_ref, k_re
                              softcap=softcap, precision=precision)
     o_ref[...] = normalise(l, acc).astype(o_ref.dtype)
     if lse_ref:  # asked for (return_lse): each row's log-sum-exp of its scores
-        lse_ref[0][...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), MASK_VALUE).reshape(l.shape[0])
+        lse_ref[0][...] = log_sum_exp(m, l)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "softcap", "rows_per_tile", "pages_per_block",
