@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.layers import ACTIVATIONS, dense
+from jaxserve.models.layers import ACTIVATIONS, dense, gated_mlp
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down", "b_gate", "b_up")  # what the grouped matmuls read (gpt-oss: biases)
 EXPERT_IMPLS = ("looped", "gathered")
@@ -212,9 +212,9 @@ def moe_mlp(cfg: ModelConfig, w: dict[str, jax.Array], h: jax.Array, adapters: j
 def shared_expert(cfg: ModelConfig, h: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
     """Qwen2-MoE's shared expert [T, D] float32: a gated MLP every token runs (split over tp as a dense MLP),
     scaled per token by sigmoid(h . shared_expert_gate)."""
-    act = ACTIVATIONS[cfg.hidden_act]
-    gate = dense("TD,DF->TF", h, w, "shared_gate", int8_activations=cfg.int8_activations)
-    up = dense("TD,DF->TF", h, w, "shared_up", int8_activations=cfg.int8_activations)
-    out = dense("TF,FD->TD", act(gate) * up, w, "shared_down", int8_activations=cfg.int8_activations)
+    # Its weights (and int8 scales) under the names a dense MLP's have.
+    mlp_weights = {"w_" + name.removeprefix("shared_"): value for name, value in w.items()
+                   if name.startswith(("shared_gate", "shared_up", "shared_down"))}
+    out = gated_mlp(h, mlp_weights, cfg.hidden_act, int8_activations=cfg.int8_activations)
     scale = jax.nn.sigmoid(jnp.einsum("TD,DO->TO", h, w["shared_expert_gate"], preferred_element_type=jnp.float32))
     return out.astype(jnp.float32) * scale
