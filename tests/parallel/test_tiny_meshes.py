@@ -43,6 +43,7 @@ MODELS = {
 # Each model on the mesh its padding needs (tp=4: experts 6 -> 8, kv heads replicated), the others on 2x2, the
 # awkward Llama on both: every model's sharding on a 2D mesh once, every padding path, one engine each.
 CASES = [("llama-odd-sizes", "2x2"), ("llama-odd-sizes", "4x2"), ("qwen2-bias", "2x2"), ("mixtral", "4x2"),
+         ("mixtral", "2x1"), ("mixtral", "4x1"),
          ("qwen3-moe-expert-parallel", "4x2"), ("mixtral-top1-expert-parallel", "2x1"),
          ("qwen2-moe-shared-expert-parallel", "4x1"), ("gpt-oss", "4x2"), ("qwen3-qk-norm", "4x2"), ("smollm3-nope-layers", "2x2"),
          ("gemma3-mixed-windows", "4x2")]
