@@ -80,7 +80,7 @@ def hf_logits(model, token_ids: list[int]):
 
 
 def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, split_experts: bool = False,
-               **metadata: int) -> Path:
+               tensor_types: dict | None = None, **metadata: int) -> Path:
     """The float32 weights of a tiny HF checkpoint as a GGUF file of llama.cpp's `arch`, written as llama.cpp's
     converter writes them: the Llama lineage's q/k rows interleaved, RoPE scaling as per-frequency factor tensors
     (Llama 3.1's `rope_freqs`, LongRoPE's `rope_factors_long/short`), Phi-3's rotary width in place of a head size,
@@ -88,7 +88,8 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, split_ex
     Mixtral files have), Granite's multipliers as *_scale keys; with the tokenizer metadata of `tokenizer_gguf`
     (the same vocabulary).
     `metadata`: `{arch}.` keys to write instead of the config's (e.g. {"rope.dimension_count": 8}): integers,
-    floats, booleans or strings."""
+    floats, booleans or strings. `tensor_types`: GGUF tensor name -> the quantized type to store it in
+    (quantized_blocks); the others stay float32."""
     import json
 
     import gguf
@@ -103,6 +104,15 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, split_ex
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     rotary = int(head_dim * float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0))
     writer = gguf.GGUFWriter(str(out), arch)
+    add_float_tensor = writer.add_tensor
+
+    def add_tensor(name: str, w: np.ndarray) -> None:
+        kind = (tensor_types or {}).get(name)
+        if kind is None:
+            return add_float_tensor(name, w)
+        return add_float_tensor(name, quantized_blocks(w, kind), raw_dtype=kind)
+
+    writer.add_tensor = add_tensor
     keys = {"context_length": cfg["max_position_embeddings"], "embedding_length": cfg["hidden_size"],
             "block_count": cfg["num_hidden_layers"], "feed_forward_length": cfg["intermediate_size"],
             "attention.head_count": cfg["num_attention_heads"],
@@ -170,6 +180,27 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, split_ex
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+# Where each K-quant block keeps its float16 scales (the `gguf` package cannot quantize to these types).
+K_QUANT_FLOAT16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def quantized_blocks(w: np.ndarray, kind) -> np.ndarray:
+    """`w` [rows, cols] as GGUF blocks of `kind`: quantized by the `gguf` package where it can; for the K-quants,
+    random blocks whose float16 scales are drawn small enough for weights of a random model's size (their values
+    come out near w's scale, not w: both the reference and the kept path decode the same bytes)."""
+    import gguf
+
+    if kind.name not in K_QUANT_FLOAT16_FIELDS:
+        return gguf.quants.quantize(w.astype(np.float32), kind)
+    block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(w.size)
+    blocks = rng.integers(0, 256, (w.size // block, block_bytes), dtype=np.uint8)
+    for start in K_QUANT_FLOAT16_FIELDS[kind.name]:
+        d = rng.uniform(1e-5, 4e-5, (len(blocks), 1)).astype(np.float16)
+        blocks[:, start:start + 2] = d.view(np.uint8)
+    return blocks.reshape(w.shape[0], -1)
 
 
 @functools.lru_cache(maxsize=2)

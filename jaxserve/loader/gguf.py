@@ -4,16 +4,20 @@ presented under Hugging Face names and layouts."""
 from __future__ import annotations
 
 import re
+from functools import partial
 from pathlib import Path
 
 import gguf
 import numpy as np
 
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.loader.gguf_blocks import KEPT_TYPES, decode_blocks
 from jaxserve.loader.gguf_reader import GGUFReader, GGUFTensor
+from jaxserve.loader.grouped import GroupedArray
 from jaxserve.loader.hf_config import attention_layout, rope_layer_flags
 from jaxserve.loader.rope_scaling import longrope_attention_factor, yarn_scaling
 from jaxserve.loader.weights import MOE_NAMES
+from jaxserve.models.layers import Grouped
 
 # GGUF `general.architecture` -> HF architecture name. llama.cpp converts Mixtral to "llama" (with experts).
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -299,14 +303,33 @@ class GGUFFile:
         return set(self._tensors)
 
     def get(self, name: str) -> np.ndarray:
-        if name not in self._tensors:
-            raise ValueError(f"tensor {name!r} is missing from {self.path.name}")
-        t, expert = self._tensors[name]
-        data = t.data if expert is None else t.data[expert]  # quantized blocks run along rows: one expert slices
+        t, data = self._data(name)
         w = np.asarray(gguf.quants.dequantize(data, t.tensor_type), dtype=np.float32)
         if self.arch in GEMMA_ARCHS and name.endswith("norm.weight"):  # llama.cpp stores Gemma's 1 + w
             w = w - 1.0
+        return self._hf_rows(name, w)
+
+    # Kept in blocks (loader/grouped.py)
+    def block_format(self, name: str) -> Grouped | None:
+        """How the tensor `name` is kept in its blocks, or None for a float tensor or a type dequantized at load."""
+        return KEPT_TYPES.get(self._data(name)[0].tensor_type)
+
+    def get_grouped(self, name: str) -> GroupedArray:
+        t, data = self._data(name)
+        return self._hf_rows(name, decode_blocks(data, t.tensor_type))
+
+    def _data(self, name: str) -> tuple[GGUFTensor, np.ndarray]:
+        if name not in self._tensors:
+            raise ValueError(f"tensor {name!r} is missing from {self.path.name}")
+        t, expert = self._tensors[name]
+        return t, (t.data if expert is None else t.data[expert])  # blocks run along rows: one expert slices
+
+    def _hf_rows(self, name: str, w):
+        """The rows of a float or grouped tensor in HF's order (llama.cpp interleaves each q/k head's rotary
+        halves for the Llama lineage)."""
         if self.arch in INTERLEAVED_QK_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
             key = "head_count" if "q_proj" in name else "head_count_kv"
-            w = _unpermute_rotary(w, int(self.field(f"{self.arch}.attention.{key}")))
+            heads = int(self.field(f"{self.arch}.attention.{key}"))
+            unpermute = partial(_unpermute_rotary, n_heads=heads)
+            return w.map_rows(unpermute) if isinstance(w, GroupedArray) else unpermute(w)
         return w

@@ -11,12 +11,22 @@ from typing import Any, Callable, Iterator, Protocol
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.loader.grouped import GroupedArray, common_format, stack_grouped
+from jaxserve.models.layers import Grouped, GroupedWeights
 
 
 class TensorSource(Protocol):
     def names(self) -> set[str]: ...
 
     def get(self, name: str) -> np.ndarray: ...
+
+
+class BlockSource(TensorSource, Protocol):
+    """A source whose quantized tensors can stay in their blocks (a GGUF file)."""
+
+    def block_format(self, name: str) -> Grouped | None: ...
+
+    def get_grouped(self, name: str) -> GroupedArray: ...
 
 
 ParamPath = tuple[str, ...]
@@ -129,10 +139,13 @@ def stacker_on_host(get: Callable[[str], np.ndarray]) -> Stack:
     """A Stack reading each tensor with `get` and filling one array in place, in `dtype`: one stacked copy held,
     not np.stack's list of parts and then a cast's second copy (a 70B model's stacked MLP weight is tens of GB)."""
 
-    def stack(template: str, counts: tuple[int, ...], transform: Callable, dtype) -> np.ndarray:
+    def stack(template: str, counts: tuple[int, ...], transform: Callable, dtype) -> np.ndarray | GroupedArray:
         out = None
         for index in np.ndindex(*counts):
             array = transform(get(fill(template, index)))
+            if isinstance(array, GroupedArray):  # kept in its checkpoint's groups: small, stacked from a list
+                return stack_grouped([array] + [transform(get(fill(template, i))) for i in
+                                                list(np.ndindex(*counts))[1:]], counts)
             if out is None:
                 out = np.empty(counts + array.shape, dtype)
             elif array.shape != out.shape[len(counts):]:  # assignment would broadcast a damaged tensor over the row
@@ -172,3 +185,51 @@ def load_params(cfg: ModelConfig, src: TensorSource, dtype) -> Iterator[tuple[Pa
     is materialised beyond the checkpoint itself."""
     for path, build in param_builders(cfg, src.get, stacker_on_host(src.get), dtype):
         yield path, build()
+
+
+# Matmul weights that can stay in a checkpoint's quantized blocks (models/layers.Grouped). A mixture's experts are
+# dequantized at load for now.
+BLOCK_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down")
+
+
+def weight_tensors(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Our matmul weight -> the HF tensors it is made of (every layer's), for those in BLOCK_WEIGHTS and the
+    embedding and LM head."""
+    names = {"embed": ["model.embed_tokens.weight"]}
+    if not cfg.tie_word_embeddings:
+        names["lm_head"] = ["lm_head.weight"]
+    experts = ("w_gate", "w_up", "w_down") if cfg.num_experts else ()
+    for ours, (hf, _) in _layer_weights(cfg).items():
+        if ours in BLOCK_WEIGHTS and ours not in experts:
+            names[ours] = [fill(f"model.layers.*.{hf}", (i,)) for i in range(cfg.num_layers)]
+    return names
+
+
+def keep_blocks(cfg: ModelConfig, source: BlockSource) -> tuple[GroupedWeights, TensorSource]:
+    """(how each weight is kept, a source presenting those weights' tensors as GroupedArrays in that format):
+    a weight whose every tensor is of a kept type, in the storage all of them convert into exactly. The others
+    (float tensors, types not kept, a weight mixing both) are dequantized at load as before."""
+    formats, by_tensor = {}, {}
+    available = source.names()
+    for ours, tensors in weight_tensors(cfg).items():
+        found = [source.block_format(t) for t in tensors if t in available]
+        if len(found) < len(tensors) or None in found:
+            continue
+        formats[ours] = common_format(found)
+        by_tensor |= dict.fromkeys(tensors, formats[ours])
+    return formats, KeptBlocks(source, by_tensor)
+
+
+class KeptBlocks:
+    """A TensorSource whose tensors in `formats` come as GroupedArrays in their weight's format."""
+
+    def __init__(self, source: BlockSource, formats: dict[str, Grouped]):
+        self._source, self._formats = source, formats
+
+    def names(self) -> set[str]:
+        return self._source.names()
+
+    def get(self, name: str) -> np.ndarray | GroupedArray:
+        if name not in self._formats:
+            return self._source.get(name)
+        return self._source.get_grouped(name).conform(self._formats[name])

@@ -8,6 +8,7 @@ Shape letters, used in every einsum of the package:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -34,23 +35,97 @@ QUANTIZATIONS = (None, "int8", "w8a8", "fp8")
 STORED_DTYPES = {"int8": jnp.int8, "w8a8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 
+@dataclasses.dataclass(frozen=True)
+class Grouped:
+    """A weight kept in the blocks a checkpoint was quantized in (GGUF's Q4_1, Q8_0, Q6_K...): w = q * scale +
+    offset, one scale (and offset) per `group` consecutive values along the weight's last contracted axis.
+
+    `bits=4`: q in 0..15, two values per uint8 byte (element 2i in the low nibble, 2i+1 in the high one) packed
+    along the group axis, so half a byte per weight on every platform (XLA:CPU stores jnp.uint4 in a whole byte).
+    `bits=8`: q in int8. Scales and offsets are float32, with the weight's logical axes, so they pad and split
+    over the mesh where the weight does (the group axis splits where `group` * devices divides it)."""
+    bits: int
+    group: int
+    offset: bool
+
+    @property
+    def dtype(self):
+        return jnp.uint8 if self.bits == 4 else jnp.int8
+
+
+# Weights kept in their checkpoint's blocks, by parameter name ("wq", "w_down", "embed"...); those not named are
+# floats. What a model's constructor gets as `quantization` beside the names above.
+GroupedWeights = dict[str, Grouped]
+
+
+def weight_format(quantization: str | GroupedWeights | None, name: str, quantized_by_name: bool = True
+                  ) -> str | Grouped | None:
+    """How the weight `name` is stored under the engine's `quantization`: a checkpoint's blocks name their weights
+    one by one; int8/w8a8/fp8 quantize every matmul weight of the layers (`quantized_by_name=False` for the
+    embedding and LM head, which they leave in float)."""
+    if isinstance(quantization, dict):
+        return quantization.get(name)
+    return quantization if quantized_by_name else None
+
+
 def weight(shape: tuple[int, ...], logical: tuple[str | None, ...], dtype, contract: tuple[str, ...],
-           quantization: str | None) -> tuple[nnx.Param, nnx.Param | None]:
-    """A matmul weight and its scales: (float weight, None), or with `quantization="int8"` or "w8a8" (int8 weight,
-    float32 scale per output channel), or "fp8" (float8 e4m3 weight, the same scales). `contract` names the axes the matmul sums over; the scale has every other axis.
+           stored: str | Grouped | None) -> dict[str, nnx.Param]:
+    """A matmul weight and what dequantizes it, by name suffix: {"": float weight}; with `stored="int8"` or
+    "w8a8", {"": int8 weight, "_scale": float32 scale per output channel}, or "fp8" (float8 e4m3 weight, the same
+    scales); with a `Grouped` format, its values, "_scale" and (if it has them) "_offset" per group.
+    `contract` names the axes the matmul sums over; a per-channel scale has every other axis.
 
     Weight-only int8: activations stay float and `dense` converts the int8 weight inside the matmul, so
     memory-bound decode reads a quarter of the float32 bytes (half of bf16). Symmetric per-channel scales
     (max |w| / 127) keep a channel's outliers from costing the others their precision.
     """
-    if quantization is None:
-        return param(shape, logical, dtype), None
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization={quantization!r} is not supported; use None, 'int8', 'w8a8' or 'fp8'")
+    if stored is None:
+        return {"": param(shape, logical, dtype)}
+    if isinstance(stored, Grouped):
+        axis = max(i for i, name in enumerate(logical) if name in contract)  # the group axis
+        grouped = {"": _resized(shape, axis, shape[axis] * stored.bits // 8), "_scale": _resized(
+            shape, axis, shape[axis] // stored.group)}
+        dtypes = {"": stored.dtype, "_scale": jnp.float32, "_offset": jnp.float32}
+        if stored.offset:
+            grouped["_offset"] = grouped["_scale"]
+        return {suffix: param(s, logical, dtypes[suffix]) for suffix, s in grouped.items()}
+    if stored not in QUANTIZATIONS:
+        raise ValueError(f"quantization={stored!r} is not supported; use None, 'int8', 'w8a8' or 'fp8'")
     kept = [i for i, name in enumerate(logical) if name not in contract]
     assert len(kept) < len(logical), (logical, contract)
     scale = param(tuple(shape[i] for i in kept), tuple(logical[i] for i in kept), jnp.float32)
-    return param(shape, logical, STORED_DTYPES[quantization]), scale
+    return {"": param(shape, logical, STORED_DTYPES[stored]), "_scale": scale}
+
+
+def _resized(shape: tuple[int, ...], axis: int, size: int) -> tuple[int, ...]:
+    return shape[:axis] + (size,) + shape[axis + 1:]
+
+
+def add_weight(module: nnx.Module, name: str, shape: tuple[int, ...], logical: tuple[str | None, ...], dtype,
+               contract: tuple[str, ...], stored: str | Grouped | None) -> None:
+    """`module.<name>` and its scales (`<name>_scale`, `<name>_offset`), as `weight` declares them."""
+    for suffix, p in weight(shape, logical, dtype, contract, stored).items():
+        setattr(module, name + suffix, p)
+
+
+def dequantized(weights: dict[str, jax.Array], name: str, dtype) -> jax.Array:
+    """The weight `name` in `dtype`: as stored when it is a float, else q * scale (+ offset) computed in float32,
+    which is what a checkpoint's own dequantization computes (GGUF's `d * q + m`)."""
+    w, scale = weights[name], weights.get(name + "_scale")
+    if scale is None:
+        return w.astype(dtype)
+    assert scale.ndim == w.ndim, f"{name}: per-channel scales apply to a matmul's output (dense)"
+    offset = weights.get(name + "_offset")
+    axis = next(i for i, (a, b) in enumerate(zip(w.shape, scale.shape)) if a != b)  # the group axis
+    if w.dtype == jnp.uint8:  # two 4-bit values per byte along the group axis, the first in the low nibble
+        w = jnp.stack([w & 15, w >> 4], axis=axis + 1)
+        w = w.reshape(w.shape[:axis] + (w.shape[axis] * 2,) + w.shape[axis + 2:])
+    groups = scale.shape[axis]
+    blocks = w.reshape(w.shape[:axis] + (groups, w.shape[axis] // groups) + w.shape[axis + 1:])
+    values = blocks.astype(jnp.float32) * jnp.expand_dims(scale, axis + 1)
+    if offset is not None:
+        values = values + jnp.expand_dims(offset, axis + 1)
+    return values.reshape(w.shape).astype(dtype)
 
 
 def dense(spec: str, x: jax.Array, weights: dict[str, jax.Array], name: str,
@@ -63,10 +138,13 @@ def dense(spec: str, x: jax.Array, weights: dict[str, jax.Array], name: str,
     float32 (a bfloat16 scale would add up to 0.4% of gain error per channel). GPU backends can fuse the int8 ->
     float convert into the matmul's operand read; XLA's CPU backend converts one layer's weight at a time first.
     `int8_activations` (quantization="w8a8"): x is quantized too and the matmul runs in int8 (int8_matmul).
+    A weight kept in its checkpoint's groups (`Grouped`) is dequantized to x's dtype first.
     """
     w, scale = weights[name], weights.get(name + "_scale")
     if scale is None:
         y = jnp.einsum(spec, x, w)
+    elif scale.ndim == w.ndim:  # kept in a checkpoint's blocks: dequantized inside the step (XLA fuses it)
+        y = jnp.einsum(spec, x, dequantized(weights, name, x.dtype))
     elif int8_activations:
         y = (int8_matmul(spec, x, w) * scale).astype(x.dtype)
     else:

@@ -17,15 +17,18 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.layers import (
+    GroupedWeights,
+    add_weight,
     apply_rope,
     dense,
+    dequantized,
     gated_mlp,
     lora_selection,
     param,
     rms_norm,
     rope_tables,
     soft_cap,
-    weight,
+    weight_format,
 )
 from jaxserve.models.lora import add_lora_slots
 
@@ -34,15 +37,15 @@ class DecoderLayers(nnx.Module):
     """The weights of all L decoder layers, each stacked on a leading `layers` axis (or, unrolled, a tuple of L
     per-layer arrays: runner/layer_loop.py)."""
 
-    def __init__(self, cfg: ModelConfig, dtype, quantization: str | None = None):
+    def __init__(self, cfg: ModelConfig, dtype, quantization: str | GroupedWeights | None = None):
         L, D, H, K, d = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q = quantization
         self.attn_norm = param((L, D), ("layers", "embed"), dtype)
-        self.wq, self.wq_scale = weight((L, D, H, d), ("layers", "embed", "q_heads", "head_dim"), dtype, ("embed",), q)
-        self.wk, self.wk_scale = weight((L, D, K, d), ("layers", "embed", "kv_heads", "head_dim"), dtype, ("embed",), q)
-        self.wv, self.wv_scale = weight((L, D, K, d), ("layers", "embed", "kv_heads", "head_dim"), dtype, ("embed",), q)
-        self.wo, self.wo_scale = weight((L, H, d, D), ("layers", "q_heads", "head_dim", "embed"), dtype,
-                                        ("q_heads", "head_dim"), q)
+        self.add_weight("wq", (L, D, H, d), ("layers", "embed", "q_heads", "head_dim"), dtype, ("embed",), q)
+        self.add_weight("wk", (L, D, K, d), ("layers", "embed", "kv_heads", "head_dim"), dtype, ("embed",), q)
+        self.add_weight("wv", (L, D, K, d), ("layers", "embed", "kv_heads", "head_dim"), dtype, ("embed",), q)
+        self.add_weight("wo", (L, H, d, D), ("layers", "q_heads", "head_dim", "embed"), dtype,
+                        ("q_heads", "head_dim"), q)
         if cfg.qkv_bias:
             self.bq = param((L, H, d), ("layers", "q_heads", "head_dim"), dtype)
             self.bk = param((L, K, d), ("layers", "kv_heads", "head_dim"), dtype)
@@ -64,11 +67,15 @@ class DecoderLayers(nnx.Module):
         if cfg.lora_slots:
             add_lora_slots(self, cfg, dtype)
 
-    def init_mlp(self, cfg: ModelConfig, dtype, q: str | None):
+    def init_mlp(self, cfg: ModelConfig, dtype, q: str | GroupedWeights | None):
         L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
-        self.w_gate, self.w_gate_scale = weight((L, D, F), ("layers", "embed", "mlp"), dtype, ("embed",), q)
-        self.w_up, self.w_up_scale = weight((L, D, F), ("layers", "embed", "mlp"), dtype, ("embed",), q)
-        self.w_down, self.w_down_scale = weight((L, F, D), ("layers", "mlp", "embed"), dtype, ("mlp",), q)
+        self.add_weight("w_gate", (L, D, F), ("layers", "embed", "mlp"), dtype, ("embed",), q)
+        self.add_weight("w_up", (L, D, F), ("layers", "embed", "mlp"), dtype, ("embed",), q)
+        self.add_weight("w_down", (L, F, D), ("layers", "mlp", "embed"), dtype, ("mlp",), q)
+
+    def add_weight(self, name: str, shape: tuple[int, ...], logical: tuple[str | None, ...], dtype,
+                   contract: tuple[str, ...], quantization: str | GroupedWeights | None) -> None:
+        add_weight(self, name, shape, logical, dtype, contract, weight_format(quantization, name))
 
     def arrays(self) -> dict[str, jax.Array | tuple[jax.Array, ...]]:
         """Each weight stacked [L, ...], or as a tuple of per-layer arrays once unstacked (runner/layer_loop.py)."""
@@ -144,18 +151,20 @@ class LlamaForCausalLM(nnx.Module):
     layers_class = DecoderLayers
     mlp_fn = staticmethod(mlp)
 
-    def __init__(self, cfg: ModelConfig, dtype, quantization: str | None = None):
+    def __init__(self, cfg: ModelConfig, dtype, quantization: str | GroupedWeights | None = None):
         """`quantization="int8"`: the decoder layers' matmul weights are int8. The embedding and LM head stay in
         `dtype`, as in GPTQ/AWQ checkpoints: the logits are the most quantization-sensitive output, and on CPU
         XLA would convert the whole int8 vocabulary matrix to float every step (it does not fuse that convert).
-        "w8a8": the same weights, multiplied by int8 activations (layers.int8_matmul)."""
+        "w8a8": the same weights, multiplied by int8 activations (layers.int8_matmul). `GroupedWeights`: the
+        weights it names (the embedding and LM head too) kept in their checkpoint's blocks (a GGUF's)."""
         self.cfg = dataclasses.replace(cfg, int8_activations=True) if quantization == "w8a8" else cfg
         V, D = cfg.vocab_size + cfg.vocab_pad, cfg.hidden_size
-        self.embed = param((V, D), ("vocab", "embed"), dtype)
+        stored = partial(weight_format, quantization, quantized_by_name=False)
+        add_weight(self, "embed", (V, D), ("vocab", "embed"), dtype, ("embed",), stored("embed"))
         self.layers = self.layers_class(cfg, dtype, quantization)
         self.final_norm = param((D,), ("embed",), dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = param((D, V), ("embed", "vocab"), dtype)
+            add_weight(self, "lm_head", (D, V), ("embed", "vocab"), dtype, ("embed",), stored("lm_head"))
 
     def __call__(self, token_ids: jax.Array, kv, meta, attention_fn, run_layers=scan_layers, experts_fn=None):
         """Hidden states [T, D] after the final norm, and the updated cache. `run_layers` runs the layers: a
@@ -168,12 +177,17 @@ class LlamaForCausalLM(nnx.Module):
         return rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps), kv
 
     def embed_tokens(self, token_ids: jax.Array) -> jax.Array:
-        return self.embed[...][token_ids]
+        if not hasattr(self, "embed_scale"):
+            return self.embed[...][token_ids]
+        rows = {name: getattr(self, name)[...][token_ids] for name in ("embed", "embed_scale", "embed_offset")
+                if hasattr(self, name)}  # a grouped embedding's rows, dequantized alone
+        return dequantized(rows, "embed", self.final_norm[...].dtype)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Float32 logits [N, V] for the N hidden states asked for (only the sampled positions)."""
-        if self.cfg.tie_word_embeddings:
-            out = jnp.einsum("ND,VD->NV", hidden, self.embed[...], preferred_element_type=jnp.float32)
-        else:
-            out = jnp.einsum("ND,DV->NV", hidden, self.lm_head[...], preferred_element_type=jnp.float32)
+        name = "embed" if self.cfg.tie_word_embeddings else "lm_head"
+        stored = {n: getattr(self, n)[...] for n in (name, name + "_scale", name + "_offset") if hasattr(self, n)}
+        head = dequantized(stored, name, hidden.dtype)
+        spec = "ND,VD->NV" if self.cfg.tie_word_embeddings else "ND,DV->NV"
+        out = jnp.einsum(spec, hidden, head, preferred_element_type=jnp.float32)
         return soft_cap(out[:, : self.cfg.vocab_size], self.cfg.final_logit_softcap)  # padded rows are not tokens

@@ -14,21 +14,27 @@ checkpoint's instead: a program per weight costs more compile time there (~0.5 s
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
+from jaxserve.loader.grouped import GroupedArray, pack_nibbles
 from jaxserve.loader.random_weights import RandomWeights
-from jaxserve.loader.weights import TensorSource, load_params, param_builders
+from jaxserve.loader.weights import TensorSource, keep_blocks, load_params, param_builders
+from jaxserve.models.layers import Grouped, GroupedWeights
 from jaxserve.models.lora import is_lora_path
 from jaxserve.models.registry import abstract_model
 from jaxserve.parallel.layout import ParallelLayout, plan_layout
-from jaxserve.parallel.padding import pad_weight
+from jaxserve.parallel.padding import pad_axis, pad_weight
 from jaxserve.parallel.sharding import named_sharding
 from jaxserve.runner.layer_loop import per_layer_logical, split_layers
 from jaxserve.runner.quantize import quantize
+
+log = logging.getLogger(__name__)
 
 
 def _flat_abstract(cfg: ModelConfig, dtype, quantization: str | None = None):
@@ -55,11 +61,13 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
                              "checkpoint, and a `jaxserve convert` checkpoint holds placed float weights: serve the "
                              "original model (HF directory or GGUF) with this quantization instead")
         return tensors.restore(cfg, dtype, mesh, layout)
+    platform = mesh.devices.flat[0].platform
+    quantization, tensors = _blocks_kept(quantization, tensors, cfg, platform)
     _, real = _flat_abstract(cfg, dtype)  # checkpoint shapes, checked before padding
     graphdef, flat = _flat_abstract(layout.effective_config(cfg), dtype, quantization)
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     if dummy_on_devices is None:
-        dummy_on_devices = mesh.devices.flat[0].platform != "cpu"
+        dummy_on_devices = platform != "cpu"
     stages = layout.pp if per_layer else None  # how split_layers groups a layer weight's arrays, if at all
     if isinstance(tensors, RandomWeights) and dummy_on_devices:
         placed = _random_on_devices(cfg, tensors, np_dtype, mesh, layout, flat, real, stages)
@@ -78,7 +86,54 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
     missing = set(flat) - set(placed)
     if missing:
         raise ValueError(f"the checkpoint provides no weights for {sorted('.'.join(p) for p in missing)}")
+    log.info(describe_storage(placed, quantization))
     return graphdef, nnx.from_flat_state(list(placed.items()))
+
+
+def _blocks_kept(quantization: str | None, tensors: TensorSource, cfg: ModelConfig, platform: str
+                 ) -> tuple[str | GroupedWeights | None, TensorSource]:
+    """(the model's quantization, the source to read): "gguf" keeps a GGUF file's quantized weights in their
+    blocks (loader/weights.keep_blocks), as does the default on a GPU or TPU. On a CPU the default dequantizes
+    them at load: XLA:CPU converts each weight to float before its matmul, every step, which made decode
+    several times slower than reading float32 weights (docs/quantization.md)."""
+    from_blocks = hasattr(tensors, "block_format")
+    if quantization == "gguf" and not from_blocks:
+        raise ValueError("quantization='gguf' keeps a GGUF file's quantized weights in their blocks, and this model "
+                         "is not a GGUF file: drop it, or serve the model's .gguf file")
+    if quantization != "gguf" and (quantization is not None or not from_blocks or platform == "cpu"):
+        return quantization, tensors
+    return keep_blocks(cfg, tensors)
+
+
+def describe_storage(placed: dict, quantization: str | GroupedWeights | None) -> str:
+    """One log line: how the weights are stored, and the bytes the fullest device holds."""
+    kinds: dict[str, int] = {}
+    per_device: dict = {}
+    for path, var in placed.items():
+        name = path[-1]
+        for array in jax.tree.leaves(var.get_value()):
+            if name.endswith(("_scale", "_offset")):
+                kind = "scales"
+            else:
+                kind = {"uint8": "4-bit pairs", "int8": "int8", "float8_e4m3fn": "fp8"}.get(array.dtype.name,
+                                                                                          array.dtype.name)
+            for shard in array.addressable_shards:
+                per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+                if shard.device == array.addressable_shards[0].device:
+                    kinds[kind] = kinds.get(kind, 0) + shard.data.nbytes
+    if isinstance(quantization, dict):
+        formats: dict[Grouped, list[str]] = {}
+        for name, fmt in quantization.items():
+            formats.setdefault(fmt, []).append(name)
+        kept = "; ".join(f"{', '.join(names)}: {fmt.bits}-bit in groups of {fmt.group}"
+                         f"{' with offsets' if fmt.offset else ''}" for fmt, names in formats.items())
+        how = f"kept in the checkpoint's quantized blocks ({kept}), the others in float"
+    else:
+        how = f"{quantization} quantized at load" if quantization else "in float"
+    mib = 2**20
+    split = ", ".join(f"{kind} {size / mib:.1f}" for kind, size in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    return (f"weights {how}: {max(per_device.values(), default=0) / mib:.1f} MiB on the fullest device "
+            f"(one device's MiB by storage: {split})")
 
 
 def _random_on_devices(cfg: ModelConfig, tensors: RandomWeights, dtype, mesh: Mesh, layout: ParallelLayout,
@@ -114,6 +169,8 @@ def _prepared(cfg: ModelConfig, path, array, flat: dict, layout: ParallelLayout)
     """The weight at `path` padded for the mesh: {path: array}, or for a quantized weight its int8 values and
     float32 scales, {path: values, path_scale: scales}. Numpy in, numpy out; jax in, jax out."""
     logical = _logical(flat, path)
+    if isinstance(array, GroupedArray):
+        return _prepared_groups(cfg, path, array, logical, layout)
     array = pad_weight(array, logical, layout, cfg.num_kv_heads)
     if len(paths := _part_paths(path, flat)) == 1:
         return {path: array}
@@ -121,10 +178,36 @@ def _prepared(cfg: ModelConfig, path, array, flat: dict, layout: ParallelLayout)
     return dict(zip(paths, quantize(array, contract, flat[path].get_value().dtype)))
 
 
+def _prepared_groups(cfg: ModelConfig, path, array: GroupedArray, logical: tuple[str, ...],
+                     layout: ParallelLayout) -> dict:
+    """A weight kept in groups, padded for the mesh: the values like a float weight's; the scales and offsets on
+    every axis but the group axis alike, and on the group axis to the padded size over the group (padded groups
+    are zeros: zero weights). 4-bit values are then packed two to a byte along the group axis."""
+    values = pad_weight(array.values, logical, layout, cfg.num_kv_heads)
+    axis, group = array.axis, array.group
+    if values.shape[axis] % group:
+        raise ValueError(f"{'.'.join(path)} is quantized in groups of {group} along {logical[axis]!r}, which this mesh "
+                         f"pads to {values.shape[axis]}: not whole groups; use a mesh with fewer tensor-parallel devices")
+    unpadded_axis = logical[:axis] + (None,) + logical[axis + 1:]
+
+    def groups(a: np.ndarray) -> np.ndarray:
+        return pad_axis(pad_weight(a, unpadded_axis, layout, cfg.num_kv_heads), axis, values.shape[axis] // group)
+
+    parts = {path: pack_nibbles(values, axis) if array.bits == 4 else values, _suffixed(path, "_scale"):
+             groups(array.scale)}
+    if array.offset is not None:
+        parts[_suffixed(path, "_offset")] = groups(array.offset)
+    return parts
+
+
+def _suffixed(path, suffix: str):
+    return path[:-1] + (path[-1] + suffix,)
+
+
 def _part_paths(path, flat: dict) -> tuple:
-    """The parameters the checkpoint weight at `path` becomes: itself, or its int8 values and their scales."""
-    scale_path = path[:-1] + (path[-1] + "_scale",)
-    return (path, scale_path) if scale_path in flat else (path,)
+    """The parameters the checkpoint weight at `path` becomes: itself, or its quantized values and their scales
+    (and offsets)."""
+    return (path,) + tuple(p for p in (_suffixed(path, "_scale"), _suffixed(path, "_offset")) if p in flat)
 
 
 def _sharding(logical: tuple[str, ...], mesh: Mesh, num_layers: int, stages: int | None):

@@ -1,0 +1,129 @@
+"""GGUF weights kept in their quantized blocks (quantization="gguf"): decoded exactly as llama.cpp dequantizes,
+carried through the loader's layout transforms with their scales, padded and split over meshes, and served with
+the tokens of the model dequantized at load."""
+
+import logging
+
+import gguf
+import jax
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from jaxserve import Engine, SamplingParams
+from jaxserve.loader.gguf_blocks import KEPT_TYPES, decode_blocks
+from jaxserve.loader.grouped import common_format, stack_grouped
+from tests.helpers import K_QUANT_FLOAT16_FIELDS, quantized_blocks, write_gguf
+
+SIMPLE_FLOAT16_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,)}
+
+
+def random_blocks(kind, rows: int, blocks_per_row: int, seed: int = 0) -> np.ndarray:
+    """Random bytes in `kind`'s blocks, every float16 field a finite value."""
+    rng = np.random.default_rng(seed)
+    block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    data = rng.integers(0, 256, (rows * blocks_per_row, block_bytes), dtype=np.uint8)
+    for start in SIMPLE_FLOAT16_FIELDS.get(kind) or K_QUANT_FLOAT16_FIELDS[kind.name]:
+        data[:, start:start + 2] = rng.normal(size=(len(data), 1)).astype(np.float16).view(np.uint8)
+    return data.reshape(rows, blocks_per_row * block_bytes)
+
+
+@pytest.mark.parametrize("kind", list(KEPT_TYPES), ids=lambda k: k.name)
+def test_blocks_decode_to_llama_cpp_dequantization_bit_for_bit(kind):
+    data = random_blocks(kind, rows=6, blocks_per_row=2)
+    grouped = decode_blocks(data, kind)
+    assert grouped.format == KEPT_TYPES[kind]
+    np.testing.assert_array_equal(grouped.dequantize(), gguf.quants.dequantize(data, kind))
+
+
+def test_layout_transforms_carry_the_groups_along():
+    """Transpose, the q/o projections' head reshapes, a row permutation, conversion to a common format and
+    stacking act on the dequantized weights as on the float ones."""
+    q4k = decode_blocks(random_blocks(Q.Q4_K, rows=8, blocks_per_row=1, seed=1), Q.Q4_K)  # [8 out, 256 in]
+    q6k = decode_blocks(random_blocks(Q.Q6_K, rows=8, blocks_per_row=1, seed=2), Q.Q6_K)
+    w = q4k.dequantize()
+    np.testing.assert_array_equal(q4k.T.reshape(256, 2, 4).dequantize(), w.T.reshape(256, 2, 4))  # like wq
+    np.testing.assert_array_equal(q4k.T.reshape(4, 64, 8).dequantize(), w.T.reshape(4, 64, 8))  # like wo
+    order = np.array([3, 1, 0, 2, 7, 5, 6, 4])
+    np.testing.assert_array_equal(q4k.map_rows(lambda a: a[order]).dequantize(), w[order])
+    target = common_format([q4k.format, q6k.format])
+    assert (target.bits, target.group, target.offset) == (8, 16, True)
+    stacked = stack_grouped([q4k.conform(target).T, q6k.conform(target).T], (2,))
+    np.testing.assert_array_equal(stacked.dequantize(), np.stack([w.T, q6k.dequantize().T]))
+    np.testing.assert_array_equal(q4k.T.reshape(8, 32, 8).dequantize(), w.T.reshape(8, 32, 8))  # one group a head
+    with pytest.raises(ValueError, match="groups would straddle"):
+        q4k.T.reshape(16, 16, 8)  # heads of 16 values: a group would span two
+
+
+# Every kept type, layers of one weight in different types (converted to a common format), a weight with one
+# float layer (dequantized at load), an untied LM head.
+TINY_TYPES = {
+    "token_embd.weight": Q.Q4_K, "output.weight": Q.Q6_K,
+    "blk.0.attn_q.weight": Q.Q4_0, "blk.1.attn_q.weight": Q.Q4_K,
+    "blk.0.attn_k.weight": Q.Q4_1, "blk.1.attn_k.weight": Q.Q4_1,
+    "blk.0.attn_v.weight": Q.Q4_K, "blk.1.attn_v.weight": Q.Q6_K,
+    "blk.0.attn_output.weight": Q.Q5_0,  # blk.1's stays float32
+    "blk.0.ffn_gate.weight": Q.Q5_1, "blk.1.ffn_gate.weight": Q.Q5_1,
+    "blk.0.ffn_up.weight": Q.Q8_0, "blk.1.ffn_up.weight": Q.Q8_0,
+    "blk.0.ffn_down.weight": Q.Q5_K, "blk.1.ffn_down.weight": Q.Q6_K,
+}
+PROMPTS = ["Hello, my name is", "def fibonacci(n):"]
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_quantized_gguf(tiny_checkpoint, smollm2_gguf_path, tmp_path_factory):
+    hf = tiny_checkpoint("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=64,
+                         tie_word_embeddings=False)
+    return str(write_gguf(hf, tmp_path_factory.mktemp("quantized") / "tiny-q.gguf", "llama", smollm2_gguf_path,
+                          tensor_types=TINY_TYPES))
+
+
+def _generate(model: str, mesh: str = "1x1", **options):
+    engine = Engine(model, mesh=mesh, max_model_len=64, num_kv_blocks=16, max_num_seqs=2, warmup=False, **options)
+    outs = [o.outputs[0] for o in engine.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    return [o.token_ids for o in outs], np.array([[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]
+                                                  for o in outs])
+
+
+@pytest.fixture(scope="module")
+def dequantized_reference(tiny_quantized_gguf):
+    return _generate(tiny_quantized_gguf)  # the CPU default: dequantized at load
+
+
+@pytest.mark.parametrize("mesh", ["1x1", "2x1", "4x2"])
+def test_kept_blocks_serve_the_dequantized_models_tokens(mesh, tiny_quantized_gguf, dequantized_reference, caplog):
+    with caplog.at_level(logging.INFO, logger="jaxserve.runner.weights"):
+        tokens, logprobs = _generate(tiny_quantized_gguf, mesh, quantization="gguf")
+    assert tokens == dequantized_reference[0]
+    np.testing.assert_allclose(logprobs, dequantized_reference[1], atol=1e-4)
+    described = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights kept"))
+    kept = dict(part.split(": ") for part in described.split("(", 1)[1].split(")", 1)[0].split("; "))
+    # wo has a float32 layer, so it is dequantized at load; wv's Q4_K and Q6_K layers share 8-bit groups of 16
+    assert kept == {"embed, wq, wk": "4-bit in groups of 32 with offsets", "lm_head": "8-bit in groups of 16",
+                    "wv, w_down": "8-bit in groups of 16 with offsets", "w_gate": "8-bit in groups of 32 with offsets",
+                    "w_up": "8-bit in groups of 32"}
+
+
+def test_smollm2_q4_1_kept_in_4_bits(smollm2_gguf_path, smol_engine):
+    """The default model's Q4_1 file kept in its blocks: the tokens of the model dequantized at load, in under
+    0.35x of the float32 model's weight bytes."""
+    kept = Engine(smollm2_gguf_path, quantization="gguf", max_model_len=256, num_kv_blocks=32, max_num_seqs=2,
+                  warmup=False)
+    params = [kept.runner.params, smol_engine.runner.params]
+    kept_bytes, float_bytes = (sum(a.nbytes for a in jax.tree.leaves(p)) for p in params)
+    assert kept_bytes <= 0.35 * float_bytes, (kept_bytes, float_bytes)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert ([o.outputs[0].token_ids for o in kept.generate(PROMPTS, greedy, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in smol_engine.generate(PROMPTS, greedy, use_tqdm=False)])
+
+
+def test_gguf_quantization_needs_a_gguf_file(tiny_checkpoint):
+    with pytest.raises(ValueError, match="quantization='gguf' keeps a GGUF file's quantized weights.*not a GGUF"):
+        Engine(str(tiny_checkpoint("llama")), quantization="gguf", max_model_len=64, num_kv_blocks=8, warmup=False)
+
+
+def test_k_quant_helper_blocks_decode():
+    """The test helper's K-quant blocks are well formed: finite weights of a random model's size."""
+    w = decode_blocks(quantized_blocks(np.zeros((4, 256), np.float32), Q.Q6_K), Q.Q6_K).dequantize()
+    assert np.isfinite(w).all() and 0 < np.abs(w).max() < 1
