@@ -18,11 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from jaxserve.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, LAYER_LOOPS, MeshShape, SpeculativeConfig
+from jaxserve.config import (
+    ATTENTION_IMPLS,
+    BLOCK_QUANTIZATIONS,
+    KV_CACHE_DTYPES,
+    LAYER_LOOPS,
+    MeshShape,
+    SpeculativeConfig,
+)
 
 DEFAULT_COMPILATION_CACHE = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxserve" / "xla")
 DTYPES = ("auto", "float32", "bfloat16", "float", "half", "float16")
-QUANTIZATIONS = ("int8", "w8a8", "fp8", "gguf")
+QUANTIZATIONS = ("int8", "w8a8", "fp8", *BLOCK_QUANTIZATIONS)
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf", "pt")
 RECOMPILE_GUARDS = ("warn", "error", "off")
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -181,8 +188,9 @@ class EngineArgs:
         None, "int8: weight-only int8 with per-channel scales (a quarter of float32's weight bytes, faster "
         "memory-bound decode); w8a8: those weights times int8 activations quantized per token (integer matmuls); "
         "fp8: weight-only float8 e4m3 with per-channel scales (vLLM's dynamic FP8 weights); gguf: a GGUF file's "
-        "quantized weights kept in their blocks (Q4_0/Q4_1/Q4_K in 4 bits, Q5/Q6_K/Q8_0 in 8), the default on "
-        "GPU and TPU (on CPU the default dequantizes them at load, which runs faster there). docs/quantization.md "
+        "quantized weights kept in their blocks (Q4_0/Q4_1/Q4_K in 4 bits, Q5/Q6_K/Q8_0 in 8); compressed-tensors: a "
+        "W4A16/W8A16 checkpoint's groups kept. Keeping a checkpoint's quantization is the default on GPU and TPU "
+        "(on CPU the default dequantizes at load, which runs faster there). docs/quantization.md "
         "has the accuracy of each", choices=QUANTIZATIONS,
         flags=("--quantization", "-q"))
     load_format: str = option(

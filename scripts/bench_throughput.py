@@ -6,6 +6,7 @@ on CPU). Prints the ratio as the last line.
     python scripts/bench_throughput.py --num-prompts 64 --max-tokens 128 [--append BENCHMARKS.md]
     python scripts/bench_throughput.py --num-prompts 1 --hf-batch-sizes 1      # single-stream decode
     python scripts/bench_throughput.py --num-prompts 1 --quantization int8 --llama-cpp   # + llama.cpp, Q4_1 GGUF
+    python scripts/bench_throughput.py --quantization gguf --also-float32   # the GGUF's 4-bit blocks vs float32
 
 Every side is warmed up first (jaxserve compiles its step buckets; transformers and llama.cpp run once), then
 the sides take turns, --repeats rounds, and each reports its best round: on a shared machine whose speed
@@ -22,6 +23,8 @@ import platform
 import time
 
 from benchmark_table import append_row, command_line
+
+from jaxserve.engine_args import QUANTIZATIONS
 
 
 def make_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
@@ -135,7 +138,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=None,
                     help="transformers batch sizes to try; the best counts (default: 8 16 32 64, capped at the prompts)")
-    ap.add_argument("--quantization", choices=("int8", "w8a8"), help="jaxserve's weights (default: float32)")
+    ap.add_argument("--quantization", choices=QUANTIZATIONS,
+                    help="jaxserve's weights (default: float32; gguf: a GGUF's blocks kept, as on a GPU)")
     ap.add_argument("--also-float32", action="store_true",
                     help="with --quantization: time jaxserve in float32 too, taking turns, for the quantized/float "
                          "ratio from one run")

@@ -322,3 +322,76 @@ def make_lora_adapter(base_dir: Path, out: Path, seed: int, r: int = 4, targets=
                 weight.mul_(3.0)
     model.save_pretrained(out)
     return model.eval()
+
+
+def write_compressed_tensors(hf_dir: Path, out: Path, bits: int = 4, group_size: int | None = 32,
+                             symmetric: bool = True, actorder: bool = False) -> Path:
+    """The tiny HF checkpoint `hf_dir` as llm-compressor saves a pack-quantized one (compressed-tensors' published
+    format, reproduced here: llm-compressor pins an older transformers): every decoder Linear's weight quantized
+    to `bits` (min-max, by groups of `group_size` input columns or, None, per output channel; symmetric, or
+    asymmetric with zero points), stored as `weight_packed` int32 (32 / bits values each, the first in the lowest
+    bits, offset by 2^(bits-1)), `weight_scale`, `weight_zero_point` (packed along the output axis) and
+    `weight_shape`; embeddings, norms and the LM head stay float (llm-compressor's `ignore: [lm_head]`).
+    `actorder`: GPTQ's activation order, each group a shuffled set of columns (`weight_g_idx`)."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(hf_dir, out)
+    tensors = load_file(hf_dir / "model.safetensors")
+    low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    saved = {}
+    for name, w in tensors.items():
+        if not (name.startswith("model.layers.") and name.endswith("proj.weight")):
+            saved[name] = w
+            continue
+        rows, columns = w.shape
+        g = group_size or columns
+        order = np.random.default_rng(rows * columns).permutation(columns) if actorder else np.arange(columns)
+        blocks = w.astype(np.float32)[:, order].reshape(rows, columns // g, g)  # group k: columns order[k*g:(k+1)*g]
+        if symmetric:
+            scale = np.abs(blocks).max(-1) / high
+            zero = np.zeros_like(scale, dtype=np.int8)
+        else:
+            lo, hi = np.minimum(blocks.min(-1), 0), np.maximum(blocks.max(-1), 0)
+            scale = (hi - lo) / (high - low)
+            zero = np.clip(np.round(low - lo / scale), low, high).astype(np.int8)
+        q = np.empty((rows, columns), np.int8)
+        q[:, order] = np.clip(np.round(blocks / scale[..., None]) + zero[..., None], low, high).reshape(rows, -1)
+        prefix = name[: -len("weight")]
+        saved[prefix + "weight_packed"] = _pack_int32(q, bits, axis=1)
+        if actorder:
+            groups = np.empty(columns, np.int32)
+            groups[order] = np.arange(columns) // g
+            saved[prefix + "weight_g_idx"] = groups
+        saved[prefix + "weight_scale"] = np.ascontiguousarray(scale.astype(np.float32))
+        saved[prefix + "weight_shape"] = np.asarray([rows, columns], np.int32)
+        if not symmetric:
+            saved[prefix + "weight_zero_point"] = _pack_int32(zero, bits, axis=0)
+    (out / "model.safetensors").unlink()
+    save_file(saved, out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": "group" if group_size else
+               "channel", "group_size": group_size, "dynamic": False, "actorder": "group" if actorder else None, "observer": "minmax"}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                      "output_activations": None, "format": "pack-quantized"}},
+        "ignore": ["lm_head"], "kv_cache_scheme": None}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def _pack_int32(q: np.ndarray, bits: int, axis: int) -> np.ndarray:
+    """Signed `bits`-wide values -> int32 words along `axis` (compressed-tensors' pack_to_int32)."""
+    per_word = 32 // bits
+    unsigned = (q.astype(np.int32) + (1 << (bits - 1))).astype(np.uint32)
+    if axis == 0:
+        return np.ascontiguousarray(_pack_int32(unsigned.T.astype(np.int32) - (1 << (bits - 1)), bits, 1).T)
+    pad = -unsigned.shape[1] % per_word
+    unsigned = np.pad(unsigned, [(0, 0), (0, pad)])
+    packed = np.zeros((unsigned.shape[0], unsigned.shape[1] // per_word), np.uint32)
+    for i in range(per_word):
+        packed |= unsigned[:, i::per_word] << np.uint32(bits * i)
+    return np.ascontiguousarray(packed).view(np.int32)

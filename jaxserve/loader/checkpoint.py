@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.config import ModelConfig
+from jaxserve.loader.compressed_tensors import CompressedTensorsSource, is_compressed_tensors, weight_scheme
 from jaxserve.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from jaxserve.loader.fused import FUSED_ARCHITECTURES, SplitFusedSource
 from jaxserve.loader.generation_config import sampling_defaults
@@ -159,7 +160,7 @@ def _open_hf_dir(directory: Path, name: str, weights: bool = True, hf_overrides:
             raise
         raise ValueError(f"config.json with hf_overrides {hf_overrides!r} is not a config jaxserve can "
                          f"serve ({exc})") from None
-    tensors = text_model_tensors(raw, SafetensorsSource(directory)) if weights else None
+    tensors = text_model_tensors(raw, _weights_source(directory, raw)) if weights else None
     # A repository that ships its weights alone has no tokenizer files: say how to give one.
     own = partial(load_tokenizer, directory, advice="if the model ships its weights alone, give its tokenizer "
                                                     "with --tokenizer DIR|HUB_ID")
@@ -173,16 +174,29 @@ def _open_hf_dir(directory: Path, name: str, weights: bool = True, hf_overrides:
                       pooling=declared_pooling(directory), head=head)
 
 
+def _weights_source(directory: Path, raw: dict[str, Any]) -> TensorSource:
+    """The safetensors files, a compressed-tensors checkpoint's packed weights presented under float names."""
+    source = SafetensorsSource(directory)
+    return CompressedTensorsSource(source, raw) if is_compressed_tensors(raw) else source
+
+
 def refuse_quantized(raw: dict[str, Any], config_path: Path) -> None:
     """A checkpoint quantized ahead of time (FP8, GPTQ, AWQ, bitsandbytes...) stores weights jaxserve does not read:
     say so, rather than fail on a tensor's dtype or a missing weight later."""
     method = (raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {})
     if is_mxfp4(raw) and (raw.get("architectures") or [None])[0] in MXFP4_ARCHITECTURES:
         return  # read, dequantized at load (loader/mxfp4.py)
+    if is_compressed_tensors(raw):
+        try:
+            weight_scheme(raw)  # pack-quantized int4/int8 weights: read (loader/compressed_tensors.py)
+        except ValueError as e:
+            raise ValueError(f"{config_path}: {e}") from None
+        return
     if method:
         name = method.get("quant_method", "quantized") if isinstance(method, dict) else "quantized"
         raise ValueError(f"{config_path} describes a {name} checkpoint, whose weights jaxserve cannot read: serve "
-                         "the unquantized model (and --quantization int8 or w8a8 to quantize it here)")
+                         "the unquantized model (and --quantization int8 or w8a8 to quantize it here); "
+                         "compressed-tensors W4A16/W8A16 checkpoints are read")
 
 
 def _download_from_hub(repo_id: str, weights: bool = True, revision: str | None = None,

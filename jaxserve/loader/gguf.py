@@ -119,6 +119,8 @@ SPECIAL_TOKEN_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "
 
 
 class GGUFFile:
+    method = "gguf"  # how its quantized weights are kept (loader/weights.keep_blocks)
+
     def __init__(self, path: Path):
         if not path.exists():
             raise FileNotFoundError(f"GGUF file {path} does not exist")

@@ -6,6 +6,8 @@ Every checkpoint format (safetensors, GGUF) is first presented as a `TensorSourc
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
@@ -22,7 +24,9 @@ class TensorSource(Protocol):
 
 
 class BlockSource(TensorSource, Protocol):
-    """A source whose quantized tensors can stay in their blocks (a GGUF file)."""
+    """A source whose quantized tensors can stay in their blocks (a GGUF file, a compressed-tensors checkpoint)."""
+
+    method: str  # the engine's quantization that keeps them: "gguf", "compressed-tensors"
 
     def block_format(self, name: str) -> Grouped | None: ...
 
@@ -215,9 +219,18 @@ def keep_blocks(cfg: ModelConfig, source: BlockSource) -> tuple[GroupedWeights, 
         found = [source.block_format(t) for t in tensors if t in available]
         if len(found) < len(tensors) or None in found:
             continue
-        formats[ours] = common_format(found)
+        # Groups no wider than the axis they run along in our layout (wo's head_dim): a wider group's scale is
+        # repeated over the smaller ones, exact.
+        fmt = common_format(found)
+        formats[ours] = dataclasses.replace(fmt, group=math.gcd(fmt.group, _group_axis_size(cfg, ours)))
         by_tensor |= dict.fromkeys(tensors, formats[ours])
     return formats, KeptBlocks(source, by_tensor)
+
+
+def _group_axis_size(cfg: ModelConfig, ours: str) -> int:
+    """The size of the axis weight `ours` is grouped along in our layout (its last contracted axis)."""
+    return {"wo": cfg.head_dim, "w_down": cfg.intermediate_size,
+            "shared_down": cfg.shared_expert_size}.get(ours, cfg.hidden_size)
 
 
 class KeptBlocks:

@@ -31,7 +31,7 @@ from jaxserve.runner.layer_loop import (
 from jaxserve.runner.plan import PlanShape, empty_inputs
 from jaxserve.runner.sampler import SamplerFlags
 from jaxserve.runner.step import StepFunctions, StepInputs, StepStatics
-from jaxserve.runner.weights import load_weights
+from jaxserve.runner.weights import load_weights, resolve_quantization
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ class ModelRunner:
         self.decode_kernel = attention_impl != "reference"
         self.layer_loop = resolve_layer_loop(layer_loop, platform, experts=bool(cfg.num_experts))
         unrolled = self.layer_loop == "unrolled"
+        quantization = resolve_quantization(quantization, tensors, platform)
         self.graphdef, self.params = load_weights(cfg, tensors, self.dtype, self.mesh, self.layout,
                                                   quantization, per_layer=unrolled)
         if unrolled:

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import BLOCK_QUANTIZATIONS, ModelConfig
 from jaxserve.loader.grouped import GroupedArray, pack_nibbles
 from jaxserve.loader.random_weights import RandomWeights
 from jaxserve.loader.weights import TensorSource, keep_blocks, load_params, param_builders
@@ -30,7 +30,7 @@ from jaxserve.models.lora import is_lora_path
 from jaxserve.models.registry import abstract_model
 from jaxserve.parallel.layout import ParallelLayout, plan_layout
 from jaxserve.parallel.padding import pad_axis, pad_weight
-from jaxserve.parallel.sharding import named_sharding
+from jaxserve.parallel.sharding import mesh_axis, named_sharding
 from jaxserve.runner.layer_loop import per_layer_logical, split_layers
 from jaxserve.runner.quantize import quantize
 
@@ -46,7 +46,7 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
                  quantization: str | None = None, per_layer: bool = False, dummy_on_devices: bool | None = None):
     """-> (graphdef, params) of the model under `layout`'s effective config (default: no padding, one stage);
     with `quantization="int8"`, every matmul weight is quantized on the host as it is read (a dummy load's on
-    the devices). `per_layer`: each
+    the devices); "gguf" or "compressed-tensors" (resolve_quantization) keeps the checkpoint's quantized weights. `per_layer`: each
     layer weight is placed as a tuple of per-layer arrays (runner/layer_loop.split_layers, grouped by stage slot
     when `layout` has several stages), split on the host so the device never holds a stacked copy beside them
     (except a `jaxserve convert` checkpoint's, restored stacked).
@@ -62,7 +62,8 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
                              "original model (HF directory or GGUF) with this quantization instead")
         return tensors.restore(cfg, dtype, mesh, layout)
     platform = mesh.devices.flat[0].platform
-    quantization, tensors = _blocks_kept(quantization, tensors, cfg, platform)
+    if quantization in BLOCK_QUANTIZATIONS:
+        quantization, tensors = keep_blocks(cfg, tensors)
     _, real = _flat_abstract(cfg, dtype)  # checkpoint shapes, checked before padding
     graphdef, flat = _flat_abstract(layout.effective_config(cfg), dtype, quantization)
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
@@ -90,19 +91,18 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
     return graphdef, nnx.from_flat_state(list(placed.items()))
 
 
-def _blocks_kept(quantization: str | None, tensors: TensorSource, cfg: ModelConfig, platform: str
-                 ) -> tuple[str | GroupedWeights | None, TensorSource]:
-    """(the model's quantization, the source to read): "gguf" keeps a GGUF file's quantized weights in their
-    blocks (loader/weights.keep_blocks), as does the default on a GPU or TPU. On a CPU the default dequantizes
-    them at load: XLA:CPU converts each weight to float before its matmul, every step, which made decode
-    several times slower than reading float32 weights (docs/quantization.md)."""
-    from_blocks = hasattr(tensors, "block_format")
-    if quantization == "gguf" and not from_blocks:
-        raise ValueError("quantization='gguf' keeps a GGUF file's quantized weights in their blocks, and this model "
-                         "is not a GGUF file: drop it, or serve the model's .gguf file")
-    if quantization != "gguf" and (quantization is not None or not from_blocks or platform == "cpu"):
-        return quantization, tensors
-    return keep_blocks(cfg, tensors)
+def resolve_quantization(quantization: str | None, tensors: TensorSource | None, platform: str) -> str | None:
+    """The engine's quantization for this checkpoint: a quantized checkpoint's weights are kept in their blocks
+    (loader/weights.keep_blocks) when `quantization` names its method ("gguf", "compressed-tensors"), and by
+    default on a GPU or TPU. On a CPU the default dequantizes them at load: XLA:CPU converts each weight to float
+    before its matmul, every step, which made decode slower than reading float32 weights (docs/quantization.md)."""
+    method = getattr(tensors, "method", None)
+    if quantization in BLOCK_QUANTIZATIONS and quantization != method:
+        held = f"a {method} checkpoint" if method else "not a quantized checkpoint jaxserve keeps in blocks"
+        raise ValueError(f"quantization={quantization!r} keeps a {quantization} checkpoint's quantized weights in "
+                         f"their blocks, and this model is {held}: drop the option"
+                         + (f" or pass quantization={method!r}" if method else ""))
+    return method if quantization is None and method is not None and platform != "cpu" else quantization
 
 
 def describe_storage(placed: dict, quantization: str | GroupedWeights | None) -> str:
@@ -188,6 +188,11 @@ def _prepared_groups(cfg: ModelConfig, path, array: GroupedArray, logical: tuple
     if values.shape[axis] % group:
         raise ValueError(f"{'.'.join(path)} is quantized in groups of {group} along {logical[axis]!r}, which this mesh "
                          f"pads to {values.shape[axis]}: not whole groups; use a mesh with fewer tensor-parallel devices")
+    split = {"tp": layout.tp, "pp": layout.pp}.get(mesh_axis(logical[axis]), 1)
+    if (values.shape[axis] // group) % split:
+        raise ValueError(f"{'.'.join(path)} is quantized in groups of {group} along {logical[axis]!r} "
+                         f"({values.shape[axis] // group} groups), which this mesh splits over {split} devices: not "
+                         f"whole groups on each; use a mesh with fewer tensor-parallel devices")
     unpadded_axis = logical[:axis] + (None,) + logical[axis + 1:]
 
     def groups(a: np.ndarray) -> np.ndarray:

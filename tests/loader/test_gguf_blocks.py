@@ -119,7 +119,9 @@ def test_smollm2_q4_1_kept_in_4_bits(smollm2_gguf_path, smol_engine):
 
 
 def test_gguf_quantization_needs_a_gguf_file(tiny_checkpoint):
-    with pytest.raises(ValueError, match="quantization='gguf' keeps a GGUF file's quantized weights.*not a GGUF"):
+    with pytest.raises(ValueError, match="quantization='gguf' keeps a gguf checkpoint's quantized weights in their "
+                                         "blocks, and this model is not a quantized checkpoint jaxserve keeps in "
+                                         "blocks: drop the option"):
         Engine(str(tiny_checkpoint("llama")), quantization="gguf", max_model_len=64, num_kv_blocks=8, warmup=False)
 
 

@@ -1,0 +1,157 @@
+"""Checkpoints written by llm-compressor in the compressed-tensors format (`quant_method: compressed-tensors`),
+pack-quantized weights (W4A16, W8A16): presented under the float weight names, and kept in their groups
+(loader/grouped.py) like a GGUF file's blocks.
+
+The format: `<linear>.weight_packed` int32 [out, in / (32 / bits)], each int32 holding consecutive values of a row,
+the first in the lowest bits, each value stored as q + 2^(bits-1); `weight_scale` [out, groups] (one group: per
+channel); asymmetric schemes add `weight_zero_point`, packed the same way along the output axis [out / (32 / bits),
+groups]; `weight_shape` the float weight's shape. The weight is (q - zero_point) * scale, group g covering input
+columns g*G .. g*G+G-1, or, with activation ordering, the columns `weight_g_idx` assigns it (then the weight is
+dequantized at load: its groups are not contiguous).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jaxserve.loader.grouped import GroupedArray
+from jaxserve.loader.weights import TensorSource
+from jaxserve.models.layers import Grouped
+
+PACKED = ".weight_packed"
+PARTS = ("_packed", "_scale", "_zero_point", "_shape", "_g_idx")
+# Groups a per-channel scale is cut into (repeated: exact), so the input axis can split over a mesh like a weight's.
+CHANNEL_GROUP = 128
+
+
+def quantization_config(raw: dict[str, Any]) -> dict[str, Any]:
+    return raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
+
+
+def is_compressed_tensors(raw: dict[str, Any]) -> bool:
+    return quantization_config(raw).get("quant_method") == "compressed-tensors"
+
+
+def weight_scheme(raw: dict[str, Any]) -> dict[str, Any]:
+    """The one weight scheme jaxserve reads (every group's `weights`: int, 4 or 8 bits, by group or channel,
+    weight-only, pack-quantized), or a ValueError naming what the checkpoint uses instead."""
+    config = quantization_config(raw)
+    groups = list((config.get("config_groups") or {}).values())
+    supported = ("supported: pack-quantized int4/int8 weights by group or channel, activations in float (W4A16, "
+                 "W8A16)")
+    schemes = {repr(g.get("weights")) for g in groups}
+    if len(schemes) != 1:
+        raise ValueError(f"this compressed-tensors checkpoint uses {len(schemes)} weight schemes; {supported}")
+    group = groups[0]
+    weights = group.get("weights") or {}
+    described = (f"{group.get('format') or config.get('format')} {weights.get('type')}{weights.get('num_bits')} "
+                 f"weights by {weights.get('strategy')}")
+    if group.get("input_activations"):
+        described += ", activations quantized too"
+    if ((group.get("format") or config.get("format")) != "pack-quantized" or weights.get("type") != "int"
+            or weights.get("num_bits") not in (4, 8) or weights.get("strategy") not in ("group", "channel")
+            or group.get("input_activations") or config.get("sparsity_config")):
+        raise ValueError(f"this compressed-tensors checkpoint holds {described}, which jaxserve cannot read yet; "
+                         f"{supported}")
+    return weights
+
+
+class CompressedTensorsSource:
+    """A TensorSource over a pack-quantized checkpoint's tensors: `X.weight` for each packed weight (dequantized
+    by `get`, kept in its groups by `get_grouped`), every other tensor as it is."""
+
+    method = "compressed-tensors"
+
+    def __init__(self, source: TensorSource, raw: dict[str, Any]):
+        self._source = source
+        scheme = weight_scheme(raw)
+        self._bits = int(scheme["num_bits"])
+        self._symmetric = bool(scheme.get("symmetric", True))
+        names = source.names()
+        self._packed = {n[: -len(PACKED)] + ".weight" for n in names if n.endswith(PACKED)}
+        parts = {n for n in names if any(n.endswith(".weight" + p) for p in PARTS)}
+        self._names = (names - parts) | self._packed
+
+    def names(self) -> set[str]:
+        return self._names
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self._packed:
+            return self._source.get(name)
+        grouped, columns = self._decoded(name)
+        if columns is None:
+            return grouped.dequantize()
+        # activation order: column i of group columns[i]
+        w = grouped.values.astype(np.float32) * grouped.scale[:, columns]
+        return w + grouped.offset[:, columns] if grouped.offset is not None else w
+
+    def block_format(self, name: str) -> Grouped | None:
+        if name not in self._packed or self._decoded_columns(name) is not None:
+            return None
+        groups = self._source.get(name + "_scale").shape[-1]
+        columns = int(self._source.get(name + "_shape")[1])
+        group = columns // groups if groups > 1 else _channel_group(columns)
+        return Grouped(bits=self._bits, group=group, offset=self._bits == 4 or not self._symmetric)
+
+    def get_grouped(self, name: str) -> GroupedArray:
+        grouped, columns = self._decoded(name)
+        assert columns is None, f"{name} is ordered by activation: its groups are not contiguous"
+        if grouped.scale.shape[1] == 1:  # per channel: cut into groups (repeated scales), exact
+            group = _channel_group(grouped.shape[1])
+            repeat = grouped.shape[1] // group
+            grouped = GroupedArray(grouped.values, np.repeat(grouped.scale, repeat, 1),
+                                   None if grouped.offset is None else np.repeat(grouped.offset, repeat, 1),
+                                   1, grouped.bits)
+        return grouped
+
+    def _decoded_columns(self, name: str) -> np.ndarray | None:
+        """Each input column's group where the checkpoint orders them by activation (GPTQ's act-order), else None."""
+        if name + "_g_idx" not in self._source.names():
+            return None
+        columns = self._source.get(name + "_g_idx").astype(np.int64)
+        groups = self._source.get(name + "_scale").shape[-1]
+        contiguous = np.arange(len(columns)) // (len(columns) // groups)
+        return None if np.array_equal(columns, contiguous) else columns
+
+    def _decoded(self, name: str) -> tuple[GroupedArray, np.ndarray | None]:
+        """(the weight as values 0..2^bits-1 for 4 bits or signed int8 for 8, scales and offsets; the columns'
+        groups where they are ordered by activation)."""
+        rows, columns = (int(n) for n in self._source.get(name + "_shape"))
+        half = 1 << (self._bits - 1)
+        stored = unpack_int32(self._source.get(name + "_packed"), self._bits, columns, axis=1)  # q + half
+        scale = self._source.get(name + "_scale").astype(np.float32).reshape(rows, -1)
+        if self._symmetric:
+            zero = np.zeros_like(scale)
+        else:
+            zero = unpack_int32(self._source.get(name + "_zero_point"), self._bits, rows, axis=0).astype(np.float32)
+            zero = zero.reshape(rows, -1) - half
+        if self._bits == 4:  # unsigned values, (q - zero) * scale = stored * scale - (zero + half) * scale
+            values, offset = stored.astype(np.uint8), -(zero + half) * scale
+        else:
+            values = (stored.astype(np.int16) - half).astype(np.int8)
+            offset = None if self._symmetric else -zero * scale
+        return GroupedArray(values, scale, offset, 1, self._bits), self._decoded_columns(name)
+
+
+def unpack_int32(packed: np.ndarray, bits: int, size: int, axis: int) -> np.ndarray:
+    """int32 words along `axis`, each holding 32 / bits values (the first in the lowest bits) -> the `size`
+    unsigned values, as uint8."""
+    per_word = 32 // bits
+    words = np.ascontiguousarray(packed).view(np.uint32)
+    shifts = (np.arange(per_word, dtype=np.uint32) * bits)
+    if axis == 1:
+        values = (words[:, :, None] >> shifts) & ((1 << bits) - 1)
+        return values.reshape(words.shape[0], -1)[:, :size].astype(np.uint8)
+    values = (words[:, None, :] >> shifts[:, None]) & ((1 << bits) - 1)
+    return values.reshape(-1, words.shape[1])[:size].astype(np.uint8)
+
+
+def _channel_group(columns: int) -> int:
+    """The group a per-channel scale is repeated into: CHANNEL_GROUP, or the largest power of two dividing
+    `columns` below it."""
+    group = CHANNEL_GROUP
+    while columns % group:
+        group //= 2
+    return group

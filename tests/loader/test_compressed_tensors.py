@@ -1,0 +1,143 @@
+"""compressed-tensors pack-quantized checkpoints (llm-compressor's W4A16 and W8A16): logits against transformers
+(which decompresses them with the compressed-tensors package) on the same files, kept in their groups on 1x1, 2x1
+and 4x2 meshes and dequantized at load (the CPU default), and the schemes jaxserve refuses."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+from jaxserve import Engine
+from jaxserve.loader.compressed_tensors import CompressedTensorsSource
+from jaxserve.loader.safetensors import SafetensorsSource
+from tests.helpers import write_compressed_tensors
+from tests.models.test_parity import PROMPTS, check_parity
+
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False)
+SCHEMES = {
+    "w4a16-group32-symmetric": dict(bits=4, group_size=32, symmetric=True),
+    "w4a16-group32-asymmetric": dict(bits=4, group_size=32, symmetric=False),
+    "w8a16-channel-symmetric": dict(bits=8, group_size=None, symmetric=True),
+    "w8a16-group64-asymmetric": dict(bits=8, group_size=64, symmetric=False),
+}
+# A quantized model's logits through a different order of float32 operations: (q - zero) * scale in torch,
+# q * scale + offset here.
+TOLERANCE = 2e-4
+
+
+@pytest.fixture(scope="module")
+def compressed(tiny_checkpoint, tmp_path_factory):
+    """Factory: (scheme, architecture) -> (checkpoint directory, transformers' model of it, decompressed)."""
+    made = {}
+
+    def make(scheme: str, arch: str = "llama", **overrides):
+        key = (scheme, arch, repr(sorted(overrides.items())))
+        if key not in made:
+            hf = tiny_checkpoint(arch, **(TINY | overrides))
+            out = write_compressed_tensors(hf, tmp_path_factory.mktemp(scheme) / "model", **SCHEMES[scheme])
+            reference = AutoModelForCausalLM.from_pretrained(
+                out, dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
+            made[key] = out, reference
+        return made[key]
+
+    return make
+
+
+def engine(path, mesh: str = "1x1", **options) -> Engine:
+    return Engine(str(path), mesh=mesh, num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, warmup=False,
+                  **options)
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_kept_groups_match_transformers(scheme, compressed):
+    path, reference = compressed(scheme)
+    check_parity(engine(path, quantization="compressed-tensors"), reference, PROMPTS, tol=TOLERANCE)
+
+
+@pytest.mark.parametrize("mesh", ["2x1", "4x2"])
+def test_kept_groups_split_over_meshes(mesh, compressed):
+    path, reference = compressed("w4a16-group32-asymmetric")
+    check_parity(engine(path, mesh, quantization="compressed-tensors"), reference, PROMPTS, tol=TOLERANCE)
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("qwen3", {}),
+    # the experts are dequantized at load; attention and the shared weights stay in their groups
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)),
+], ids=["qwen3", "qwen3-moe"])
+def test_other_families_match_transformers(arch, overrides, compressed):
+    path, reference = compressed("w4a16-group32-symmetric", arch, **overrides)
+    check_parity(engine(path, "2x1", quantization="compressed-tensors"), reference, PROMPTS, tol=TOLERANCE)
+
+
+def test_activation_ordered_groups_dequantize_by_their_columns(tiny_checkpoint, tmp_path):
+    """GPTQ's act-order as older llm-compressor releases wrote it (`actorder: group`, a `weight_g_idx` per input
+    column; transformers no longer reads it): each column dequantized with its own group's scale and zero point,
+    at load, the groups not being contiguous. Unpacked by compressed-tensors itself for the expectation."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.numpy import load_file
+
+    hf = tiny_checkpoint("llama", **TINY)
+    path = write_compressed_tensors(hf, tmp_path / "actorder", bits=4, group_size=32, symmetric=False, actorder=True)
+    source = CompressedTensorsSource(SafetensorsSource(path), json.loads((path / "config.json").read_text()))
+    stored, original = load_file(path / "model.safetensors"), load_file(hf / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj."
+    rows, columns = stored[name + "weight_shape"]
+    scale = stored[name + "weight_scale"]
+    q = unpack_from_int32(torch.from_numpy(stored[name + "weight_packed"]), 4, torch.Size([rows, columns])).numpy()
+    zero = unpack_from_int32(torch.from_numpy(stored[name + "weight_zero_point"]), 4, torch.Size(scale.shape),
+                             packed_dim=0).numpy()
+    groups = stored[name + "weight_g_idx"]
+    assert not np.array_equal(groups, np.arange(columns) // 32)  # shuffled
+    expected = (q.astype(np.float32) - zero[:, groups]) * scale[:, groups]
+    np.testing.assert_allclose(source.get(name + "weight"), expected, rtol=1e-6, atol=1e-7)
+    assert source.block_format(name + "weight") is None  # not kept: its groups are not contiguous
+    step = scale[:, groups].max()
+    assert np.abs(expected - original[name + "weight"]).max() <= step  # the helper quantized the real weights
+
+
+def test_the_cpu_default_dequantizes_at_load(compressed, caplog):
+    path, reference = compressed("w4a16-group32-symmetric")
+    with caplog.at_level("INFO", logger="jaxserve.runner.weights"):
+        served = engine(path)
+    assert any(r.getMessage().startswith("weights in float") for r in caplog.records)
+    check_parity(served, reference, PROMPTS, tol=TOLERANCE)
+
+
+def _rewritten(path, tmp_path, change) -> str:
+    copy = tmp_path / "changed"
+    shutil.copytree(path, copy)
+    config = json.loads((copy / "config.json").read_text())
+    change(config["quantization_config"])
+    (copy / "config.json").write_text(json.dumps(config))
+    return str(copy)
+
+
+def _activations_too(q):
+    q["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int", "strategy": "token"}
+
+
+def _float_weights(q):
+    q["format"] = q["config_groups"]["group_0"]["format"] = "float-quantized"
+    q["config_groups"]["group_0"]["weights"] |= {"type": "float", "num_bits": 8}
+
+
+@pytest.mark.parametrize("change, named", [
+    (_activations_too, "pack-quantized int4 weights by group, activations quantized too"),
+    (_float_weights, "float-quantized float8 weights by group"),
+], ids=["w4a8", "fp8"])
+def test_unsupported_schemes_are_refused_by_name(change, named, compressed, tmp_path):
+    path, _ = compressed("w4a16-group32-symmetric")
+    with pytest.raises(ValueError, match=f"holds {named}, which jaxserve cannot read yet; supported: pack-quantized"):
+        engine(_rewritten(path, tmp_path, change))
+
+
+def test_a_quantization_for_another_checkpoint_kind_is_refused(compressed):
+    path, _ = compressed("w4a16-group32-symmetric")
+    with pytest.raises(ValueError, match="quantization='gguf' keeps a gguf checkpoint's quantized weights in their "
+                                         "blocks, and this model is a compressed-tensors checkpoint: drop the option "
+                                         "or pass quantization='compressed-tensors'"):
+        engine(path, quantization="gguf")
