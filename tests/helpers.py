@@ -395,3 +395,54 @@ def _pack_int32(q: np.ndarray, bits: int, axis: int) -> np.ndarray:
     for i in range(per_word):
         packed |= unsigned[:, i::per_word] << np.uint32(bits * i)
     return np.ascontiguousarray(packed).view(np.int32)
+
+
+def write_fp8(hf_dir: Path, out: Path, layout: str, dynamic_activations: bool = False) -> Path:
+    """The tiny HF checkpoint `hf_dir` with every decoder Linear's weight in float8 e4m3 and its scales, in the
+    published layouts: `layout` "block" is `quant_method: fp8` (128x128 blocks, `weight_scale_inv`, as the
+    Qwen3-FP8 and DeepSeek releases); "ct-tensor", "ct-channel" and "ct-block" are compressed-tensors'
+    float-quantized format (`weight_scale` per tensor, per output channel, per 128x128 block, as llm-compressor
+    writes FP8 and, with `dynamic_activations`, FP8-dynamic). Dimensions must be multiples of 128 for blocks."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(hf_dir, out)
+    saved = {}
+    strategy = layout.removeprefix("ct-")
+    for name, w in load_file(hf_dir / "model.safetensors").items():
+        if not (name.startswith("model.layers.") and name.endswith("proj.weight")):
+            saved[name] = w
+            continue
+        w = w.float()
+        rows, columns = w.shape
+        if strategy == "block":
+            blocks = w.reshape(rows // 128, 128, columns // 128, 128)
+            scale = blocks.abs().amax(dim=(1, 3)) / 448
+            q = (blocks / scale[:, None, :, None]).reshape(rows, columns)
+        else:
+            scale = w.abs().amax().reshape(1) / 448 if strategy == "tensor" else w.abs().amax(1, keepdim=True) / 448
+            q = w / scale
+        saved[name] = q.to(torch.float8_e4m3fn)
+        saved[name[: -len("weight")] + ("weight_scale_inv" if layout == "block" else "weight_scale")] = \
+            scale.float().contiguous()
+    (out / "model.safetensors").unlink()
+    save_file(saved, out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    if layout == "block":
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                         "weight_block_size": [128, 128]}
+    else:
+        weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False,
+                   "block_structure": [128, 128] if strategy == "block" else None}
+        activations = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True} \
+            if dynamic_activations else None
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations,
+                                          "output_activations": None, "format": "float-quantized"}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

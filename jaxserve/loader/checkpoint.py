@@ -12,8 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.config import ModelConfig
-from jaxserve.loader.compressed_tensors import CompressedTensorsSource, is_compressed_tensors, weight_scheme
+from jaxserve.loader.compressed_tensors import (
+    compressed_tensors_source,
+    is_compressed_tensors,
+    quantization_config,
+    weight_scheme,
+)
 from jaxserve.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
+from jaxserve.loader.fp8 import Fp8Source, fp8_scale_suffix
 from jaxserve.loader.fused import FUSED_ARCHITECTURES, SplitFusedSource
 from jaxserve.loader.generation_config import sampling_defaults
 from jaxserve.loader.gguf import GGUFFile
@@ -175,28 +181,37 @@ def _open_hf_dir(directory: Path, name: str, weights: bool = True, hf_overrides:
 
 
 def _weights_source(directory: Path, raw: dict[str, Any]) -> TensorSource:
-    """The safetensors files, a compressed-tensors checkpoint's packed weights presented under float names."""
+    """The safetensors files; a quantized checkpoint's weights presented under their float names (and kept in
+    their blocks where the engine says: runner/weights.py)."""
     source = SafetensorsSource(directory)
-    return CompressedTensorsSource(source, raw) if is_compressed_tensors(raw) else source
+    if is_compressed_tensors(raw):
+        return compressed_tensors_source(source, raw)
+    config = quantization_config(raw)
+    if suffix := fp8_scale_suffix(config):
+        block = config.get("weight_block_size")
+        return Fp8Source(source, suffix, "fp8", tuple(block) if block else None)
+    return source
 
 
 def refuse_quantized(raw: dict[str, Any], config_path: Path) -> None:
     """A checkpoint quantized ahead of time (FP8, GPTQ, AWQ, bitsandbytes...) stores weights jaxserve does not read:
     say so, rather than fail on a tensor's dtype or a missing weight later."""
-    method = (raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {})
+    method = quantization_config(raw)
     if is_mxfp4(raw) and (raw.get("architectures") or [None])[0] in MXFP4_ARCHITECTURES:
         return  # read, dequantized at load (loader/mxfp4.py)
-    if is_compressed_tensors(raw):
-        try:
-            weight_scheme(raw)  # pack-quantized int4/int8 weights: read (loader/compressed_tensors.py)
-        except ValueError as e:
-            raise ValueError(f"{config_path}: {e}") from None
-        return
+    try:
+        if is_compressed_tensors(raw):
+            weight_scheme(raw)  # W4A16, W8A16, FP8: read (loader/compressed_tensors.py)
+            return
+        if fp8_scale_suffix(method):
+            return  # FP8 by block, channel or tensor (loader/fp8.py)
+    except ValueError as e:
+        raise ValueError(f"{config_path}: {e}") from None
     if method:
         name = method.get("quant_method", "quantized") if isinstance(method, dict) else "quantized"
         raise ValueError(f"{config_path} describes a {name} checkpoint, whose weights jaxserve cannot read: serve "
                          "the unquantized model (and --quantization int8 or w8a8 to quantize it here); "
-                         "compressed-tensors W4A16/W8A16 checkpoints are read")
+                         "compressed-tensors (W4A16, W8A16, FP8) and fp8 checkpoints are read")
 
 
 def _download_from_hub(repo_id: str, weights: bool = True, revision: str | None = None,

@@ -1,6 +1,6 @@
 """Checkpoints written by llm-compressor in the compressed-tensors format (`quant_method: compressed-tensors`),
 pack-quantized weights (W4A16, W8A16): presented under the float weight names, and kept in their groups
-(loader/grouped.py) like a GGUF file's blocks.
+(loader/grouped.py) like a GGUF file's blocks. Its float-quantized (FP8) checkpoints are loader/fp8.py's.
 
 The format: `<linear>.weight_packed` int32 [out, in / (32 / bits)], each int32 holding consecutive values of a row,
 the first in the lowest bits, each value stored as q + 2^(bits-1); `weight_scale` [out, groups] (one group: per
@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.loader.fp8 import Fp8Source
 from jaxserve.loader.grouped import GroupedArray
 from jaxserve.loader.weights import TensorSource
 from jaxserve.models.layers import Grouped
@@ -34,28 +35,42 @@ def is_compressed_tensors(raw: dict[str, Any]) -> bool:
     return quantization_config(raw).get("quant_method") == "compressed-tensors"
 
 
-def weight_scheme(raw: dict[str, Any]) -> dict[str, Any]:
-    """The one weight scheme jaxserve reads (every group's `weights`: int, 4 or 8 bits, by group or channel,
-    weight-only, pack-quantized), or a ValueError naming what the checkpoint uses instead."""
+SUPPORTED = ("supported: pack-quantized int4/int8 weights by group or channel, activations in float (W4A16, "
+             "W8A16); float-quantized float8 weights by tensor, channel or block, activations in float or dynamic "
+             "per token (FP8, FP8-dynamic)")
+
+
+def weight_scheme(raw: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(format, the one weight scheme) of a checkpoint jaxserve reads, or a ValueError naming what it uses instead."""
     config = quantization_config(raw)
     groups = list((config.get("config_groups") or {}).values())
-    supported = ("supported: pack-quantized int4/int8 weights by group or channel, activations in float (W4A16, "
-                 "W8A16)")
-    schemes = {repr(g.get("weights")) for g in groups}
+    schemes = {repr((g.get("weights"), g.get("format"))) for g in groups}
     if len(schemes) != 1:
-        raise ValueError(f"this compressed-tensors checkpoint uses {len(schemes)} weight schemes; {supported}")
+        raise ValueError(f"this compressed-tensors checkpoint uses {len(schemes)} weight schemes; {SUPPORTED}")
     group = groups[0]
-    weights = group.get("weights") or {}
-    described = (f"{group.get('format') or config.get('format')} {weights.get('type')}{weights.get('num_bits')} "
-                 f"weights by {weights.get('strategy')}")
-    if group.get("input_activations"):
+    weights, activations = group.get("weights") or {}, group.get("input_activations")
+    kind = group.get("format") or config.get("format")
+    described = f"{kind} {weights.get('type')}{weights.get('num_bits')} weights by {weights.get('strategy')}"
+    if activations:
         described += ", activations quantized too"
-    if ((group.get("format") or config.get("format")) != "pack-quantized" or weights.get("type") != "int"
-            or weights.get("num_bits") not in (4, 8) or weights.get("strategy") not in ("group", "channel")
-            or group.get("input_activations") or config.get("sparsity_config")):
+    packed = (kind == "pack-quantized" and weights.get("type") == "int" and weights.get("num_bits") in (4, 8)
+              and weights.get("strategy") in ("group", "channel") and not activations)
+    dynamic_fp8 = not activations or (activations.get("type") == "float" and activations.get("dynamic") is True)
+    fp8 = (kind == "float-quantized" and weights.get("type") == "float" and weights.get("num_bits") == 8
+           and weights.get("strategy") in ("tensor", "channel", "block") and dynamic_fp8)
+    if not (packed or fp8) or config.get("sparsity_config"):
         raise ValueError(f"this compressed-tensors checkpoint holds {described}, which jaxserve cannot read yet; "
-                         f"{supported}")
-    return weights
+                         f"{SUPPORTED}")
+    return kind, weights
+
+
+def compressed_tensors_source(source: TensorSource, raw: dict[str, Any]) -> TensorSource:
+    """The source presenting a compressed-tensors checkpoint's weights under their float names."""
+    kind, weights = weight_scheme(raw)
+    if kind == "float-quantized":
+        block = weights.get("block_structure")
+        return Fp8Source(source, ".weight_scale", "compressed-tensors", tuple(block) if block else None)
+    return CompressedTensorsSource(source, raw)
 
 
 class CompressedTensorsSource:
@@ -66,11 +81,14 @@ class CompressedTensorsSource:
 
     def __init__(self, source: TensorSource, raw: dict[str, Any]):
         self._source = source
-        scheme = weight_scheme(raw)
+        _, scheme = weight_scheme(raw)
         self._bits = int(scheme["num_bits"])
         self._symmetric = bool(scheme.get("symmetric", True))
         names = source.names()
         self._packed = {n[: -len(PACKED)] + ".weight" for n in names if n.endswith(PACKED)}
+        if not self._packed:
+            raise ValueError("the checkpoint's quantization_config describes pack-quantized weights, but it holds no "
+                             "*.weight_packed tensors: it is not the checkpoint its config describes")
         parts = {n for n in names if any(n.endswith(".weight" + p) for p in PARTS)}
         self._names = (names - parts) | self._packed
 

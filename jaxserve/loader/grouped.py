@@ -20,7 +20,7 @@ from jaxserve.models.layers import Grouped
 
 @dataclasses.dataclass
 class GroupedArray:
-    values: np.ndarray  # one q per weight element: 0..15 (uint8) for 4-bit formats, int8 otherwise
+    values: np.ndarray  # one q per weight element: 0..15 (uint8) for 4-bit formats, int8 or float8 e4m3 otherwise
     scale: np.ndarray  # float32, the values' shape with `axis` divided by the group size
     offset: np.ndarray | None  # float32 like `scale`, or None (w = q * scale)
     axis: int  # the group axis
@@ -40,7 +40,8 @@ class GroupedArray:
 
     @property
     def format(self) -> Grouped:
-        return Grouped(bits=self.bits, group=self.group, offset=self.offset is not None)
+        return Grouped(bits=self.bits, group=self.group, offset=self.offset is not None,
+                       float8=self.values.dtype.name == "float8_e4m3fn")
 
     def _parts(self, fn: Callable[[np.ndarray], np.ndarray], axis: int) -> GroupedArray:
         return GroupedArray(fn(self.values), fn(self.scale), None if self.offset is None else fn(self.offset),
@@ -76,11 +77,12 @@ class GroupedArray:
         """The same weights in `target`'s storage (a stacked weight's layers may come in different GGUF types):
         its smaller groups (scales repeated), wider values, offsets (zeros where it had none). Exact."""
         assert self.group % target.group == 0 and target.bits >= self.bits and (target.offset or self.offset is None)
+        assert target.float8 == (self.format.float8 and target.bits == self.bits), (self.format, target)
         repeat = self.group // target.group
         scale = np.repeat(self.scale, repeat, self.axis)
         offset = (np.zeros_like(scale) if self.offset is None else np.repeat(self.offset, repeat, self.axis)) \
             if target.offset else None
-        values = self.values.astype(np.int8) if target.bits == 8 else self.values
+        values = self.values.astype(np.int8) if target.bits > self.bits else self.values
         return GroupedArray(values, scale, offset, self.axis, target.bits)
 
     def dequantize(self) -> np.ndarray:
@@ -93,10 +95,13 @@ class GroupedArray:
         return w.reshape(self.shape)
 
 
-def common_format(formats: list[Grouped]) -> Grouped:
-    """The storage every one of `formats` converts into exactly (GroupedArray.conform)."""
+def common_format(formats: list[Grouped]) -> Grouped | None:
+    """The storage every one of `formats` converts into exactly (GroupedArray.conform); None if there is none
+    (float8 values beside integer ones)."""
+    if len({f.float8 for f in formats}) > 1:
+        return None
     return Grouped(bits=max(f.bits for f in formats), group=math.gcd(*(f.group for f in formats)),
-                   offset=any(f.offset for f in formats))
+                   offset=any(f.offset for f in formats), float8=formats[0].float8)
 
 
 def stack_grouped(parts: list[GroupedArray], counts: tuple[int, ...]) -> GroupedArray:

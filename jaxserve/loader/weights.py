@@ -26,7 +26,7 @@ class TensorSource(Protocol):
 class BlockSource(TensorSource, Protocol):
     """A source whose quantized tensors can stay in their blocks (a GGUF file, a compressed-tensors checkpoint)."""
 
-    method: str  # the engine's quantization that keeps them: "gguf", "compressed-tensors"
+    method: str  # the engine's quantization that keeps them: "gguf", "compressed-tensors", "fp8"
 
     def block_format(self, name: str) -> Grouped | None: ...
 
@@ -222,6 +222,8 @@ def keep_blocks(cfg: ModelConfig, source: BlockSource) -> tuple[GroupedWeights, 
         # Groups no wider than the axis they run along in our layout (wo's head_dim): a wider group's scale is
         # repeated over the smaller ones, exact.
         fmt = common_format(found)
+        if fmt is None:
+            continue
         formats[ours] = dataclasses.replace(fmt, group=math.gcd(fmt.group, _group_axis_size(cfg, ours)))
         by_tensor |= dict.fromkeys(tensors, formats[ours])
     return formats, KeptBlocks(source, by_tensor)

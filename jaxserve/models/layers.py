@@ -42,15 +42,16 @@ class Grouped:
 
     `bits=4`: q in 0..15, two values per uint8 byte (element 2i in the low nibble, 2i+1 in the high one) packed
     along the group axis, so half a byte per weight on every platform (XLA:CPU stores jnp.uint4 in a whole byte).
-    `bits=8`: q in int8. Scales and offsets are float32, with the weight's logical axes, so they pad and split
+    `bits=8`: q in int8, or float8 e4m3 (`float8`). Scales and offsets are float32, with the weight's logical axes, so they pad and split
     over the mesh where the weight does (the group axis splits where `group` * devices divides it)."""
     bits: int
     group: int
     offset: bool
+    float8: bool = False  # 8-bit values in float8 e4m3 (FP8 checkpoints), not int8
 
     @property
     def dtype(self):
-        return jnp.uint8 if self.bits == 4 else jnp.int8
+        return jnp.uint8 if self.bits == 4 else jnp.float8_e4m3fn if self.float8 else jnp.int8
 
 
 # Weights kept in their checkpoint's blocks, by parameter name ("wq", "w_down", "embed"...); those not named are

@@ -46,7 +46,8 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
                  quantization: str | None = None, per_layer: bool = False, dummy_on_devices: bool | None = None):
     """-> (graphdef, params) of the model under `layout`'s effective config (default: no padding, one stage);
     with `quantization="int8"`, every matmul weight is quantized on the host as it is read (a dummy load's on
-    the devices); "gguf" or "compressed-tensors" (resolve_quantization) keeps the checkpoint's quantized weights. `per_layer`: each
+    the devices); the checkpoint's own method ("gguf", "compressed-tensors", "fp8": resolve_quantization) keeps its
+    quantized weights. `per_layer`: each
     layer weight is placed as a tuple of per-layer arrays (runner/layer_loop.split_layers, grouped by stage slot
     when `layout` has several stages), split on the host so the device never holds a stacked copy beside them
     (except a `jaxserve convert` checkpoint's, restored stacked).
@@ -62,7 +63,7 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
                              "original model (HF directory or GGUF) with this quantization instead")
         return tensors.restore(cfg, dtype, mesh, layout)
     platform = mesh.devices.flat[0].platform
-    if quantization in BLOCK_QUANTIZATIONS:
+    if quantization is not None and quantization == getattr(tensors, "method", None):
         quantization, tensors = keep_blocks(cfg, tensors)
     _, real = _flat_abstract(cfg, dtype)  # checkpoint shapes, checked before padding
     graphdef, flat = _flat_abstract(layout.effective_config(cfg), dtype, quantization)
@@ -92,10 +93,11 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
 
 
 def resolve_quantization(quantization: str | None, tensors: TensorSource | None, platform: str) -> str | None:
-    """The engine's quantization for this checkpoint: a quantized checkpoint's weights are kept in their blocks
-    (loader/weights.keep_blocks) when `quantization` names its method ("gguf", "compressed-tensors"), and by
-    default on a GPU or TPU. On a CPU the default dequantizes them at load: XLA:CPU converts each weight to float
-    before its matmul, every step, which made decode slower than reading float32 weights (docs/quantization.md)."""
+    """The engine's quantization for this checkpoint. A quantized checkpoint's weights are kept in their blocks
+    (loader/weights.keep_blocks) when `quantization` names its method ("gguf", "compressed-tensors", "fp8"), and
+    by default on a GPU or TPU. On a CPU the default dequantizes them at load: XLA:CPU converts each weight to float
+    before its matmul, every step, which made decode slower than reading float32 weights (docs/quantization.md).
+    A quantization done at load (int8, w8a8, fp8 of a float checkpoint) quantizes the dequantized weights."""
     method = getattr(tensors, "method", None)
     if quantization in BLOCK_QUANTIZATIONS and quantization != method:
         held = f"a {method} checkpoint" if method else "not a quantized checkpoint jaxserve keeps in blocks"
@@ -125,7 +127,7 @@ def describe_storage(placed: dict, quantization: str | GroupedWeights | None) ->
         formats: dict[Grouped, list[str]] = {}
         for name, fmt in quantization.items():
             formats.setdefault(fmt, []).append(name)
-        kept = "; ".join(f"{', '.join(names)}: {fmt.bits}-bit in groups of {fmt.group}"
+        kept = "; ".join(f"{', '.join(names)}: {'float8' if fmt.float8 else f'{fmt.bits}-bit'} in groups of {fmt.group}"
                          f"{' with offsets' if fmt.offset else ''}" for fmt, names in formats.items())
         how = f"kept in the checkpoint's quantized blocks ({kept}), the others in float"
     else:

@@ -25,13 +25,21 @@ def config_of(tiny_checkpoint, tmp_path):
     return make
 
 
-@pytest.mark.parametrize("method", ["fp8", "gptq", "awq", "bitsandbytes"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes"])
 def test_a_checkpoint_quantized_ahead_is_refused_by_its_method(config_of, method):
     path = config_of(lambda config: config.update(quantization_config={"quant_method": method, "bits": 4}))
     with pytest.raises(ValueError, match=f"config.json describes a {method} checkpoint, whose weights jaxserve cannot "
                                          "read: serve the unquantized model"):
         open_checkpoint(path)
     assert open_checkpoint(path, load_format="dummy").config.num_layers  # random weights read none of the file's
+
+
+def test_a_quantized_config_over_float_weights_is_refused(config_of):
+    path = config_of(lambda config: config.update(quantization_config={"quant_method": "fp8",
+                                                                       "weight_block_size": [128, 128]}))
+    with pytest.raises(ValueError, match=r"describes fp8 FP8 weights, but it holds no weight scales "
+                                         r"\(\*.weight_scale_inv\): it is not the checkpoint its config describes"):
+        open_checkpoint(path)
 
 
 @pytest.mark.parametrize("change, message", [
