@@ -187,11 +187,11 @@ class EngineArgs:
     quantization: str | None = option(
         None, "int8: weight-only int8 with per-channel scales (a quarter of float32's weight bytes, faster "
         "memory-bound decode); w8a8: those weights times int8 activations quantized per token (integer matmuls); "
-        "fp8: weight-only float8 e4m3 with per-channel scales (vLLM's dynamic FP8 weights); gguf: a GGUF file's "
-        "quantized weights kept in their blocks (Q4_0/Q4_1/Q4_K in 4 bits, Q5/Q6_K/Q8_0 in 8); compressed-tensors: a "
-        "W4A16/W8A16 checkpoint's groups kept. Keeping a checkpoint's quantization is the default on GPU and TPU "
-        "(on CPU the default dequantizes at load, which runs faster there). docs/quantization.md "
-        "has the accuracy of each", choices=QUANTIZATIONS,
+        "fp8: weight-only float8 e4m3 with per-channel scales (vLLM's dynamic FP8 weights), or an FP8 checkpoint's "
+        "own float8 blocks kept; gguf, compressed-tensors, gptq, awq: a checkpoint quantized that way kept in its "
+        "own blocks (GGUF Q4_0/Q4_1/Q4_K in 4 bits, Q5/Q6_K/Q8_0 in 8; W4A16/W8A16/FP8; GPTQ 4/8-bit; AWQ 4-bit). "
+        "Keeping a checkpoint's quantization is the default on GPU and TPU (on CPU the default dequantizes at "
+        "load, which runs faster there). docs/quantization.md has the accuracy of each", choices=QUANTIZATIONS,
         flags=("--quantization", "-q"))
     load_format: str = option(
         "auto", "dummy: random weights for the model's config (no weight files needed; benchmarks); auto reads "

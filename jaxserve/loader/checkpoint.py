@@ -23,6 +23,7 @@ from jaxserve.loader.fp8 import Fp8Source, fp8_scale_suffix
 from jaxserve.loader.fused import FUSED_ARCHITECTURES, SplitFusedSource
 from jaxserve.loader.generation_config import sampling_defaults
 from jaxserve.loader.gguf import GGUFFile
+from jaxserve.loader.gptq import PackedIntSource, packed_int_method
 from jaxserve.loader.heads import ModelHead, causal_config, open_head
 from jaxserve.loader.hf_config import model_config_from_hf
 from jaxserve.loader.mxfp4 import ARCHITECTURES as MXFP4_ARCHITECTURES
@@ -190,6 +191,8 @@ def _weights_source(directory: Path, raw: dict[str, Any]) -> TensorSource:
     if suffix := fp8_scale_suffix(config):
         block = config.get("weight_block_size")
         return Fp8Source(source, suffix, "fp8", tuple(block) if block else None)
+    if packed_int_method(config):
+        return PackedIntSource(source, config)
     return source
 
 
@@ -205,13 +208,15 @@ def refuse_quantized(raw: dict[str, Any], config_path: Path) -> None:
             return
         if fp8_scale_suffix(method):
             return  # FP8 by block, channel or tensor (loader/fp8.py)
+        if packed_int_method(method):
+            return  # GPTQ, AWQ (loader/gptq.py)
     except ValueError as e:
         raise ValueError(f"{config_path}: {e}") from None
     if method:
         name = method.get("quant_method", "quantized") if isinstance(method, dict) else "quantized"
         raise ValueError(f"{config_path} describes a {name} checkpoint, whose weights jaxserve cannot read: serve "
                          "the unquantized model (and --quantization int8 or w8a8 to quantize it here); "
-                         "compressed-tensors (W4A16, W8A16, FP8) and fp8 checkpoints are read")
+                         "compressed-tensors (W4A16, W8A16, FP8), fp8, GPTQ and AWQ checkpoints are read")
 
 
 def _download_from_hub(repo_id: str, weights: bool = True, revision: str | None = None,

@@ -23,8 +23,6 @@ from jaxserve.models.layers import Grouped
 
 PACKED = ".weight_packed"
 PARTS = ("_packed", "_scale", "_zero_point", "_shape", "_g_idx")
-# Groups a per-channel scale is cut into (repeated: exact), so the input axis can split over a mesh like a weight's.
-CHANNEL_GROUP = 128
 
 
 def quantization_config(raw: dict[str, Any]) -> dict[str, Any]:
@@ -108,20 +106,13 @@ class CompressedTensorsSource:
     def block_format(self, name: str) -> Grouped | None:
         if name not in self._packed or self._decoded_columns(name) is not None:
             return None
-        groups = self._source.get(name + "_scale").shape[-1]
+        groups = self._source.get(name + "_scale").shape[-1]  # 1: per channel, a group of the whole row
         columns = int(self._source.get(name + "_shape")[1])
-        group = columns // groups if groups > 1 else _channel_group(columns)
-        return Grouped(bits=self._bits, group=group, offset=self._bits == 4 or not self._symmetric)
+        return Grouped(bits=self._bits, group=columns // groups, offset=self._bits == 4 or not self._symmetric)
 
     def get_grouped(self, name: str) -> GroupedArray:
         grouped, columns = self._decoded(name)
         assert columns is None, f"{name} is ordered by activation: its groups are not contiguous"
-        if grouped.scale.shape[1] == 1:  # per channel: cut into groups (repeated scales), exact
-            group = _channel_group(grouped.shape[1])
-            repeat = grouped.shape[1] // group
-            grouped = GroupedArray(grouped.values, np.repeat(grouped.scale, repeat, 1),
-                                   None if grouped.offset is None else np.repeat(grouped.offset, repeat, 1),
-                                   1, grouped.bits)
         return grouped
 
     def _decoded_columns(self, name: str) -> np.ndarray | None:
@@ -164,12 +155,3 @@ def unpack_int32(packed: np.ndarray, bits: int, size: int, axis: int) -> np.ndar
         return values.reshape(words.shape[0], -1)[:, :size].astype(np.uint8)
     values = (words[:, None, :] >> shifts[:, None]) & ((1 << bits) - 1)
     return values.reshape(-1, words.shape[1])[:size].astype(np.uint8)
-
-
-def _channel_group(columns: int) -> int:
-    """The group a per-channel scale is repeated into: CHANNEL_GROUP, or the largest power of two dividing
-    `columns` below it."""
-    group = CHANNEL_GROUP
-    while columns % group:
-        group //= 2
-    return group

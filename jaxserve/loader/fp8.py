@@ -26,8 +26,6 @@ from jaxserve.loader.weights import TensorSource
 from jaxserve.models.layers import Grouped
 
 FLOAT8 = np.dtype(ml_dtypes.float8_e4m3fn)
-# Groups a per-tensor or per-channel scale is cut into (repeated: exact), so the input axis can split over a mesh.
-UNBLOCKED_GROUP = 128
 
 
 def fp8_scale_suffix(config: dict[str, Any]) -> str | None:
@@ -84,6 +82,6 @@ class Fp8Source:
         return GroupedArray(values, np.ascontiguousarray(scale), None, 1, 8)
 
     def _group(self, columns: int) -> int:
-        """The input columns a scale covers: the block's width (or what of it divides the row), else
-        UNBLOCKED_GROUP (or the largest power of two below it dividing the row)."""
-        return math.gcd(self._block[1] if self._block else UNBLOCKED_GROUP, columns)
+        """The input columns a scale covers: the block's width (or what of it divides the row), else the row
+        (loader/weights.keep_blocks narrows it)."""
+        return math.gcd(self._block[1], columns) if self._block else columns

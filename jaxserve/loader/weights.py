@@ -196,6 +196,9 @@ def load_params(cfg: ModelConfig, src: TensorSource, dtype) -> Iterator[tuple[Pa
 BLOCK_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down")
 
 
+MAX_GROUP = 128
+
+
 def weight_tensors(cfg: ModelConfig) -> dict[str, list[str]]:
     """Our matmul weight -> the HF tensors it is made of (every layer's), for those in BLOCK_WEIGHTS and the
     embedding and LM head."""
@@ -209,22 +212,27 @@ def weight_tensors(cfg: ModelConfig) -> dict[str, list[str]]:
     return names
 
 
-def keep_blocks(cfg: ModelConfig, source: BlockSource) -> tuple[GroupedWeights, TensorSource]:
+def keep_blocks(cfg: ModelConfig, source: BlockSource, split: dict[str, int] | None = None
+                ) -> tuple[GroupedWeights, TensorSource]:
     """(how each weight is kept, a source presenting those weights' tensors as GroupedArrays in that format):
     a weight whose every tensor is of a kept type, in the storage all of them convert into exactly. The others
-    (float tensors, types not kept, a weight mixing both) are dequantized at load as before."""
+    (float tensors, types not kept, a weight mixing both) are dequantized at load as before. `split`: the size
+    of one device's share of an axis the mesh splits, by our weight name (runner/weights.py), so that no group
+    straddles two devices."""
     formats, by_tensor = {}, {}
     available = source.names()
     for ours, tensors in weight_tensors(cfg).items():
         found = [source.block_format(t) for t in tensors if t in available]
         if len(found) < len(tensors) or None in found:
             continue
-        # Groups no wider than the axis they run along in our layout (wo's head_dim): a wider group's scale is
-        # repeated over the smaller ones, exact.
+        # Groups no wider than the axis they run along in our layout (wo's head_dim), than one device's share of
+        # it, nor than MAX_GROUP (a per-channel scale's group is the whole row): a wider group's scale is repeated
+        # over the smaller ones, exact, so any mesh splits the weight in whole groups.
         fmt = common_format(found)
         if fmt is None:
             continue
-        formats[ours] = dataclasses.replace(fmt, group=math.gcd(fmt.group, _group_axis_size(cfg, ours)))
+        group = math.gcd(fmt.group, _group_axis_size(cfg, ours), (split or {}).get(ours, 0), MAX_GROUP)
+        formats[ours] = dataclasses.replace(fmt, group=group)
         by_tensor |= dict.fromkeys(tensors, formats[ours])
     return formats, KeptBlocks(source, by_tensor)
 

@@ -64,7 +64,9 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
         return tensors.restore(cfg, dtype, mesh, layout)
     platform = mesh.devices.flat[0].platform
     if quantization is not None and quantization == getattr(tensors, "method", None):
-        quantization, tensors = keep_blocks(cfg, tensors)
+        # the contracted axes a mesh splits: the MLP's (dense and shared), over tp
+        split = {"w_down": layout.mlp // layout.tp, "shared_down": layout.shared_mlp // layout.tp}
+        quantization, tensors = keep_blocks(cfg, tensors, split)
     _, real = _flat_abstract(cfg, dtype)  # checkpoint shapes, checked before padding
     graphdef, flat = _flat_abstract(layout.effective_config(cfg), dtype, quantization)
     np_dtype = np.dtype(jax.numpy.dtype(dtype))

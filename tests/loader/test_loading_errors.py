@@ -25,7 +25,7 @@ def config_of(tiny_checkpoint, tmp_path):
     return make
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes"])
+@pytest.mark.parametrize("method", ["bitsandbytes", "hqq"])
 def test_a_checkpoint_quantized_ahead_is_refused_by_its_method(config_of, method):
     path = config_of(lambda config: config.update(quantization_config={"quant_method": method, "bits": 4}))
     with pytest.raises(ValueError, match=f"config.json describes a {method} checkpoint, whose weights jaxserve cannot "
