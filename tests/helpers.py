@@ -402,7 +402,8 @@ def write_fp8(hf_dir: Path, out: Path, layout: str, dynamic_activations: bool = 
     published layouts: `layout` "block" is `quant_method: fp8` (128x128 blocks, `weight_scale_inv`, as the
     Qwen3-FP8 and DeepSeek releases); "ct-tensor", "ct-channel" and "ct-block" are compressed-tensors'
     float-quantized format (`weight_scale` per tensor, per output channel, per 128x128 block, as llm-compressor
-    writes FP8 and, with `dynamic_activations`, FP8-dynamic). Dimensions must be multiples of 128 for blocks."""
+    writes FP8 and, with `dynamic_activations`, FP8-dynamic); "ct-int8-channel" its int-quantized format (int8
+    weights per output channel, W8A8 with `dynamic_activations`). Dimensions must be multiples of 128 for blocks."""
     import json
     import shutil
 
@@ -411,7 +412,9 @@ def write_fp8(hf_dir: Path, out: Path, layout: str, dynamic_activations: bool = 
 
     shutil.copytree(hf_dir, out)
     saved = {}
-    strategy = layout.removeprefix("ct-")
+    strategy = layout.removeprefix("ct-").removeprefix("int8-")
+    integer = layout.startswith("ct-int8")
+    top = 127 if integer else 448
     for name, w in load_file(hf_dir / "model.safetensors").items():
         if not (name.startswith("model.layers.") and name.endswith("proj.weight")):
             saved[name] = w
@@ -423,9 +426,9 @@ def write_fp8(hf_dir: Path, out: Path, layout: str, dynamic_activations: bool = 
             scale = blocks.abs().amax(dim=(1, 3)) / 448
             q = (blocks / scale[:, None, :, None]).reshape(rows, columns)
         else:
-            scale = w.abs().amax().reshape(1) / 448 if strategy == "tensor" else w.abs().amax(1, keepdim=True) / 448
+            scale = w.abs().amax().reshape(1) / top if strategy == "tensor" else w.abs().amax(1, keepdim=True) / top
             q = w / scale
-        saved[name] = q.to(torch.float8_e4m3fn)
+        saved[name] = q.round().clamp(-127, 127).to(torch.int8) if integer else q.to(torch.float8_e4m3fn)
         saved[name[: -len("weight")] + ("weight_scale_inv" if layout == "block" else "weight_scale")] = \
             scale.float().contiguous()
     (out / "model.safetensors").unlink()
@@ -435,14 +438,16 @@ def write_fp8(hf_dir: Path, out: Path, layout: str, dynamic_activations: bool = 
         config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                          "weight_block_size": [128, 128]}
     else:
-        weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False,
+        kind = "int" if integer else "float"
+        weights = {"num_bits": 8, "type": kind, "strategy": strategy, "symmetric": True, "dynamic": False,
                    "block_structure": [128, 128] if strategy == "block" else None}
-        activations = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True} \
+        activations = {"num_bits": 8, "type": kind, "strategy": "token", "symmetric": True, "dynamic": True} \
             if dynamic_activations else None
+        compressed = "int-quantized" if integer else "float-quantized"
         config["quantization_config"] = {
-            "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "quant_method": "compressed-tensors", "format": compressed, "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations,
-                                          "output_activations": None, "format": "float-quantized"}},
+                                          "output_activations": None, "format": compressed}},
             "ignore": ["lm_head"], "kv_cache_scheme": None}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out

@@ -19,7 +19,6 @@ from jaxserve.loader.compressed_tensors import (
     weight_scheme,
 )
 from jaxserve.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
-from jaxserve.loader.fp8 import Fp8Source, fp8_scale_suffix
 from jaxserve.loader.fused import FUSED_ARCHITECTURES, SplitFusedSource
 from jaxserve.loader.generation_config import sampling_defaults
 from jaxserve.loader.gguf import GGUFFile
@@ -32,6 +31,7 @@ from jaxserve.loader.orbax_checkpoint import is_orbax_checkpoint, open_orbax_che
 from jaxserve.loader.pooling import declared_pooling
 from jaxserve.loader.random_weights import RandomWeights
 from jaxserve.loader.safetensors import SafetensorsSource
+from jaxserve.loader.scaled import ScaledSource, fp8_scale_suffix
 from jaxserve.loader.text_model import text_model_config, text_model_tensors
 from jaxserve.loader.tokenizer import TokenizerChoice, load_tokenizer
 from jaxserve.loader.weights import TensorSource
@@ -190,7 +190,7 @@ def _weights_source(directory: Path, raw: dict[str, Any]) -> TensorSource:
     config = quantization_config(raw)
     if suffix := fp8_scale_suffix(config):
         block = config.get("weight_block_size")
-        return Fp8Source(source, suffix, "fp8", tuple(block) if block else None)
+        return ScaledSource(source, suffix, "fp8", tuple(block) if block else None)
     if packed_int_method(config):
         return PackedIntSource(source, config)
     return source
@@ -207,7 +207,7 @@ def refuse_quantized(raw: dict[str, Any], config_path: Path) -> None:
             weight_scheme(raw)  # W4A16, W8A16, FP8: read (loader/compressed_tensors.py)
             return
         if fp8_scale_suffix(method):
-            return  # FP8 by block, channel or tensor (loader/fp8.py)
+            return  # FP8 by block, channel or tensor (loader/scaled.py)
         if packed_int_method(method):
             return  # GPTQ, AWQ (loader/gptq.py)
     except ValueError as e:

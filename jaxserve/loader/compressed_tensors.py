@@ -1,6 +1,6 @@
 """Checkpoints written by llm-compressor in the compressed-tensors format (`quant_method: compressed-tensors`),
 pack-quantized weights (W4A16, W8A16): presented under the float weight names, and kept in their groups
-(loader/grouped.py) like a GGUF file's blocks. Its float-quantized (FP8) checkpoints are loader/fp8.py's.
+(loader/grouped.py) like a GGUF file's blocks. Its float-quantized (FP8) checkpoints are loader/scaled.py's.
 
 The format: `<linear>.weight_packed` int32 [out, in / (32 / bits)], each int32 holding consecutive values of a row,
 the first in the lowest bits, each value stored as q + 2^(bits-1); `weight_scale` [out, groups] (one group: per
@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.loader.fp8 import Fp8Source
 from jaxserve.loader.grouped import GroupedArray
+from jaxserve.loader.scaled import ScaledSource
 from jaxserve.loader.weights import TensorSource
 from jaxserve.models.layers import Grouped
 
@@ -35,7 +35,8 @@ def is_compressed_tensors(raw: dict[str, Any]) -> bool:
 
 SUPPORTED = ("supported: pack-quantized int4/int8 weights by group or channel, activations in float (W4A16, "
              "W8A16); float-quantized float8 weights by tensor, channel or block, activations in float or dynamic "
-             "per token (FP8, FP8-dynamic)")
+             "per token (FP8, FP8-dynamic); int-quantized int8 weights by tensor or channel, activations in float or "
+             "dynamic per token (W8A8)")
 
 
 def weight_scheme(raw: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -53,10 +54,15 @@ def weight_scheme(raw: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         described += ", activations quantized too"
     packed = (kind == "pack-quantized" and weights.get("type") == "int" and weights.get("num_bits") in (4, 8)
               and weights.get("strategy") in ("group", "channel") and not activations)
-    dynamic_fp8 = not activations or (activations.get("type") == "float" and activations.get("dynamic") is True)
+    def dynamic(kind: str) -> bool:  # activations in float, or quantized per token as a step runs
+        return not activations or (activations.get("type") == kind and activations.get("dynamic") is True)
+
     fp8 = (kind == "float-quantized" and weights.get("type") == "float" and weights.get("num_bits") == 8
-           and weights.get("strategy") in ("tensor", "channel", "block") and dynamic_fp8)
-    if not (packed or fp8) or config.get("sparsity_config"):
+           and weights.get("strategy") in ("tensor", "channel", "block") and dynamic("float"))
+    int8 = (kind == "int-quantized" and weights.get("type") == "int" and weights.get("num_bits") == 8
+            and weights.get("strategy") in ("tensor", "channel") and weights.get("symmetric", True)
+            and dynamic("int"))
+    if not (packed or fp8 or int8) or config.get("sparsity_config"):
         raise ValueError(f"this compressed-tensors checkpoint holds {described}, which jaxserve cannot read yet; "
                          f"{SUPPORTED}")
     return kind, weights
@@ -67,7 +73,9 @@ def compressed_tensors_source(source: TensorSource, raw: dict[str, Any]) -> Tens
     kind, weights = weight_scheme(raw)
     if kind == "float-quantized":
         block = weights.get("block_structure")
-        return Fp8Source(source, ".weight_scale", "compressed-tensors", tuple(block) if block else None)
+        return ScaledSource(source, ".weight_scale", "compressed-tensors", tuple(block) if block else None)
+    if kind == "int-quantized":
+        return ScaledSource(source, ".weight_scale", "compressed-tensors", values=np.int8)
     return CompressedTensorsSource(source, raw)
 
 

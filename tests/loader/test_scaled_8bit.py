@@ -1,6 +1,7 @@
-"""FP8 checkpoints (`quant_method: fp8` with 128x128 blocks; compressed-tensors float-quantized per tensor,
-channel or block, FP8-dynamic): kept as float8 values with per-group scales, logits against transformers
-reading the same files (it dequantizes FP8 weights on a CPU, activations in float, as here)."""
+"""Checkpoints of 8-bit weights and scales: FP8 (`quant_method: fp8` with 128x128 blocks; compressed-tensors
+float-quantized per tensor, channel or block, FP8-dynamic) kept as float8 values with per-group scales, and
+compressed-tensors int-quantized W8A8 as int8; logits against transformers reading the same files (it
+dequantizes the weights on a CPU, activations in float, as here)."""
 
 import json
 import shutil
@@ -15,7 +16,8 @@ from tests.models.test_parity import PROMPTS, check_parity
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=64, tie_word_embeddings=False)
 LAYOUTS = {"fp8-block": ("block", False), "ct-tensor": ("ct-tensor", False), "ct-channel": ("ct-channel", False),
-           "ct-block": ("ct-block", False), "ct-fp8-dynamic": ("ct-channel", True)}
+           "ct-block": ("ct-block", False), "ct-fp8-dynamic": ("ct-channel", True),
+           "ct-w8a8": ("ct-int8-channel", True)}
 TOLERANCE = 2e-4  # float8 x scale in float32, in another order of operations than torch's
 
 
@@ -41,7 +43,7 @@ def engine(path, mesh: str = "1x1", **options) -> Engine:
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_kept_float8_matches_transformers(name, fp8_checkpoint, caplog):
+def test_kept_8_bit_weights_match_transformers(name, fp8_checkpoint, caplog):
     path, reference = fp8_checkpoint(name)
     method = "fp8" if name == "fp8-block" else "compressed-tensors"
     with caplog.at_level("INFO", logger="jaxserve.runner.weights"):
@@ -49,7 +51,8 @@ def test_kept_float8_matches_transformers(name, fp8_checkpoint, caplog):
     described = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights kept"))
     kept = dict(part.split(": ") for part in described.split("(", 1)[1].split(")", 1)[0].split("; "))
     # wo's groups narrowed to its head_dim (64), the others the block's (or an unblocked scale's) 128 columns
-    assert kept == {"wq, wk, wv, w_gate, w_up, w_down": "float8 in groups of 128", "wo": "float8 in groups of 64"}
+    values = "8-bit" if name == "ct-w8a8" else "float8"
+    assert kept == {"wq, wk, wv, w_gate, w_up, w_down": f"{values} in groups of 128", "wo": f"{values} in groups of 64"}
     check_parity(served, reference, PROMPTS, tol=TOLERANCE)
 
 

@@ -1,14 +1,16 @@
-"""FP8 checkpoints: float8 e4m3 weights with their scales, presented under the float weight names and kept in
-groups (loader/grouped.py) as float8 values with float32 scales.
+"""Checkpoints of 8-bit weights beside their scales (float8 e4m3, or int8), presented under the float weight
+names and kept in groups (loader/grouped.py) as 8-bit values with float32 scales.
 
-Two formats:
+Three formats:
 - `quant_method: fp8` (transformers' FineGrainedFP8, the Qwen3-FP8 and DeepSeek releases): `X.weight` float8 and
   `X.weight_scale_inv` [ceil(out / 128), ceil(in / 128)], one scale per 128x128 block (`weight_block_size`); the
   weight is weight * scale_inv, whatever the name says.
 - compressed-tensors `float-quantized` (llm-compressor's FP8 and FP8-dynamic): `X.weight` float8 and
   `X.weight_scale`, per tensor, per output channel or per block; static activation scales (`X.input_scale`) may
-  come beside them.
-Both become per-group scales along the input axis: a block's scale repeated for each of its output rows (exact;
+  come beside them;
+- compressed-tensors `int-quantized` (llm-compressor's W8A8 int8): `X.weight` int8 and `X.weight_scale` per
+  tensor or output channel.
+All become per-group scales along the input axis: a block's scale repeated for each of its output rows (exact;
 the scales stay a few percent of the float8 bytes). Activations stay in the model's dtype: each weight is
 dequantized in its matmul, as on every device without FP8 matmuls (docs/quantization.md).
 """
@@ -39,18 +41,20 @@ def fp8_scale_suffix(config: dict[str, Any]) -> str | None:
     return None
 
 
-class Fp8Source:
-    """A TensorSource over an FP8 checkpoint's tensors: each float8 weight dequantized by `get`, kept in groups by
-    `get_grouped`; scale tensors hidden; every other tensor as it is."""
+class ScaledSource:
+    """A TensorSource over a checkpoint of 8-bit weights (`values`: float8 e4m3 or int8) and their scales: each
+    weight dequantized by `get`, kept in groups by `get_grouped`; scale tensors hidden; every other tensor as it
+    is."""
 
     def __init__(self, source: TensorSource, scale_suffix: str, method: str,
-                 block: tuple[int, int] | None = None):
+                 block: tuple[int, int] | None = None, values=FLOAT8):
         self._source, self._suffix, self.method = source, scale_suffix, method
+        self._values = np.dtype(values)
         self._block = block
         names = source.names()
         self._quantized = {n[: -len(scale_suffix)] + ".weight" for n in names if n.endswith(scale_suffix)}
         if not self._quantized:
-            raise ValueError(f"the checkpoint's quantization_config describes {method} FP8 weights, but it holds "
+            raise ValueError(f"the checkpoint's quantization_config describes {method} 8-bit weights, but it holds "
                              f"no weight scales (*{scale_suffix}): it is not the checkpoint its config describes")
         hidden = {n for n in names if n.endswith((scale_suffix, ".input_scale"))}
         self._names = names - hidden
@@ -64,13 +68,14 @@ class Fp8Source:
     def block_format(self, name: str) -> Grouped | None:
         if name not in self._quantized:
             return None
-        return Grouped(bits=8, group=self._group(self._source.shape(name)[1]), offset=False, float8=True)
+        return Grouped(bits=8, group=self._group(self._source.shape(name)[1]), offset=False,
+                       float8=self._values == FLOAT8)
 
     def get_grouped(self, name: str) -> GroupedArray:
         values = self._source.get(name)
-        if values.dtype != FLOAT8:
-            raise ValueError(f"{name} is {values.dtype}, not float8 e4m3: the checkpoint's quantization_config does "
-                             "not describe its tensors")
+        if values.dtype != self._values:
+            raise ValueError(f"{name} is {values.dtype}, not {self._values}: the checkpoint's quantization_config "
+                             "does not describe its tensors")
         rows, columns = values.shape
         group = self._group(columns)
         scale = self._source.get(name[: -len(".weight")] + self._suffix).astype(np.float32)
