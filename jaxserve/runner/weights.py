@@ -3,7 +3,10 @@
 Each weight is read, padded for the mesh (parallel/padding.py) and handed to `jax.device_put` with the sharding
 its logical names give, one weight at a time: every device receives only its own slice, and the host holds at
 most one (padded) weight beyond the checkpoint reader's own buffers. A quantized model's matmul weights are
-quantized on the host as they are read (runner/quantize.py), so only int8 values travel to the devices.
+quantized on the host as they are read (runner/quantize.py), so only int8 values travel to the devices. A
+quantized checkpoint's weights (GGUF, compressed-tensors, FP8, GPTQ, AWQ) can instead stay in the groups they were
+stored in (loader/grouped.py): values, scales and offsets padded for the mesh alike, 4-bit values packed two to
+a byte, dequantized inside each step (models/layers.dequantized).
 
 A dummy load (`load_format="dummy"`) reads nothing: each weight's random HF tensors are drawn and stacked
 (loader/random_weights.py), then padded and quantized by the same functions as a checkpoint's, inside one jitted
@@ -46,8 +49,8 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
                  quantization: str | None = None, per_layer: bool = False, dummy_on_devices: bool | None = None):
     """-> (graphdef, params) of the model under `layout`'s effective config (default: no padding, one stage);
     with `quantization="int8"`, every matmul weight is quantized on the host as it is read (a dummy load's on
-    the devices); the checkpoint's own method ("gguf", "compressed-tensors", "fp8": resolve_quantization) keeps its
-    quantized weights. `per_layer`: each
+    the devices); the checkpoint's own method ("gguf", "compressed-tensors", "fp8", "gptq", "awq":
+    resolve_quantization) keeps its quantized weights. `per_layer`: each
     layer weight is placed as a tuple of per-layer arrays (runner/layer_loop.split_layers, grouped by stage slot
     when `layout` has several stages), split on the host so the device never holds a stacked copy beside them
     (except a `jaxserve convert` checkpoint's, restored stacked).
@@ -96,7 +99,8 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
 
 def resolve_quantization(quantization: str | None, tensors: TensorSource | None, platform: str) -> str | None:
     """The engine's quantization for this checkpoint. A quantized checkpoint's weights are kept in their blocks
-    (loader/weights.keep_blocks) when `quantization` names its method ("gguf", "compressed-tensors", "fp8"), and
+    (loader/weights.keep_blocks) when `quantization` names its method ("gguf", "compressed-tensors", "fp8", "gptq",
+    "awq"), and
     by default on a GPU or TPU. On a CPU the default dequantizes them at load: XLA:CPU converts each weight to float
     before its matmul, every step, which made decode slower than reading float32 weights (docs/quantization.md).
     A quantization done at load (int8, w8a8, fp8 of a float checkpoint) quantizes the dequantized weights."""
@@ -171,7 +175,8 @@ def _logical(flat: dict, path) -> tuple[str, ...]:
 
 def _prepared(cfg: ModelConfig, path, array, flat: dict, layout: ParallelLayout) -> dict:
     """The weight at `path` padded for the mesh: {path: array}, or for a quantized weight its int8 values and
-    float32 scales, {path: values, path_scale: scales}. Numpy in, numpy out; jax in, jax out."""
+    float32 scales, {path: values, path_scale: scales} (a checkpoint's groups: _prepared_groups). Numpy in, numpy
+    out; jax in, jax out."""
     logical = _logical(flat, path)
     if isinstance(array, GroupedArray):
         return _prepared_groups(cfg, path, array, logical, layout)

@@ -37,7 +37,7 @@ def test_a_checkpoint_quantized_ahead_is_refused_by_its_method(config_of, method
 def test_a_quantized_config_over_float_weights_is_refused(config_of):
     path = config_of(lambda config: config.update(quantization_config={"quant_method": "fp8",
                                                                        "weight_block_size": [128, 128]}))
-    with pytest.raises(ValueError, match=r"describes fp8 FP8 weights, but it holds no weight scales "
+    with pytest.raises(ValueError, match=r"describes fp8 8-bit weights, but it holds no weight scales "
                                          r"\(\*.weight_scale_inv\): it is not the checkpoint its config describes"):
         open_checkpoint(path)
 
