@@ -200,7 +200,7 @@ def quantized_blocks(w: np.ndarray, kind) -> np.ndarray:
     for start in K_QUANT_FLOAT16_FIELDS[kind.name]:
         d = rng.uniform(1e-5, 4e-5, (len(blocks), 1)).astype(np.float16)
         blocks[:, start:start + 2] = d.view(np.uint8)
-    return blocks.reshape(w.shape[0], -1)
+    return blocks.reshape(w.shape[:-1] + (-1,))
 
 
 @functools.lru_cache(maxsize=2)

@@ -191,8 +191,8 @@ def load_params(cfg: ModelConfig, src: TensorSource, dtype) -> Iterator[tuple[Pa
         yield path, build()
 
 
-# Matmul weights that can stay in a checkpoint's quantized blocks (models/layers.Grouped). A mixture's experts are
-# dequantized at load for now.
+# Matmul weights that can stay in a checkpoint's quantized blocks (models/layers.Grouped): a mixture's experts too,
+# where the checkpoint stores one tensor per expert (MOE_NAMES; gpt-oss stacks its own, dequantized at load).
 BLOCK_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down")
 
 
@@ -209,6 +209,11 @@ def weight_tensors(cfg: ModelConfig) -> dict[str, list[str]]:
     for ours, (hf, _) in _layer_weights(cfg).items():
         if ours in BLOCK_WEIGHTS and ours not in experts:
             names[ours] = [fill(f"model.layers.*.{hf}", (i,)) for i in range(cfg.num_layers)]
+    if cfg.num_experts and cfg.architecture in MOE_NAMES:  # [L, E]: every layer's every expert
+        block, matrices = moe_names(cfg)
+        for ours, hf in matrices.items():
+            names[ours] = [fill(f"model.layers.*.{block}.experts.*.{hf}.weight", index)
+                           for index in np.ndindex(cfg.num_layers, cfg.num_experts)]
     return names
 
 

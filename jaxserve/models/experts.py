@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.layers import ACTIVATIONS, dense, gated_mlp
+from jaxserve.models.layers import ACTIVATIONS, dense, gated_mlp, stored_name
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down", "b_gate", "b_up")  # what the grouped matmuls read (gpt-oss: biases)
 EXPERT_IMPLS = ("looped", "gathered")
@@ -112,7 +112,8 @@ def gated(cfg: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
 
 def expert_mlp(cfg: ModelConfig, x: jax.Array, w: dict[str, jax.Array], batched: bool = False) -> jax.Array:
     """down(act(gate(x)) * up(x)) with one expert's weights: x [R, D] (or [N, R, D] with each block's weights
-    [N, ...] when `batched`); int8 weights carry their scales (`<name>_scale`); gate and up their biases where
+    [N, ...] when `batched`); quantized weights carry their scales (`<name>_scale`, and a checkpoint's groups their
+    `<name>_offset`); gate and up their biases where
     the model has them (the down projection's is added once, after the experts: `moe_mlp`)."""
     n = "N" if batched else ""
     gate = dense(f"{n}RD,{n}DF->{n}RF", x, w, "w_gate", int8_activations=cfg.int8_activations)
@@ -172,7 +173,8 @@ def gathered_experts(cfg: ModelConfig, x: jax.Array, pairs: Pairs, w: dict[str, 
     block_expert = jnp.minimum(jnp.searchsorted(block_end, jnp.arange(num_blocks), side="right"), num_local - 1)
     token_of_row = jnp.concatenate([pairs.tokens, jnp.zeros((1,), jnp.int32)])[pair_of_row]
     blocks = x[token_of_row].reshape(num_blocks, block, x.shape[-1])
-    # Each block's weights; a scale or bias [N, out] gains a row axis so it meets the batched [N, R, out] product.
+    # Each block's weights (and a checkpoint's group scales, shaped like them); a per-channel scale or a bias
+    # [N, out] gains a row axis so it meets the batched [N, R, out] product.
     wb = {name: value[block_expert] if value.ndim == 3 else value[block_expert][:, None] for name, value in w.items()}
     y = expert_mlp(cfg, blocks, wb, batched=True).reshape(num_blocks * block, -1)
     return jnp.zeros((P + 1, y.shape[-1]), y.dtype).at[pair_of_row].set(y)[:P]  # back to sorted pair order
@@ -200,7 +202,7 @@ def moe_mlp(cfg: ModelConfig, w: dict[str, jax.Array], h: jax.Array, adapters: j
     expert where the model has one. (LoRA adapters change only the attention of these models: `adapters` is
     unused.)"""
     weights, experts = route(cfg, h, w["router"], w.get("router_bias"))
-    ew = {name: value for name, value in w.items() if name.split("_scale")[0] in EXPERT_WEIGHTS}
+    ew = {name: value for name, value in w.items() if stored_name(name) in EXPERT_WEIGHTS}
     out = (experts_fn or local_experts)(cfg, h, weights, experts, ew)
     if cfg.expert_bias:  # each chosen expert's down-projection bias, by its routing weight: once, not per device
         out = out + jnp.einsum("Tk,TkD->TD", weights, w["b_down"][experts].astype(jnp.float32))

@@ -109,6 +109,11 @@ def add_weight(module: nnx.Module, name: str, shape: tuple[int, ...], logical: t
         setattr(module, name + suffix, p)
 
 
+def stored_name(name: str) -> str:
+    """The weight a parameter belongs to: "w_up" for "w_up", "w_up_scale" and "w_up_offset"."""
+    return name.removesuffix("_scale").removesuffix("_offset")
+
+
 def dequantized(weights: dict[str, jax.Array], name: str, dtype) -> jax.Array:
     """The weight `name` in `dtype`: as stored when it is a float, else q * scale (+ offset) computed in float32,
     which is what a checkpoint's own dequantization computes (GGUF's `d * q + m`)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.experts import EXPERT_CONTRACTS, expert_axes, moe_mlp
-from jaxserve.models.layers import GroupedWeights, add_weight, param
+from jaxserve.models.layers import GroupedWeights, add_weight, param, weight_format
 from jaxserve.models.llama import DecoderLayers, LlamaForCausalLM
 
 
@@ -22,9 +22,9 @@ class MoeDecoderLayers(DecoderLayers):
             self.router_bias = param((L, E), ("layers", None), dtype)
         axes = expert_axes(cfg.expert_parallel)
         shapes = {"w_gate": (L, Ep, D, F), "w_up": (L, Ep, D, F), "w_down": (L, Ep, F, D)}
-        for name, shape in shapes.items():  # experts kept in a checkpoint's blocks: not yet (loaded as floats)
+        for name, shape in shapes.items():
             add_weight(self, name, shape, ("layers",) + axes[name], dtype, EXPERT_CONTRACTS[name],
-                       None if isinstance(q, dict) else q)
+                       weight_format(q, name))
         if cfg.expert_bias:  # gpt-oss
             self.b_gate = param((L, Ep, F), ("layers",) + axes["b_gate"], dtype)
             self.b_up = param((L, Ep, F), ("layers",) + axes["b_up"], dtype)

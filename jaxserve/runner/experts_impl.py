@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.experts import EXPERT_CONTRACTS, expert_axes, local_experts
+from jaxserve.models.layers import stored_name
 from jaxserve.parallel.sharding import TENSOR_AXIS, nested_map_mesh, partition_spec
 
 
@@ -37,9 +38,11 @@ def make_experts_fn(cfg: ModelConfig, platform: str, mesh: Mesh):
         return partial(local_experts, impl=impl)
     axes = expert_axes(cfg.expert_parallel)
 
-    def spec(name: str):
-        base = name.removesuffix("_scale")
-        logical = axes[base] if name == base else tuple(a for a in axes[base] if a not in EXPERT_CONTRACTS[base])
+    def spec(name: str, w: dict):
+        """A weight's axes; its per-channel scale's lack the contracted ones (a checkpoint's group scales have all)."""
+        base = stored_name(name)
+        grouped = w[name].ndim == w[base].ndim
+        logical = axes[base] if grouped else tuple(a for a in axes[base] if a not in EXPERT_CONTRACTS[base])
         return partition_spec(logical)
 
     def sharded(cfg: ModelConfig, x, weights, experts, w):
@@ -51,7 +54,7 @@ def make_experts_fn(cfg: ModelConfig, platform: str, mesh: Mesh):
 
         everywhere = partition_spec(())
         outer, manual = nested_map_mesh(mesh)  # inside a pipeline stage, pp is manual already
-        specs = (everywhere, everywhere, everywhere, {name: spec(name) for name in w})
+        specs = (everywhere, everywhere, everywhere, {name: spec(name, w) for name in w})
         # check_vma=False: the expert loop's carry starts replicated and becomes per-device; the psum makes the
         # result replicated again, which is all out_specs claims.
         return jax.shard_map(share, mesh=outer, in_specs=specs, out_specs=everywhere,

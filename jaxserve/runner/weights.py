@@ -67,8 +67,11 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
         return tensors.restore(cfg, dtype, mesh, layout)
     platform = mesh.devices.flat[0].platform
     if quantization is not None and quantization == getattr(tensors, "method", None):
-        # the contracted axes a mesh splits: the MLP's (dense and shared), over tp
-        split = {"w_down": layout.mlp // layout.tp, "shared_down": layout.shared_mlp // layout.tp}
+        # the contracted axes a mesh splits over tp: the MLP's (dense, shared, and the experts' unless whole experts
+        # go to each device: expert parallelism)
+        split = {"shared_down": layout.shared_mlp // layout.tp}
+        if not (cfg.num_experts and cfg.expert_parallel):
+            split["w_down"] = layout.mlp // layout.tp
         quantization, tensors = keep_blocks(cfg, tensors, split)
     _, real = _flat_abstract(cfg, dtype)  # checkpoint shapes, checked before padding
     graphdef, flat = _flat_abstract(layout.effective_config(cfg), dtype, quantization)

@@ -65,7 +65,7 @@ def test_kept_groups_split_over_meshes(mesh, compressed):
 
 @pytest.mark.parametrize("arch, overrides", [
     ("qwen3", {}),
-    # the experts are dequantized at load; attention and the shared weights stay in their groups
+    # the experts kept in their groups too, each expert's width split over tp
     ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)),
 ], ids=["qwen3", "qwen3-moe"])
 def test_other_families_match_transformers(arch, overrides, compressed):

@@ -129,3 +129,40 @@ def test_k_quant_helper_blocks_decode():
     """The test helper's K-quant blocks are well formed: finite weights of a random model's size."""
     w = decode_blocks(quantized_blocks(np.zeros((4, 256), np.float32), Q.Q6_K), Q.Q6_K).dequantize()
     assert np.isfinite(w).all() and 0 < np.abs(w).max() < 1
+
+
+# A mixture's experts (stacked per layer in GGUF, one type per stack): kept too, split over tp or whole over EP.
+MOE_TYPES = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q8_0} | {
+    f"blk.{layer}.{name}.weight": kind for layer in range(2) for name, kind in
+    (("attn_q", Q.Q8_0), ("attn_k", Q.Q8_0), ("attn_v", Q.Q8_0), ("attn_output", Q.Q8_0),
+     ("ffn_gate_exps", Q.Q4_0), ("ffn_up_exps", Q.Q8_0), ("ffn_down_exps", (Q.Q4_1, Q.Q8_0)[layer]))}
+
+
+@pytest.fixture(scope="module")
+def moe_quantized_gguf(tiny_checkpoint, smollm2_gguf_path, tmp_path_factory):
+    hf = tiny_checkpoint("mixtral", num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+                         intermediate_size=64, tie_word_embeddings=False)
+    return str(write_gguf(hf, tmp_path_factory.mktemp("moe-quantized") / "tiny-moe-q.gguf", "llama",
+                          smollm2_gguf_path, tensor_types=MOE_TYPES))
+
+
+@pytest.mark.parametrize("mesh, options, impl", [
+    ("1x1", {}, "looped"), ("2x1", {}, "looped"), ("4x2", {"enable_expert_parallel": True}, "looped"),
+    ("2x2", {"enable_expert_parallel": True}, "gathered"),  # the GPU/TPU scheme, gathering each block's groups
+], ids=["1x1", "2x1-expert-tp", "4x2-expert-parallel", "2x2-gathered"])
+def test_kept_experts_serve_the_dequantized_models_tokens(mesh, options, impl, moe_quantized_gguf, caplog,
+                                                          monkeypatch):
+    from jaxserve.runner import experts_impl
+
+    reference = _generate(moe_quantized_gguf)
+    monkeypatch.setattr(experts_impl, "expert_impl", lambda platform: impl)
+    with caplog.at_level(logging.INFO, logger="jaxserve.runner.weights"):
+        tokens, logprobs = _generate(moe_quantized_gguf, mesh, quantization="gguf", **options)
+    assert tokens == reference[0]
+    np.testing.assert_allclose(logprobs, reference[1], atol=1e-4)
+    described = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights kept"))
+    kept = dict(part.split(": ") for part in described.split("(", 1)[1].split(")", 1)[0].split("; "))
+    by_weight = {name: storage for names, storage in kept.items() for name in names.split(", ")}
+    assert by_weight["w_gate"] == "4-bit in groups of 32 with offsets"
+    assert by_weight["w_down"] == "8-bit in groups of 32 with offsets"  # Q4_1 and Q8_0 layers: int8 with offsets
+    assert by_weight["w_up"] == by_weight["wq"] == "8-bit in groups of 32"
