@@ -57,8 +57,8 @@ def test_kept_groups_match_transformers(scheme, compressed):
     check_parity(engine(path, quantization="compressed-tensors"), reference, PROMPTS, tol=TOLERANCE)
 
 
-@pytest.mark.parametrize("mesh", ["2x1", "4x2"])
-def test_kept_groups_split_over_meshes(mesh, compressed):
+def test_kept_groups_split_over_a_mesh(compressed):
+    mesh = "4x2"  # tp 4 and pp 2 (2x1: the Qwen3 tests below)
     path, reference = compressed("w4a16-group32-asymmetric")
     check_parity(engine(path, mesh, quantization="compressed-tensors"), reference, PROMPTS, tol=TOLERANCE)
 
