@@ -451,3 +451,19 @@ def write_fp8(hf_dir: Path, out: Path, layout: str, dynamic_activations: bool = 
             "ignore": ["lm_head"], "kv_cache_scheme": None}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def small_engine(path, mesh: str = "1x1", **options):
+    """An engine on a tiny checkpoint, sized for a parity check (tests/models/test_parity.check_parity)."""
+    from jaxserve import Engine
+
+    return Engine(str(path), mesh=mesh, num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, warmup=False,
+                  **options)
+
+
+def kept_formats(caplog) -> dict[str, str]:
+    """The storage runner/weights.py's load log line gives each weight kept in its checkpoint's groups
+    ("weights kept in the checkpoint's quantized blocks (wq, wk: 4-bit in groups of 32 with offsets; ...)"):
+    {"wq, wk": "4-bit in groups of 32 with offsets", ...}, weights of one storage listed together."""
+    described = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights kept"))
+    return dict(part.split(": ") for part in described.split("(", 1)[1].split(")", 1)[0].split("; "))

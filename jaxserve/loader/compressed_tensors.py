@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.loader.grouped import GroupedArray
+from jaxserve.loader.grouped import GroupedArray, shuffled_groups
 from jaxserve.loader.scaled import ScaledSource
 from jaxserve.loader.weights import TensorSource
 from jaxserve.models.layers import Grouped
@@ -105,11 +105,7 @@ class CompressedTensorsSource:
         if name not in self._packed:
             return self._source.get(name)
         grouped, columns = self._decoded(name)
-        if columns is None:
-            return grouped.dequantize()
-        # activation order: column i of group columns[i]
-        w = grouped.values.astype(np.float32) * grouped.scale[:, columns]
-        return w + grouped.offset[:, columns] if grouped.offset is not None else w
+        return grouped.dequantize() if columns is None else grouped.dequantize_by_columns(columns)
 
     def block_format(self, name: str) -> Grouped | None:
         if name not in self._packed or self._decoded_columns(name) is not None:
@@ -127,10 +123,7 @@ class CompressedTensorsSource:
         """Each input column's group where the checkpoint orders them by activation (GPTQ's act-order), else None."""
         if name + "_g_idx" not in self._source.names():
             return None
-        columns = self._source.get(name + "_g_idx").astype(np.int64)
-        groups = self._source.get(name + "_scale").shape[-1]
-        contiguous = np.arange(len(columns)) // (len(columns) // groups)
-        return None if np.array_equal(columns, contiguous) else columns
+        return shuffled_groups(self._source.get(name + "_g_idx"), self._source.shape(name + "_scale")[-1])
 
     def _decoded(self, name: str) -> tuple[GroupedArray, np.ndarray | None]:
         """(the weight as values 0..2^bits-1 for 4 bits or signed int8 for 8, scales and offsets; the columns'

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.loader.grouped import GroupedArray
+from jaxserve.loader.grouped import GroupedArray, shuffled_groups
 from jaxserve.loader.weights import TensorSource
 from jaxserve.models.layers import Grouped
 
@@ -72,10 +72,7 @@ class PackedIntSource:
         if name not in self._packed:
             return self._source.get(name)
         grouped, rows_group = self._decoded(name)
-        if rows_group is None:
-            return grouped.dequantize()
-        w = grouped.values.astype(np.float32) * grouped.scale[:, rows_group]  # act-order: column i of its group
-        return w + grouped.offset[:, rows_group]
+        return grouped.dequantize() if rows_group is None else grouped.dequantize_by_columns(rows_group)
 
     def block_format(self, name: str) -> Grouped | None:
         if name not in self._packed or self._act_order(name) is not None:
@@ -95,10 +92,7 @@ class PackedIntSource:
         base = name[: -len(".weight")]
         if self.method != "gptq" or base + ".g_idx" not in self._source.names():
             return None
-        rows_group = self._source.get(base + ".g_idx").astype(np.int64)
-        groups = self._source.shape(base + ".scales")[0]
-        return None if np.array_equal(rows_group, np.arange(len(rows_group)) // (len(rows_group) // groups)) \
-            else rows_group
+        return shuffled_groups(self._source.get(base + ".g_idx"), self._source.shape(base + ".scales")[0])
 
     def _decoded(self, name: str) -> tuple[GroupedArray, np.ndarray | None]:
         """(the weight in HF's [out, in] layout: values q, per-group scales and offsets -zero * scale; each input

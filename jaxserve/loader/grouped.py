@@ -85,6 +85,12 @@ class GroupedArray:
         values = self.values.astype(np.int8) if target.bits > self.bits else self.values
         return GroupedArray(values, scale, offset, self.axis, target.bits)
 
+    def dequantize_by_columns(self, column_groups: np.ndarray) -> np.ndarray:
+        """The float32 weights of a [out, in] tensor whose input columns are not grouped in order (GPTQ's
+        act-order): column i takes group column_groups[i]'s scale and offset."""
+        w = self.values.astype(np.float32) * self.scale[:, column_groups]
+        return w if self.offset is None else w + self.offset[:, column_groups]
+
     def dequantize(self) -> np.ndarray:
         """The float32 weights, as the checkpoint's own dequantization computes them (q * scale + offset)."""
         blocks = (self.values.shape[:self.axis] + (self.scale.shape[self.axis], self.group)
@@ -93,6 +99,14 @@ class GroupedArray:
         if self.offset is not None:
             w = w + np.expand_dims(self.offset, self.axis + 1)
         return w.reshape(self.shape)
+
+
+def shuffled_groups(column_groups: np.ndarray, groups: int) -> np.ndarray | None:
+    """A checkpoint's group index per input column (`g_idx`) where it is not simply column // group size (GPTQ's
+    act-order), else None: only groups of consecutive columns can be kept."""
+    column_groups = column_groups.astype(np.int64)
+    in_order = np.arange(len(column_groups)) // (len(column_groups) // groups)
+    return None if np.array_equal(column_groups, in_order) else column_groups
 
 
 def common_format(formats: list[Grouped]) -> Grouped | None:

@@ -10,10 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-from jaxserve import Engine
 from jaxserve.loader.compressed_tensors import CompressedTensorsSource
 from jaxserve.loader.safetensors import SafetensorsSource
-from tests.helpers import write_compressed_tensors
+from tests.helpers import small_engine, write_compressed_tensors
 from tests.models.test_parity import PROMPTS, check_parity
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False)
@@ -46,21 +45,16 @@ def compressed(tiny_checkpoint, tmp_path_factory):
     return make
 
 
-def engine(path, mesh: str = "1x1", **options) -> Engine:
-    return Engine(str(path), mesh=mesh, num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, warmup=False,
-                  **options)
-
-
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_kept_groups_match_transformers(scheme, compressed):
     path, reference = compressed(scheme)
-    check_parity(engine(path, quantization="compressed-tensors"), reference, PROMPTS, tol=TOLERANCE)
+    check_parity(small_engine(path, quantization="compressed-tensors"), reference, PROMPTS, tol=TOLERANCE)
 
 
 def test_kept_groups_split_over_a_mesh(compressed):
     mesh = "4x2"  # tp 4 and pp 2 (2x1: the Qwen3 tests below)
     path, reference = compressed("w4a16-group32-asymmetric")
-    check_parity(engine(path, mesh, quantization="compressed-tensors"), reference, PROMPTS, tol=TOLERANCE)
+    check_parity(small_engine(path, mesh, quantization="compressed-tensors"), reference, PROMPTS, tol=TOLERANCE)
 
 
 @pytest.mark.parametrize("arch, overrides", [
@@ -70,7 +64,7 @@ def test_kept_groups_split_over_a_mesh(compressed):
 ], ids=["qwen3", "qwen3-moe"])
 def test_other_families_match_transformers(arch, overrides, compressed):
     path, reference = compressed("w4a16-group32-symmetric", arch, **overrides)
-    check_parity(engine(path, "2x1", quantization="compressed-tensors"), reference, PROMPTS, tol=TOLERANCE)
+    check_parity(small_engine(path, "2x1", quantization="compressed-tensors"), reference, PROMPTS, tol=TOLERANCE)
 
 
 def test_activation_ordered_groups_dequantize_by_their_columns(tiny_checkpoint, tmp_path):
@@ -102,7 +96,7 @@ def test_activation_ordered_groups_dequantize_by_their_columns(tiny_checkpoint, 
 def test_the_cpu_default_dequantizes_at_load(compressed, caplog):
     path, reference = compressed("w4a16-group32-symmetric")
     with caplog.at_level("INFO", logger="jaxserve.runner.weights"):
-        served = engine(path)
+        served = small_engine(path)
     assert any(r.getMessage().startswith("weights in float") for r in caplog.records)
     check_parity(served, reference, PROMPTS, tol=TOLERANCE)
 
@@ -132,7 +126,7 @@ def _float_weights(q):
 def test_unsupported_schemes_are_refused_by_name(change, named, compressed, tmp_path):
     path, _ = compressed("w4a16-group32-symmetric")
     with pytest.raises(ValueError, match=f"holds {named}, which jaxserve cannot read yet; supported: pack-quantized"):
-        engine(_rewritten(path, tmp_path, change))
+        small_engine(_rewritten(path, tmp_path, change))
 
 
 def test_a_quantization_for_another_checkpoint_kind_is_refused(compressed):
@@ -140,4 +134,4 @@ def test_a_quantization_for_another_checkpoint_kind_is_refused(compressed):
     with pytest.raises(ValueError, match="quantization='gguf' keeps a gguf checkpoint's quantized weights in their "
                                          "blocks, and this model is a compressed-tensors checkpoint: drop the option "
                                          "or pass quantization='compressed-tensors'"):
-        engine(path, quantization="gguf")
+        small_engine(path, quantization="gguf")

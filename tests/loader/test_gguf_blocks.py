@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 from jaxserve import Engine, SamplingParams
 from jaxserve.loader.gguf_blocks import KEPT_TYPES, decode_blocks
 from jaxserve.loader.grouped import common_format, stack_grouped
-from tests.helpers import K_QUANT_FLOAT16_FIELDS, quantized_blocks, write_gguf
+from tests.helpers import K_QUANT_FLOAT16_FIELDS, kept_formats, quantized_blocks, write_gguf
 
 SIMPLE_FLOAT16_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,)}
 
@@ -97,8 +97,7 @@ def test_kept_blocks_serve_the_dequantized_models_tokens(mesh, tiny_quantized_gg
         tokens, logprobs = _generate(tiny_quantized_gguf, mesh, quantization="gguf")
     assert tokens == dequantized_reference[0]
     np.testing.assert_allclose(logprobs, dequantized_reference[1], atol=1e-4)
-    described = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights kept"))
-    kept = dict(part.split(": ") for part in described.split("(", 1)[1].split(")", 1)[0].split("; "))
+    kept = kept_formats(caplog)
     # wo has a float32 layer, so it is dequantized at load; wv's Q4_K and Q6_K layers share 8-bit groups of 16
     assert kept == {"embed, wq, wk": "4-bit in groups of 32 with offsets", "lm_head": "8-bit in groups of 16",
                     "wv, w_down": "8-bit in groups of 16 with offsets", "w_gate": "8-bit in groups of 32 with offsets",
@@ -160,8 +159,7 @@ def test_kept_experts_serve_the_dequantized_models_tokens(mesh, options, impl, m
         tokens, logprobs = _generate(moe_quantized_gguf, mesh, quantization="gguf", **options)
     assert tokens == reference[0]
     np.testing.assert_allclose(logprobs, reference[1], atol=1e-4)
-    described = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights kept"))
-    kept = dict(part.split(": ") for part in described.split("(", 1)[1].split(")", 1)[0].split("; "))
+    kept = kept_formats(caplog)
     by_weight = {name: storage for names, storage in kept.items() for name in names.split(", ")}
     assert by_weight["w_gate"] == "4-bit in groups of 32 with offsets"
     assert by_weight["w_down"] == "8-bit in groups of 32 with offsets"  # Q4_1 and Q8_0 layers: int8 with offsets

@@ -12,8 +12,8 @@ import torch
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from jaxserve import Engine
 from jaxserve.loader.gptq import AWQ_ORDER
+from tests.helpers import small_engine
 from tests.models.test_parity import PROMPTS, check_parity
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False)
@@ -117,16 +117,11 @@ def packed_checkpoint(tiny_checkpoint, tmp_path_factory):
     return make
 
 
-def engine(path, mesh: str = "1x1", **options) -> Engine:
-    return Engine(str(path), mesh=mesh, num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, warmup=False,
-                  **options)
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_packed_weights_match_the_float_weights_they_stand_for(variant, packed_checkpoint, caplog):
     path, reference, method = packed_checkpoint(variant)
     with caplog.at_level("INFO", logger="jaxserve.runner.weights"):
-        served = engine(path, quantization=method)
+        served = small_engine(path, quantization=method)
     described = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights"))
     kept = "act-order" not in variant  # act-order's shuffled groups are dequantized at load
     assert ("w_down" in described) == kept, described
@@ -137,7 +132,7 @@ def test_packed_groups_split_over_a_mesh(packed_checkpoint):
     mesh = "4x2"  # tp 4 splits the MLP's groups (the 8-bit per-channel ones narrowed to fit), pp 2 the layers
     for variant in ("gptq-8bit-channel", "awq-4bit-group32"):
         path, reference, method = packed_checkpoint(variant)
-        check_parity(engine(path, mesh, quantization=method), reference, PROMPTS, tol=TOLERANCE)
+        check_parity(small_engine(path, mesh, quantization=method), reference, PROMPTS, tol=TOLERANCE)
 
 
 @pytest.mark.parametrize("config, message", [
@@ -154,4 +149,4 @@ def test_unsupported_variants_are_refused_by_name(config, message, packed_checkp
     written["quantization_config"] = config
     (copy / "config.json").write_text(json.dumps(written))
     with pytest.raises(ValueError, match=f"{message}.*which jaxserve cannot read yet"):
-        engine(copy)
+        small_engine(copy)

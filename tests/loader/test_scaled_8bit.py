@@ -10,8 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-from jaxserve import Engine
-from tests.helpers import write_fp8
+from tests.helpers import kept_formats, small_engine, write_fp8
 from tests.models.test_parity import PROMPTS, check_parity
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=64, tie_word_embeddings=False)
@@ -37,19 +36,13 @@ def fp8_checkpoint(tiny_checkpoint, tmp_path_factory):
     return make
 
 
-def engine(path, mesh: str = "1x1", **options) -> Engine:
-    return Engine(str(path), mesh=mesh, num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, warmup=False,
-                  **options)
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_kept_8_bit_weights_match_transformers(name, fp8_checkpoint, caplog):
     path, reference = fp8_checkpoint(name)
     method = "fp8" if name == "fp8-block" else "compressed-tensors"
     with caplog.at_level("INFO", logger="jaxserve.runner.weights"):
-        served = engine(path, quantization=method)
-    described = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights kept"))
-    kept = dict(part.split(": ") for part in described.split("(", 1)[1].split(")", 1)[0].split("; "))
+        served = small_engine(path, quantization=method)
+    kept = kept_formats(caplog)
     # wo's groups narrowed to its head_dim (64), the others the block's (or an unblocked scale's) 128 columns
     values = "8-bit" if name == "ct-w8a8" else "float8"
     assert kept == {"wq, wk, wv, w_gate, w_up, w_down": f"{values} in groups of 128", "wo": f"{values} in groups of 64"}
@@ -59,12 +52,12 @@ def test_kept_8_bit_weights_match_transformers(name, fp8_checkpoint, caplog):
 def test_float8_blocks_split_over_a_mesh(fp8_checkpoint):
     mesh = "4x2"  # tp 4 and pp 2
     path, reference = fp8_checkpoint("fp8-block")
-    check_parity(engine(path, mesh, quantization="fp8"), reference, PROMPTS, tol=TOLERANCE)
+    check_parity(small_engine(path, mesh, quantization="fp8"), reference, PROMPTS, tol=TOLERANCE)
 
 
 def test_the_cpu_default_dequantizes_fp8_at_load(fp8_checkpoint):
     path, reference = fp8_checkpoint("fp8-block")
-    check_parity(engine(path), reference, PROMPTS, tol=TOLERANCE)
+    check_parity(small_engine(path), reference, PROMPTS, tol=TOLERANCE)
 
 
 def test_static_activation_scales_are_refused(fp8_checkpoint, tmp_path):
@@ -75,4 +68,4 @@ def test_static_activation_scales_are_refused(fp8_checkpoint, tmp_path):
     config["quantization_config"]["activation_scheme"] = "static"
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="activation_scheme is 'static'; supported: dynamic"):
-        engine(copy)
+        small_engine(copy)
