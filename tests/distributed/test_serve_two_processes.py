@@ -1,6 +1,6 @@
 """Two processes x 4 fake CPU devices (gloo) serving one 4x2 mesh, process 0 over HTTP: the same greedy text as
 one process; each restores only its own shards of a converted checkpoint; SIGTERM anywhere ends both; a killed
-process ends the other within a bound, named."""
+process ends the other within a bound, named; pods of a Kubernetes LeaderWorkerSet join from its variables alone."""
 
 import json
 import re
@@ -60,9 +60,23 @@ def test_converted_checkpoint_served_by_two_processes_matches_one_process(proces
     assert "process 1 (host" in processes.log("p0") and "received a shutdown signal" in processes.log("p0")
 
 
-def test_killed_follower_makes_the_leader_exit_naming_it(processes, tiny_checkpoint):
+def test_leaderworkerset_pods_serve_like_one_process_and_a_killed_follower_ends_the_leader(processes,
+                                                                                           tiny_checkpoint):
+    """Two processes started as a Kubernetes LeaderWorkerSet starts its pods: the same command line, no cluster
+    options, only the LWS_* variables (and the coordinator port). A 2x2 mesh, two devices each: the same text as
+    one process. Then a follower killed mid-stream makes the leader exit, naming it."""
     model = str(tiny_checkpoint("llama"))
-    url = start_pair(processes, model, free_port())
+    http_port, coordinator_port = free_port(), free_port_pair()
+    for index in (0, 1):
+        lws = {"LWS_LEADER_ADDRESS": "127.0.0.1", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": str(index),
+               "JAX_COORDINATOR_PORT": str(coordinator_port)}
+        processes.start(f"p{index}", ["serve", model, "--mesh", "2x2", "--port", str(http_port), *SMALL_ENGINE],
+                        devices=2, env=lws)
+    url = processes.wait_healthy(http_port)
+    assert [complete(url, model, prompt) for prompt in PROMPTS] == reference_texts(model, "2x2")
+    assert "process 1 of 2, coordinator 127.0.0.1:" in processes.log("p1")
+    assert "(from the LeaderWorkerSet's LWS_* variables)" in processes.log("p1")
+
     generating = threading.Event()
     threading.Thread(target=_long_request, args=(url, model, generating), daemon=True).start()
     assert generating.wait(60), processes.logs_tail()  # mid-serve: tokens are streaming
