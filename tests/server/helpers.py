@@ -21,9 +21,10 @@ HTTP = httpx.Client()
 # The real server: `jaxserve serve` with the default model (SmolLM2-135M-Instruct).
 REAL_MODEL = "SmolLM2-135M-Instruct"
 # 16 sequences a step, not CPU's default 64: the warm-up compiles 21 step shapes instead of 40, and the tests of
-# more requests than fit in a step need 17 (test_soak.py), not 65.
+# more requests than fit in a step need 17 (test_soak.py), not 65. The hermes parser: clients that choose tools
+# "auto" (test_clients.py).
 REAL_SERVER_ARGS = ["--api-key", API_KEY, "--max-model-len", "512", "--num-kv-blocks", "256", "--max-num-seqs", "16",
-                    "--enable-prompt-tokens-details"]
+                    "--enable-prompt-tokens-details", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 
 
 def load_default_tokenizer():
