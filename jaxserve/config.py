@@ -183,9 +183,10 @@ class ModelConfig:
     # max_lora_rank; set by the engine, not by the checkpoint: models/lora.py).
     lora_slots: int = 0
     lora_rank: int = 0
-    # quantization="w8a8": the int8 layer weights multiply int8 activations (quantized per token as the step runs)
-    # in int32; set by the model from the engine's quantization, not by the checkpoint.
-    int8_activations: bool = False
+    # Activations quantized per token as the step runs, for matmuls in that type: "int8" (quantization="w8a8":
+    # int8 weights, int32 sums) or "float8" (float8 weights on GPUs with FP8 matmuls: e4m3 x e4m3, float32 sums).
+    # Set by the engine from its quantization and devices, not by the checkpoint.
+    quantized_activations: str | None = None
 
     def __post_init__(self):
         if self.router_scoring not in ROUTER_SCORINGS:

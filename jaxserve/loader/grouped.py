@@ -115,7 +115,8 @@ def common_format(formats: list[Grouped]) -> Grouped | None:
     if len({f.float8 for f in formats}) > 1:
         return None
     return Grouped(bits=max(f.bits for f in formats), group=math.gcd(*(f.group for f in formats)),
-                   offset=any(f.offset for f in formats), float8=formats[0].float8)
+                   offset=any(f.offset for f in formats), float8=formats[0].float8,
+                   channel=all(f.channel for f in formats))
 
 
 def stack_grouped(parts: list[GroupedArray], counts: tuple[int, ...]) -> GroupedArray:

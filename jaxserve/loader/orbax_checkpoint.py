@@ -54,10 +54,10 @@ def _leaf(tree: dict, path: tuple):
 
 
 def stored_config(config: ModelConfig) -> dict:
-    """The model's config as written: `int8_activations` is a serving choice (quantization="w8a8"), not the
-    model's, and is left out so that a jaxserve from before it still reads the file."""
+    """The model's config as written: `quantized_activations` is a serving choice (quantization and devices), not
+    the model's, and is left out so that a jaxserve from before it still reads the file."""
     values = dataclasses.asdict(config)
-    values.pop("int8_activations")
+    values.pop("quantized_activations")
     return values
 
 

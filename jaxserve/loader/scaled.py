@@ -69,7 +69,7 @@ class ScaledSource:
         if name not in self._quantized:
             return None
         return Grouped(bits=8, group=self._group(self._source.shape(name)[1]), offset=False,
-                       float8=self._values == FLOAT8)
+                       float8=self._values == FLOAT8, channel=self._block is None)
 
     def get_grouped(self, name: str) -> GroupedArray:
         values = self._source.get(name)

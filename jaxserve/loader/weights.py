@@ -231,12 +231,14 @@ def keep_blocks(cfg: ModelConfig, source: BlockSource, split: dict[str, int] | N
         if len(found) < len(tensors) or None in found:
             continue
         # Groups no wider than the axis they run along in our layout (wo's head_dim), than one device's share of
-        # it, nor than MAX_GROUP (a per-channel scale's group is the whole row): a wider group's scale is repeated
-        # over the smaller ones, exact, so any mesh splits the weight in whole groups.
+        # it, nor than MAX_GROUP unless the scales are per output channel: a wider group's scale is repeated over
+        # the smaller ones, exact, so any mesh splits the weight in whole groups. Per-channel scales keep their
+        # groups as wide as that allows: one group over the contracted axis is what an FP8 GEMM scales by.
         fmt = common_format(found)
         if fmt is None:
             continue
-        group = math.gcd(fmt.group, _group_axis_size(cfg, ours), (split or {}).get(ours, 0), MAX_GROUP)
+        cap = 0 if fmt.channel else MAX_GROUP
+        group = math.gcd(fmt.group, _group_axis_size(cfg, ours), (split or {}).get(ours, 0), cap)
         formats[ours] = dataclasses.replace(fmt, group=group)
         by_tensor |= dict.fromkeys(tensors, formats[ours])
     return formats, KeptBlocks(source, by_tensor)

@@ -48,6 +48,9 @@ class Grouped:
     group: int
     offset: bool
     float8: bool = False  # 8-bit values in float8 e4m3 (FP8 checkpoints), not int8
+    # One scale per output channel (or per tensor): the groups only repeat it, so a group may span the whole
+    # contracted axis, and float8 values then multiply float8 activations where FP8 GEMMs run (layers.dense).
+    channel: bool = False
 
     @property
     def dtype(self):
@@ -135,24 +138,33 @@ def dequantized(weights: dict[str, jax.Array], name: str, dtype) -> jax.Array:
 
 
 def dense(spec: str, x: jax.Array, weights: dict[str, jax.Array], name: str,
-          adapters: jax.Array | None = None, int8_activations: bool = False) -> jax.Array:
-    """`einsum(spec, x, weights[name])`, scaled back when the weight is int8 (its `<name>_scale` is present), plus
-    each token's LoRA update where the weight has adapter slots (`<name>_lora_a`/`_b`) and `adapters` says
+          adapters: jax.Array | None = None, activations: str | None = None) -> jax.Array:
+    """`einsum(spec, x, weights[name])`, scaled back when the weight is quantized (its `<name>_scale` is present),
+    plus each token's LoRA update where the weight has adapter slots (`<name>_lora_a`/`_b`) and `adapters` says
     which slot each token uses.
 
-    The scale is per output channel, so it is applied once to the [.., out] result instead of to the weight, in
-    float32 (a bfloat16 scale would add up to 0.4% of gain error per channel). GPU backends can fuse the int8 ->
-    float convert into the matmul's operand read; XLA's CPU backend converts one layer's weight at a time first.
-    `int8_activations` (quantization="w8a8"): x is quantized too and the matmul runs in int8 (int8_matmul).
-    A weight kept in its checkpoint's groups (`Grouped`) is dequantized to x's dtype first.
+    A per-output-channel scale is applied once to the [.., out] result instead of to the weight, in float32 (a
+    bfloat16 scale would add up to 0.4% of gain error per channel). GPU backends can fuse the int8 -> float
+    convert into the matmul's operand read; XLA's CPU backend converts one layer's weight at a time first.
+    `activations` (ModelConfig.quantized_activations): "int8" (quantization="w8a8") multiplies an int8 weight by
+    int8 activations, "float8" a float8 weight by float8 activations (FP8 GEMMs on GPUs that have them); see
+    `quantized_matmul`. A weight kept in its checkpoint's groups (`Grouped`) is dequantized to x's dtype first,
+    unless it is float8 with one scale per output channel (one group along its contracted axes), which multiplies
+    in float8 like a weight quantized at load.
     """
     w, scale = weights[name], weights.get(name + "_scale")
+    if scale is not None and scale.ndim == w.ndim:  # kept in a checkpoint's groups
+        fp8_gemm = activations == "float8" and w.dtype == jnp.float8_e4m3fn
+        per_channel = output_scale(spec, scale) if fp8_gemm else None
+        if per_channel is not None:
+            scale = per_channel
+        else:
+            scale = None
+            w = dequantized(weights, name, x.dtype)  # inside the step (XLA fuses it)
     if scale is None:
         y = jnp.einsum(spec, x, w)
-    elif scale.ndim == w.ndim:  # kept in a checkpoint's blocks: dequantized inside the step (XLA fuses it)
-        y = jnp.einsum(spec, x, dequantized(weights, name, x.dtype))
-    elif int8_activations:
-        y = (int8_matmul(spec, x, w) * scale).astype(x.dtype)
+    elif activations is not None and w.dtype == QUANTIZED_ACTIVATIONS[activations][0]:
+        y = (quantized_matmul(spec, x, w, activations) * scale).astype(x.dtype)
     else:
         y = jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
         y = (y * scale).astype(x.dtype)
@@ -161,24 +173,52 @@ def dense(spec: str, x: jax.Array, weights: dict[str, jax.Array], name: str,
     return y
 
 
-def int8_matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """`einsum(spec, x, w)` for an int8 `w`, in float32 before the weight's scale, with x quantized per row
-    (dynamic, symmetric: each token's max |x| over the contracted axes / 127) and multiplied in int8 with int32
-    sums. XLA:CPU then runs an integer GEMM rather than converting the weight to float first: offline throughput
-    1.72x float32's in one run (BENCHMARKS.md). Per-token scales keep one token's outlier from costing the others
-    their precision. A row's scale is its max over every contracted feature, padding included: padded features
-    must be zero (self_attention zeroes the padded q heads). The output must list x's kept axes first (T...,
-    then w's), as every spec here does."""
+def _axes(spec: str) -> tuple[str, str, str, str]:
+    """(x's axes, w's axes, the output's, w's contracted axes) of a two-operand einsum spec."""
     inputs, out = spec.split("->")
     x_axes, w_axes = inputs.split(",")
+    return x_axes, w_axes, out, "".join(a for a in w_axes if a in x_axes and a not in out)
+
+
+def output_scale(spec: str, scale: jax.Array) -> jax.Array | None:
+    """A kept weight's scales [like w] as a factor of `einsum(spec, x, w)`'s output, when they are one per output
+    channel (size 1 along every contracted axis of w); None when they vary along a contracted axis (groups)."""
+    _, w_axes, out, contracted = _axes(spec)
+    if any(scale.shape[w_axes.index(a)] != 1 for a in contracted):
+        return None
+    kept = "".join(a for a in w_axes if a not in contracted)
+    per_channel = jnp.einsum(f"{w_axes}->{kept}", scale)  # drops the contracted axes (all of size 1)
+    order = "".join(a for a in out if a in kept)
+    per_channel = jnp.einsum(f"{kept}->{order}", per_channel)
+    return per_channel.reshape([per_channel.shape[order.index(a)] if a in order else 1 for a in out])
+
+
+# The weight and activation type of each activation quantization, its largest value and its sums' type.
+QUANTIZED_ACTIVATIONS = {"int8": (jnp.int8, 127.0, jnp.int32), "float8": (jnp.float8_e4m3fn, 448.0, jnp.float32)}
+
+
+def quantized_matmul(spec: str, x: jax.Array, w: jax.Array, activations: str) -> jax.Array:
+    """`einsum(spec, x, w)` for an int8 or float8 `w`, in float32 before the weight's scale, with x quantized per
+    row to the same type (dynamic, symmetric: each token's max |x| over the contracted axes / the type's largest
+    value, 127 or 448) and multiplied in that type, with int32 or float32 sums. Int8: XLA:CPU then runs an integer
+    GEMM rather than converting the weight to float first (offline throughput 1.72x float32's, BENCHMARKS.md).
+    Float8: XLA runs an FP8 GEMM on GPUs with compute capability >= 8.9 (vLLM's dynamic per-token FP8). Per-token
+    scales keep one token's outlier from costing the others their precision. A row's scale is its max over every
+    contracted feature, padding included: padded features must be zero (self_attention zeroes the padded q heads).
+    The output must list x's kept axes first (T..., then w's), as every spec here does."""
+    dtype, top, sums = QUANTIZED_ACTIVATIONS[activations]
+    x_axes, w_axes, out, _ = _axes(spec)
     contracted = tuple(i for i, axis in enumerate(x_axes) if axis in w_axes and axis not in out)
     kept = "".join(axis for axis in x_axes if axis not in w_axes or axis in out)
     assert out.startswith(kept), spec
     x32 = x.astype(jnp.float32)
-    x_scale = jnp.max(jnp.abs(x32), axis=contracted, keepdims=True) / 127.0
+    x_scale = jnp.max(jnp.abs(x32), axis=contracted, keepdims=True) / top
     x_scale = jnp.where(x_scale > 0, x_scale, 1.0)  # an all-zero row (padding) quantizes to zeros
-    x8 = jnp.clip(jnp.round(x32 / x_scale), -127, 127).astype(jnp.int8)
-    y = jnp.einsum(spec, x8, w, preferred_element_type=jnp.int32).astype(jnp.float32)
+    scaled = x32 / x_scale
+    if activations == "int8":
+        scaled = jnp.round(scaled)
+    xq = jnp.clip(scaled, -top, top).astype(dtype)  # float8: the cast rounds to nearest
+    y = jnp.einsum(spec, xq, w, preferred_element_type=sums).astype(jnp.float32)
     row_scale = jnp.squeeze(x_scale, contracted)
     return y * row_scale.reshape(row_scale.shape + (1,) * (y.ndim - row_scale.ndim))
 
@@ -278,11 +318,11 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approx
 
 
 def gated_mlp(x: jax.Array, w: dict[str, jax.Array], activation: str, adapters: jax.Array | None = None,
-              int8_activations: bool = False) -> jax.Array:
+              activations: str | None = None) -> jax.Array:
     """down(act(gate(x)) * up(x)): SwiGLU with "silu" (Llama), GeGLU with "gelu_tanh" (Gemma)."""
-    gate = dense("TD,DF->TF", x, w, "w_gate", adapters, int8_activations)
-    up = dense("TD,DF->TF", x, w, "w_up", adapters, int8_activations)
-    return dense("TF,FD->TD", ACTIVATIONS[activation](gate) * up, w, "w_down", adapters, int8_activations)
+    gate = dense("TD,DF->TF", x, w, "w_gate", adapters, activations)
+    up = dense("TD,DF->TF", x, w, "w_up", adapters, activations)
+    return dense("TF,FD->TD", ACTIVATIONS[activation](gate) * up, w, "w_down", adapters, activations)
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:

@@ -83,7 +83,7 @@ class DecoderLayers(nnx.Module):
 
 
 def mlp(cfg: ModelConfig, w: dict[str, jax.Array], h: jax.Array, adapters: jax.Array | None = None) -> jax.Array:
-    return gated_mlp(h, w, cfg.hidden_act, adapters, cfg.int8_activations)
+    return gated_mlp(h, w, cfg.hidden_act, adapters, cfg.quantized_activations)
 
 
 def self_attention(cfg: ModelConfig, attention_fn, w: dict[str, jax.Array], h: jax.Array, kv, layer, meta,
@@ -92,9 +92,9 @@ def self_attention(cfg: ModelConfig, attention_fn, w: dict[str, jax.Array], h: j
     kind passes the layer's kind on (its window, and its RoPE frequencies). `adapters`: each token's LoRA slot,
     one-hot (layers.lora_selection)."""
     kind = w.get("attn_kind")
-    q = dense("TD,DHd->THd", h, w, "wq", adapters, cfg.int8_activations)
-    k = dense("TD,DKd->TKd", h, w, "wk", adapters, cfg.int8_activations)
-    v = dense("TD,DKd->TKd", h, w, "wv", adapters, cfg.int8_activations)
+    q = dense("TD,DHd->THd", h, w, "wq", adapters, cfg.quantized_activations)
+    k = dense("TD,DKd->TKd", h, w, "wk", adapters, cfg.quantized_activations)
+    v = dense("TD,DKd->TKd", h, w, "wv", adapters, cfg.quantized_activations)
     if cfg.qkv_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     if cfg.qk_norm:  # over head_dim, each head alike (zero heads padded for tp stay zero)
@@ -108,11 +108,11 @@ def self_attention(cfg: ModelConfig, attention_fn, w: dict[str, jax.Array], h: j
     k = apply_rope(k, meta.positions, inv_freq, factor)
     sinks = {"sinks": w["sinks"]} if cfg.attention_sinks else {}
     attn, kv = attention_fn(q, k, v, kv, layer, meta, kind, **sinks)
-    if cfg.int8_activations:
+    if cfg.quantized_activations:
         # A q head padded in for tp (zero weights, so q == 0) attends uniformly and outputs the mean of v; wo's
         # zero rows cancel it in float, but it would count in each token's activation scale: zero it.
         attn = attn * jnp.any(q != 0, axis=-1, keepdims=True).astype(attn.dtype)
-    out = dense("THd,HdD->TD", attn, w, "wo", adapters, cfg.int8_activations)
+    out = dense("THd,HdD->TD", attn, w, "wo", adapters, cfg.quantized_activations)
     return (out + w["bo"] if cfg.o_bias else out), kv
 
 
@@ -155,9 +155,9 @@ class LlamaForCausalLM(nnx.Module):
         """`quantization="int8"`: the decoder layers' matmul weights are int8. The embedding and LM head stay in
         `dtype`, as in GPTQ/AWQ checkpoints: the logits are the most quantization-sensitive output, and on CPU
         XLA would convert the whole int8 vocabulary matrix to float every step (it does not fuse that convert).
-        "w8a8": the same weights, multiplied by int8 activations (layers.int8_matmul). `GroupedWeights`: the
+        "w8a8": the same weights, multiplied by int8 activations (layers.quantized_matmul). `GroupedWeights`: the
         weights it names (the embedding and LM head too) kept in their checkpoint's blocks (a GGUF's)."""
-        self.cfg = dataclasses.replace(cfg, int8_activations=True) if quantization == "w8a8" else cfg
+        self.cfg = dataclasses.replace(cfg, quantized_activations="int8") if quantization == "w8a8" else cfg
         V, D = cfg.vocab_size + cfg.vocab_pad, cfg.hidden_size
         stored = partial(weight_format, quantization, quantized_by_name=False)
         add_weight(self, "embed", (V, D), ("vocab", "embed"), dtype, ("embed",), stored("embed"))

@@ -17,7 +17,9 @@ checkpoint's instead: a program per weight costs more compile time there (~0.5 s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 
 import jax
 import numpy as np
@@ -43,6 +45,26 @@ log = logging.getLogger(__name__)
 def _flat_abstract(cfg: ModelConfig, dtype, quantization: str | None = None):
     graphdef, abstract = abstract_model(cfg, dtype, quantization)
     return graphdef, dict(nnx.to_flat_state(abstract))
+
+
+FP8_GEMM_ENV = "JAXSERVE_FP8_GEMM"  # "1" or "0": FP8 GEMMs forced on (numerics on a CPU) or off (a GPU comparison)
+
+
+def fp8_gemms(devices) -> bool:
+    """Whether float8 weights multiply float8 activations (an FP8 GEMM: twice bfloat16's tensor-core rate and no
+    convert of the weight): on GPUs of compute capability >= 8.9 (Ada, Hopper, Blackwell), as vLLM does. Elsewhere
+    (older GPUs, TPU v5e/v6e, CPU) a float8 weight is converted to the compute dtype inside its matmul."""
+    forced = os.environ.get(FP8_GEMM_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    return all(d.platform == "gpu" and float(getattr(d, "compute_capability", 0) or 0) >= 8.9 for d in devices)
+
+
+def holds_float8(quantization: str | GroupedWeights | None) -> bool:
+    """Whether the model's matmul weights are float8: quantized at load (fp8) or kept from an FP8 checkpoint."""
+    if isinstance(quantization, dict):
+        return any(group.float8 for group in quantization.values())
+    return quantization == "fp8"
 
 
 def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, layout: ParallelLayout | None = None,
@@ -74,7 +96,11 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
             split["w_down"] = layout.mlp // layout.tp
         quantization, tensors = keep_blocks(cfg, tensors, split)
     _, real = _flat_abstract(cfg, dtype)  # checkpoint shapes, checked before padding
-    graphdef, flat = _flat_abstract(layout.effective_config(cfg), dtype, quantization)
+    model_cfg = layout.effective_config(cfg)
+    if holds_float8(quantization) and fp8_gemms(mesh.devices.flat):
+        model_cfg = dataclasses.replace(model_cfg, quantized_activations="float8")
+        log.info("float8 weights multiply float8 activations (FP8 GEMMs, each token's activations scaled per step)")
+    graphdef, flat = _flat_abstract(model_cfg, dtype, quantization)
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     if dummy_on_devices is None:
         dummy_on_devices = platform != "cpu"
@@ -137,7 +163,8 @@ def describe_storage(placed: dict, quantization: str | GroupedWeights | None) ->
         for name, fmt in quantization.items():
             formats.setdefault(fmt, []).append(name)
         kept = "; ".join(f"{', '.join(names)}: {'float8' if fmt.float8 else f'{fmt.bits}-bit'} in groups of {fmt.group}"
-                         f"{' with offsets' if fmt.offset else ''}" for fmt, names in formats.items())
+                         f"{' with offsets' if fmt.offset else ''}{', scales per output channel' if fmt.channel else ''}"
+                         for fmt, names in formats.items())
         how = f"kept in the checkpoint's quantized blocks ({kept}), the others in float"
     else:
         how = f"{quantization} quantized at load" if quantization else "in float"

@@ -70,7 +70,7 @@ def test_a_converted_checkpoint_keeps_the_tokenizer_it_was_given(tiny_checkpoint
     out = str(tmp_path / "ckpt")
     assert cli.main(["convert", str(tiny_checkpoint("llama")), out, "--tokenizer", str(tokenizer_dir)]) == 0
     stored = json.loads((tmp_path / "ckpt" / "jaxserve_checkpoint.json").read_text())["config"]
-    assert "int8_activations" not in stored  # a serving choice, unknown to older readers
+    assert "quantized_activations" not in stored  # a serving choice, unknown to older readers
     converted = Engine(out, **SMALL)
     assert converted.encode_chat([{"role": "user", "content": "Hi"}]) == converted.tokenizer.encode(
         "[Hi]", add_special_tokens=False)

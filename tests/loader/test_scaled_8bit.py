@@ -43,9 +43,14 @@ def test_kept_8_bit_weights_match_transformers(name, fp8_checkpoint, caplog):
     with caplog.at_level("INFO", logger="jaxserve.runner.weights"):
         served = small_engine(path, quantization=method)
     kept = kept_formats(caplog)
-    # wo's groups narrowed to its head_dim (64), the others the block's (or an unblocked scale's) 128 columns
     values = "8-bit" if name == "ct-w8a8" else "float8"
-    assert kept == {"wq, wk, wv, w_gate, w_up, w_down": f"{values} in groups of 128", "wo": f"{values} in groups of 64"}
+    if LAYOUTS[name][0] in ("block", "ct-block"):  # wo's groups narrowed to its head_dim (64), the others the block's
+        assert kept == {"wq, wk, wv, w_gate, w_up, w_down": f"{values} in groups of 128",
+                        "wo": f"{values} in groups of 64"}
+    else:  # scales per output channel (or tensor): groups as wide as the contracted axis (wo's: its head_dim)
+        channel = ", scales per output channel"
+        assert kept == {"wq, wk, wv, w_gate, w_up": f"{values} in groups of 256{channel}",
+                        "wo": f"{values} in groups of 64{channel}", "w_down": f"{values} in groups of 512{channel}"}
     check_parity(served, reference, PROMPTS, tol=TOLERANCE)
 
 
@@ -69,3 +74,32 @@ def test_static_activation_scales_are_refused(fp8_checkpoint, tmp_path):
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="activation_scheme is 'static'; supported: dynamic"):
         small_engine(copy)
+
+
+@pytest.mark.parametrize("mesh, fp8_projections", [
+    (None, ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj")),
+    # tp splits w_down's contracted axis: its scale has a group per device, so it is dequantized in its matmul
+    ("2x1", ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")),
+])
+def test_fp8_gemms_on_kept_per_channel_float8_weights(mesh, fp8_projections, fp8_checkpoint, monkeypatch, caplog):
+    """An FP8-dynamic checkpoint kept where FP8 GEMMs run (forced on the CPU here): every weight whose scales are
+    one per output channel over its whole contracted axis multiplies float8 activations (each token's rounded to
+    e4m3 at max |x| / 448), as transformers computes with those layers' inputs fake-quantized. wo's groups run
+    along head_dim within each head, so it stays dequantized in its matmul."""
+    from tests.models.test_int8 import fp8_rounded
+    from tests.models.test_w8a8 import FP8_TOL
+
+    path, reference = fp8_checkpoint("ct-fp8-dynamic")
+    monkeypatch.setenv("JAXSERVE_FP8_GEMM", "1")
+    with caplog.at_level("INFO", logger="jaxserve.runner.weights"):
+        served = small_engine(path, mesh, quantization="compressed-tensors")
+    assert "float8 weights multiply float8 activations" in caplog.text
+    hooks = [module.register_forward_pre_hook(lambda module, args: (fp8_rounded(args[0]),))
+             for name, module in reference.named_modules() if name.endswith(fp8_projections)]
+    try:
+        assert len(hooks) == len(fp8_projections) * reference.config.num_hidden_layers
+        differences = check_parity(served, reference, PROMPTS, tol=FP8_TOL)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert sum(d < 1e-3 for d in differences) >= len(differences) / 2, differences  # exact but where a value tipped

@@ -9,17 +9,26 @@ changes a row's maximum shows up far above the tolerance (logits off by more tha
 
 The tolerance is looser than float parity's: float noise from earlier layers (1e-6) can tip an activation that
 lies on a rounding boundary to the next int8 step on one side only, which moves these logits by up to ~5e-3.
+
+FP8 GEMMs (float8 weights times float8 activations, on GPUs that have them) are held to the same standard with
+activations rounded per token to float8 e4m3.
 """
 
 TOL = 2e-2
+# float8 e4m3 steps are 1/8 to 1/16 of a value (int8's are 1/127 of a row's max): a tipped activation moves the logits
+# more, up to ~0.14 measured on the tiny models; so the FP8 test also asks most steps to agree to float noise.
+FP8_TOL = 0.3
 
+import logging
+
+import jax
 import numpy as np
 import pytest
 import torch
 
 from jaxserve import Engine
-from jaxserve.models.layers import int8_matmul
-from tests.models.test_int8 import NOT_QUANTIZED, dequantized_reference, int8_rounded
+from jaxserve.models.layers import quantized_matmul
+from tests.models.test_int8 import NOT_QUANTIZED, dequantized_reference, fp8_rounded, int8_rounded
 from tests.models.test_parity import PROMPTS, check_parity
 from tests.parallel.test_tiny_meshes import MODELS
 
@@ -79,11 +88,69 @@ def test_int8_matmul_quantizes_each_token_over_the_contracted_axes():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 4, 5)).astype(np.float32) * np.array([1, 10, 100])[:, None, None]
     w = rng.integers(-127, 128, (4, 5, 6)).astype(np.int8)
-    got = np.asarray(int8_matmul("THd,HdD->TD", x, w))
+    got = np.asarray(quantized_matmul("THd,HdD->TD", x, w, "int8"))
     scale = np.abs(x).max(axis=(1, 2), keepdims=True) / 127
     want = np.einsum("THd,HdD->TD", np.clip(np.rint(x / scale), -127, 127) * scale, w.astype(np.float32))
     np.testing.assert_allclose(got, want, rtol=1e-5)
-    experts = np.asarray(int8_matmul("TEF,EFD->TED", x, w))
+    experts = np.asarray(quantized_matmul("TEF,EFD->TED", x, w, "int8"))
     scale = np.abs(x).max(axis=2, keepdims=True) / 127
     want = np.einsum("TEF,EFD->TED", np.clip(np.rint(x / scale), -127, 127) * scale, w.astype(np.float32))
     np.testing.assert_allclose(experts, want, rtol=1e-5)
+
+
+def fake_fp8_input(module, args):
+    return (fp8_rounded(args[0]),)
+
+
+@pytest.mark.parametrize("name, mesh", [("llama-odd-sizes", None), ("llama-padded-q-groups", "4x1")])
+def test_fp8_gemms_match_transformers_on_fp8_rounded_weights_and_activations(name, mesh, tiny_checkpoint, tmp_path,
+                                                                             monkeypatch, caplog):
+    """quantization="fp8" where FP8 GEMMs run (GPUs of compute capability >= 8.9; forced here on the CPU, whose
+    XLA multiplies float8 operands exactly): each layer matmul's input rounded per token to float8 e4m3 (scaled
+    to 448) times the float8 weights, as transformers computes with both fake-quantized."""
+    arch, overrides = CASES[name]
+    path = tiny_checkpoint(arch, **overrides)
+    reference = dequantized_reference(path, tmp_path, fp8_rounded)
+    hooked = [module.register_forward_pre_hook(fake_fp8_input) for module_name, module in reference.named_modules()
+              if isinstance(module, torch.nn.Linear) and ".layers." in module_name
+              and not any(part in module_name + "." for part in NOT_QUANTIZED)]
+    assert len(hooked) == 7 * reference.config.num_hidden_layers
+    monkeypatch.setenv("JAXSERVE_FP8_GEMM", "1")
+    with caplog.at_level(logging.INFO, logger="jaxserve"):
+        engine = Engine(str(path), quantization="fp8", mesh=mesh, num_kv_blocks=64, max_num_batched_tokens=64,
+                        max_num_seqs=4, warmup=False)
+    assert "float8 weights multiply float8 activations" in caplog.text
+    differences = check_parity(engine, reference, PROMPTS, tol=FP8_TOL)
+    # Exact but where float noise tipped one activation to the next e4m3 step: most steps agree to float noise (the
+    # same model without the activations' rounding is off by 0.1-0.25 at every step).
+    assert sum(d < 1e-3 for d in differences) >= len(differences) / 2, differences
+
+
+def test_fp8_gemms_only_where_the_gpu_has_them(monkeypatch):
+    from types import SimpleNamespace
+
+    from jaxserve.runner.weights import fp8_gemms
+
+    def gpu(capability):
+        return SimpleNamespace(platform="gpu", compute_capability=capability)
+
+    monkeypatch.delenv("JAXSERVE_FP8_GEMM", raising=False)
+    assert fp8_gemms([gpu("9.0"), gpu("9.0")]) and fp8_gemms([gpu("8.9")]) and fp8_gemms([gpu("10.0")])
+    assert not fp8_gemms([gpu("8.0")]) and not fp8_gemms([gpu("9.0"), gpu("8.6")])
+    assert not fp8_gemms([SimpleNamespace(platform="tpu")]) and not fp8_gemms(jax.devices())
+    monkeypatch.setenv("JAXSERVE_FP8_GEMM", "0")
+    assert not fp8_gemms([gpu("9.0")])
+
+
+def test_float8_matmul_quantizes_each_token_to_e4m3():
+    import ml_dtypes
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 4, 5)).astype(np.float32) * np.array([1, 10, 1000])[:, None, None]
+    w = (rng.standard_normal((4, 5, 6)) * 50).astype(ml_dtypes.float8_e4m3fn)
+    got = np.asarray(quantized_matmul("THd,HdD->TD", x, w, "float8"))
+    scale = np.abs(x).max(axis=(1, 2), keepdims=True) / 448
+    rounded = (x / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
+    want = np.einsum("THd,HdD->TD", rounded, w.astype(np.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert not np.allclose(got, np.einsum("THd,HdD->TD", x, w.astype(np.float32)), rtol=1e-3)  # it did round x
