@@ -3,6 +3,7 @@
 
     python scripts/bench_synthetic.py                          # on a GPU: Llama-3-8B shape, every figure below
     python scripts/bench_synthetic.py --shape tiny --num-prompts 4 --input-len 16 --output-len 4   # CI, on CPU
+    python scripts/bench_synthetic.py --quantization fp8 --no-transformers     # FP8 weights (and GEMMs on 8.9+)
 
 The model directory is written here: the shape's config.json and a stand-in tokenizer (one word per token id,
 as many as the vocabulary: prompts are random token ids, and detokenizing them costs what a real fast
@@ -147,9 +148,10 @@ def run_jaxserve(model_dir: Path, args) -> dict:
     rated = rated_limits(device.device_kind)
     limits = (f"rated {rated[0] / 1e9:.0f} GB/s HBM, {rated[1] / 1e12:.0f} TFLOP/s dense bf16" if rated
               else "no rated limits known for this device")
-    r.put(f"device: {device.device_kind} ({device.platform}, jax {jax.__version__}), {args.shape}, {dtype}; {limits}",
-          device=device.device_kind, platform=device.platform, dtype=str(dtype), host_cores=os.cpu_count(),
-          rated_bandwidth=rated and rated[0], rated_flops=rated and rated[1])
+    weights = f", {args.quantization} weights" if args.quantization else ""
+    r.put(f"device: {device.device_kind} ({device.platform}, jax {jax.__version__}), {args.shape}, {dtype}{weights}; "
+          f"{limits}", device=device.device_kind, platform=device.platform, dtype=str(dtype), host_cores=os.cpu_count(),
+          rated_bandwidth=rated and rated[0], rated_flops=rated and rated[1], quantization=args.quantization)
     # The engine's options are `jaxserve serve`'s defaults unless given, so its step programs are the ones
     # scripts/bench_coldstart.py's server compiled into a shared --compilation-cache-dir. It is built before the
     # bandwidth is measured: the KV cache is sized from the peak memory in use, which the copy would raise.
@@ -157,7 +159,7 @@ def run_jaxserve(model_dir: Path, args) -> dict:
     options = {k: v for k, v in dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                      compilation_cache_dir=args.compilation_cache_dir).items() if v is not None}
     engine = Engine(str(model_dir), load_format="dummy", warmup=False, async_scheduling=not args.no_async_scheduling,
-                    **options)
+                    quantization=args.quantization, **options)
     if engine.max_model_len < args.input_len + max(args.output_len, long):
         raise SystemExit(f"max_model_len {engine.max_model_len} is shorter than a request of this run")
     bandwidth = copy_bandwidth(args.bandwidth_mib << 20, iters=5)
@@ -271,6 +273,9 @@ def main() -> None:
                     help="output lengths of the two batch-1 runs whose difference gives the per-token time")
     ap.add_argument("--bandwidth-mib", type=int, default=1024, help="read and written beside the KV cache: 1 GiB is "
                     "20x an H100's L2 cache and fits the memory the cache leaves")
+    ap.add_argument("--quantization", choices=("int8", "w8a8", "fp8"),
+                    help="jaxserve's weights quantized at load (fp8: FP8 GEMMs on GPUs of compute capability 8.9+); "
+                    "the roofline counts the bytes they take; transformers stays in the model dtype")
     ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[32, 64, 128])
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-async-scheduling", action="store_true",

@@ -34,6 +34,10 @@
 #   sync       the same without transformers and with --no-async-scheduling: what overlapping host work buys
 #   tune       scripts/tune_decode_kernel.py: the decode kernel's knobs swept at six shapes (~5 minutes)
 #   pipeline   scripts/bench_pipeline_model.py: pp = 2, 4 vs data parallelism in steady decode, 8B shape (~3 min)
+#   fp8        issue 37's FP8 goals at the Llama-3-8B shape: scripts/bench_synthetic.py with --quantization fp8
+#              (FP8 GEMMs on compute capability 8.9+) and then bfloat16, side by side, no transformers (~8 min):
+#              batch-1 ms/token against the fp8 weights' roofline (goal <= 1.25x), offline 1000 x (1000 in + 100
+#              out) total tok/s (goal >= 1.6x bfloat16's)
 #   moe        scripts/bench_moe.py at Qwen3-30B-A3B's shape, bfloat16: sparse experts vs the dense model of equal
 #              active width (issue 35; the every-expert column only at the CPU's shape)
 #   decode     issue 4's goals in one call: tune_decode_kernel.py at 64x2048, 8x8192 and 1x512, bench_kernels.py
@@ -44,7 +48,7 @@
 # Logs, JSON results and BENCHMARKS.md rows land in $OUT (the device tool brings them back); copy the rows into
 # BENCHMARKS.md. A command cut by its time limit leaves its log and JSON as far as it got.
 set -uo pipefail
-step=${1:?usage: scripts/gpu_session.sh all|kernels|synthetic|sync|tune|pipeline|moe|decode|profile}
+step=${1:?usage: scripts/gpu_session.sh all|kernels|synthetic|sync|tune|pipeline|fp8|moe|decode|profile}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -135,6 +139,13 @@ case "$step" in
     python3 scripts/bench_pipeline_model.py --shape llama3-8b --batch 64 --rounds 1 --append "$out/benchmark_rows.md" \
       2>&1 | tee "$out/bench_pipeline_model.log"
     ;;
+  fp8)
+    for quantization in fp8 ""; do  # fp8 first: the figure never measured; bfloat16 is BENCHMARKS.md's too
+      timeout -k 15 270 python3 scripts/bench_synthetic.py --no-transformers --repeats 1 ${quantization:+--quantization $quantization} \
+        --json "$out/synthetic_${quantization:-bf16}.json" --append "$out/benchmark_rows.md" 2>&1 \
+        | tee -a "$out/bench_fp8.log"
+    done
+    ;;
   moe)
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
     timeout -k 15 540 python3 scripts/bench_moe.py --shape qwen3-30b-a3b --variants dense moe --repeats 2 \
@@ -167,7 +178,7 @@ case "$step" in
     done
     ;;
   *)
-    echo "unknown step $step: use all, kernels, synthetic, sync, tune, pipeline, moe, decode or profile" >&2
+    echo "unknown step $step: use all, kernels, synthetic, sync, tune, pipeline, fp8, moe, decode or profile" >&2
     exit 2
     ;;
 esac
