@@ -74,8 +74,10 @@ def compressed_tensors_source(source: TensorSource, raw: dict[str, Any]) -> Tens
     if kind == "float-quantized":
         block = weights.get("block_structure")
         return ScaledSource(source, ".weight_scale", "compressed-tensors", tuple(block) if block else None)
-    if kind == "int-quantized":
-        return ScaledSource(source, ".weight_scale", "compressed-tensors", values=np.int8)
+    if kind == "int-quantized":  # W8A8 when its activations are quantized (dynamically, per token) too
+        quantized = any(g.get("input_activations") for g in (quantization_config(raw).get("config_groups") or {}).values())
+        return ScaledSource(source, ".weight_scale", "compressed-tensors", values=np.int8,
+                            activations="int8" if quantized else None)
     return CompressedTensorsSource(source, raw)
 
 

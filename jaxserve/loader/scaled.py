@@ -47,8 +47,10 @@ class ScaledSource:
     is."""
 
     def __init__(self, source: TensorSource, scale_suffix: str, method: str,
-                 block: tuple[int, int] | None = None, values=FLOAT8):
+                 block: tuple[int, int] | None = None, values=FLOAT8, activations: str | None = None):
         self._source, self._suffix, self.method = source, scale_suffix, method
+        # "int8": the checkpoint's matmuls quantize their inputs per token too (W8A8), kept as ModelConfig says
+        self.activations = activations
         self._values = np.dtype(values)
         self._block = block
         names = source.names()

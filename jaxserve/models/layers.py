@@ -49,7 +49,8 @@ class Grouped:
     offset: bool
     float8: bool = False  # 8-bit values in float8 e4m3 (FP8 checkpoints), not int8
     # One scale per output channel (or per tensor): the groups only repeat it, so a group may span the whole
-    # contracted axis, and float8 values then multiply float8 activations where FP8 GEMMs run (layers.dense).
+    # contracted axis, and the values then multiply quantized activations where those run (layers.dense: float8
+    # where FP8 GEMMs run, int8 for a W8A8 checkpoint).
     channel: bool = False
 
     @property
@@ -149,13 +150,13 @@ def dense(spec: str, x: jax.Array, weights: dict[str, jax.Array], name: str,
     `activations` (ModelConfig.quantized_activations): "int8" (quantization="w8a8") multiplies an int8 weight by
     int8 activations, "float8" a float8 weight by float8 activations (FP8 GEMMs on GPUs that have them); see
     `quantized_matmul`. A weight kept in its checkpoint's groups (`Grouped`) is dequantized to x's dtype first,
-    unless it is float8 with one scale per output channel (one group along its contracted axes), which multiplies
-    in float8 like a weight quantized at load.
+    unless its values are of `activations`' type with one scale per output channel (one group along its
+    contracted axes): it then multiplies quantized activations like a weight quantized at load.
     """
     w, scale = weights[name], weights.get(name + "_scale")
+    quantized_gemm = activations is not None and w.dtype == QUANTIZED_ACTIVATIONS[activations][0]
     if scale is not None and scale.ndim == w.ndim:  # kept in a checkpoint's groups
-        fp8_gemm = activations == "float8" and w.dtype == jnp.float8_e4m3fn
-        per_channel = output_scale(spec, scale) if fp8_gemm else None
+        per_channel = output_scale(spec, scale) if quantized_gemm else None
         if per_channel is not None:
             scale = per_channel
         else:
@@ -163,7 +164,7 @@ def dense(spec: str, x: jax.Array, weights: dict[str, jax.Array], name: str,
             w = dequantized(weights, name, x.dtype)  # inside the step (XLA fuses it)
     if scale is None:
         y = jnp.einsum(spec, x, w)
-    elif activations is not None and w.dtype == QUANTIZED_ACTIVATIONS[activations][0]:
+    elif quantized_gemm:
         y = (quantized_matmul(spec, x, w, activations) * scale).astype(x.dtype)
     else:
         y = jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32)

@@ -88,7 +88,9 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
                              "original model (HF directory or GGUF) with this quantization instead")
         return tensors.restore(cfg, dtype, mesh, layout)
     platform = mesh.devices.flat[0].platform
+    checkpoint_activations = None  # "int8": a kept W8A8 checkpoint's matmuls quantize their inputs too
     if quantization is not None and quantization == getattr(tensors, "method", None):
+        checkpoint_activations = getattr(tensors, "activations", None)
         # the contracted axes a mesh splits over tp: the MLP's (dense, shared, and the experts' unless whole experts
         # go to each device: expert parallelism)
         split = {"shared_down": layout.shared_mlp // layout.tp}
@@ -100,6 +102,10 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
     if holds_float8(quantization) and fp8_gemms(mesh.devices.flat):
         model_cfg = dataclasses.replace(model_cfg, quantized_activations="float8")
         log.info("float8 weights multiply float8 activations (FP8 GEMMs, each token's activations scaled per step)")
+    elif checkpoint_activations:
+        model_cfg = dataclasses.replace(model_cfg, quantized_activations=checkpoint_activations)
+        log.info("the checkpoint's %s weights multiply %s activations, each token's scaled per step, as it was "
+                 "quantized", checkpoint_activations, checkpoint_activations)
     graphdef, flat = _flat_abstract(model_cfg, dtype, quantization)
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     if dummy_on_devices is None:

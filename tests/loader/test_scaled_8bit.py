@@ -1,8 +1,10 @@
 """Checkpoints of 8-bit weights and scales: FP8 (`quant_method: fp8` with 128x128 blocks; compressed-tensors
 float-quantized per tensor, channel or block, FP8-dynamic) kept as float8 values with per-group scales, and
 compressed-tensors int-quantized W8A8 as int8; logits against transformers reading the same files (it
-dequantizes the weights on a CPU, activations in float, as here)."""
+dequantizes the weights on a CPU, activations in float, as here; where the engine quantizes activations, W8A8's
+int8 and FP8 GEMMs' float8, transformers gets those layers' inputs fake-quantized the same way)."""
 
+import contextlib
 import json
 import shutil
 
@@ -12,6 +14,7 @@ from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
 from tests.helpers import kept_formats, small_engine, write_fp8
 from tests.models.test_parity import PROMPTS, check_parity
+from tests.models.test_w8a8 import TIPPED, exact_but_where_a_value_tipped
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=64, tie_word_embeddings=False)
 LAYOUTS = {"fp8-block": ("block", False), "ct-tensor": ("ct-tensor", False), "ct-channel": ("ct-channel", False),
@@ -51,7 +54,33 @@ def test_kept_8_bit_weights_match_transformers(name, fp8_checkpoint, caplog):
         channel = ", scales per output channel"
         assert kept == {"wq, wk, wv, w_gate, w_up": f"{values} in groups of 256{channel}",
                         "wo": f"{values} in groups of 64{channel}", "w_down": f"{values} in groups of 512{channel}"}
-    check_parity(served, reference, PROMPTS, tol=TOLERANCE)
+    if name != "ct-w8a8":
+        check_parity(served, reference, PROMPTS, tol=TOLERANCE)
+        return
+    # W8A8: the layers whose scales are one per output channel over their whole contracted axis (all but wo,
+    # grouped per head) multiply int8 activations, each token rounded at max |x| / 127, as vLLM serves it.
+    from tests.models.test_int8 import int8_rounded
+
+    assert "the checkpoint's int8 weights multiply int8 activations" in caplog.text
+    with fake_quantized_inputs(reference, PER_CHANNEL_PROJECTIONS, int8_rounded):
+        exact_but_where_a_value_tipped(check_parity(served, reference, PROMPTS, tol=TIPPED))
+
+
+
+PER_CHANNEL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@contextlib.contextmanager
+def fake_quantized_inputs(reference, projections, rounded):
+    """transformers' `reference` with the inputs of the layers named `projections` passed through `rounded`."""
+    hooks = [module.register_forward_pre_hook(lambda module, args: (rounded(args[0]),))
+             for name, module in reference.named_modules() if name.endswith(projections)]
+    try:
+        assert len(hooks) == len(projections) * reference.config.num_hidden_layers
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def test_float8_blocks_split_over_a_mesh(fp8_checkpoint):
@@ -77,7 +106,7 @@ def test_static_activation_scales_are_refused(fp8_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("mesh, fp8_projections", [
-    (None, ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj")),
+    (None, PER_CHANNEL_PROJECTIONS),
     # tp splits w_down's contracted axis: its scale has a group per device, so it is dequantized in its matmul
     ("2x1", ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")),
 ])
@@ -87,19 +116,11 @@ def test_fp8_gemms_on_kept_per_channel_float8_weights(mesh, fp8_projections, fp8
     e4m3 at max |x| / 448), as transformers computes with those layers' inputs fake-quantized. wo's groups run
     along head_dim within each head, so it stays dequantized in its matmul."""
     from tests.models.test_int8 import fp8_rounded
-    from tests.models.test_w8a8 import FP8_TOL
 
     path, reference = fp8_checkpoint("ct-fp8-dynamic")
     monkeypatch.setenv("JAXSERVE_FP8_GEMM", "1")
     with caplog.at_level("INFO", logger="jaxserve.runner.weights"):
         served = small_engine(path, mesh, quantization="compressed-tensors")
     assert "float8 weights multiply float8 activations" in caplog.text
-    hooks = [module.register_forward_pre_hook(lambda module, args: (fp8_rounded(args[0]),))
-             for name, module in reference.named_modules() if name.endswith(fp8_projections)]
-    try:
-        assert len(hooks) == len(fp8_projections) * reference.config.num_hidden_layers
-        differences = check_parity(served, reference, PROMPTS, tol=FP8_TOL)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    assert sum(d < 1e-3 for d in differences) >= len(differences) / 2, differences  # exact but where a value tipped
+    with fake_quantized_inputs(reference, fp8_projections, fp8_rounded):
+        exact_but_where_a_value_tipped(check_parity(served, reference, PROMPTS, tol=TIPPED))
