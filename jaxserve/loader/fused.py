@@ -2,7 +2,8 @@
 the separate HF names every other loader path expects (`q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`).
 
 Each split name reads the fused tensor and keeps its rows: weights are [out, in], the parts stacked on `out` in
-the order listed.
+the order listed. A quantized fused tensor (a Phi-3 GGUF's blocks, a GPTQ Phi-3's groups) splits the same way,
+its groups kept.
 """
 
 from __future__ import annotations
@@ -61,6 +62,28 @@ class SplitFusedSource:
         tensor = self._source.get(fused)
         self._check_rows(fused, tensor.shape[0])
         return np.ascontiguousarray(tensor[start:end])  # a copy: the loader holds every layer's part, not the whole
+
+    # A quantized checkpoint's fused tensors keep their groups too (loader/weights.BlockSource): a part is its rows
+    # of the fused tensor's values and scales, which run along the input axis.
+    @property
+    def method(self) -> str | None:
+        return getattr(self._source, "method", None)
+
+    @property
+    def activations(self) -> str | None:
+        return getattr(self._source, "activations", None)
+
+    def block_format(self, name: str):
+        fused = self._parts[name][0] if name in self._parts else name
+        return self._source.block_format(fused)
+
+    def get_grouped(self, name: str):
+        if name not in self._parts:
+            return self._source.get_grouped(name)
+        fused, start, end = self._parts[name]
+        grouped = self._source.get_grouped(fused)
+        self._check_rows(fused, grouped.shape[0])
+        return grouped.map_rows(lambda a: np.ascontiguousarray(a[start:end]))
 
     def _check_rows(self, fused: str, rows: int) -> None:
         if rows != self._rows[fused]:

@@ -75,8 +75,26 @@ class TextModelSource:
         return self._names
 
     def get(self, name: str) -> np.ndarray:
+        return self._source.get(self._source_name(name))
+
+    def _source_name(self, name: str) -> str:
         if name == "lm_head.weight" and self._lm_head is not None:
-            return self._source.get(self._lm_head)
+            return self._lm_head
         if not name.startswith("model."):
             raise ValueError(f"tensor {name!r} is not part of the language model")
-        return self._source.get(self._prefix + name[len("model."):])
+        return self._prefix + name[len("model."):]
+
+    # A quantized checkpoint's language model keeps its groups (loader/weights.BlockSource), renamed the same way.
+    @property
+    def method(self) -> str | None:
+        return getattr(self._source, "method", None)
+
+    @property
+    def activations(self) -> str | None:
+        return getattr(self._source, "activations", None)
+
+    def block_format(self, name: str):
+        return self._source.block_format(self._source_name(name))
+
+    def get_grouped(self, name: str):
+        return self._source.get_grouped(self._source_name(name))

@@ -164,3 +164,24 @@ def test_kept_experts_serve_the_dequantized_models_tokens(mesh, options, impl, m
     assert by_weight["w_gate"] == "4-bit in groups of 32 with offsets"
     assert by_weight["w_down"] == "8-bit in groups of 32 with offsets"  # Q4_1 and Q8_0 layers: int8 with offsets
     assert by_weight["w_up"] == by_weight["wq"] == "8-bit in groups of 32"
+
+
+PHI3_TYPES = {f"blk.{i}.{name}.weight": kind for i in range(2)
+              for name, kind in (("attn_qkv", Q.Q8_0), ("attn_output", Q.Q4_0), ("ffn_up", Q.Q4_1),
+                                 ("ffn_down", Q.Q8_0))}
+
+
+@pytest.mark.parametrize("mesh", ["1x1", "2x1"])
+def test_phi3_fused_projections_keep_their_blocks(mesh, tiny_checkpoint, smollm2_gguf_path, tmp_path, caplog):
+    """Phi-3 stores q, k, v in one tensor and gate, up in another: each part keeps its rows of the fused
+    tensor's blocks, and serves the tokens of the model dequantized at load."""
+    hf = tiny_checkpoint("phi3", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0)
+    gguf = str(write_gguf(hf, tmp_path / "phi3-q.gguf", "phi3", smollm2_gguf_path, tensor_types=PHI3_TYPES))
+    reference = _generate(gguf)
+    with caplog.at_level(logging.INFO, logger="jaxserve.runner.weights"):
+        tokens, logprobs = _generate(gguf, mesh, quantization="gguf")
+    assert tokens == reference[0]
+    np.testing.assert_allclose(logprobs, reference[1], atol=1e-4)
+    assert kept_formats(caplog) == {"wq, wk, wv, w_down": "8-bit in groups of 32",
+                                    "wo, w_gate, w_up": "4-bit in groups of 32 with offsets"}

@@ -99,3 +99,33 @@ def test_mistral3_serves_its_language_model_with_its_own_lm_head(smol_tokenizer,
     engine = Engine(str(tmp_path), num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
     assert engine.config.model.architecture == "MistralForCausalLM" and not engine.config.model.tie_word_embeddings
     check_parity(engine, model, PROMPTS)
+
+
+def test_a_quantized_language_model_keeps_its_groups_under_the_text_names():
+    """The quantized source beneath (ScaledSource, a GGUF, ...) is asked for the prefixed names: kept weights,
+    their method and whether activations are quantized reach the loader through the renaming."""
+    import numpy as np
+
+    from jaxserve.loader.text_model import TextModelSource
+
+    class Quantized:  # a BlockSource holding one quantized weight under the multimodal prefix
+        method, activations = "compressed-tensors", "int8"
+        asked: list[str] = []
+
+        def names(self):
+            return {"language_model.model.embed_tokens.weight", "language_model.model.layers.0.mlp.up_proj.weight"}
+
+        def block_format(self, name):
+            self.asked.append(name)
+            return "format of " + name
+
+        def get_grouped(self, name):
+            self.asked.append(name)
+            return np.zeros(1)
+
+    source = TextModelSource(Quantized())
+    assert (source.method, source.activations) == ("compressed-tensors", "int8")
+    assert source.block_format("model.layers.0.mlp.up_proj.weight") == \
+        "format of language_model.model.layers.0.mlp.up_proj.weight"
+    source.get_grouped("model.embed_tokens.weight")
+    assert Quantized.asked[-1] == "language_model.model.embed_tokens.weight"
