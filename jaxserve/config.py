@@ -74,7 +74,7 @@ ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas-interpret")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 # Engine(quantization=...) values that keep a quantized checkpoint's weights in their blocks, each named after the
 # checkpoints it reads (runner/weights.py).
-BLOCK_QUANTIZATIONS = ("gguf", "compressed-tensors", "gptq", "awq")
+BLOCK_QUANTIZATIONS = ("gguf", "compressed-tensors", "gptq", "awq", "mxfp4")
 # Engine(kv_cache_dtype=...), vLLM's names: "auto" stores K/V in the model's dtype; "fp8" (= "fp8_e4m3") and
 # "fp8_e5m2" in one byte a value (runner/kv_cache.py).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")

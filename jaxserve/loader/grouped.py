@@ -55,6 +55,14 @@ class GroupedArray:
         """Itself: a float dtype asked of a weight kept in groups applies once it is dequantized (in the step)."""
         return self
 
+    def __getitem__(self, index) -> GroupedArray:
+        """Values and scales indexed alike, along axes other than the group axis (gpt-oss's gate and up columns,
+        `w[..., ::2]`); the group axis must come through whole."""
+        part = self._parts(lambda a: a[index], self.axis)
+        if part.ndim != self.ndim or part.shape[self.axis] != self.shape[self.axis]:
+            raise ValueError(f"index {index!r} cuts the group axis {self.axis} of a weight kept in groups")
+        return part
+
     def map_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> GroupedArray:
         """`fn` (a permutation or slice of the leading axis) applied to the values and their scales alike."""
         assert self.axis != 0, "the rows are the group axis"

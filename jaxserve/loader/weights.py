@@ -192,7 +192,7 @@ def load_params(cfg: ModelConfig, src: TensorSource, dtype) -> Iterator[tuple[Pa
 
 
 # Matmul weights that can stay in a checkpoint's quantized blocks (models/layers.Grouped): a mixture's experts too,
-# where the checkpoint stores one tensor per expert (MOE_NAMES; gpt-oss stacks its own, dequantized at load).
+# whether the checkpoint stores one tensor per expert (MOE_NAMES) or stacks each layer's (gpt-oss's MXFP4).
 BLOCK_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down")
 
 
@@ -205,7 +205,9 @@ def weight_tensors(cfg: ModelConfig) -> dict[str, list[str]]:
     names = {"embed": ["model.embed_tokens.weight"]}
     if not cfg.tie_word_embeddings:
         names["lm_head"] = ["lm_head.weight"]
-    experts = ("w_gate", "w_up", "w_down") if cfg.num_experts else ()
+    # A mixture's experts come from the per-expert tensors below, or, where a checkpoint stacks each layer's
+    # experts (gpt-oss), from the layer table like any weight.
+    experts = ("w_gate", "w_up", "w_down") if cfg.num_experts and cfg.architecture not in STACKED_EXPERTS else ()
     for ours, (hf, _) in _layer_weights(cfg).items():
         if ours in BLOCK_WEIGHTS and ours not in experts:
             names[ours] = [fill(f"model.layers.*.{hf}", (i,)) for i in range(cfg.num_layers)]

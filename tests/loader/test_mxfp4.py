@@ -1,5 +1,5 @@
 """gpt-oss's MXFP4 expert checkpoints (loader/mxfp4.py): decoded as transformers decodes them, and served with
-transformers' logits on the same (dequantized) weights."""
+transformers' logits on the same (dequantized) weights, dequantized at load or kept as int8 groups."""
 
 import json
 import shutil
@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from jaxserve import Engine
-from jaxserve.loader.mxfp4 import E2M1_VALUES, dequantize
+from jaxserve.loader.mxfp4 import E2M1_VALUES, dequantize, grouped
+from tests.helpers import kept_formats
 from tests.models.test_parity import ARCHITECTURES, PROMPTS, check_parity
 
 
@@ -41,11 +42,13 @@ def test_dequantize_reads_codes_as_transformers_does():
         dequantize(blocks, scales[:, :, :1])
 
 
-def test_mxfp4_gpt_oss_checkpoint_serves_transformers_logits(tiny_checkpoint, tmp_path, caplog):
-    """The experts written in MXFP4 beside a float copy holding what transformers' own decoder makes of them:
-    jaxserve reading the MXFP4 file gives transformers' logits on the float copy."""
+@pytest.fixture(scope="module")
+def mxfp4_gpt_oss(tiny_checkpoint, tmp_path_factory):
+    """(a gpt-oss checkpoint whose experts are MXFP4, transformers on a float copy holding what its own decoder
+    makes of them)."""
     arch, overrides = ARCHITECTURES["gpt-oss"]
     src = tiny_checkpoint(arch, **(overrides | {"intermediate_size": 32}))  # in-widths of 64 and 32: whole blocks
+    tmp_path = tmp_path_factory.mktemp("mxfp4")
     packed, decoded = tmp_path / "mxfp4", tmp_path / "decoded"
     for out in (packed, decoded):
         shutil.copytree(src, out)
@@ -64,12 +67,43 @@ def test_mxfp4_gpt_oss_checkpoint_serves_transformers_logits(tiny_checkpoint, tm
     config = json.loads((packed / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
     (packed / "config.json").write_text(json.dumps(config))
-
     reference = AutoModelForCausalLM.from_pretrained(decoded, dtype=torch.float32, attn_implementation="eager").eval()
-    with caplog.at_level("INFO", logger="jaxserve.loader.mxfp4"):
+    return packed, reference
+
+
+def test_mxfp4_gpt_oss_checkpoint_serves_transformers_logits(mxfp4_gpt_oss, caplog):
+    """The CPU default: the experts dequantized at load give transformers' logits on the float copy."""
+    packed, reference = mxfp4_gpt_oss
+    with caplog.at_level("INFO", logger="jaxserve"):
         engine = Engine(str(packed), num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
-    assert "experts are MXFP4" in caplog.text and "dequantized at load" in caplog.text
+    assert "experts are MXFP4" in caplog.text and "weights in float" in caplog.text
     check_parity(engine, reference, PROMPTS)
+
+
+@pytest.mark.parametrize("mesh, options", [("1x1", {}), ("2x1", {}), ("2x1", {"enable_expert_parallel": True})])
+def test_mxfp4_experts_kept_as_int8_groups(mesh, options, mxfp4_gpt_oss, caplog):
+    """quantization="mxfp4" (the GPU/TPU default): the experts kept as int8 halves in groups of 32 (narrowed where
+    tp splits w_down's contracted width), exactly the checkpoint's weights, so transformers' logits again."""
+    packed, reference = mxfp4_gpt_oss
+    with caplog.at_level("INFO", logger="jaxserve.runner.weights"):
+        engine = Engine(str(packed), quantization="mxfp4", mesh=mesh, num_kv_blocks=64, max_num_batched_tokens=64,
+                        max_num_seqs=4, warmup=False, **options)
+    split = mesh == "2x1" and not options  # each device holds half of every expert's 32-wide MLP
+    assert kept_formats(caplog) == ({"w_gate, w_up": "8-bit in groups of 32", "w_down": "8-bit in groups of 16"}
+                                    if split else {"w_gate, w_up, w_down": "8-bit in groups of 32"})
+    check_parity(engine, reference, PROMPTS)
+
+
+def test_kept_groups_are_the_dequantized_weights():
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, size=(2, 3, 4, 16), dtype=np.uint8)
+    scales = rng.integers(100, 150, size=(2, 3, 4), dtype=np.uint8)
+    kept = grouped(blocks, scales)
+    assert kept.values.dtype == np.int8 and kept.group == 32 and kept.shape == (2, 128, 3)
+    np.testing.assert_array_equal(kept.dequantize(), dequantize(blocks, scales))
+    np.testing.assert_array_equal(kept[..., ::2].dequantize(), dequantize(blocks, scales)[..., ::2])
+    with pytest.raises(ValueError, match="cuts the group axis"):
+        kept[:, :16]
 
 
 def test_mxfp4_of_another_architecture_is_refused(tiny_checkpoint, tmp_path):
