@@ -41,7 +41,7 @@ class GroupedArray:
     @property
     def format(self) -> Grouped:
         return Grouped(bits=self.bits, group=self.group, offset=self.offset is not None,
-                       float8=self.values.dtype.name == "float8_e4m3fn")
+                       float8=self.values.dtype.name == "float8_e4m3fn", float4=self.values.dtype.name == "float4_e2m1fn")
 
     def _parts(self, fn: Callable[[np.ndarray], np.ndarray], axis: int) -> GroupedArray:
         return GroupedArray(fn(self.values), fn(self.scale), None if self.offset is None else fn(self.offset),
@@ -86,6 +86,7 @@ class GroupedArray:
         its smaller groups (scales repeated), wider values, offsets (zeros where it had none). Exact."""
         assert self.group % target.group == 0 and target.bits >= self.bits and (target.offset or self.offset is None)
         assert target.float8 == (self.format.float8 and target.bits == self.bits), (self.format, target)
+        assert target.float4 == self.format.float4, (self.format, target)
         repeat = self.group // target.group
         scale = np.repeat(self.scale, repeat, self.axis)
         offset = (np.zeros_like(scale) if self.offset is None else np.repeat(self.offset, repeat, self.axis)) \
@@ -119,11 +120,11 @@ def shuffled_groups(column_groups: np.ndarray, groups: int) -> np.ndarray | None
 
 def common_format(formats: list[Grouped]) -> Grouped | None:
     """The storage every one of `formats` converts into exactly (GroupedArray.conform); None if there is none
-    (float8 values beside integer ones)."""
-    if len({f.float8 for f in formats}) > 1:
+    (float8 or float4 values beside integer ones)."""
+    if len({(f.float8, f.float4) for f in formats}) > 1:
         return None
     return Grouped(bits=max(f.bits for f in formats), group=math.gcd(*(f.group for f in formats)),
-                   offset=any(f.offset for f in formats), float8=formats[0].float8,
+                   offset=any(f.offset for f in formats), float8=formats[0].float8, float4=formats[0].float4,
                    channel=all(f.channel for f in formats))
 
 

@@ -42,12 +42,14 @@ class Grouped:
 
     `bits=4`: q in 0..15, two values per uint8 byte (element 2i in the low nibble, 2i+1 in the high one) packed
     along the group axis, so half a byte per weight on every platform (XLA:CPU stores jnp.uint4 in a whole byte).
+    `bits=4, float4=True`: q in float4 e2m1 (MXFP4), one per element (XLA packs that type in memory).
     `bits=8`: q in int8, or float8 e4m3 (`float8`). Scales and offsets are float32, with the weight's logical axes, so they pad and split
     over the mesh where the weight does (the group axis splits where `group` * devices divides it)."""
     bits: int
     group: int
     offset: bool
     float8: bool = False  # 8-bit values in float8 e4m3 (FP8 checkpoints), not int8
+    float4: bool = False  # 4-bit values in float4 e2m1 (MXFP4 checkpoints): XLA stores them packed itself
     # One scale per output channel (or per tensor): the groups only repeat it, so a group may span the whole
     # contracted axis, and the values then multiply quantized activations where those run (layers.dense: float8
     # where FP8 GEMMs run, int8 for a W8A8 checkpoint).
@@ -55,7 +57,14 @@ class Grouped:
 
     @property
     def dtype(self):
+        if self.float4:
+            return jnp.float4_e2m1fn
         return jnp.uint8 if self.bits == 4 else jnp.float8_e4m3fn if self.float8 else jnp.int8
+
+    @property
+    def packed(self) -> bool:
+        """4-bit integers, two to a uint8 byte (packed by the loader: XLA:CPU stores jnp.uint4 in a whole byte)."""
+        return self.bits == 4 and not self.float4
 
 
 # Weights kept in their checkpoint's blocks, by parameter name ("wq", "w_down", "embed"...); those not named are
@@ -88,7 +97,7 @@ def weight(shape: tuple[int, ...], logical: tuple[str | None, ...], dtype, contr
         return {"": param(shape, logical, dtype)}
     if isinstance(stored, Grouped):
         axis = max(i for i, name in enumerate(logical) if name in contract)  # the group axis
-        grouped = {"": _resized(shape, axis, shape[axis] * stored.bits // 8), "_scale": _resized(
+        grouped = {"": _resized(shape, axis, shape[axis] // 2 if stored.packed else shape[axis]), "_scale": _resized(
             shape, axis, shape[axis] // stored.group)}
         dtypes = {"": stored.dtype, "_scale": jnp.float32, "_offset": jnp.float32}
         if stored.offset:

@@ -148,6 +148,16 @@ def resolve_quantization(quantization: str | None, tensors: TensorSource | None,
     return method if quantization is None and method is not None and platform != "cpu" else quantization
 
 
+def stored_bytes(array) -> int:
+    """The bytes an array takes on its device: numpy's itemsize counts a float4 as a byte, XLA stores two a byte."""
+    bits = jax.numpy.finfo(array.dtype).bits if array.dtype.name == "float4_e2m1fn" else 8 * array.dtype.itemsize
+    return array.size * bits // 8
+
+
+def _values_kind(fmt: Grouped) -> str:
+    return "float8" if fmt.float8 else "float4 e2m1" if fmt.float4 else f"{fmt.bits}-bit"
+
+
 def describe_storage(placed: dict, quantization: str | GroupedWeights | None) -> str:
     """One log line: how the weights are stored, and the bytes the fullest device holds."""
     kinds: dict[str, int] = {}
@@ -158,17 +168,18 @@ def describe_storage(placed: dict, quantization: str | GroupedWeights | None) ->
             if name.endswith(("_scale", "_offset")):
                 kind = "scales"
             else:
-                kind = {"uint8": "4-bit pairs", "int8": "int8", "float8_e4m3fn": "fp8"}.get(array.dtype.name,
-                                                                                          array.dtype.name)
+                kind = {"uint8": "4-bit pairs", "int8": "int8", "float8_e4m3fn": "fp8",
+                        "float4_e2m1fn": "fp4"}.get(array.dtype.name, array.dtype.name)
             for shard in array.addressable_shards:
-                per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+                size = stored_bytes(shard.data)
+                per_device[shard.device] = per_device.get(shard.device, 0) + size
                 if shard.device == array.addressable_shards[0].device:
-                    kinds[kind] = kinds.get(kind, 0) + shard.data.nbytes
+                    kinds[kind] = kinds.get(kind, 0) + size
     if isinstance(quantization, dict):
         formats: dict[Grouped, list[str]] = {}
         for name, fmt in quantization.items():
             formats.setdefault(fmt, []).append(name)
-        kept = "; ".join(f"{', '.join(names)}: {'float8' if fmt.float8 else f'{fmt.bits}-bit'} in groups of {fmt.group}"
+        kept = "; ".join(f"{', '.join(names)}: {_values_kind(fmt)} in groups of {fmt.group}"
                          f"{' with offsets' if fmt.offset else ''}{', scales per output channel' if fmt.channel else ''}"
                          for fmt, names in formats.items())
         how = f"kept in the checkpoint's quantized blocks ({kept}), the others in float"
@@ -243,7 +254,7 @@ def _prepared_groups(cfg: ModelConfig, path, array: GroupedArray, logical: tuple
     def groups(a: np.ndarray) -> np.ndarray:
         return pad_axis(pad_weight(a, unpadded_axis, layout, cfg.num_kv_heads), axis, values.shape[axis] // group)
 
-    parts = {path: pack_nibbles(values, axis) if array.bits == 4 else values, _suffixed(path, "_scale"):
+    parts = {path: pack_nibbles(values, axis) if array.format.packed else values, _suffixed(path, "_scale"):
              groups(array.scale)}
     if array.offset is not None:
         parts[_suffixed(path, "_offset")] = groups(array.offset)

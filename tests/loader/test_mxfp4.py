@@ -4,6 +4,8 @@ transformers' logits on the same (dequantized) weights, dequantized at load or k
 import json
 import shutil
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -81,17 +83,20 @@ def test_mxfp4_gpt_oss_checkpoint_serves_transformers_logits(mxfp4_gpt_oss, capl
 
 
 @pytest.mark.parametrize("mesh, options", [("1x1", {}), ("2x1", {}), ("2x1", {"enable_expert_parallel": True})])
-def test_mxfp4_experts_kept_as_int8_groups(mesh, options, mxfp4_gpt_oss, caplog):
-    """quantization="mxfp4" (the GPU/TPU default): the experts kept as int8 halves in groups of 32 (narrowed where
+def test_mxfp4_experts_kept_in_float4(mesh, options, mxfp4_gpt_oss, caplog):
+    """quantization="mxfp4" (the GPU/TPU default): the experts kept as float4 e2m1 in groups of 32 (narrowed where
     tp splits w_down's contracted width), exactly the checkpoint's weights, so transformers' logits again."""
     packed, reference = mxfp4_gpt_oss
     with caplog.at_level("INFO", logger="jaxserve.runner.weights"):
         engine = Engine(str(packed), quantization="mxfp4", mesh=mesh, num_kv_blocks=64, max_num_batched_tokens=64,
                         max_num_seqs=4, warmup=False, **options)
     split = mesh == "2x1" and not options  # each device holds half of every expert's 32-wide MLP
-    assert kept_formats(caplog) == ({"w_gate, w_up": "8-bit in groups of 32", "w_down": "8-bit in groups of 16"}
-                                    if split else {"w_gate, w_up, w_down": "8-bit in groups of 32"})
+    assert kept_formats(caplog) == ({"w_gate, w_up": "float4 e2m1 in groups of 32",
+                                     "w_down": "float4 e2m1 in groups of 16"}
+                                    if split else {"w_gate, w_up, w_down": "float4 e2m1 in groups of 32"})
     check_parity(engine, reference, PROMPTS)
+    w_gate = jax.tree.leaves(engine.runner.params["layers"]["w_gate"].get_value())
+    assert {w.dtype for w in w_gate} == {jnp.dtype(jnp.float4_e2m1fn)}  # XLA's 4-bit type, stored two a byte
 
 
 def test_kept_groups_are_the_dequantized_weights():
@@ -99,7 +104,7 @@ def test_kept_groups_are_the_dequantized_weights():
     blocks = rng.integers(0, 256, size=(2, 3, 4, 16), dtype=np.uint8)
     scales = rng.integers(100, 150, size=(2, 3, 4), dtype=np.uint8)
     kept = grouped(blocks, scales)
-    assert kept.values.dtype == np.int8 and kept.group == 32 and kept.shape == (2, 128, 3)
+    assert kept.values.dtype.name == "float4_e2m1fn" and kept.group == 32 and kept.shape == (2, 128, 3)
     np.testing.assert_array_equal(kept.dequantize(), dequantize(blocks, scales))
     np.testing.assert_array_equal(kept[..., ::2].dequantize(), dequantize(blocks, scales)[..., ::2])
     with pytest.raises(ValueError, match="cuts the group axis"):
