@@ -13,7 +13,7 @@ import re
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.loader.weights import TensorSource
+from jaxserve.loader.weights import RenamingSource, TensorSource
 
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # those whose checkpoints store fused projections
 
@@ -29,7 +29,7 @@ def fused_parts(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
     }
 
 
-class SplitFusedSource:
+class SplitFusedSource(RenamingSource):
     """A TensorSource whose fused tensors appear as their parts (any other name passes through)."""
 
     def __init__(self, source: TensorSource, cfg: ModelConfig):
@@ -65,14 +65,6 @@ class SplitFusedSource:
 
     # A quantized checkpoint's fused tensors keep their groups too (loader/weights.BlockSource): a part is its rows
     # of the fused tensor's values and scales, which run along the input axis.
-    @property
-    def method(self) -> str | None:
-        return getattr(self._source, "method", None)
-
-    @property
-    def activations(self) -> str | None:
-        return getattr(self._source, "activations", None)
-
     def block_format(self, name: str):
         fused = self._parts[name][0] if name in self._parts else name
         return self._source.block_format(fused)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.loader.weights import TensorSource
+from jaxserve.loader.weights import RenamingSource, TensorSource
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def text_model_tensors(d: dict[str, Any], source: TensorSource) -> TensorSource:
     return TextModelSource(source) if _multimodal_architecture(d) else source
 
 
-class TextModelSource:
+class TextModelSource(RenamingSource):
     """The language model's tensors under the names a text-only checkpoint uses ("model.layers.0...")."""
 
     def __init__(self, source: TensorSource):
@@ -85,14 +85,6 @@ class TextModelSource:
         return self._prefix + name[len("model."):]
 
     # A quantized checkpoint's language model keeps its groups (loader/weights.BlockSource), renamed the same way.
-    @property
-    def method(self) -> str | None:
-        return getattr(self._source, "method", None)
-
-    @property
-    def activations(self) -> str | None:
-        return getattr(self._source, "activations", None)
-
     def block_format(self, name: str):
         return self._source.block_format(self._source_name(name))
 

@@ -33,6 +33,21 @@ class BlockSource(TensorSource, Protocol):
     def get_grouped(self, name: str) -> GroupedArray: ...
 
 
+class RenamingSource:
+    """Base of a source presenting another's tensors under other names (`_source` beneath): what the engine asks of
+    a quantized checkpoint as a whole, its method and whether its activations are quantized, is the one beneath's."""
+
+    _source: TensorSource
+
+    @property
+    def method(self) -> str | None:
+        return getattr(self._source, "method", None)
+
+    @property
+    def activations(self) -> str | None:
+        return getattr(self._source, "activations", None)
+
+
 ParamPath = tuple[str, ...]
 
 
