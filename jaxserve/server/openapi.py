@@ -23,7 +23,7 @@ from jaxserve.server.classify import ClassificationRequest, ClassificationRespon
 from jaxserve.server.embeddings import EmbeddingRequest, EmbeddingResponse
 from jaxserve.server.lora_admin import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from jaxserve.server.protocol import CompletionRequest, CompletionResponse, ErrorResponse
-from jaxserve.server.responses_protocol import ResponsesRequest
+from jaxserve.server.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
 from jaxserve.server.scores import RerankRequest, RerankResponse, ScoreRequest, ScoreResponse
 from jaxserve.server.transport import needs_api_key
 from jaxserve.server.utility_protocol import (
@@ -57,9 +57,10 @@ OPERATIONS = (
     Operation("post", ("/score", "/v1/score"), "Score pairs of texts", ScoreRequest, ScoreResponse),
     Operation("post", ("/rerank", "/v1/rerank", "/v2/rerank"), "Rerank documents against a query", RerankRequest,
               RerankResponse),
-    Operation("post", ("/v1/responses",), "Create a response (the Responses API)", ResponsesRequest, None, True),
-    Operation("get", ("/v1/responses/{response_id}",), "Retrieve a stored response"),
-    Operation("delete", ("/v1/responses/{response_id}",), "Delete a stored response"),
+    Operation("post", ("/v1/responses",), "Create a response (the Responses API)", ResponsesRequest, ResponseObject,
+              True),
+    Operation("get", ("/v1/responses/{response_id}",), "Retrieve a stored response", answer=ResponseObject),
+    Operation("delete", ("/v1/responses/{response_id}",), "Delete a stored response", answer=DeletedResponse),
     Operation("get", ("/v1/models",), "List the served models", answer=ModelList),
     Operation("post", ("/v1/load_lora_adapter",), "Load a LoRA adapter (--enable-runtime-lora-updating)",
               LoadLoRAAdapterRequest),

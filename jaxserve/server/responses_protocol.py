@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.outputs import RequestOutput
 from jaxserve.server.chat_protocol import ChatCompletionRequest, ChatMessage
@@ -279,3 +279,101 @@ def usage(final: RequestOutput, reasoning_tokens: int) -> dict[str, Any]:
                                                              "cache_write_tokens": 0},
             "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt + generated}
+
+
+# --- the answer's schema (GET /openapi.json): what response_body and the items above write, field for field ----
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # tests/server/test_responses.py holds real answers to these
+
+
+class OutputText(_Answer):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[dict[str, Any]]
+    logprobs: list[dict[str, Any]]
+
+
+class ReasoningText(_Answer):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class MessageItem(_Answer):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputText]
+
+
+class ReasoningItem(_Answer):
+    id: str
+    type: Literal["reasoning"]
+    summary: list[dict[str, Any]]
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[ReasoningText]
+
+
+class FunctionCallItem(_Answer):
+    id: str
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # JSON text, as generated
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class InputTokensDetails(_Answer):
+    cached_tokens: int
+    cache_write_tokens: int
+
+
+class OutputTokensDetails(_Answer):
+    reasoning_tokens: int
+
+
+class ResponseUsage(_Answer):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(_Answer):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(_Answer):
+    """A response object: POST /v1/responses (whole, and in the stream's events), GET /v1/responses/{id}."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    model: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    output: list[Annotated[MessageItem | ReasoningItem | FunctionCallItem, Field(discriminator="type")]]
+    usage: ResponseUsage | None  # None while streaming
+    error: None
+    incomplete_details: IncompleteDetails | None
+    # the request's settings, repeated (ResponsesRequest.echo_fields)
+    instructions: str | None
+    max_output_tokens: int | None
+    metadata: dict[str, str]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    reasoning: dict[str, Any] | None
+    store: bool
+    temperature: float | None
+    top_p: float | None
+    text: dict[str, Any]
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    truncation: str
+    user: str | None
+
+
+class DeletedResponse(_Answer):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: bool

@@ -268,3 +268,24 @@ def test_the_real_model_answers_as_in_chat(openai_client):
                                             text={"format": {"type": "json_schema", "name": "planet",
                                                              "schema": schema}})
     assert shaped.status == "completed" and set(json.loads(shaped.output_text)) == {"planet", "moons"}
+
+
+def test_answers_are_what_the_openapi_document_says(served):
+    """Every response object the server writes (whole, cut short, each streamed event's, a stored one retrieved)
+    and the deletion notice validate against the schemas /openapi.json publishes, which forbid unlisted fields."""
+    from jaxserve.server.responses_protocol import DeletedResponse, ResponseObject
+
+    url, _, _ = served
+    body = {"model": "fake-model", "input": "Weather in Paris?", "temperature": 0, "tools": RESPONSE_TOOLS,
+            "instructions": "Be brief.", "metadata": {"k": "v"}, **STOP_AFTER_CALL}
+    whole = httpx.post(f"{url}/v1/responses", json=body).json()
+    answers = [whole, httpx.post(f"{url}/v1/responses", json={**body, "max_output_tokens": 6}).json(),
+               httpx.get(f"{url}/v1/responses/{whole['id']}").json()]
+    with httpx.stream("POST", f"{url}/v1/responses", json={**body, "stream": True}) as streamed:
+        events = [json.loads(line[len("data: "):]) for line in streamed.iter_lines() if line.startswith("data: {")]
+    answers += [event["response"] for event in events if "response" in event]
+    assert len(answers) >= 6 and {a["status"] for a in answers} == {"completed", "incomplete", "in_progress"}
+    assert {item["type"] for item in whole["output"]} == {"reasoning", "message", "function_call"}
+    for answer in answers:
+        ResponseObject.model_validate(answer)
+    DeletedResponse.model_validate(httpx.delete(f"{url}/v1/responses/{whole['id']}").json())
