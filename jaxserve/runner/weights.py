@@ -137,7 +137,8 @@ def resolve_quantization(quantization: str | None, tensors: TensorSource | None,
     (loader/weights.keep_blocks) when `quantization` names its method ("gguf", "compressed-tensors", "fp8", "gptq",
     "awq"), and
     by default on a GPU or TPU. On a CPU the default dequantizes them at load: XLA:CPU converts each weight to float
-    before its matmul, every step, which made decode slower than reading float32 weights (docs/quantization.md).
+    before its matmul, every step, which made decode slower than reading float32 weights (docs/quantization.md);
+    but for W8A8 checkpoints, whose int8 activations make integer GEMMs that beat float32 there too.
     A quantization done at load (int8, w8a8, fp8 of a float checkpoint) quantizes the dequantized weights."""
     method = getattr(tensors, "method", None)
     if quantization in BLOCK_QUANTIZATIONS and quantization != method:
@@ -145,7 +146,10 @@ def resolve_quantization(quantization: str | None, tensors: TensorSource | None,
         raise ValueError(f"quantization={quantization!r} keeps a {quantization} checkpoint's quantized weights in "
                          f"their blocks, and this model is {held}: drop the option"
                          + (f" or pass quantization={method!r}" if method else ""))
-    return method if quantization is None and method is not None and platform != "cpu" else quantization
+    # W8A8 checkpoints are kept on a CPU too: their int8 x int8 matmuls beat float32 there (1.29x single stream,
+    # 1.33x at 64 requests for SmolLM2, BENCHMARKS.md), where weight-only blocks lose to it.
+    keeps = platform != "cpu" or getattr(tensors, "activations", None) == "int8"
+    return method if quantization is None and method is not None and keeps else quantization
 
 
 def stored_bytes(array) -> int:

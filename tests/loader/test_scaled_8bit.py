@@ -94,6 +94,14 @@ def test_the_cpu_default_dequantizes_fp8_at_load(fp8_checkpoint):
     check_parity(small_engine(path), reference, PROMPTS, tol=TOLERANCE)
 
 
+def test_the_cpu_default_keeps_w8a8_for_its_integer_gemms(fp8_checkpoint, caplog):
+    path, _ = fp8_checkpoint("ct-w8a8")
+    with caplog.at_level("INFO", logger="jaxserve.runner.weights"):
+        small_engine(path)
+    assert "the checkpoint's int8 weights multiply int8 activations" in caplog.text
+    assert kept_formats(caplog)["wo"] == "8-bit in groups of 64, scales per output channel"
+
+
 def test_static_activation_scales_are_refused(fp8_checkpoint, tmp_path):
     path, _ = fp8_checkpoint("fp8-block")
     copy = tmp_path / "static"
