@@ -39,8 +39,9 @@ SUPPORTED = ("supported: pack-quantized int4/int8 weights by group or channel, a
              "dynamic per token (W8A8)")
 
 
-def weight_scheme(raw: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(format, the one weight scheme) of a checkpoint jaxserve reads, or a ValueError naming what it uses instead."""
+def weight_scheme(raw: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+    """(format, the one weight scheme, its input activations' scheme or None) of a checkpoint jaxserve reads, or a
+    ValueError naming what it uses instead."""
     config = quantization_config(raw)
     groups = list((config.get("config_groups") or {}).values())
     schemes = {repr((g.get("weights"), g.get("format"))) for g in groups}
@@ -65,19 +66,18 @@ def weight_scheme(raw: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if not (packed or fp8 or int8) or config.get("sparsity_config"):
         raise ValueError(f"this compressed-tensors checkpoint holds {described}, which jaxserve cannot read yet; "
                          f"{SUPPORTED}")
-    return kind, weights
+    return kind, weights, activations
 
 
 def compressed_tensors_source(source: TensorSource, raw: dict[str, Any]) -> TensorSource:
     """The source presenting a compressed-tensors checkpoint's weights under their float names."""
-    kind, weights = weight_scheme(raw)
+    kind, weights, activations = weight_scheme(raw)
     if kind == "float-quantized":
         block = weights.get("block_structure")
         return ScaledSource(source, ".weight_scale", "compressed-tensors", tuple(block) if block else None)
     if kind == "int-quantized":  # W8A8 when its activations are quantized (dynamically, per token) too
-        quantized = any(g.get("input_activations") for g in (quantization_config(raw).get("config_groups") or {}).values())
         return ScaledSource(source, ".weight_scale", "compressed-tensors", values=np.int8,
-                            activations="int8" if quantized else None)
+                            activations="int8" if activations else None)
     return CompressedTensorsSource(source, raw)
 
 
@@ -89,7 +89,7 @@ class CompressedTensorsSource:
 
     def __init__(self, source: TensorSource, raw: dict[str, Any]):
         self._source = source
-        _, scheme = weight_scheme(raw)
+        _, scheme, _ = weight_scheme(raw)
         self._bits = int(scheme["num_bits"])
         self._symmetric = bool(scheme.get("symmetric", True))
         names = source.names()
