@@ -11,23 +11,28 @@ SCRIPT = Path(__file__).parents[1] / "scripts" / "bench_pipeline_model.py"
 
 
 def test_the_model_splits_steps_into_layers_and_a_fixed_part():
-    """Steps of 2 ms fixed plus 1.25 ms a layer at 2 sequences: 8 layers on 4 stages of 2, a batch of 8 in 4
-    micro-batches of 2. Data parallelism: 4 replicas of 2 sequences, 12 ms a step. Fill-drain: 7 ticks of 2
-    layers, then the fixed part once: 19.5 ms for 8 tokens. Stages busy: a batch of 2 every 2 layers + fixed."""
+    """Steps of 2 ms fixed (1 ms of it the vocabulary's, 1024 tokens) plus 1.25 ms a layer at 2 sequences: 8
+    layers on 4 stages of 2, a batch of 8 in 4 micro-batches of 2. Data parallelism: 4 replicas of 2 sequences,
+    12 ms a step. Fill-drain: 7 ticks of 2 layers, then the fixed part once: 19.5 ms for 8 tokens. Stages busy: a
+    batch of 2 every tick of 2 layers + the vocabulary's part split over the 4 stages + the rest: 3.75 ms."""
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         from bench_pipeline_model import model
     finally:
         sys.path.remove(str(SCRIPT.parent))
 
-    def seconds(layers: int, batch: int) -> float:
-        return 2e-3 + layers * 1e-3 * (1 + batch / 8)
+    def seconds(layers: int, batch: int, vocab: int) -> float:
+        return 1e-3 + (vocab or 1024) / 1024 * 1e-3 + layers * 1e-3 * (1 + batch / 8)
 
-    r = model(seconds, num_layers=8, batch=8, pp=4)
+    r = model(seconds, num_layers=8, vocab=1024, batch=8, pp=4)
     assert (r["micro"], r["stage_layers"]) == (4, 2)
     assert r["data_parallel"] == pytest.approx(8 / 12e-3)
     assert r["fill_drain"] == pytest.approx(8 / 19.5e-3)
-    assert r["busy"] == pytest.approx(2 / 4.5e-3)
+    assert r["busy"] == pytest.approx(2 / 3.75e-3)
+    # A recorded schedule that completes a step on 3 ticks of 4 only: three quarters of the tokens
+    three_quarters = model(seconds, num_layers=8, vocab=1024, batch=8, pp=4, recorded=dict(tokens_per_tick=1.5,
+                                                                                      step_batch=2))
+    assert three_quarters["busy"] == pytest.approx(1.5 / 3.75e-3)
 
 
 def test_bench_pipeline_model_tiny(tmp_path):

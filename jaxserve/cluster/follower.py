@@ -71,6 +71,15 @@ def follow(engine, cluster: Cluster, shutdown: _ShutdownRequest) -> None:
             launched.append(engine.runner.launch(jax.tree_util.tree_unflatten(treedefs[statics.decode_only], leaves),
                                                  statics))
             num_steps += 1
+        elif kind == wire.TICK:  # the leader queues for reading back only the steps leaving the last stage
+            inputs = statics = None
+            if payload:
+                leaves, statics = wire.decode_step(payload, StepStatics)
+                inputs = jax.tree_util.tree_unflatten(treedefs[statics.decode_only], leaves)
+                num_steps += 1
+            _, pending = engine.runner.tick(inputs, statics)
+            if pending is not None:
+                launched.append(pending)
         elif kind == wire.READ:
             if not launched:
                 fatal("process 0 asked to read back a step this process never launched")
@@ -78,7 +87,8 @@ def follow(engine, cluster: Cluster, shutdown: _ShutdownRequest) -> None:
         elif kind == wire.LORA:
             engine.adapters.write_factors(*wire.decode_adapter(payload))
         elif kind == wire.STOP:
-            jax.block_until_ready(list(launched))  # steps process 0 never read back: it waited for them too
+            # Steps process 0 never read back, and the pipeline's last tick: it waited for them too
+            jax.block_until_ready([*launched, engine.runner.carry])
             _released(cluster, payload)
             log.info("process 0 released this process after %d steps", num_steps)
             return

@@ -45,6 +45,9 @@ class Sequence:
     # takes its value on the device from row `pending_row` of the in-flight step's sampled tokens.
     pending_index: int | None = None
     pending_row: int | None = None
+    # On a pipeline whose stages stay busy across steps, a step planned with this sequence's sampling chunk is
+    # still in a stage that is not the last: its next token is not sampled yet, so no later step may take it.
+    staged: bool = False
     # Structured outputs: the llguidance matcher that has consumed this sequence's output so far (grammar.py),
     # and, for a grammar that starts after a token (reasoning), that token until it is sampled.
     matcher: object | None = None

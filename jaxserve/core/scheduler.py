@@ -122,24 +122,27 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+        """The next step. `max_seqs`: at most that many sequences in it (a pipeline whose stages stay busy across
+        steps spreads the sequences over its stages' steps); sequences `staged` in such a pipeline are skipped."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        limit = self.config.max_num_seqs if max_seqs is None else max_seqs
+        budget = self._schedule_running(out, budget, limit)
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, limit)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, limit: int) -> int:
         # Rows drafts may take: those the running sequences and the admissible waiting ones leave.
         admissible = min(len(self.waiting), self.config.max_num_seqs - len(self.running))
         spare_rows = self.max_rows - len(self.running) - max(admissible, 0)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.chunks) < limit:
             seq = self.running[i]
-            if seq.pending_index is not None and seq.reaches_length_limit(seq.num_tokens):
-                i += 1  # its token in flight is its last: it finishes when that step is read back
-                continue
+            if seq.staged or (seq.pending_index is not None and seq.reaches_length_limit(seq.num_tokens)):
+                i += 1  # its next token is still being computed, or its token in flight is its last (it finishes
+                continue  # when that step is read back)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             draft = self._draft(seq, min(budget - 1, spare_rows)) if n == 1 and self.proposer else []
             if draft and self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + 1 + len(draft)):
@@ -169,11 +172,12 @@ class Scheduler:
         draft = self.proposer.propose(seq.token_ids, min(max_len, room))
         return _fit_grammar(seq, draft) if draft and seq.matcher is not None else draft
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, limit: int) -> None:
         i = 0  # the next waiting sequence to try: one whose LoRA adapter finds no slot is passed over
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(out.chunks) < limit):
             seq = self.waiting[i]
-            if not self.adapters.admit(seq):
+            if seq.staged or not self.adapters.admit(seq):  # staged: preempted while its token is computed
                 i += 1
                 continue
             # A request asking for prompt logprobs must compute every prompt position, so it takes no cache hits.

@@ -117,12 +117,21 @@ class Engine:
         # one after the other).
         self.async_scheduling = args.async_scheduling and speculative is None
         self._launched: deque[InFlightStep] = deque()  # dispatched, not read back yet (oldest first)
+        # A pipeline keeps its stages busy across steps where steps overlap (async scheduling): each step() plans a
+        # step for the sequences no stage is working on and moves every step one stage on (vLLM's virtual engines;
+        # the followers of several processes tick with process 0). Without overlap a step runs its micro-batches
+        # through the stages within itself (fill-drain, parallel/pipeline.py).
+        self.stage_ticks = self.async_scheduling and self.runner.layout.pp > 1
+        if self.stage_ticks:
+            self.runner.start_ticks(self.plan_shape)
         started = time.perf_counter()
         num_kv_blocks = size_kv_cache(self.runner, self.plan_shape, num_kv_blocks, args.kv_cache_memory_fraction)
         log.info("KV cache sized and allocated in %.1f s (a profiling step at the largest bucket, compiled first)",
                  time.perf_counter() - started)
         max_model_len = fit_context_to_cache(max_model_len, requested_len, (num_kv_blocks - 1) * args.block_size)
         self.plan_shape = dataclasses.replace(self.plan_shape, max_model_len=max_model_len)
+        if self.stage_ticks:
+            self.runner.start_ticks(self.plan_shape)
         log.info(capacity_line(num_kv_blocks, args.block_size, max_model_len, self.runner.kv_dtype))
         self.config = EngineConfig(
             model=cfg,
@@ -151,7 +160,8 @@ class Engine:
             self.warmup()
         log.info("Loaded %s (%s, %s%s, mesh %dx%d; %s)", self.model_name, cfg.architecture, dtype,
                  f", {args.quantization} quantization" if args.quantization else "", *self.mesh_shape,
-                 "steps overlap: async scheduling" if self.async_scheduling else "one step at a time")
+                 "steps overlap: async scheduling" + (", pipeline stages busy across steps" if self.stage_ticks
+                                                      else "") if self.async_scheduling else "one step at a time")
 
     def warmup(self, desc: str = "Compiling step buckets", compile_threads: int | None = None) -> None:
         """Compile every step program now (a progress bar titled `desc`), so serving never stalls on a compile.
@@ -226,7 +236,7 @@ class Engine:
             self._texts.pop(seq.seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._launched)
+        return bool(self._requests) or bool(self._launched) or not self.runner.pipeline_empty
 
     # ---- whole calls (vLLM's LLM): the OfflineAPI facade runs them on this engine -----------------------------
 
@@ -312,27 +322,65 @@ class Engine:
         # None when it samples for a grammar: the next mask needs the token it samples. (An engine that drafts
         # never overlaps steps: see async_scheduling.)
         self._read_back_all_but(0 if self._grammar_in_flight() else 1, touched)
-        launched = self._launch()
-        if launched is not None and launched.recompiled:
-            self._on_recompile(launched)  # may raise: every launched step is queued, so nothing is lost
-        self._read_back_all_but(1 if launched is not None and self.async_scheduling else 0, touched)
+        # Left unread: only the step queued by this call, so no sequence shows a placeholder of an earlier one.
+        queued = self._tick() if self.stage_ticks else self._launch()
+        self._read_back_all_but(1 if queued and self.async_scheduling else 0, touched)
         return [self._emit(req) for req in touched.values() if req.finished or not finished_only]
 
-    def _launch(self) -> InFlightStep | None:
-        sched = self.scheduler.schedule()
+    def _plan(self, max_seqs: int | None = None):
+        """Schedule the next step and build its inputs: (SchedulerOutput, inputs, statics), or None if empty."""
+        sched = self.scheduler.schedule(max_seqs)
         if sched.is_empty:
             return None
         self.adapters.write_pending()  # adapters the scheduler just gave a slot
         inputs, statics = build_step_inputs(sched, self.blocks, self.plan_shape)
         if any(observer.wants_logits for observer in self.observers):
             statics = dataclasses.replace(statics, return_logits=True)
+        return sched, inputs, statics
+
+    def _launch(self) -> bool:
+        """Plan and dispatch a step (with async scheduling, without waiting for it) and queue it to be read back.
+        False: nothing to run."""
+        planned = self._plan()
+        if planned is None:
+            return False
+        sched, inputs, statics = planned
         compiles_before = self._unforeseen_compiles()
         pending = self.runner.launch(inputs, statics) if self.async_scheduling else self.runner.execute(inputs, statics)
-        step = InFlightStep(sched, pending, self._num_steps, recompiled=self._unforeseen_compiles() != compiles_before)
-        self._num_steps += 1
+        self._launched.append(InFlightStep(sched, pending, self._num_steps))
         self.scheduler.advance(sched)
-        self._launched.append(step)
-        return step
+        self._num_steps += 1
+        if self._unforeseen_compiles() != compiles_before:
+            self._on_recompile(sched)  # may raise: every launched step is queued, so nothing is lost
+        return True
+
+    def _tick(self) -> bool:
+        """One tick of a pipeline whose stages stay busy across steps: plan a step for at most a pp-th of the
+        sequences (so that pp steps share them in steady decode), from those no stage is working on, and move every
+        step one stage on; the step leaving the last stage is queued to be read back. Whether one was."""
+        pp = self.runner.layout.pp
+        active = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.config.scheduler.max_num_seqs)
+        planned = self._plan(max_seqs=max(1, -(-active // pp)))
+        if planned is None and self.runner.pipeline_empty:
+            return False  # nothing to run
+        sched, inputs, statics = planned or (None, None, None)
+        entering = None if sched is None else InFlightStep(sched, None, self._num_steps)
+        compiles_before = self._unforeseen_compiles()
+        leaving, pending = self.runner.tick(inputs, statics, tag=entering)
+        if leaving is not None:
+            leaving.pending = pending
+            for chunk in leaving.sched.chunks:  # their next tokens are sampled: later steps may take them again
+                if chunk.samples:  # (a prompt's earlier chunk leaving does not free its later, sampling one)
+                    chunk.seq.staged = False
+            self._launched.append(leaving)
+        if entering is not None:
+            self.scheduler.advance(sched)
+            for chunk in sched.chunks:
+                chunk.seq.staged = chunk.samples
+            self._num_steps += 1
+            if self._unforeseen_compiles() != compiles_before:
+                self._on_recompile(sched)  # may raise: the step is in the pipeline, the one leaving it queued
+        return leaving is not None
 
     def _grammar_in_flight(self) -> bool:
         """Whether a constrained sequence samples in a step in flight: then the next step waits for its token, which
@@ -363,11 +411,10 @@ class Engine:
 
         self.scheduler.resolve(sched, sampled, on_token)
 
-    def _on_recompile(self, step: InFlightStep) -> None:
+    def _on_recompile(self, sched) -> None:
         if self._compiles_at_warmup is None or self.recompile_guard == "off":
             return
-        sched = step.sched
-        msg = (f"step {step.index} compiled a new program after warm-up ({sched.num_tokens} tokens, "
+        msg = (f"step {self._num_steps - 1} compiled a new program after warm-up ({sched.num_tokens} tokens, "
                f"{len(sched.chunks)} sequences): a shape or sampler variant is missing from the warm-up buckets")
         if self.recompile_guard == "error":
             raise RuntimeError(msg)
@@ -419,6 +466,9 @@ class Engine:
             "prefix_cache_queries": self.blocks.prefix_cache_queries,
             "prefix_cache_hits": self.blocks.prefix_cache_hits,
             "num_steps": self._num_steps,
+            # Pipeline ticks (stages busy across steps), and in how many of them each stage had a step to work on
+            "pipeline_ticks": self.runner.ticks,
+            "pipeline_stage_busy_ticks": list(self.runner.stage_busy_ticks),
             "num_compiles": self.runner.num_compiles,
             "compiles_after_warmup": self.compiles_after_warmup,
             "deferred_compiles": self.runner.deferred_compiles,

@@ -15,9 +15,8 @@ class InFlightStep:
     """A dispatched step: what was scheduled, and its device outputs (PendingStep) or, once read, StepResult."""
 
     sched: SchedulerOutput
-    pending: PendingStep | StepResult
+    pending: PendingStep | StepResult | None  # None: still inside a pipeline's stages, not sampled yet
     index: int  # the engine's count of steps before it
-    recompiled: bool = False  # dispatching it compiled a new program
 
 
 class StepObserver(Protocol):

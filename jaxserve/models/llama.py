@@ -169,7 +169,8 @@ class LlamaForCausalLM(nnx.Module):
     def __call__(self, token_ids: jax.Array, kv, meta, attention_fn, run_layers=scan_layers, experts_fn=None):
         """Hidden states [T, D] after the final norm, and the updated cache. `run_layers` runs the layers: a
         plain scan, the unrolled loop over per-layer arrays (runner/layer_loop.py), or the pipeline over stages.
-        `experts_fn`: how a mixture of experts runs its chosen experts on the mesh (runner/experts_impl.py)."""
+        `experts_fn`: how a mixture of experts runs its chosen experts on the mesh (runner/experts_impl.py).
+        `kv` and `meta` reach `run_layers` untouched (a pipeline tick carries its activations beside the cache)."""
         x = self.embed_tokens(token_ids)
         mlp_fn = self.mlp_fn if experts_fn is None else partial(self.mlp_fn, experts_fn=experts_fn)
         layer_fn = partial(decoder_layer, self.cfg, attention_fn, mlp_fn)

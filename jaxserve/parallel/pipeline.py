@@ -1,13 +1,20 @@
 """Pipeline parallelism over the mesh's pipeline axis: each stage runs its own slots of the stacked layers.
 
 The stacked layer weights and the KV cache are split over stages on their `layers` axis, so a stage holds only
-its own layers and their cache. The step's T tokens are cut into M equal micro-batches (in token order) and
-run on the fill-drain schedule: at tick t, stage s works on micro-batch t - s, then hands its activations to
-stage s + 1 with a `ppermute`. After the first pp - 1 ticks every stage is busy at once while micro-batches
-remain. Tensor parallelism inside a stage stays automatic (GSPMD): the `shard_map` is manual over stages only.
+its own layers and their cache. Tensor parallelism inside a stage stays automatic (GSPMD): the `shard_map` is
+manual over stages only. Two schedules:
 
-Splitting a sequence's tokens over micro-batches is exact: its earlier tokens are in earlier micro-batches,
-which each stage has already run (and cached) by the time the later ones reach it.
+- Fill-drain within one step (`pipeline_layers`): the step's T tokens are cut into M equal micro-batches (in
+  token order); at tick t, stage s works on micro-batch t - s, then hands its activations to stage s + 1 with a
+  `ppermute`. A step with few sequences runs stage after stage: at pp = 4 and 4 micro-batches, each stage is
+  busy on 4 of 7 ticks.
+- Stages busy across steps (`pipeline_tick_layers`, vLLM's virtual engines): one program per tick, in which
+  stage s works on the step planned s ticks ago, reading the activations stage s - 1 left in a carried buffer
+  [pp, T_max, D] at the previous tick. The engine plans a new step every tick from the sequences no stage is
+  working on (engine/pipeline.py), so in steady decode every stage is busy on every tick.
+
+Both are exact: a sequence's earlier tokens (an earlier micro-batch, or a step planned earlier) reach each stage
+before its later ones, so each stage has run (and cached) them by the time the later ones need them.
 """
 
 from __future__ import annotations
@@ -88,6 +95,40 @@ def _stage(run_stage_layers, num_stages: int, num_micro: int, weights, x, kv, me
     (_, kv, outs), trace = jax.lax.scan(tick, init, jnp.arange(num_micro + num_stages - 1))
     # Only the last stage wrote `outs` (the others hold zeros): the sum hands its result to every stage exactly.
     return jax.lax.psum(outs, PIPELINE_AXIS).reshape(T, D), kv, trace[None]
+
+
+def _tick_stage(run_stage_layers, num_stages: int, weights, x, kv, carry, stage_meta):
+    """One stage's share of a tick (inside the shard_map): `stage_meta` [1, ...] is its own step's metadata,
+    `carry` [1, T_max, D] the activations the previous stage handed it at the previous tick."""
+    stage = jax.lax.axis_index(PIPELINE_AXIS)
+    T = x.shape[0]
+    meta = jax.tree.map(lambda a: a[0], stage_meta)
+    h = jnp.where(stage == 0, x, carry[0, :T])  # the first stage starts a new step from its embeddings
+    h, kv = run_stage_layers(weights, h, kv, meta)
+    handed = jax.lax.ppermute(h, PIPELINE_AXIS, [(s, s + 1) for s in range(num_stages - 1)])
+    return h[None], kv, carry.at[0, :T].set(handed)
+
+
+def pipeline_tick_layers(mesh: Mesh, stage_layers):
+    """-> run_layers(layer_fn, weights, x, kv_and_carry, stage_meta) -> (x, (kv, carry)): one tick of the
+    pipeline that keeps stages busy across steps, in the model's `scan_layers` slot (the model hands the cache and
+    the metadata to `run_layers` untouched, so the carried buffer travels with the cache). `x` [T, D]: the
+    embeddings of the step entering stage 0; `stage_meta`: AttentionMetadata whose leaves are stacked [pp, ...],
+    row s for the step stage s works on (padding where a stage has none); `carry` [pp, T_max, D]: row s holds what
+    stage s - 1 computed at the previous tick, T <= T_max. Returns the last stage's output, the step leaving the
+    pipeline this tick."""
+    num_stages = mesh.shape[PIPELINE_AXIS]
+    stacked, whole = partition_spec(("layers",)), partition_spec(())
+
+    def run(layer_fn, weights, x, kv_and_carry, stage_meta):
+        kv, carry = kv_and_carry
+        body = partial(_tick_stage, partial(stage_layers, layer_fn), num_stages)
+        outs, kv, carry = jax.shard_map(body, mesh=mesh, in_specs=(stacked, whole, stacked, stacked, stacked),
+                                        out_specs=(stacked, stacked, stacked), axis_names={PIPELINE_AXIS},
+                                        check_vma=False)(weights, x, kv, carry, stage_meta)
+        return outs[num_stages - 1], (kv, carry)
+
+    return run
 
 
 def pipeline_layers(mesh: Mesh, stage_layers, with_trace: bool = False):

@@ -16,7 +16,7 @@ from jaxserve.loader.weights import TensorSource
 from jaxserve.models.llama import scan_layers
 from jaxserve.parallel.layout import describe, plan_layout
 from jaxserve.parallel.multihost import host_copy
-from jaxserve.parallel.pipeline import pipeline_layers
+from jaxserve.parallel.pipeline import pipeline_layers, pipeline_tick_layers
 from jaxserve.parallel.sharding import make_mesh, named_sharding
 from jaxserve.runner.attention_impl import cache_head_dim, make_attention_fn, resolve_attention_impl
 from jaxserve.runner.experts_impl import make_experts_fn
@@ -28,7 +28,7 @@ from jaxserve.runner.layer_loop import (
     unrolled_stage_layers,
     unstack_layers,
 )
-from jaxserve.runner.plan import PlanShape, empty_inputs
+from jaxserve.runner.plan import PlanShape, empty_inputs, padded
 from jaxserve.runner.sampler import SamplerFlags
 from jaxserve.runner.step import StepFunctions, StepInputs, StepStatics
 from jaxserve.runner.weights import load_weights, resolve_quantization
@@ -45,6 +45,18 @@ class PendingStep:
     prompt: object | None
     logits: object | None
     hidden: object | None = None
+
+
+@dataclass
+class StagedStep:
+    """A step inside a pipeline whose stages stay busy across steps: entered at stage 0, not sampled yet."""
+
+    inputs: StepInputs
+    statics: StepStatics
+    # The sampled tokens its placeholders stand for (the device's token feed when it entered): when it leaves the
+    # last stage, penalties and bad words read its in-flight tokens there, not in the feed of that later tick.
+    fed_tokens: jax.Array
+    tag: object = None  # the caller's (the engine's SchedulerOutput), handed back when the step leaves
 
 
 @dataclass
@@ -124,15 +136,24 @@ class ModelRunner:
         # Unrolled, a layer slot's attention kind is fixed while tracing where it is the same on every stage.
         kinds = slot_kinds(cfg.layer_kinds(), self.layout.layer_slots(), self.layout.slots) \
             if unrolled and cfg.layers_differ else None
+        tick_layers = None
         if self.layout.pp > 1:
-            run_layers = pipeline_layers(self.mesh, partial(unrolled_stage_layers, kinds=kinds) if unrolled
-                                         else scan_layers)
+            stage_layers = partial(unrolled_stage_layers, kinds=kinds) if unrolled else scan_layers
+            run_layers = pipeline_layers(self.mesh, stage_layers)
+            tick_layers = pipeline_tick_layers(self.mesh, stage_layers)
         elif unrolled:
             run_layers = partial(unrolled_layers, kinds=kinds)
         else:
             run_layers = None  # the model's own scan
         experts_fn = make_experts_fn(self.cfg, platform, self.mesh) if cfg.num_experts else None
-        self.fns = StepFunctions(self.graphdef, attention, run_layers, platform, experts_fn)
+        self.fns = StepFunctions(self.graphdef, attention, run_layers, platform, experts_fn, tick_layers)
+        # Stages busy across steps (`start_ticks`): the steps in stages 0 .. pp - 2 after the last tick (None: a
+        # stage with none), and the activations each stage handed the next.
+        self.staged: list[StagedStep | None] | None = None
+        self.carry = None
+        self.ticks = 0  # ticks run, and in how many of them each stage had a step to work on
+        self.stage_busy_ticks = [0] * self.layout.pp
+        self.plan_shape: PlanShape | None = None
 
     @property
     def num_compiles(self) -> int:
@@ -150,17 +171,73 @@ class ModelRunner:
         self.feed_rows = max_rows
         self.fed_tokens = jax.jit(lambda: jnp.zeros(max_rows, jnp.int32), out_shardings=replicated)()
 
+    def start_ticks(self, shape: PlanShape) -> None:
+        """Keep the pipeline's stages busy across steps from now on: each `tick` moves every step one stage on (pp
+        > 1; every process of several calls it, and ticks with process 0, cluster/follower.py). The carried activations
+        [pp, T_max, D] are sized for the largest token bucket. Called again when the plan's shape changes (the
+        context fitted to the cache), with the pipeline empty."""
+        assert self.layout.pp > 1 and self.pipeline_empty, "ticks need a pipeline, and no step inside it"
+        self.plan_shape = shape
+        self.staged = [None] * (self.layout.pp - 1)
+        carry_shape = (self.layout.pp, shape.buckets.tokens[-1], self.cfg.hidden_size)
+        if self.carry is None or self.carry.shape != carry_shape:
+            by_stage = named_sharding(self.mesh, ("layers",))  # row s on stage s, as the layers split over stages
+            self.carry = None
+            self.carry = jax.jit(lambda: jnp.zeros(carry_shape, self.dtype), out_shardings=by_stage)()
+
+    @property
+    def ticking(self) -> bool:
+        return self.staged is not None
+
+    @property
+    def pipeline_empty(self) -> bool:
+        return not self.ticking or all(step is None for step in self.staged)
+
     def launch(self, inputs: StepInputs, statics: StepStatics) -> PendingStep:
         """Dispatch the step and return at once: the device works while the host goes on (jax is asynchronous)."""
+        self.kv, hidden, rows = self.fns.forward(self.params, self.kv, inputs.token_ids, inputs.meta,
+                                                 inputs.logits_indices, self.fed_tokens, inputs.token_source)
+        return self._sample(inputs, statics, hidden, rows, self.fed_tokens)
+
+    def tick(self, inputs: StepInputs | None, statics: StepStatics | None, tag=None) -> tuple[object, PendingStep | None]:
+        """One tick of a pipeline whose stages stay busy across steps (`start_ticks`): the step `inputs` (None: no
+        new step) enters stage 0, every step inside moves one stage on, and the one reaching the last stage is
+        sampled. Returns that step's `tag` and PendingStep, or (None, None) while no step leaves. The stages run
+        at one shape, the largest of their steps' buckets."""
+        entering = None if inputs is None else StagedStep(inputs, statics, self.fed_tokens, tag)
+        stages = [entering, *self.staged]  # stage s works on stages[s]
+        self.staged = stages[:-1]
+        present = [step for step in stages if step is not None]
+        if not present:
+            return None, None
+        self.ticks += 1
+        for stage, step in enumerate(stages):
+            self.stage_busy_ticks[stage] += step is not None
+        T = max(step.inputs.token_ids.shape[0] for step in present)
+        B = max(step.inputs.logits_indices.shape[0] for step in present)
+        decode_only = all(step.statics.decode_only for step in present)
+        blank = empty_inputs(T, B, self.plan_shape, decode_only=decode_only)
+        at_tick = [blank if step is None else padded(step.inputs, T, B, self.plan_shape, decode_only)
+                   for step in stages]
+        stage_meta = jax.tree.map(lambda *rows: np.stack(rows), *(x.meta for x in at_tick))
+        first, last, leaving = at_tick[0], at_tick[-1], stages[-1]
+        self.kv, self.carry, hidden, rows = self.fns.forward_tick(
+            self.params, self.kv, self.carry, first.token_ids, stage_meta, last.logits_indices, self.fed_tokens,
+            first.token_source)
+        if leaving is None:
+            return None, None
+        return leaving.tag, self._sample(last, leaving.statics, hidden, rows, leaving.fed_tokens)
+
+    def _sample(self, inputs: StepInputs, statics: StepStatics, hidden, rows, fed_tokens) -> PendingStep:
+        """The sampler (and what else the step asks for) on a forward's outputs; `fed_tokens`: the token feed the
+        step's placeholders stand in. The new feed holds what it samples."""
         f = self.fns
         if self.deferred:
             self._first_use(("sampler", inputs.sampling.fed_row.shape[0], statics.sampler))
             if statics.prompt_logprobs >= 0:
                 self._first_use(("prompt logprobs", inputs.token_ids.shape[0]))
-        self.kv, hidden, rows = f.forward(self.params, self.kv, inputs.token_ids, inputs.meta, inputs.logits_indices,
-                                          self.fed_tokens, inputs.token_source)
         sampled, self.fed_tokens = f.sample_rows(self.params, rows, inputs.sampling, statics.sampler, self.feed_rows,
-                                                 self.fed_tokens)
+                                                 fed_tokens)
         prompt = None
         if statics.prompt_logprobs >= 0:
             prompt = f.prompt_rows(self.params, hidden, inputs.prompt_targets, statics.prompt_logprobs)
@@ -174,7 +251,14 @@ class ModelRunner:
         return StepResult(s.tokens, s.logprobs, s.ranks, s.top_ids, s.top_logprobs, prompt, logits, hidden)
 
     def execute(self, inputs: StepInputs, statics: StepStatics) -> StepResult:
-        return self.collect(self.launch(inputs, statics))
+        """Run one step and wait for it; with ticks, through the whole pipeline (which must be empty)."""
+        if not self.ticking:
+            return self.collect(self.launch(inputs, statics))
+        assert self.pipeline_empty, "a step run alone would overtake the steps in the pipeline"
+        _, pending = self.tick(inputs, statics)
+        while pending is None:
+            _, pending = self.tick(None, None)
+        return self.collect(pending)
 
     def warmup(self, shape: PlanShape, progress=None, compile_threads: int = 1,
                sampler_variants: list[SamplerFlags] | None = None) -> None:
@@ -199,6 +283,10 @@ class ModelRunner:
         forward_inputs = {key: empty_inputs(key[0], key[1], shape, decode_only=key[2]) for key in forwards}
 
         def forward_call(x):
+            if self.ticking:  # every stage at this shape
+                stage_meta = jax.tree.map(lambda a: np.stack([a] * self.layout.pp), x.meta)
+                return (self.fns.forward_tick, (self.params, self.kv, self.carry, x.token_ids, stage_meta,
+                                                x.logits_indices, self.fed_tokens, x.token_source))
             return (self.fns.forward, (self.params, self.kv, x.token_ids, x.meta, x.logits_indices, self.fed_tokens,
                                        x.token_source))
 
@@ -206,7 +294,10 @@ class ModelRunner:
         rows, hidden = {}, {}
         for key in forwards:  # each forward once: their outputs feed the sampler and prompt programs' compiles
             fn, args = forward_call(forward_inputs[key])
-            self.kv, h, r = fn(*args)
+            if self.ticking:
+                self.kv, self.carry, h, r = fn(*args)
+            else:
+                self.kv, h, r = fn(*args)
             T, B, decode_only = key
             if not decode_only and T == B:
                 rows[B] = r

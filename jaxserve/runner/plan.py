@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from itertools import chain
 
@@ -124,6 +125,22 @@ def empty_inputs(T: int, B: int, shape: PlanShape, penalties: bool = False, deco
                              np.zeros((B, shape.max_blocks_per_seq), np.int32), np.full(T, -1, np.int32), decode_only)
     return StepInputs(np.zeros(T, np.int32), meta, np.zeros(B, np.int32), sampling, np.zeros(T, np.int32),
                       np.full(T, -1, np.int32))
+
+
+def padded(inputs: StepInputs, T: int, B: int, shape: PlanShape, decode_only: bool) -> StepInputs:
+    """`inputs`, built for buckets up to (T, B), padded to (T, B) as `empty_inputs` pads (a pipeline tick runs the
+    steps in its stages at one shape). `decode_only`: the tick's, which may be False for a decode step whose
+    neighbours in the pipeline are not decodes."""
+    s = inputs.sampling
+    empty = empty_inputs(T, B, shape, penalties=s.history.shape[1] > 0, decode_only=decode_only,
+                         constrained=s.allowed.shape[1] > 0)
+    inputs = dataclasses.replace(inputs, meta=dataclasses.replace(inputs.meta, decode_only=decode_only))
+
+    def fill(into: np.ndarray, values: np.ndarray) -> np.ndarray:
+        into[tuple(slice(0, n) for n in values.shape)] = values
+        return into
+
+    return jax.tree.map(fill, empty, inputs)
 
 
 def inputs_treedef(shape: PlanShape, decode_only: bool):

@@ -3,6 +3,8 @@
 - `forward`: embed -> layers over the paged cache -> final norm; returns the hidden states of the rows that
   sample. Donates the KV cache, so its pages are updated in place. Compiled per (tokens, sequences) bucket.
   Token ids the host does not know yet (async scheduling) are taken from the previous step's sampled tokens.
+  On a pipeline whose stages stay busy across steps, `forward_tick` replaces it: one tick, in which each stage
+  works on its own step (parallel/pipeline.py), returning the rows of the step that leaves the last stage.
 - `sample_rows`: LM head on those rows -> penalties, filters, sampling, logprobs. Compiled per sequence
   bucket and per static sampler choice.
 
@@ -53,10 +55,12 @@ class TraceCounter:
 
 
 class StepFunctions:
-    def __init__(self, graphdef, attention_fn, run_layers=None, platform: str = "cpu", experts_fn=None):
+    def __init__(self, graphdef, attention_fn, run_layers=None, platform: str = "cpu", experts_fn=None,
+                 tick_layers=None):
         """`run_layers`: how the layers run (None: the model's own scan; the unrolled loop, runner/layer_loop.py;
         a pipeline on pp > 1). `platform`: the devices', for the sampler. `experts_fn`: a mixture of experts'
-        grouped matmuls on the mesh (runner/experts_impl.py; None for dense models)."""
+        grouped matmuls on the mesh (runner/experts_impl.py; None for dense models). `tick_layers`: on pp > 1,
+        one tick of the pipeline that keeps its stages busy across steps (`forward_tick`)."""
         self.traces = TraceCounter()
         traces = self.traces
         layer_runner = {} if run_layers is None else {"run_layers": run_layers}
@@ -69,6 +73,18 @@ class StepFunctions:
             model = nnx.merge(graphdef, params)
             hidden, kv = model(token_ids, kv, meta, attention_fn, **layer_runner)
             return kv, hidden, hidden[logits_indices]
+
+        def forward_tick(params, kv, carry, token_ids, stage_meta, logits_indices, fed_tokens, token_source):
+            """`forward` for one pipeline tick: `token_ids` enter stage 0 while each later stage s works on the step
+            `stage_meta` row s describes, its input the activations `carry` holds; returns the step leaving the
+            last stage (its final hidden states and sampled rows), and the carry for the next tick."""
+            traces.count += 1
+            token_ids = jnp.where(token_source >= 0, fed_tokens[jnp.maximum(token_source, 0)], token_ids)
+            model = nnx.merge(graphdef, params)
+            extra = {} if experts_fn is None else {"experts_fn": experts_fn}
+            hidden, (kv, carry) = model(token_ids, (kv, carry), stage_meta, attention_fn, run_layers=tick_layers,
+                                        **extra)
+            return kv, carry, hidden, hidden[logits_indices]
 
         def sample_rows(params, rows, sampling, flags, feed_rows, fed_tokens):
             """The sampler's output, and its tokens padded to `feed_rows` for the next step's `fed_tokens` (one
@@ -86,6 +102,7 @@ class StepFunctions:
             return nnx.merge(graphdef, params).logits(rows)
 
         self.forward = jax.jit(forward, donate_argnames=("kv",))
+        self.forward_tick = jax.jit(forward_tick, donate_argnames=("kv", "carry"))
         self.sample_rows = jax.jit(sample_rows, static_argnames=("flags", "feed_rows"))
         self.prompt_rows = jax.jit(prompt_rows, static_argnames=("num",))
         self.logits = jax.jit(logits)

@@ -197,8 +197,9 @@ def test_an_abort_after_load_reaches_the_follower_at_once():
 
 def test_followers_launch_and_read_back_in_the_leader_s_order():
     """With async scheduling process 0 launches step N+1 before it reads step N back, and a read-back may be a
-    collective: the leader announces each launch (STEP) and each read-back (READ), and a follower does both in
-    that order; at STOP it waits for the steps never read back."""
+    collective: the leader announces each launch (STEP), each pipeline tick (TICK, empty when no step enters)
+    and each read-back (READ), and a follower does them in that order, reading back the steps that left its
+    pipeline; at STOP it waits for the steps never read back."""
     import json
     import queue
     from types import SimpleNamespace
@@ -210,9 +211,21 @@ def test_followers_launch_and_read_back_in_the_leader_s_order():
     events, sent = [], queue.Queue()
 
     class Runner:  # records what it is asked to do, in order
+        carry = None  # a pipeline's carried activations (none here)
+
+        def __init__(self):
+            self.staged = []  # a 2-stage pipeline's one step between its stages
+
         def launch(self, inputs, statics):
             events.append(("launch", int(inputs.token_ids[0])))
             return SimpleNamespace(step=int(inputs.token_ids[0]))
+
+        def tick(self, inputs, statics, tag=None):
+            step = None if inputs is None else int(inputs.token_ids[0])
+            events.append(("tick", step))
+            self.staged.append(step)
+            leaving = self.staged.pop(0) if len(self.staged) == 2 else None
+            return (tag, SimpleNamespace(step=leaving)) if leaving is not None else (None, None)
 
         def collect(self, pending):
             events.append(("collect", pending.step))
@@ -226,14 +239,21 @@ def test_followers_launch_and_read_back_in_the_leader_s_order():
         inputs.token_ids[0] = first_token
         steps.append(leader.launch(inputs, StepStatics()))
     assert leader.collect(steps[0]) == 7 and leader.collect(steps[1]) == 8
-    assert events == [("launch", 7), ("launch", 8), ("collect", 7), ("collect", 8)]
+    inputs = empty_inputs(16, 4, shape)
+    inputs.token_ids[0] = 9
+    assert leader.tick(inputs, StepStatics(), tag="nine") == (None, None)  # in the pipeline's first stage
+    tag, pending = leader.tick(None, None)  # no new step: the step of 9 leaves
+    assert tag is None and leader.collect(pending) == 9
+    ticked = [("tick", 9), ("tick", None), ("collect", 9)]
+    assert events == [("launch", 7), ("launch", 8), ("collect", 7), ("collect", 8), *ticked]
 
     frames = queue.Queue()
     while not sent.empty():
         data = sent.get()
         kind, _ = wire._HEADER.unpack(data[:wire._HEADER.size])
         frames.put((kind, data[wire._HEADER.size:]))
-    assert [kind for kind, _ in list(frames.queue)] == [wire.STEP, wire.STEP, wire.READ, wire.READ]
+    assert [kind for kind, _ in list(frames.queue)] == [wire.STEP, wire.STEP, wire.READ, wire.READ, wire.TICK,
+                                                        wire.TICK, wire.READ]
     frames.put((wire.STEP, frames.queue[0][1]))  # a third step, launched and never read back
     frames.put((wire.STOP, json.dumps({"clean": True}).encode()))
     events.clear()
@@ -241,4 +261,4 @@ def test_followers_launch_and_read_back_in_the_leader_s_order():
     follower_cluster = SimpleNamespace(follower=SimpleNamespace(frames=frames, close=lambda: closed.append(True)),
                                        options=SimpleNamespace(coordinator="127.0.0.1:1234"))
     follow(SimpleNamespace(runner=Runner(), plan_shape=shape), follower_cluster, SimpleNamespace(overdue=lambda: False))
-    assert events == [("launch", 7), ("launch", 8), ("collect", 7), ("collect", 8), ("launch", 7)] and closed
+    assert events == [("launch", 7), ("launch", 8), ("collect", 7), ("collect", 8), *ticked, ("launch", 7)] and closed

@@ -1,6 +1,10 @@
 """Async scheduling: step N+1 is scheduled and dispatched before step N is read back, its decode inputs taken
 from step N's sampled tokens on the device. Whatever a request asks for, the outputs must be exactly those of
-the synchronous engine (`async_scheduling=False`), which reads every step back before scheduling the next."""
+the synchronous engine (`async_scheduling=False`), which reads every step back before scheduling the next.
+
+Each test runs on one device and on a 3-stage pipeline, where the async engine keeps its stages busy across steps
+(a new step enters stage 0 every tick while earlier ones move on, engine._tick) and the synchronous one runs each
+step's micro-batches through the stages within the step: the same tokens, whatever the interleaving."""
 
 import pytest
 
@@ -11,12 +15,16 @@ from jaxserve.runner import plan
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "Once upon a time,"]
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_checkpoint):
-    """(async engine, sync engine) on one tiny Llama; a small cache so that long runs preempt."""
+@pytest.fixture(scope="module", params=["1x1", "1x3"])
+def engines(request, tiny_checkpoint):
+    """(async engine, sync engine) on one tiny Llama (3 layers) and a mesh; a small cache so that long runs
+    preempt."""
     path = str(tiny_checkpoint("llama", tie_word_embeddings=False))
-    kw = dict(max_model_len=128, num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=32, warmup=False)
-    return Engine(path, **kw), Engine(path, async_scheduling=False, **kw)
+    kw = dict(max_model_len=128, num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=32, warmup=False,
+              mesh=request.param)
+    fast = Engine(path, **kw)
+    assert fast.stage_ticks == (request.param == "1x3")
+    return fast, Engine(path, async_scheduling=False, **kw)
 
 
 def run(engine, prompts, params):
@@ -117,7 +125,9 @@ def test_decode_inputs_come_from_the_device_while_the_host_catches_up(engines, m
     fast.add_request("in-flight", PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert fast.step() == []  # the prefill is dispatched; nothing read back yet
     assert fast.has_unfinished_requests()
-    outs = fast.step()  # dispatches the first decode, then reads the prefill back
+    outs = []
+    while not outs:  # on one device the next step; on a pipeline once the prefill has left its last stage
+        outs = fast.step()  # dispatches the first decode, then reads the prefill back
     assert [len(o.outputs[0].token_ids) for o in outs] == [1]
     fed, host_ids = sources[-1]
     assert fed and host_ids == [PLACEHOLDER]  # the host did not know the decode's input yet

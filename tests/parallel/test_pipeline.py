@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models.llama import scan_layers
-from jaxserve.parallel.pipeline import pipeline_layers, schedule
+from jaxserve.parallel.pipeline import pipeline_layers, pipeline_tick_layers, schedule
 from jaxserve.parallel.sharding import make_mesh, named_sharding
 from jaxserve.runner.attention import AttentionMetadata
 
@@ -59,3 +59,34 @@ def test_pipeline_hlo_hands_activations_on_with_collective_permute():
             jax.device_put(np.zeros((2, SLOTS), np.float32), stacked), meta)
     hlo = run.lower(*args).compile().as_text()
     assert "collective-permute" in hlo
+
+
+def test_pipeline_ticks_run_each_step_through_every_stage_in_turn():
+    """Ticks of the pipeline that keeps stages busy across steps: step k enters at tick k and leaves the last
+    stage at tick k + 3 with what one scan over all layers computes for it (the carried activations handed on
+    from stage to stage between ticks), each step's cache written by its own stage's layers."""
+    mesh = make_mesh(2, 4)
+    rng = np.random.default_rng(1)
+    weights = {"a": rng.uniform(0.5, 1.5, (L, 1)).astype(np.float32), "b": rng.normal(size=(L, D)).astype(np.float32)}
+    steps = [rng.normal(size=(T, D)).astype(np.float32) for _ in range(6)]
+
+    def meta_of(k: int | None) -> AttentionMetadata:  # step k writes its slot k + 1 (slot 0: the null slot)
+        slot = np.full(T, 0 if k is None else k + 1, np.int32)
+        return AttentionMetadata(np.zeros(T, np.int32), slot, np.zeros(T, np.int32), np.zeros((1, 1), np.int32))
+
+    expected = [jax.jit(lambda *a: scan_layers(toy_layer, *a))(weights, x, np.zeros((L, SLOTS), np.float32),
+                                                                 meta_of(k)) for k, x in enumerate(steps)]
+    stacked = named_sharding(mesh, ("layers", None))
+    run = jax.jit(lambda w, x, c, carry, m: pipeline_tick_layers(mesh, scan_layers)(toy_layer, w, x, (c, carry), m))
+    cache = jax.device_put(np.zeros((L, SLOTS), np.float32), stacked)
+    carry = jax.device_put(np.zeros((4, T + 2, D), np.float32), named_sharding(mesh, ("layers",)))
+    w = jax.device_put(weights, stacked)
+    for tick in range(len(steps) + 3):
+        in_stage = [tick - s if 0 <= tick - s < len(steps) else None for s in range(4)]
+        stage_meta = jax.tree.map(lambda *rows: np.stack(rows), *(meta_of(k) for k in in_stage))
+        x = steps[tick] if tick < len(steps) else np.zeros((T, D), np.float32)
+        out, (cache, carry) = run(w, x, cache, carry, stage_meta)
+        if in_stage[3] is not None:
+            np.testing.assert_allclose(out, expected[in_stage[3]][0], rtol=1e-5)
+    for k, (_, step_cache) in enumerate(expected):
+        np.testing.assert_allclose(np.asarray(cache)[:, k + 1], np.asarray(step_cache)[:, k + 1], rtol=1e-5)
