@@ -282,18 +282,10 @@ class ModelRunner:
                     for decode_only in ((True, False) if shape.decode_kernel and T == B else (False,))]
         forward_inputs = {key: empty_inputs(key[0], key[1], shape, decode_only=key[2]) for key in forwards}
 
-        def forward_call(x):
-            if self.ticking:  # every stage at this shape
-                stage_meta = jax.tree.map(lambda a: np.stack([a] * self.layout.pp), x.meta)
-                return (self.fns.forward_tick, (self.params, self.kv, self.carry, x.token_ids, stage_meta,
-                                                x.logits_indices, self.fed_tokens, x.token_source))
-            return (self.fns.forward, (self.params, self.kv, x.token_ids, x.meta, x.logits_indices, self.fed_tokens,
-                                       x.token_source))
-
-        precompiled = precompile([forward_call(forward_inputs[key]) for key in forwards], compile_threads, tick)
+        precompiled = precompile([self.forward_program(forward_inputs[key]) for key in forwards], compile_threads, tick)
         rows, hidden = {}, {}
         for key in forwards:  # each forward once: their outputs feed the sampler and prompt programs' compiles
-            fn, args = forward_call(forward_inputs[key])
+            fn, args = self.forward_program(forward_inputs[key])
             if self.ticking:
                 self.kv, self.carry, h, r = fn(*args)
             else:
@@ -318,6 +310,16 @@ class ModelRunner:
             if not precompiled:
                 tick(1)
         jax.block_until_ready(self.kv)
+
+    def forward_program(self, x: StepInputs) -> tuple:
+        """(the jitted forward a step of `x`'s shape runs, its arguments): on a ticking pipeline the tick program,
+        every stage at that shape."""
+        if self.ticking:
+            stage_meta = jax.tree.map(lambda a: np.stack([a] * self.layout.pp), x.meta)
+            return (self.fns.forward_tick, (self.params, self.kv, self.carry, x.token_ids, stage_meta,
+                                            x.logits_indices, self.fed_tokens, x.token_source))
+        return (self.fns.forward, (self.params, self.kv, x.token_ids, x.meta, x.logits_indices, self.fed_tokens,
+                                   x.token_source))
 
     @staticmethod
     def warmup_size(shape: PlanShape, sampler_variants: list[SamplerFlags] | None = None) -> int:

@@ -88,10 +88,10 @@ def test_slot_kinds_are_static_where_every_stage_agrees():
 
 
 def stage_program_text(engine) -> str:
-    runner = engine.runner
-    x = empty_inputs(16, 4, engine.plan_shape)
-    return runner.fns.forward.lower(runner.params, runner.kv, x.token_ids, x.meta, x.logits_indices,
-                                    runner.fed_tokens, x.token_source).compile().as_text()
+    """The compiled program of a step at 16 tokens: a tick of the pipeline whose stages stay busy across steps."""
+    assert engine.stage_ticks
+    program, args = engine.runner.forward_program(empty_inputs(16, 4, engine.plan_shape))
+    return program.lower(*args).compile().as_text()
 
 
 def test_unrolled_stages_slice_no_layer_out_of_a_stack(tiny_checkpoint):

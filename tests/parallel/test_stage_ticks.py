@@ -77,3 +77,16 @@ def test_logprobs_and_grammars_through_ticks(three_stages, params):
     assert got == outputs(synchronous, params)
     if params.prompt_logprobs:
         assert all(len(prompt) > 3 for prompt, _ in got)
+
+
+def test_warm_up_compiles_every_tick_a_pipeline_runs(four_layers):
+    """Warm-up compiles the tick program at each bucket, and the sampler on its outputs: serving mixed prefills
+    and decodes of several sizes, whose steps meet in the stages at the largest of their buckets, compiles
+    nothing more."""
+    engine = Engine(four_layers, mesh="1x2", num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=16,
+                    recompile_guard="error")
+    assert engine.stage_ticks and engine.runner.num_compiles > 0
+    prompts = [PROMPTS[0], PROMPTS[1] * 3, PROMPTS[2] * 6, PROMPTS[3]]
+    engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert engine.stats()["compiles_after_warmup"] == 0

@@ -133,11 +133,9 @@ def test_whole_experts_split_over_tp_with_expert_parallelism(engines):
 
 def test_compiled_step_has_tp_reductions_and_stage_hand_offs(engines):
     engine, _ = engines("llama-odd-sizes", "4x2")
-    runner = engine.runner
-    x = empty_inputs(16, 4, engine.plan_shape)
-    compiled = runner.fns.forward.lower(runner.params, runner.kv, x.token_ids, x.meta, x.logits_indices,
-                                        runner.fed_tokens, x.token_source).compile()
-    text = compiled.as_text()
+    program, args = engine.runner.forward_program(empty_inputs(16, 4, engine.plan_shape))
+    assert program is engine.runner.fns.forward_tick  # the stages stay busy across steps
+    text = program.lower(*args).compile().as_text()
     assert "all-reduce" in text  # row-parallel o / down projections and the vocab-parallel embedding
     assert "collective-permute" in text  # activations handed from stage to stage
 
