@@ -28,7 +28,7 @@ from jaxserve.runner.layer_loop import (
     unrolled_stage_layers,
     unstack_layers,
 )
-from jaxserve.runner.plan import PlanShape, empty_inputs, padded
+from jaxserve.runner.plan import PlanShape, empty_inputs, empty_meta, padded
 from jaxserve.runner.sampler import SamplerFlags
 from jaxserve.runner.step import StepFunctions, StepInputs, StepStatics
 from jaxserve.runner.weights import load_weights, resolve_quantization
@@ -216,15 +216,23 @@ class ModelRunner:
         T = max(step.inputs.token_ids.shape[0] for step in present)
         B = max(step.inputs.logits_indices.shape[0] for step in present)
         decode_only = all(step.statics.decode_only for step in present)
-        blank = empty_inputs(T, B, self.plan_shape, decode_only=decode_only)
-        at_tick = [blank if step is None else padded(step.inputs, T, B, self.plan_shape, decode_only)
-                   for step in stages]
-        stage_meta = jax.tree.map(lambda *rows: np.stack(rows), *(x.meta for x in at_tick))
-        first, last, leaving = at_tick[0], at_tick[-1], stages[-1]
+        # Padded to the tick's shape (no copy where a step has it already): the entering step's tokens, the leaving
+        # one's sampling inputs, and every stage's metadata.
+        shape, leaving = self.plan_shape, stages[-1]
+        first = None if entering is None else padded(entering.inputs, T, B, shape, decode_only)
+        last = None if leaving is None else padded(leaving.inputs, T, B, shape, decode_only)
+        blank = empty_meta(T, B, shape, decode_only)
+        metas = [blank if first is None else first.meta,
+                 *(blank if step is None else padded(step.inputs.meta, T, B, shape, decode_only)
+                   for step in stages[1:-1]),
+                 blank if last is None else last.meta]
+        stage_meta = jax.tree.map(lambda *rows: np.stack(rows), *metas)
+        token_ids, token_source = (np.zeros(T, np.int32), np.full(T, -1, np.int32)) if first is None else \
+            (first.token_ids, first.token_source)
+        logits_indices = np.zeros(B, np.int32) if last is None else last.logits_indices
         self.kv, self.carry, hidden, rows = self.fns.forward_tick(
-            self.params, self.kv, self.carry, first.token_ids, stage_meta, last.logits_indices, self.fed_tokens,
-            first.token_source)
-        if leaving is None:
+            self.params, self.kv, self.carry, token_ids, stage_meta, logits_indices, self.fed_tokens, token_source)
+        if last is None:
             return None, None
         return leaving.tag, self._sample(last, leaving.statics, hidden, rows, leaving.fed_tokens)
 

@@ -121,26 +121,37 @@ def empty_inputs(T: int, B: int, shape: PlanShape, penalties: bool = False, deco
         history_fed_pos=np.full(B, -1, np.int32), fed_row=np.zeros(B, np.int32),
         presence=f32(0.0), frequency=f32(0.0), repetition=f32(1.0), allowed=np.full((B, W), -1, np.int32),
     )
-    meta = AttentionMetadata(np.zeros(T, np.int32), np.zeros(T, np.int32), np.zeros(T, np.int32),
+    return StepInputs(np.zeros(T, np.int32), empty_meta(T, B, shape, decode_only), np.zeros(B, np.int32), sampling,
+                      np.zeros(T, np.int32), np.full(T, -1, np.int32))
+
+
+def empty_meta(T: int, B: int, shape: PlanShape, decode_only: bool = False) -> AttentionMetadata:
+    """All-padding metadata: every token at position 0 of row 0, written into the null block."""
+    return AttentionMetadata(np.zeros(T, np.int32), np.zeros(T, np.int32), np.zeros(T, np.int32),
                              np.zeros((B, shape.max_blocks_per_seq), np.int32), np.full(T, -1, np.int32), decode_only)
-    return StepInputs(np.zeros(T, np.int32), meta, np.zeros(B, np.int32), sampling, np.zeros(T, np.int32),
-                      np.full(T, -1, np.int32))
 
 
-def padded(inputs: StepInputs, T: int, B: int, shape: PlanShape, decode_only: bool) -> StepInputs:
-    """`inputs`, built for buckets up to (T, B), padded to (T, B) as `empty_inputs` pads (a pipeline tick runs the
-    steps in its stages at one shape). `decode_only`: the tick's, which may be False for a decode step whose
-    neighbours in the pipeline are not decodes."""
-    s = inputs.sampling
-    empty = empty_inputs(T, B, shape, penalties=s.history.shape[1] > 0, decode_only=decode_only,
-                         constrained=s.allowed.shape[1] > 0)
-    inputs = dataclasses.replace(inputs, meta=dataclasses.replace(inputs.meta, decode_only=decode_only))
+def padded(x: StepInputs | AttentionMetadata, T: int, B: int, shape: PlanShape, decode_only: bool):
+    """A step's inputs (or only their metadata), built for buckets up to (T, B), padded to (T, B) as `empty_inputs`
+    pads: a pipeline tick runs the steps in its stages at one shape. `decode_only`: the tick's, which is False
+    for a decode step whose neighbours in the pipeline are not decodes. No copy when the shape is already (T, B)."""
+    meta = x if isinstance(x, AttentionMetadata) else x.meta
+    if meta.decode_only != decode_only:
+        meta = dataclasses.replace(meta, decode_only=decode_only)
+        x = meta if isinstance(x, AttentionMetadata) else dataclasses.replace(x, meta=meta)
+    if (meta.positions.shape[0], meta.block_tables.shape[0]) == (T, B):
+        return x
+    if isinstance(x, AttentionMetadata):
+        empty = empty_meta(T, B, shape, decode_only)
+    else:
+        empty = empty_inputs(T, B, shape, penalties=x.sampling.history.shape[1] > 0, decode_only=decode_only,
+                             constrained=x.sampling.allowed.shape[1] > 0)
 
     def fill(into: np.ndarray, values: np.ndarray) -> np.ndarray:
         into[tuple(slice(0, n) for n in values.shape)] = values
         return into
 
-    return jax.tree.map(fill, empty, inputs)
+    return jax.tree.map(fill, empty, x)
 
 
 def inputs_treedef(shape: PlanShape, decode_only: bool):
