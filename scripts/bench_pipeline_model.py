@@ -3,11 +3,11 @@
 
     python scripts/bench_pipeline_model.py --shape llama3-8b --batch 64 --rounds 1 --append BENCHMARKS.md  # GPU
     python scripts/bench_pipeline_model.py [--append BENCHMARKS.md]   # SmolLM2-135M's shape, batch 16
-    python scripts/bench_pipeline_model.py --shape tiny --batch 4     # CI: checks that the script works
+    python scripts/bench_pipeline_model.py --shape tiny --layers 64 --batch 2 --stages 2  # CI: the script works
 
 The model subtracts step times, so it needs steady ones: on the 2-core CI VM, SmolLM2's 30-layer decode step at
 batch 8 measured 72 ms in one engine and 122 ms in the next (2026-11-28), which swings the ratios by 2x; a GPU's
-steps are steady. Each step time is the fastest of several steps, taken over --rounds fresh engines.
+steps are steady. Each step time is the fastest of several runs' mean step, taken over --rounds fresh engines.
 
 A pipeline stage runs a share of the layers, so its time is measured as such: decode steps of engines holding
 k = L, ceil(L/2), ... layers (dummy weights; k layers of the model's shape), at the batch sizes a stage sees.
@@ -51,33 +51,35 @@ from benchmark_table import append_row, command_line
 
 PROMPT_LEN = 8
 WARM_STEPS = 3  # the first decode steps compile
-TIMED_STEPS = 16
+TIMED_RUNS, TIMED_STEPS = 4, 8
 RECORDED_TICKS = 24  # ticks of steady decode whose schedule is recorded
 
 
 def decode_step_seconds(model_dir: Path, num_layers: int, batch: int, vocab: int = 0) -> float:
-    """The fastest of TIMED_STEPS decode steps at `batch` sequences, on an engine of `num_layers` layers and a
-    vocabulary of `vocab` (0: the shape's) (noise only ever adds time, and the model subtracts step times). With
-    async scheduling, as replicas and pipelines both run by default: a step's host work overlaps the device's
-    where the machine lets it, so the fixed part is what it does not hide."""
+    """Seconds per decode step at `batch` sequences, on an engine of `num_layers` layers and a vocabulary of
+    `vocab` (0: the shape's): the fastest of TIMED_RUNS runs of TIMED_STEPS steps, each run's mean (noise only ever
+    adds time, and the model subtracts step times). With async scheduling, as replicas and pipelines both run by
+    default: a step's host work overlaps the device's where the machine lets it, so the fixed part is what it
+    does not hide. (One `step()` call is no step time then: it may only read back a step already done.)"""
     from jaxserve import Engine, SamplingParams
 
     overrides = {"num_hidden_layers": num_layers} | ({"vocab_size": vocab} if vocab else {})
     engine = Engine(str(model_dir), load_format="dummy", hf_overrides=overrides,
                     max_num_seqs=batch, max_num_batched_tokens=batch * PROMPT_LEN, num_kv_blocks=batch * 4 + 1,
                     max_model_len=64, warmup=False)
-    params = SamplingParams(max_tokens=1 + WARM_STEPS + TIMED_STEPS, ignore_eos=True, temperature=0)
+    params = SamplingParams(max_tokens=1 + WARM_STEPS + TIMED_RUNS * TIMED_STEPS, ignore_eos=True, temperature=0)
     for i in range(batch):
         engine.add_request(str(i), {"prompt_token_ids": [2 + (i + j) % 97 for j in range(PROMPT_LEN)]}, params)
     engine.step()  # the prefill (one step: the budget holds every prompt)
     for _ in range(WARM_STEPS):
         engine.step()
-    times = []
-    for _ in range(TIMED_STEPS):
+    runs = []
+    for _ in range(TIMED_RUNS):
         started = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - started)
-    return min(times)
+        for _ in range(TIMED_STEPS):
+            engine.step()
+        runs.append((time.perf_counter() - started) / TIMED_STEPS)
+    return min(runs)
 
 
 def record_schedule(pp: int, batch: int) -> dict:
@@ -179,6 +181,7 @@ def model(measure, num_layers: int, vocab: int, batch: int, pp: int, recorded: d
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    ap.add_argument("--layers", type=int, help="decoder layers (default: the shape's)")
     ap.add_argument("--batch", type=int, default=16, help="decode sequences in a step")
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 4], metavar="PP")
     ap.add_argument("--rounds", type=int, default=2, help="times each step time is measured, in a fresh engine "
@@ -189,12 +192,12 @@ def main() -> None:
     if args.record_schedule:  # the child process of record_schedule
         print(json.dumps(_record(*args.record_schedule)))
         return
-    num_layers, vocab = SHAPES[args.shape]["num_hidden_layers"], SHAPES[args.shape]["vocab_size"]
+    num_layers, vocab = args.layers or SHAPES[args.shape]["num_hidden_layers"], SHAPES[args.shape]["vocab_size"]
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     for pp in args.stages:
         if not 1 < pp <= num_layers or args.batch % pp:
-            ap.error(f"--stages {pp}: each needs 1 < PP <= {num_layers} (the shape's layers) dividing --batch "
+            ap.error(f"--stages {pp}: each needs 1 < PP <= {num_layers} (the layers) dividing --batch "
                      f"{args.batch}")
 
     schedules = {pp: record_schedule(pp, args.batch) for pp in args.stages}

@@ -37,15 +37,17 @@ def test_the_model_splits_steps_into_layers_and_a_fixed_part():
 
 def test_bench_pipeline_model_tiny(tmp_path):
     table = tmp_path / "BENCHMARKS.md"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--shape", "tiny", "--batch", "2", "--stages", "2",
-                           "--append", str(table)], capture_output=True, text=True, timeout=300)
+    # 64 tiny layers, so that a stage's 32 fewer take longer than the machine's noise on a step (2 layers did not)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--shape", "tiny", "--layers", "64", "--batch", "2",
+                           "--stages", "2", "--append", str(table)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     last = done.stdout.strip().splitlines()[-1]
-    assert last.startswith("pp=2 (1 layer a stage, 2 micro-batches), batch 2: data parallel ")
-    assert "| `scripts/bench_pipeline_model.py --shape tiny --batch 2 --stages 2` | tiny | 2 | 2 |" in table.read_text()
+    assert last.startswith("pp=2 (32 layers a stage, 2 micro-batches), batch 2: data parallel ")
+    assert ("| `scripts/bench_pipeline_model.py --shape tiny --layers 64 --batch 2 --stages 2` | tiny | 2 | 2 |"
+            in table.read_text())
 
 
 def test_stages_must_divide_the_batch():
     done = subprocess.run([sys.executable, str(SCRIPT), "--batch", "6", "--stages", "4"], capture_output=True,
                           text=True, timeout=60)
-    assert done.returncode == 2 and "--stages 4: each needs 1 < PP <= 30" in done.stderr, done.stderr
+    assert done.returncode == 2 and "--stages 4: each needs 1 < PP <= 30 (the layers)" in done.stderr, done.stderr
