@@ -122,11 +122,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
-        """The next step. `max_seqs`: at most that many sequences in it (a pipeline whose stages stay busy across
-        steps spreads the sequences over its stages' steps); sequences `staged` in such a pipeline are skipped."""
+    def schedule(self, max_seqs: int | None = None, max_tokens: int | None = None) -> SchedulerOutput:
+        """The next step. `max_seqs`, `max_tokens`: at most that many sequences and tokens in it, below the
+        configured limits (a pipeline whose stages stay busy across steps spreads its work over its stages'
+        steps); sequences `staged` in such a pipeline are skipped."""
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens if max_tokens is None else max_tokens
         limit = self.config.max_num_seqs if max_seqs is None else max_seqs
         budget = self._schedule_running(out, budget, limit)
         if not out.preempted:

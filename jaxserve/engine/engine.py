@@ -327,9 +327,9 @@ class Engine:
         self._read_back_all_but(1 if queued and self.async_scheduling else 0, touched)
         return [self._emit(req) for req in touched.values() if req.finished or not finished_only]
 
-    def _plan(self, max_seqs: int | None = None):
+    def _plan(self, max_seqs: int | None = None, max_tokens: int | None = None):
         """Schedule the next step and build its inputs: (SchedulerOutput, inputs, statics), or None if empty."""
-        sched = self.scheduler.schedule(max_seqs)
+        sched = self.scheduler.schedule(max_seqs, max_tokens)
         if sched.is_empty:
             return None
         self.adapters.write_pending()  # adapters the scheduler just gave a slot
@@ -355,12 +355,16 @@ class Engine:
         return True
 
     def _tick(self) -> bool:
-        """One tick of a pipeline whose stages stay busy across steps: plan a step for at most a pp-th of the
-        sequences (so that pp steps share them in steady decode), from those no stage is working on, and move every
-        step one stage on; the step leaving the last stage is queued to be read back. Whether one was."""
-        pp = self.runner.layout.pp
-        active = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.config.scheduler.max_num_seqs)
-        planned = self._plan(max_seqs=max(1, -(-active // pp)))
+        """One tick of a pipeline whose stages stay busy across steps: plan a step from the sequences no stage is
+        working on and move every step one stage on; the step leaving the last stage is queued to be read back.
+        Whether one was. A step takes at most a pp-th of the sequences, so that pp steps share them in steady
+        decode, and a pp-th of the token budget: the stages run at the shape of the largest step among them, so a
+        prompt's chunk as large as the whole budget would pad the decode steps beside it to its size."""
+        pp, limits = self.runner.layout.pp, self.config.scheduler
+        active = min(len(self.scheduler.running) + len(self.scheduler.waiting), limits.max_num_seqs)
+        max_seqs = max(1, -(-active // pp))
+        max_tokens = min(limits.max_num_batched_tokens, max(max_seqs, -(-limits.max_num_batched_tokens // pp)))
+        planned = self._plan(max_seqs, max_tokens)
         if planned is None and self.runner.pipeline_empty:
             return False  # nothing to run
         sched, inputs, statics = planned or (None, None, None)

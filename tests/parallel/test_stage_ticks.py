@@ -9,6 +9,7 @@ pipeline too; here: the schedule itself, and what reads the model's outputs beyo
 import pytest
 
 from jaxserve import Engine, SamplingParams
+from jaxserve.engine.steps import StepLog
 from jaxserve.parallel.pipeline import schedule
 from jaxserve.sampling_params import StructuredOutputsParams
 
@@ -82,11 +83,16 @@ def test_logprobs_and_grammars_through_ticks(three_stages, params):
 def test_warm_up_compiles_every_tick_a_pipeline_runs(four_layers):
     """Warm-up compiles the tick program at each bucket, and the sampler on its outputs: serving mixed prefills
     and decodes of several sizes, whose steps meet in the stages at the largest of their buckets, compiles
-    nothing more."""
+    nothing more. Each step takes at most half the token budget on two stages, so a prompt's chunk never pads the
+    step beside it to the whole budget."""
     engine = Engine(four_layers, mesh="1x2", num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=16,
                     recompile_guard="error")
     assert engine.stage_ticks and engine.runner.num_compiles > 0
+    steps = StepLog()
+    engine.observers.append(steps)
     prompts = [PROMPTS[0], PROMPTS[1] * 3, PROMPTS[2] * 6, PROMPTS[3]]
     engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert engine.stats()["compiles_after_warmup"] == 0
+    tokens = [sum(n for _, _, n in step.chunks) for step in steps.records]
+    assert max(tokens) == 8 and len(steps.records) == engine.stats()["num_steps"]
