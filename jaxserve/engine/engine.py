@@ -105,12 +105,6 @@ class Engine:
         self.adapters = EngineAdapters(self.runner, cfg, max_loras, args.max_lora_rank, enable_lora)
         for name, path in (args.lora_modules or {}).items():
             self.adapters.preload(name, path)
-        # A single stream's drafted step (1 + k tokens and rows) gets a bucket of its own, unpadded.
-        spec_step = () if speculative is None else (1 + speculative.num_speculative_tokens,)
-        self.plan_shape = PlanShape(Buckets.for_limits(max_num_batched_tokens, max_num_seqs, spec_step),
-                                    args.block_size, cfg.vocab_size, max_model_len, args.max_logprobs,
-                                    self.runner.decode_kernel)
-        self.runner.set_token_feed(self.plan_shape.buckets.seqs[-1])
         # Several processes overlap steps too: followers launch and read back each step when process 0 does
         # (cluster/leader.py), as a read-back can be a collective. Drafting needs a sequence's latest tokens on the
         # host, which overlap would always leave one step behind (as in vLLM, speculative decoding runs its steps
@@ -122,6 +116,16 @@ class Engine:
         # the followers of several processes tick with process 0). Without overlap a step runs its micro-batches
         # through the stages within itself (fill-drain, parallel/pipeline.py).
         self.stage_ticks = self.async_scheduling and self.runner.layout.pp > 1
+        # A tick's step takes at most a pp-th of the sequences and of the token budget (_tick), and so do its buckets.
+        share = self.runner.layout.pp if self.stage_ticks else 1
+        self.step_seqs = -(-max_num_seqs // share)
+        self.step_tokens = min(max_num_batched_tokens, max(-(-max_num_batched_tokens // share), self.step_seqs))
+        # A single stream's drafted step (1 + k tokens and rows) gets a bucket of its own, unpadded.
+        spec_step = () if speculative is None else (1 + speculative.num_speculative_tokens,)
+        self.plan_shape = PlanShape(Buckets.for_limits(self.step_tokens, self.step_seqs, spec_step),
+                                    args.block_size, cfg.vocab_size, max_model_len, args.max_logprobs,
+                                    self.runner.decode_kernel)
+        self.runner.set_token_feed(self.plan_shape.buckets.seqs[-1])
         if self.stage_ticks:
             self.runner.start_ticks(self.plan_shape)
         started = time.perf_counter()
@@ -360,11 +364,9 @@ class Engine:
         Whether one was. A step takes at most a pp-th of the sequences, so that pp steps share them in steady
         decode, and a pp-th of the token budget: the stages run at the shape of the largest step among them, so a
         prompt's chunk as large as the whole budget would pad the decode steps beside it to its size."""
-        pp, limits = self.runner.layout.pp, self.config.scheduler
-        active = min(len(self.scheduler.running) + len(self.scheduler.waiting), limits.max_num_seqs)
-        max_seqs = max(1, -(-active // pp))
-        max_tokens = min(limits.max_num_batched_tokens, max(max_seqs, -(-limits.max_num_batched_tokens // pp)))
-        planned = self._plan(max_seqs, max_tokens)
+        pp = self.runner.layout.pp
+        active = len(self.scheduler.running) + len(self.scheduler.waiting)
+        planned = self._plan(max_seqs=min(self.step_seqs, max(1, -(-active // pp))), max_tokens=self.step_tokens)
         if planned is None and self.runner.pipeline_empty:
             return False  # nothing to run
         sched, inputs, statics = planned or (None, None, None)
