@@ -24,7 +24,7 @@ def four_layers(tiny_checkpoint):
 def test_every_stage_is_busy_on_every_tick_of_a_steady_decode(four_layers):
     engine = Engine(four_layers, mesh="1x4", max_model_len=256, max_num_seqs=8, warmup=False)
     assert engine.stage_ticks
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)  # none ends within the 20 ticks read
     for i, prompt in enumerate(PROMPTS * 2):
         engine.add_request(str(i), prompt, params)
     outs = {}
