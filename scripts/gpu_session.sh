@@ -135,7 +135,8 @@ case "$step" in
     ;;
   pipeline)
     # Issue 36's step-time model: pp = 2 and 4 in steady decode against data parallelism, from one GPU's decode
-    # steps at the 8B shape (engines of 32, 16 and 8 layers; about 3 minutes).
+    # steps at the 8B shape (engines of 32, 16 and 8 layers, and of 16 and 8 with an eighth of the vocabulary) and
+    # the engine's schedule recorded on fake CPU devices (about 4 minutes).
     python3 scripts/bench_pipeline_model.py --shape llama3-8b --batch 64 --rounds 1 --append "$out/benchmark_rows.md" \
       2>&1 | tee "$out/bench_pipeline_model.log"
     ;;
