@@ -23,7 +23,7 @@ from jaxserve.core.grammar import GrammarCompiler, grammar_ended
 from jaxserve.core.ngram_proposer import NgramProposer
 from jaxserve.core.output_processor import SequenceText, position_logprobs, record_prompt_logprobs, request_output
 from jaxserve.core.request import Request, Sequence
-from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.adapters import EngineAdapters, lora_slots
 from jaxserve.engine.inputs import (
     InputProcessor,
@@ -417,7 +417,7 @@ class Engine:
 
         self.scheduler.resolve(sched, sampled, on_token)
 
-    def _on_recompile(self, sched) -> None:
+    def _on_recompile(self, sched: SchedulerOutput) -> None:
         if self._compiles_at_warmup is None or self.recompile_guard == "off":
             return
         msg = (f"step {self._num_steps - 1} compiled a new program after warm-up ({sched.num_tokens} tokens, "

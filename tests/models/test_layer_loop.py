@@ -88,9 +88,11 @@ def test_slot_kinds_are_static_where_every_stage_agrees():
 
 
 def stage_program_text(engine) -> str:
-    """The compiled program of a step at 16 tokens: a tick of the pipeline whose stages stay busy across steps."""
+    """The compiled program of a step at the largest token bucket: a tick of the pipeline whose stages stay busy
+    across steps."""
     assert engine.stage_ticks
-    program, args = engine.runner.forward_program(empty_inputs(16, 4, engine.plan_shape))
+    shape = engine.plan_shape
+    program, args = engine.runner.forward_program(empty_inputs(shape.buckets.tokens[-1], 4, shape))
     return program.lower(*args).compile().as_text()
 
 
