@@ -172,10 +172,10 @@ class ModelRunner:
         self.fed_tokens = jax.jit(lambda: jnp.zeros(max_rows, jnp.int32), out_shardings=replicated)()
 
     def start_ticks(self, shape: PlanShape) -> None:
-        """Keep the pipeline's stages busy across steps from now on: each `tick` moves every step one stage on (pp
-        > 1; every process of several calls it, and ticks with process 0, cluster/follower.py). The carried activations
-        [pp, T_max, D] are sized for the largest token bucket. Called again when the plan's shape changes (the
-        context fitted to the cache), with the pipeline empty."""
+        """Keep the pipeline's stages (pp > 1) busy across steps from now on: each `tick` moves every step one stage
+        on. With several processes every one calls it, and the followers tick with process 0 (cluster/follower.py).
+        The carried activations [pp, T_max, D] are sized for the largest token bucket. Called again when the plan's
+        shape changes (the context fitted to the cache), with the pipeline empty."""
         assert self.layout.pp > 1 and self.pipeline_empty, "ticks need a pipeline, and no step inside it"
         self.plan_shape = shape
         self.staged = [None] * (self.layout.pp - 1)
