@@ -145,7 +145,8 @@ def step_times_needed(num_layers: int, vocab: int, batch: int, pp: int,
     stage, micro = stage_shape(num_layers, batch, pp)
     step_batch = step_batch or batch // pp
     batches = {batch // pp, batch // micro, batch, step_batch}
-    return {(layers, n, 0) for layers in (num_layers, stage) for n in batches} | {(stage, step_batch, small_vocab(vocab))}
+    whole_vocab = {(layers, n, 0) for layers in (num_layers, stage) for n in batches}
+    return whole_vocab | {(stage, step_batch, small_vocab(vocab))}
 
 
 def model(measure, num_layers: int, vocab: int, batch: int, pp: int, recorded: dict | None = None) -> dict:

@@ -39,12 +39,13 @@ def test_bench_pipeline_model_tiny(tmp_path):
     table = tmp_path / "BENCHMARKS.md"
     # 64 tiny layers, so that a stage's 32 fewer take longer than the machine's noise on a step (2 layers did not)
     done = subprocess.run([sys.executable, str(SCRIPT), "--shape", "tiny", "--layers", "64", "--batch", "2",
-                           "--stages", "2", "--rounds", "1", "--append", str(table)], capture_output=True, text=True, timeout=300)
+                           "--stages", "2", "--rounds", "1", "--append", str(table)],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("pp=2 (32 layers a stage, 2 micro-batches), batch 2: data parallel ")
-    assert ("| `scripts/bench_pipeline_model.py --shape tiny --layers 64 --batch 2 --stages 2 --rounds 1` | tiny | 2 | 2 |"
-            in table.read_text())
+    command = "scripts/bench_pipeline_model.py --shape tiny --layers 64 --batch 2 --stages 2 --rounds 1"
+    assert f"| `{command}` | tiny | 2 | 2 |" in table.read_text()
 
 
 def test_stages_must_divide_the_batch():

@@ -2,8 +2,8 @@
 
 The broadcast sits in front of `ModelRunner.launch` (and `tick`, on a pipeline whose stages stay busy across
 steps), the one place a step's inputs are complete: the padded numpy arrays (`StepInputs`) and the static
-choices (`StepStatics`). Sending before launching lets the
-followers start at once; they would wait in the step's first collective anyway. Each read-back is announced
+choices (`StepStatics`). Sending before launching lets the followers start at once; they would wait in the
+step's first collective anyway. Each read-back is announced
 too (READ), since copying a step's outputs to the host may be a collective: with async scheduling the leader
 launches step N+1 before it reads step N back, and the followers do both in that same order.
 """

@@ -11,7 +11,7 @@ manual over stages only. Two schedules:
 - Stages busy across steps (`pipeline_tick_layers`, vLLM's virtual engines): one program per tick, in which
   stage s works on the step planned s ticks ago, reading the activations stage s - 1 left in a carried buffer
   [pp, T_max, D] at the previous tick. The engine plans a new step every tick from the sequences no stage is
-  working on (engine/pipeline.py), so in steady decode every stage is busy on every tick.
+  working on (`Engine._tick`), so in steady decode every stage is busy on every tick.
 
 Both are exact: a sequence's earlier tokens (an earlier micro-batch, or a step planned earlier) reach each stage
 before its later ones, so each stage has run (and cached) them by the time the later ones need them.

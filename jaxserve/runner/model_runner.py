@@ -199,7 +199,8 @@ class ModelRunner:
                                                  inputs.logits_indices, self.fed_tokens, inputs.token_source)
         return self._sample(inputs, statics, hidden, rows, self.fed_tokens)
 
-    def tick(self, inputs: StepInputs | None, statics: StepStatics | None, tag=None) -> tuple[object, PendingStep | None]:
+    def tick(self, inputs: StepInputs | None, statics: StepStatics | None,
+             tag=None) -> tuple[object, PendingStep | None]:
         """One tick of a pipeline whose stages stay busy across steps (`start_ticks`): the step `inputs` (None: no
         new step) enters stage 0, every step inside moves one stage on, and the one reaching the last stage is
         sampled. Returns that step's `tag` and PendingStep, or (None, None) while no step leaves. The stages run
