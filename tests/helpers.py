@@ -12,10 +12,12 @@ import numpy as np
 # The XLA_FLAGS tests run with (tests/conftest.py sets them before jax is imported). 8 fake CPU devices let mesh
 # tests run anywhere. XLA's CPU compiler is most of the suite's time (docs/development.md): its older loop emitters
 # and LLVM without its expensive passes compile a tiny model's engine about a third faster and run SmolLM2 a few
-# percent slower; the suite as a whole, 13% faster. Compile options only: the same programs in float32, their
-# results equal to the last bits a change of compiler can move.
+# percent slower; the suite as a whole, 13% faster. LLVM's module in one piece (not split for parallel codegen
+# threads, which two workers on two cores never had idle): compile-bound tests 4% faster. Compile options only: the
+# same programs in float32, their results equal to the last bits a change of compiler can move.
 FAKE_DEVICES_XLA_FLAGS = "--xla_force_host_platform_device_count=8"
-FAST_COMPILE_XLA_FLAGS = "--xla_cpu_use_fusion_emitters=false --xla_llvm_disable_expensive_passes=true"
+FAST_COMPILE_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false --xla_llvm_disable_expensive_passes=true "
+                          "--xla_cpu_parallel_codegen_split_count=1")
 # For a script that runs the Pallas kernels interpreted (bench_kernels, tune_decode_kernel): the compile options
 # above run interpreted kernels up to 1.8x slower. Measured on those two script tests: 51.6 s with them, 33.4 s
 # without.
@@ -77,6 +79,15 @@ def hf_logits(model, token_ids: list[int]):
 
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].float().numpy()
+
+
+def hf_greedy_choices(model, prompt_ids: list[int], generated: list[int]) -> list[int]:
+    """transformers' greedy choice after the prompt and after each generated token but the last, from one forward
+    pass over the whole sequence. Equal to `generated` exactly when transformers' greedy `generate` (no logits
+    processors) gives `generated`: each choice is the next token given the tokens before it, and both stop at EOS
+    or at the same length. One pass instead of `generate`'s one per token: SmolLM2's 7 x 32 tokens took 20 s."""
+    sequence = prompt_ids + generated[:-1]
+    return hf_logits(model, sequence)[len(prompt_ids) - 1:].argmax(-1).tolist()
 
 
 def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, split_experts: bool = False,

@@ -14,9 +14,9 @@ ENGINE = {"mesh": "4x2", "dtype": "float32", "max_num_seqs": 2, "max_num_batched
           "warmup": False}
 LINES = [completion_line(f"line-{i}", prompt, max_tokens=6, temperature=0)
          for i, prompt in enumerate(["Hello there", "The capital of France is", "Once upon a time", "1, 2, 3,"])]
-# Long enough (8 x 24 tokens, 2 at a time: 72 steps after the first result) that a signal after the first result
-# lands mid-job.
-LONG_LINES = [completion_line(f"story-{i}", f"Story number {i}:", max_tokens=24, temperature=0, ignore_eos=True)
+# Long enough (8 x 12 tokens, 2 at a time on the two pipeline stages, one sequence a tick: about 80 ticks after the
+# first result) that a signal after the first result lands mid-job.
+LONG_LINES = [completion_line(f"story-{i}", f"Story number {i}:", max_tokens=12, temperature=0, ignore_eos=True)
               for i in range(8)]
 BOUND = 60  # seconds for a run that builds no engine: imports and the join, on a loaded CI machine
 

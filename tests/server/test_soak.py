@@ -11,7 +11,7 @@ import httpx
 
 from tests.server.helpers import API_KEY, REAL_MODEL, metric_value
 
-SOAK_SECONDS = 15
+SOAK_SECONDS = 10
 CLIENTS = 6
 MARKER = "zebra-soak-7731"  # in every prompt: it must not reach the server log
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
