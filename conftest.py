@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -37,11 +38,16 @@ def pytest_runtest_setup(item):
         jax.clear_caches()
 
 
+SCRIPT_TESTS = Path(__file__).parent / "tests"  # tests/test_*.py: the scripts run end to end, each in a process
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    """Within each file, the tests that compile optimised first (a stable sort, files kept in order): a worker
-    switches at most twice a file, not at every test that differs from its neighbour."""
+    """The scripts' end-to-end tests first: they are the longest single tests (up to a minute each), and xdist hands
+    out tests in this order, so last they left one worker running them while the other had finished. Within each
+    file, the tests that compile optimised first (a stable sort, files otherwise kept in order): a worker switches at
+    most twice a file, not at every test that differs from its neighbour."""
     files: dict = {}
     for item in items:
         files.setdefault(item.path, len(files))
-    items.sort(key=lambda item: (files[item.path], not runs_enough_to_optimise(item)))
+    items.sort(key=lambda item: (item.path.parent != SCRIPT_TESTS, files[item.path], not runs_enough_to_optimise(item)))

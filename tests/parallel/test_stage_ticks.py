@@ -52,9 +52,10 @@ def test_every_stage_is_busy_on_every_tick_of_a_steady_decode(four_layers):
 
 @pytest.fixture(scope="module")
 def three_stages(tiny_checkpoint):
-    """(ticking engine, synchronous engine: each step's micro-batches through the stages within it) on 1x3."""
+    """(ticking engine, synchronous engine: each step's micro-batches through the stages within it) on 1x3. The
+    engines of tests/engine/test_async_scheduling.py's 1x3 case: their programs come from the compilation cache."""
     path = str(tiny_checkpoint("llama", tie_word_embeddings=False))
-    kw = dict(mesh="1x3", max_model_len=128, num_kv_blocks=48, max_num_seqs=8, max_num_batched_tokens=32,
+    kw = dict(mesh="1x3", max_model_len=128, num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=32,
               warmup=False)
     return Engine(path, **kw), Engine(path, async_scheduling=False, **kw)
 
