@@ -22,11 +22,11 @@ import numpy as np
 # Frame kinds. Leader -> follower: STEP (launch a step), TICK (one tick of a pipeline whose stages stay busy across
 # steps: the step entering it, or an empty payload for none; ModelRunner.tick), READ (read back the oldest step
 # launched and not read back yet: the leader reads its steps back in launch order, one step behind with async
-# scheduling, and a read-back can be a collective every process joins at the same point), PING (idle heartbeat), STOP (payload: {"clean":
-# bool, "reason": str}), LOAD (build the engine now: commands whose leader may decide to run nothing, like
-# `batch`, send it first), LORA (write a LoRA adapter's factors into a device slot before the next step: only
-# process 0 reads adapters). Follower -> leader: HELO (payload: JSON facts about the process), LIVE (heartbeat),
-# TERM (it got a signal).
+# scheduling, and a read-back can be a collective every process joins at the same point), PING (idle heartbeat),
+# STOP (payload: {"clean": bool, "reason": str}), LOAD (build the engine now: commands whose leader may decide to
+# run nothing, like `batch`, send it first), LORA (write a LoRA adapter's factors into a device slot before the next
+# step: only process 0 reads adapters). Follower -> leader: HELO (payload: JSON facts about the process), LIVE
+# (heartbeat), TERM (it got a signal).
 STEP, TICK, READ, PING, STOP, LOAD, LORA = b"STEP", b"TICK", b"READ", b"PING", b"STOP", b"LOAD", b"LORA"
 HELO, LIVE, TERM = b"HELO", b"LIVE", b"TERM"
 KINDS = {STEP, TICK, READ, PING, STOP, LOAD, LORA, HELO, LIVE, TERM}

@@ -28,7 +28,7 @@ from jaxserve.runner.layer_loop import (
     unrolled_stage_layers,
     unstack_layers,
 )
-from jaxserve.runner.plan import PlanShape, empty_inputs, empty_meta, padded
+from jaxserve.runner.plan import PlanShape, empty_inputs, empty_meta, padded, padded_meta
 from jaxserve.runner.sampler import SamplerFlags
 from jaxserve.runner.step import StepFunctions, StepInputs, StepStatics
 from jaxserve.runner.weights import load_weights, resolve_quantization
@@ -222,14 +222,16 @@ class ModelRunner:
         shape, leaving = self.plan_shape, stages[-1]
         first = None if entering is None else padded(entering.inputs, T, B, shape, decode_only)
         last = None if leaving is None else padded(leaving.inputs, T, B, shape, decode_only)
-        blank = empty_meta(T, B, shape, decode_only)
+        blank = empty_meta(T, B, shape, decode_only) if len(present) < len(stages) else None  # steady decode: none
         metas = [blank if first is None else first.meta,
-                 *(blank if step is None else padded(step.inputs.meta, T, B, shape, decode_only)
+                 *(blank if step is None else padded_meta(step.inputs.meta, T, B, shape, decode_only)
                    for step in stages[1:-1]),
                  blank if last is None else last.meta]
         stage_meta = jax.tree.map(lambda *rows: np.stack(rows), *metas)
-        token_ids, token_source = (np.zeros(T, np.int32), np.full(T, -1, np.int32)) if first is None else \
-            (first.token_ids, first.token_source)
+        if first is None:
+            token_ids, token_source = np.zeros(T, np.int32), np.full(T, -1, np.int32)
+        else:
+            token_ids, token_source = first.token_ids, first.token_source
         logits_indices = np.zeros(B, np.int32) if last is None else last.logits_indices
         self.kv, self.carry, hidden, rows = self.fns.forward_tick(
             self.params, self.kv, self.carry, token_ids, stage_meta, logits_indices, self.fed_tokens, token_source)

@@ -131,27 +131,32 @@ def empty_meta(T: int, B: int, shape: PlanShape, decode_only: bool = False) -> A
                              np.zeros((B, shape.max_blocks_per_seq), np.int32), np.full(T, -1, np.int32), decode_only)
 
 
-def padded(x: StepInputs | AttentionMetadata, T: int, B: int, shape: PlanShape, decode_only: bool):
-    """A step's inputs (or only their metadata), built for buckets up to (T, B), padded to (T, B) as `empty_inputs`
-    pads: a pipeline tick runs the steps in its stages at one shape. `decode_only`: the tick's, which is False
-    for a decode step whose neighbours in the pipeline are not decodes. No copy when the shape is already (T, B)."""
-    meta = x if isinstance(x, AttentionMetadata) else x.meta
+def _fill(into: np.ndarray, values: np.ndarray) -> np.ndarray:
+    into[tuple(slice(0, n) for n in values.shape)] = values
+    return into
+
+
+def padded_meta(meta: AttentionMetadata, T: int, B: int, shape: PlanShape, decode_only: bool) -> AttentionMetadata:
+    """A step's metadata, built for buckets up to (T, B), padded to (T, B) as `empty_meta` pads: a pipeline tick
+    runs the steps in its stages at one shape. `decode_only`: the tick's, which is False for a decode step whose
+    neighbours in the pipeline are not decodes. No copy when the shape is already (T, B)."""
     if meta.decode_only != decode_only:
         meta = dataclasses.replace(meta, decode_only=decode_only)
-        x = meta if isinstance(x, AttentionMetadata) else dataclasses.replace(x, meta=meta)
     if (meta.positions.shape[0], meta.block_tables.shape[0]) == (T, B):
-        return x
-    if isinstance(x, AttentionMetadata):
-        empty = empty_meta(T, B, shape, decode_only)
-    else:
-        empty = empty_inputs(T, B, shape, penalties=x.sampling.history.shape[1] > 0, decode_only=decode_only,
-                             constrained=x.sampling.allowed.shape[1] > 0)
+        return meta
+    return jax.tree.map(_fill, empty_meta(T, B, shape, decode_only), meta)
 
-    def fill(into: np.ndarray, values: np.ndarray) -> np.ndarray:
-        into[tuple(slice(0, n) for n in values.shape)] = values
-        return into
 
-    return jax.tree.map(fill, empty, x)
+def padded(inputs: StepInputs, T: int, B: int, shape: PlanShape, decode_only: bool) -> StepInputs:
+    """A step's inputs padded to (T, B) as `empty_inputs` pads, their metadata as `padded_meta` does."""
+    if inputs.meta.decode_only != decode_only:
+        inputs = dataclasses.replace(inputs, meta=dataclasses.replace(inputs.meta, decode_only=decode_only))
+    if (inputs.token_ids.shape[0], inputs.logits_indices.shape[0]) == (T, B):
+        return inputs
+    s = inputs.sampling
+    empty = empty_inputs(T, B, shape, penalties=s.history.shape[1] > 0, decode_only=decode_only,
+                         constrained=s.allowed.shape[1] > 0)
+    return jax.tree.map(_fill, empty, inputs)
 
 
 def inputs_treedef(shape: PlanShape, decode_only: bool):
