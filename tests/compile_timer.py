@@ -1,4 +1,6 @@
-"""Where the suite's XLA time goes, per test: `python -m pytest -n 2 -p tests.compile_timer --compile-times DIR`.
+"""Where the suite's XLA time goes, per test: `python -m pytest -n 2 -p tests.compile_timer --compile-times=DIR`.
+With the "=": pytest reads a separate `DIR` as a test path when it chooses the run's root directory, and from
+another root the real-model tests lost their xdist group (each worker started its own server).
 
 Each process (the controller and every xdist worker) listens to jax's own duration events (tracing, lowering to
 MLIR, the backend's compile, seconds a persistent-cache hit saved) and writes what each test spent to

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FAKE_DEVICES_XLA_FLAGS, FAST_COMPILE_XLA_FLAGS, make_tiny_checkpoint
+from tests.helpers import FAKE_DEVICES_XLA_FLAGS, FAST_COMPILE_XLA_FLAGS, make_tiny_checkpoint, truncate_bpe_tokenizer
 
 # Tests run on the host CPU. Set before jax is imported (tests.helpers does not import it), and inherited by the
 # servers and jobs the tests start.
@@ -87,11 +87,13 @@ def tiny_tokenizer_source(request, tmp_path_factory) -> str:
     test process ($JAXSERVE_TEST_TOKENIZER_DIR: one given, as in a GPU session, where the GGUF cannot be fetched or
     carried). From a directory it loads in a fraction of a second; from the GGUF, transformers parses the whole
     file again for each checkpoint (about 12 s each)."""
-    given = os.environ.get("JAXSERVE_TEST_TOKENIZER_DIR")
-    if given:
-        return given
+    from transformers import AutoTokenizer
+
     directory = tmp_path_factory.mktemp("smollm2-tokenizer")
-    request.getfixturevalue("smol_tokenizer").save_pretrained(directory)
+    given = os.environ.get("JAXSERVE_TEST_TOKENIZER_DIR")
+    tokenizer = AutoTokenizer.from_pretrained(given) if given else request.getfixturevalue("smol_tokenizer")
+    tokenizer.save_pretrained(directory)
+    truncate_bpe_tokenizer(directory)
     return str(directory)
 
 

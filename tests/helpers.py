@@ -28,6 +28,27 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_atte
             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.08)
 
 
+# Tiny checkpoints' vocabulary: SmolLM2's tokenizer cut to its first TINY_VOCAB ids (its 17 special tokens, the 256
+# byte tokens and its first merges), so any text still encodes. A tiny model's embedding and LM head are most of it:
+# at SmolLM2's 49152 ids they made each step, each checkpoint written and each tokenizer loaded 30x the work.
+TINY_VOCAB = 1024
+
+
+def truncate_bpe_tokenizer(directory: Path, size: int = TINY_VOCAB) -> None:
+    """Cut the byte-level BPE tokenizer saved in `directory` (tokenizer.json) to its first `size` ids: the merges
+    that make a kept token stay, in order; added tokens past `size` go."""
+    import json
+
+    path = Path(directory) / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    model = spec["model"]
+    model["vocab"] = {token: i for token, i in model["vocab"].items() if i < size}
+    merges = [m if isinstance(m, list) else m.split(" ") for m in model["merges"]]
+    model["merges"] = [m for m in merges if "".join(m) in model["vocab"]]
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] < size]
+    path.write_text(json.dumps(spec, ensure_ascii=False))
+
+
 def make_tiny_checkpoint(arch: str, out: Path, tokenizer_source: str, **overrides) -> Path:
     """`tokenizer_source`: a GGUF file holding the tokenizer, or a directory transformers saved one in."""
     import torch
@@ -71,6 +92,28 @@ def make_tiny_classifier(causal_dir: Path, out: Path, num_labels: int, **config)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(causal_dir).save_pretrained(out)
     return model
+
+
+def assert_equal_up_to_rounding(got, expected, tol: float = 1e-5, where: str = "") -> None:
+    """`got` == `expected` (nested lists, tuples, dicts, dataclasses such as Logprob) with every float within `tol`:
+    two engines whose steps batch the same rows differently (a pipeline's ticks, fill-drain micro-batches) give the
+    same tokens, ranks and text, and logprobs a last bit apart (XLA's CPU matmul blocks by the batch's size)."""
+    import dataclasses
+
+    if isinstance(expected, float) and isinstance(got, float):
+        assert abs(got - expected) <= tol, f"{where}: {got} vs {expected}"
+    elif dataclasses.is_dataclass(expected) and type(got) is type(expected):
+        assert_equal_up_to_rounding(dataclasses.astuple(got), dataclasses.astuple(expected), tol, where)
+    elif isinstance(expected, dict) and isinstance(got, dict):
+        assert got.keys() == expected.keys(), f"{where}: keys {sorted(got)} vs {sorted(expected)}"
+        for key in expected:
+            assert_equal_up_to_rounding(got[key], expected[key], tol, f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)) and type(got) is type(expected):
+        assert len(got) == len(expected), f"{where}: {len(got)} items vs {len(expected)}"
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert_equal_up_to_rounding(g, e, tol, f"{where}[{i}]")
+    else:
+        assert got == expected, f"{where}: {got!r} vs {expected!r}"
 
 
 def hf_logits(model, token_ids: list[int]):
@@ -144,7 +187,7 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, split_ex
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(cfg["rms_norm_eps"]))
     for name, factors in _gguf_rope_factors(cfg, rope, theta, rotary).items():
         writer.add_tensor(name, np.asarray(factors, np.float32))
-    for key, kind, value in _tokenizer_fields(tokenizer_gguf):
+    for key, kind, value in _tokenizer_fields(tokenizer_gguf, cfg["vocab_size"]):
         if kind == gguf.GGUFValueType.ARRAY:
             writer.add_array(key, value)
         elif kind == gguf.GGUFValueType.BOOL:
@@ -215,12 +258,19 @@ def quantized_blocks(w: np.ndarray, kind) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=2)
-def _tokenizer_fields(gguf_path: str) -> tuple:
-    """(key, type, value) of a GGUF's tokenizer.* metadata, read once per file."""
+def _tokenizer_fields(gguf_path: str, vocab_size: int) -> tuple:
+    """(key, type, value) of a GGUF's tokenizer.* metadata, read once per file, its vocabulary cut to its first
+    `vocab_size` ids as truncate_bpe_tokenizer cuts the saved tokenizer (tiny checkpoints' vocabulary)."""
     from jaxserve.loader.gguf_reader import GGUFReader
 
-    return tuple((key, field.type, field.value) for key, field in GGUFReader(gguf_path).fields.items()
-                 if key.startswith("tokenizer."))
+    fields = {key: (field.type, field.value) for key, field in GGUFReader(gguf_path).fields.items()
+              if key.startswith("tokenizer.")}
+    tokens = fields["tokenizer.ggml.tokens"][1][:vocab_size]
+    kept = set(tokens)
+    cut = {"tokenizer.ggml.tokens": tokens,
+           "tokenizer.ggml.token_type": fields["tokenizer.ggml.token_type"][1][:vocab_size],
+           "tokenizer.ggml.merges": [m for m in fields["tokenizer.ggml.merges"][1] if m.replace(" ", "") in kept]}
+    return tuple((key, kind, cut.get(key, value)) for key, (kind, value) in fields.items())
 
 
 def _interleave_rotary_halves(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -3,6 +3,7 @@ refuses a mesh whose layout differs with a sentence naming both, and never overw
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 
@@ -62,10 +63,10 @@ def test_a_longrope_config_survives_its_json_round_trip():
     assert model_config(json.loads(json.dumps({"config": dataclasses.asdict(cfg)}))) == cfg
 
 
-def test_a_converted_checkpoint_keeps_the_tokenizer_it_was_given(tiny_checkpoint, smol_tokenizer, tmp_path):
+def test_a_converted_checkpoint_keeps_the_tokenizer_it_was_given(tiny_checkpoint, tiny_tokenizer_source, tmp_path):
     """`--tokenizer` as serve takes it: stored beside the weights, so the checkpoint serves with it."""
     tokenizer_dir = tmp_path / "tokenizer"
-    smol_tokenizer.save_pretrained(tokenizer_dir)
+    shutil.copytree(tiny_tokenizer_source, tokenizer_dir)
     (tokenizer_dir / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
     out = str(tmp_path / "ckpt")
     assert cli.main(["convert", str(tiny_checkpoint("llama")), out, "--tokenizer", str(tokenizer_dir)]) == 0

@@ -4,13 +4,15 @@ the synchronous engine (`async_scheduling=False`), which reads every step back b
 
 Each test runs on one device and on a 3-stage pipeline, where the async engine keeps its stages busy across steps
 (a new step enters stage 0 every tick while earlier ones move on, engine._tick) and the synchronous one runs each
-step's micro-batches through the stages within the step: the same tokens, whatever the interleaving."""
+step's micro-batches through the stages within the step: the same tokens, whatever the interleaving (and the same
+logprobs but for their last bit: the two batch the rows differently)."""
 
 import pytest
 
 from jaxserve import Engine, SamplingParams
 from jaxserve.core.request import PLACEHOLDER
 from jaxserve.runner import plan
+from tests.helpers import assert_equal_up_to_rounding
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "Once upon a time,"]
 
@@ -35,7 +37,9 @@ def run(engine, prompts, params):
 def both(engines, prompts, params):
     fast, slow = engines
     got, expected = run(fast, prompts, params), run(slow, prompts, params)
-    assert got == expected
+    # One device: the same programs on the same rows, bit for bit. 1x3: the ticks batch the rows unlike the
+    # fill-drain steps, so logprobs may differ in their last bit.
+    assert_equal_up_to_rounding(got, expected, tol=1e-5 if fast.stage_ticks else 0.0)
     return got
 
 

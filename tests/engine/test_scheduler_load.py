@@ -8,6 +8,7 @@ import pytest
 
 from jaxserve import Engine, SamplingParams
 from jaxserve.engine.steps import StepLog
+from tests.helpers import TINY_VOCAB
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -35,7 +36,7 @@ def test_preemption_under_memory_pressure_loses_nothing(tiny):
 
 def test_shared_prefix_is_computed_once(tiny):
     rng = random.Random(0)
-    prefix = [rng.randrange(10, 40000) for _ in range(1000)]
+    prefix = [rng.randrange(10, TINY_VOCAB) for _ in range(1000)]
     a, b = prefix + [11, 12, 13], prefix + [21, 22]
     engine = Engine(tiny, num_kv_blocks=256, max_num_batched_tokens=512, warmup=False)
     steps = StepLog()
@@ -94,7 +95,7 @@ def test_no_compiles_after_warmup_for_120_random_requests(tiny, caplog):
     assert float(concurrency) == pytest.approx(127 * 16 / 512, abs=0.05)
 
     rng = random.Random(1)
-    prompts = [[rng.randrange(10, 40000) for _ in range(rng.randint(1, 300))] for _ in range(120)]
+    prompts = [[rng.randrange(10, TINY_VOCAB) for _ in range(rng.randint(1, 300))] for _ in range(120)]
     params = [random_params(rng) for _ in prompts]
     outs = engine.generate(prompts, params, use_tqdm=False)  # recompile_guard="error" raises on any compile
     assert all(o.finished for o in outs)

@@ -18,11 +18,10 @@ SMALL = dict(load_format="dummy", dtype="float32", num_kv_blocks=16, max_num_seq
 
 
 @pytest.fixture(scope="module")
-def templated_tokenizer_dir(smol_tokenizer, tmp_path_factory):
-    """The model's tokenizer saved elsewhere with a chat template of its own, so that using it shows."""
+def templated_tokenizer_dir(tiny_tokenizer_source, tmp_path_factory):
+    """The tiny checkpoints' tokenizer saved elsewhere with a chat template of its own, so that using it shows."""
     path = tmp_path_factory.mktemp("tokenizer")
-    smol_tokenizer.save_pretrained(path)
-    tokenizer = type(smol_tokenizer).from_pretrained(path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_tokenizer_source)
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(path)
     return path

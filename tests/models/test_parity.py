@@ -88,11 +88,14 @@ def check_parity(engine: Engine, reference, prompts, max_tokens: int = 9, tol: f
     assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
     # One logged row per sampled token: the prefill of each prompt and max_tokens - 1 decode steps.
     assert len(log) == len(prompts) * max_tokens
-    finals = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+    # transformers' logits at every position of each finished sequence, one forward pass each (causal: a position's
+    # logits see only the tokens before it, so a row's reference is its prefix's last position in the whole).
+    finals = [(o.prompt_token_ids + o.outputs[0].token_ids) for o in outs]
+    references = [hf_logits(reference, f) for f in finals]
     differences = []
     for tokens_so_far, logits in log:
-        full = next(f for f in finals if f[: len(tokens_so_far)] == tokens_so_far)
-        ref = hf_logits(reference, full)[len(tokens_so_far) - 1]
+        which = next(i for i, f in enumerate(finals) if f[: len(tokens_so_far)] == tokens_so_far)
+        ref = references[which][len(tokens_so_far) - 1]
         differences.append(float(np.abs(ref - logits).max()))
     assert max(differences) <= tol, f"max abs logit difference {max(differences)}"
     return differences

@@ -8,13 +8,14 @@ independently of the engine's code: a wrong scale axis, a scale applied twice or
 changes a row's maximum shows up far above the tolerance (logits off by more than 1).
 
 The tolerance is looser than float parity's: float noise from earlier layers (1e-6) can tip an activation that
-lies on a rounding boundary to the next int8 step on one side only, which moves these logits by up to ~5e-3.
+lies on a rounding boundary to the next int8 step on one side only, which moved these logits by up to 0.04; so
+most steps must agree to float noise, and none be off by more than TOL (exact_but_where_a_value_tipped).
 
 FP8 GEMMs (float8 weights times float8 activations, on GPUs that have them) are held to the same standard with
 activations rounded per token to float8 e4m3.
 """
 
-TOL = 2e-2
+TOL = 6e-2
 # float8 e4m3 steps are 1/8 to 1/16 of a value (int8's are 1/127 of a row's max), and wider models sum more tipped
 # products: a tipped activation moved the logits by up to ~0.06 (int8, tests/loader/test_scaled_8bit.py's model) or
 # ~0.14 (float8). Those tests bound the logits by TIPPED and ask most steps to agree to float noise
@@ -73,7 +74,7 @@ def w8a8_engine(path, mesh=None):
 @pytest.mark.parametrize("name", ["llama-odd-sizes", "qwen2-bias", "qwen3-qk-norm"])
 def test_w8a8_logits_match_transformers_on_fake_quantized_activations(name, w8a8_case):
     path, reference = w8a8_case(name)
-    check_parity(w8a8_engine(path), reference, PROMPTS, tol=TOL)
+    exact_but_where_a_value_tipped(check_parity(w8a8_engine(path), reference, PROMPTS, tol=TOL))
 
 
 @pytest.mark.parametrize("name, mesh", [("llama-odd-sizes", "4x2"), ("llama-padded-q-groups", "4x1")])
@@ -81,7 +82,7 @@ def test_w8a8_on_padded_meshes_matches_too(w8a8_case, name, mesh):
     """A token's scale is the max over all its features, which tp splits over devices and pads: padded features
     must not change the max; the int32 partial sums are added across devices."""
     path, reference = w8a8_case(name)
-    check_parity(w8a8_engine(path, mesh=mesh), reference, PROMPTS, tol=TOL)
+    exact_but_where_a_value_tipped(check_parity(w8a8_engine(path, mesh=mesh), reference, PROMPTS, tol=TOL))
 
 
 def test_int8_matmul_quantizes_each_token_over_the_contracted_axes():
