@@ -42,7 +42,9 @@ SHAPES = {
                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True),
 }
 SUCCESSOR_PROBS = (0.55, 0.25, 0.12, 0.08)
-FIRST_ID = 1000  # the chain's tokens: ids FIRST_ID.. (clear of special tokens at the start of the vocabulary)
+# The chain's tokens: ids FIRST_ID.. (clear of the special and byte tokens at the start of a byte-level BPE
+# vocabulary; a tokenizer of 300 + --active-tokens ids is enough, such as the test suite's cut SmolLM2 one).
+FIRST_ID = 300
 VARIANTS = ("int8", "w8a8", "fp8-kv", "lora", "ngram", "structured")
 # Bounded, so that a model which never chooses to end a string still closes the object within max_tokens.
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -83,6 +85,9 @@ def train_model(shape: str, tokenizer_dir: str, out: Path, chain: MarkovChain, m
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = load_tokenizer(tokenizer_dir)
+    if len(tokenizer) < FIRST_ID + chain.active:
+        raise SystemExit(f"the tokenizer has {len(tokenizer)} tokens; the chain needs ids up to "
+                         f"{FIRST_ID + chain.active - 1}: give fewer --active-tokens or a larger tokenizer")
     config = AutoConfig.for_model("llama", **SHAPES[shape], vocab_size=len(tokenizer), rms_norm_eps=1e-5,
                                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     config.architectures = ["LlamaForCausalLM"]

@@ -1,8 +1,9 @@
 """Tiny random Llama, Qwen2/Qwen3, Mixtral, Qwen3-MoE, SmolLM3 and Gemma 3 on 2x2 or 4x2 meshes: logits within 1e-4 of transformers, and proof
 from the arrays and the compiled program that the work is really split.
 
-The Llama is deliberately awkward: 6 q / 3 kv heads, MLP width 100, vocabulary 49157 and 5 layers (stages of
-3 and 2, so stage 1 ends in a zero layer): every padding path runs."""
+The Llama is deliberately awkward: 6 q / 3 kv heads, MLP width 100, a vocabulary of 1029 (odd, and 5 more ids than
+its tokenizer has, as real checkpoints pad theirs) and 5 layers (stages of 3 and 2, so stage 1 ends in a zero layer):
+every padding path runs."""
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from tests.models.test_parity import GEMMA3_ROPE, PROMPTS, check_parity
 
 MODELS = {
     "llama-odd-sizes": ("llama", dict(num_attention_heads=6, num_key_value_heads=3, intermediate_size=100,
-                                      vocab_size=49157, num_hidden_layers=5, hidden_size=48,
+                                      vocab_size=1029, num_hidden_layers=5, hidden_size=48,
                                       tie_word_embeddings=False)),
     "qwen2-bias": ("qwen2", dict(tie_word_embeddings=True)),
     # each expert's MLP width split over tp (expert tensor parallelism, the default)
