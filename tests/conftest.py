@@ -62,8 +62,12 @@ def run_tmp(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_gguf_path, run_tmp):
     """transformers' own reading of the same GGUF (its own dequantization): the reference model.
-    transformers parses and dequantizes the whole GGUF in about 25 s, so the first process to need it saves what it
+    transformers parses and dequantizes the whole GGUF in about 10 s, so the first process to need it saves what it
     read as safetensors for the run's other workers, which load that in a second: one reading, by transformers."""
+    import functools
+    from unittest import mock
+
+    import gguf
     import torch
     from filelock import FileLock
     from transformers import AutoModelForCausalLM
@@ -73,7 +77,10 @@ def hf_smollm2(smollm2_gguf_path, run_tmp):
         if not saved.exists():
             d, f = os.path.split(smollm2_gguf_path)
             partial = run_tmp / "smollm2-transformers-float32.partial"
-            model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+            # transformers asks gguf for the same tensor name map once per module (397 times, 15 ms each); the same
+            # answer each time, remembered: 14.6 s -> 9.3 s, the same weights.
+            with mock.patch("gguf.get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+                model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
             model.hf_quantizer = None  # it holds float32 tensors now; transformers refuses to save a "GGUF model"
             del model.config.quantization_config
             model.save_pretrained(partial)
