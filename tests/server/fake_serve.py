@@ -17,7 +17,9 @@ from tests.server.helpers import ServerProcess, free_port, wait_for_health
 
 
 def main(argv: list[str]) -> int:
-    from transformers import AutoTokenizer
+    # The tokenizer class itself, not AutoTokenizer: AutoTokenizer's config machinery imports torch (~1.5 s a
+    # process), which nothing here uses. Both give the same TokenizersBackend for a saved tokenizer.json.
+    from transformers import PreTrainedTokenizerFast
 
     from jaxserve.cli.main import build_parser
     from jaxserve.cli.serve import listen_socket
@@ -27,7 +29,7 @@ def main(argv: list[str]) -> int:
     tokenizer_dir, step_delay, *serve_argv = argv
     args = build_parser()[0].parse_args(["serve", *serve_argv])
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = FakeEngine(AutoTokenizer.from_pretrained(tokenizer_dir), step_delay=float(step_delay))
+    engine = FakeEngine(PreTrainedTokenizerFast.from_pretrained(tokenizer_dir), step_delay=float(step_delay))
     return serve_engine(engine, args, listen_socket(args.host, args.port))
 
 
