@@ -240,6 +240,10 @@ class Engine:
             self._texts.pop(seq.seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
+        """Whether `step()` has work left: a request not finished, or a launched step not yet read back (async
+        scheduling and a pipeline's ticks launch ahead). So `while engine.has_unfinished_requests(): engine.step()`
+        drains both; right after a `generate` whose last request ended on a stop string it can be True for the
+        step launched before the stop was seen, whose reading returns no outputs (its KV blocks are already free)."""
         return bool(self._requests) or bool(self._launched) or not self.runner.pipeline_empty
 
     # ---- whole calls (vLLM's LLM): the OfflineAPI facade runs them on this engine -----------------------------

@@ -30,7 +30,8 @@ class StepEngine(Protocol):
 
     def abort_request(self, request_id: str) -> None: ...
 
-    def has_unfinished_requests(self) -> bool: ...
+    def has_unfinished_requests(self) -> bool:
+        """Whether `step()` has work left: an unfinished request or a launched step not yet read back."""
 
     def step(self, finished_only: bool = False) -> list:
         """One step; the outputs of the requests it advanced (the engine thread only)."""
