@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -90,16 +91,15 @@ def hf_smollm2(smollm2_gguf_path, run_tmp):
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer_source(request, tmp_path_factory) -> str:
-    """Where tiny checkpoints take their tokenizer: a directory holding SmolLM2's, saved by transformers once per
-    test process ($JAXSERVE_TEST_TOKENIZER_DIR: one given, as in a GPU session, where the GGUF cannot be fetched or
-    carried). From a directory it loads in a fraction of a second; from the GGUF, transformers parses the whole
-    file again for each checkpoint (about 12 s each)."""
-    from transformers import AutoTokenizer
-
+    """Where tiny checkpoints take their tokenizer: a directory holding SmolLM2's, written once per test process
+    (a copy of $JAXSERVE_TEST_TOKENIZER_DIR where one is given, as in a GPU session, where the GGUF cannot be
+    fetched or carried) and cut to its first TINY_VOCAB ids (tests/helpers.truncate_bpe_tokenizer)."""
     directory = tmp_path_factory.mktemp("smollm2-tokenizer")
     given = os.environ.get("JAXSERVE_TEST_TOKENIZER_DIR")
-    tokenizer = AutoTokenizer.from_pretrained(given) if given else request.getfixturevalue("smol_tokenizer")
-    tokenizer.save_pretrained(directory)
+    if given:
+        shutil.copytree(given, directory, dirs_exist_ok=True)
+    else:
+        request.getfixturevalue("smol_tokenizer").save_pretrained(directory)
     truncate_bpe_tokenizer(directory)
     return str(directory)
 

@@ -90,7 +90,7 @@ def check_parity(engine: Engine, reference, prompts, max_tokens: int = 9, tol: f
     assert len(log) == len(prompts) * max_tokens
     # transformers' logits at every position of each finished sequence, one forward pass each (causal: a position's
     # logits see only the tokens before it, so a row's reference is its prefix's last position in the whole).
-    finals = [(o.prompt_token_ids + o.outputs[0].token_ids) for o in outs]
+    finals = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
     references = [hf_logits(reference, f) for f in finals]
     differences = []
     for tokens_so_far, logits in log:
