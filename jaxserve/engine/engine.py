@@ -48,6 +48,7 @@ from jaxserve.pooling_params import PoolingParams
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.capacity import capacity_line, size_kv_cache
 from jaxserve.runner.compilation_cache import enable_compilation_cache
+from jaxserve.runner.host_allocator import allocator_advice
 from jaxserve.runner.model_runner import ModelRunner, StepResult
 from jaxserve.runner.plan import PlanShape, build_step_inputs
 from jaxserve.runner.sampler import SamplerFlags
@@ -73,6 +74,8 @@ class Engine:
         devices = None if args.devices is None else list(args.devices)
         platform = (devices or jax.devices())[0].platform  # an empty list is refused by the mesh, by name
         max_num_seqs, max_num_batched_tokens = step_limits(max_num_seqs, max_num_batched_tokens, platform)
+        if (advice := allocator_advice(platform)) is not None:
+            log.info(advice)
         enable_lora, max_loras = lora_slots(args.enable_lora, args.max_loras, args.lora_modules)
         template = None if args.chat_template is None else read_chat_template(args.chat_template)  # before the load
         enable_compilation_cache(args.compilation_cache_dir)
