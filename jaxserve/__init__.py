@@ -1,5 +1,9 @@
 """jaxserve: a JAX/XLA inference engine for large language models."""
 
+from jaxserve.xla_flags import set_default_xla_flags
+
+set_default_xla_flags()  # before any jax backend starts: XLA reads its flags once (xla_flags.py says which, and why)
+
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import (
     ClassificationOutput,

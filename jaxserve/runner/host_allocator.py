@@ -4,7 +4,7 @@ XLA:CPU allocates a step program's temporaries afresh on every execution. glibc 
 threshold (32 MiB at most) straight from the kernel and returns it on free, so every step faults those pages in
 again, one 4 KiB page at a time (~1.2 us each on the 2-core CI VM): a 108 MiB temporary cost 36 ms a step,
 against 7 ms with tcmalloc, which keeps freed memory for the next step. The measured effect on whole engines is
-in BENCHMARKS.md (scripts/bench_allocator.py). As for vLLM's CPU backend, the fix is the process's environment:
+in BENCHMARKS.md (scripts/bench_cpu_env.py). As for vLLM's CPU backend, the fix is the process's environment:
 LD_PRELOAD=<libtcmalloc_minimal.so.4>, read by the dynamic loader before Python starts, so jaxserve can only
 say so."""
 

@@ -1,17 +1,22 @@
 #!/usr/bin/env python
-"""CPU steps under glibc's malloc vs tcmalloc, side by side: two engine processes on the same weights, one
-started with LD_PRELOAD=tcmalloc, taking turns on the same requests (jaxserve/runner/host_allocator.py says why
-it matters: XLA:CPU allocates each step's temporaries afresh, and glibc maps blocks over 32 MiB from the kernel
-every time).
+"""CPU steps under two process environments, side by side: two engine processes on the same weights, taking
+turns on the same requests. What a CPU process's environment decides that no engine option can (it is read
+before Python or jax start):
 
-    python scripts/bench_allocator.py [--append BENCHMARKS.md]         # SmolLM2 float32: 1 and 64 requests
-    python scripts/bench_allocator.py --quantization gguf              # the GGUF's blocks kept
-    python scripts/bench_allocator.py --model DIR --num-prompts 4 --max-tokens 8 --rounds 1   # CI: it works
+    --compare allocator   glibc's malloc vs tcmalloc (LD_PRELOAD): XLA:CPU allocates each step's temporaries
+                          afresh, and glibc maps blocks over 32 MiB from the kernel every time
+                          (jaxserve/runner/host_allocator.py)
+    --compare scheduler   XLA:CPU's concurrency-optimized scheduler (XLA's default) vs the sequential one
+                          jaxserve sets (jaxserve/xla_flags.py): the first keeps more temporaries alive at once
 
-Each process builds its engine and warms up on the workload once; then the processes take turns, --rounds
-rounds, and each reports its best round (a shared machine's speed drifts from minute to minute). Output tok/s
-counts generated tokens; total tok/s adds the prompts'. Minor page faults are counted in the engine process
-per generated token: the cost glibc's returned blocks bring back.
+    python scripts/bench_cpu_env.py [--append BENCHMARKS.md]          # allocators, SmolLM2 float32: 1 and 64 requests
+    python scripts/bench_cpu_env.py --compare scheduler --quantization gguf   # the GGUF's blocks kept
+    python scripts/bench_cpu_env.py --model DIR --num-prompts 4 --max-tokens 8 --rounds 1   # CI: it works
+
+Each process builds its engine and warms up on the workload twice (the prefix cache's hits compile too); then the
+processes take turns, --rounds rounds, and each reports its best round (a shared machine's speed drifts from
+minute to minute). Output tok/s counts generated tokens; total tok/s adds the prompts'. Minor page faults are
+counted in the engine process per generated token: the cost of memory the kernel hands out afresh.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from benchmark_table import append_row, command_line
 
 from jaxserve.engine_args import QUANTIZATIONS
 from jaxserve.runner.host_allocator import installed_tcmalloc, mapped_allocator
+from jaxserve.xla_flags import CPU_SCHEDULER_FLAG
 
 
 def _engine_process(args) -> None:
@@ -54,25 +60,30 @@ def _engine_process(args) -> None:
     for name in [*workloads, *workloads]:  # warm-up: compiles what the workloads use, the prefix cache's hits too
         run(name)
     prompt_tokens = {name: sum(map(len, batch)) for name, batch in workloads.items()}
-    print(json.dumps(dict(allocator=mapped_allocator() or "glibc", prompt_tokens=prompt_tokens)), flush=True)
+    print(json.dumps(dict(allocator=mapped_allocator() or "glibc", xla_flags=os.environ.get("XLA_FLAGS", ""),
+                          prompt_tokens=prompt_tokens)), flush=True)
     for line in sys.stdin:
         print(json.dumps(run(line.strip())), flush=True)
 
 
 class EngineProcess:
-    def __init__(self, args, preload: str | None):
+    def __init__(self, args, preload: str | None = None, xla_flag: str | None = None):
+        """An engine process with `preload` as LD_PRELOAD (None: none) and `xla_flag` added to XLA_FLAGS."""
         env = dict(os.environ)
         if preload:
             env["LD_PRELOAD"] = preload
         else:
             env.pop("LD_PRELOAD", None)
+        if xla_flag:
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flag}".strip()
         command = [sys.executable, __file__, "--engine-process", "--model", args.model, "--num-prompts",
                    str(args.num_prompts), "--max-tokens", str(args.max_tokens)]
         if args.quantization:
             command += ["--quantization", args.quantization]
         self.proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         ready = self._reply()
-        self.allocator, self.prompt_tokens = ready["allocator"], ready["prompt_tokens"]
+        self.allocator, self.xla_flags, self.prompt_tokens = ready["allocator"], ready["xla_flags"], \
+            ready["prompt_tokens"]
 
     def _reply(self) -> dict:
         line = self.proc.stdout.readline()
@@ -97,6 +108,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64, help="requests of the batch workload")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens each request generates")
     ap.add_argument("--rounds", type=int, default=3, help="turns each process takes; its best counts")
+    ap.add_argument("--compare", choices=("allocator", "scheduler"), default="allocator",
+                    help="glibc vs tcmalloc, or XLA:CPU's concurrency-optimized scheduler vs the sequential one")
     ap.add_argument("--tcmalloc", help="the tcmalloc library to preload (default: the one the loader finds)")
     ap.add_argument("--append", metavar="BENCHMARKS.md", help="append the result rows to this file")
     ap.add_argument("--engine-process", action="store_true", help=argparse.SUPPRESS)
@@ -106,15 +119,9 @@ def main() -> None:
         return
     if args.rounds < 1 or args.num_prompts < 1 or args.max_tokens < 1:
         ap.error("--rounds, --num-prompts and --max-tokens must be at least 1")
-    tcmalloc = args.tcmalloc or installed_tcmalloc()
-    if not tcmalloc:
-        ap.error("no tcmalloc found: install it (Debian/Ubuntu: apt install libtcmalloc-minimal4) or give --tcmalloc")
     args.model = chosen_model(args)
-
-    engines = {"glibc": EngineProcess(args, None), "tcmalloc": EngineProcess(args, tcmalloc)}
+    engines = start_engines(args, ap)
     try:
-        if engines["tcmalloc"].allocator != "tcmalloc":
-            raise SystemExit(f"LD_PRELOAD={tcmalloc} did not load tcmalloc into the engine process")
         best: dict[tuple[str, str], dict] = {}
         for _ in range(args.rounds):
             for workload in ("single", "batch"):
@@ -126,7 +133,8 @@ def main() -> None:
         for engine in engines.values():
             engine.close()
 
-    prompt_tokens = engines["glibc"].prompt_tokens
+    baseline, variant = engines
+    prompt_tokens = engines[baseline].prompt_tokens
     for workload, requests in (("single", 1), ("batch", args.num_prompts)):
         generated = requests * args.max_tokens
         rates = {}
@@ -136,14 +144,34 @@ def main() -> None:
             total = (generated + prompt_tokens[workload]) / r["seconds"]
             print(f"{name:8s} {requests} x {args.max_tokens} tokens: {rates[name]:.1f} output tok/s, {total:.1f} "
                   f"total tok/s; {r['faults'] / generated:.0f} minor page faults a generated token", flush=True)
-        ratio = rates["tcmalloc"] / rates["glibc"]
-        print(f"{requests} request{'s' * (requests > 1)}: tcmalloc/glibc {ratio:.2f}x", flush=True)
+        ratio = rates[variant] / rates[baseline]
+        print(f"{requests} request{'s' * (requests > 1)}: {variant}/{baseline} {ratio:.2f}x", flush=True)
         if args.append:
             append_row(args.append, f"{platform.node() or 'cpu'} ({os.cpu_count()} cores, CPU)",
-                       command_line("bench_allocator.py", args.append), args.quantization or "float32",
-                       f"{requests} x {args.max_tokens}", f"{rates['glibc']:.1f}", f"{rates['tcmalloc']:.1f}",
-                       f"{ratio:.2f}x", f"{best['glibc', workload]['faults'] / generated:.0f}",
-                       f"{best['tcmalloc', workload]['faults'] / generated:.0f}")
+                       command_line("bench_cpu_env.py", args.append), args.quantization or "float32",
+                       f"{requests} x {args.max_tokens}", f"{baseline} {rates[baseline]:.1f}",
+                       f"{variant} {rates[variant]:.1f}", f"{ratio:.2f}x",
+                       f"{best[baseline, workload]['faults'] / generated:.0f}",
+                       f"{best[variant, workload]['faults'] / generated:.0f}")
+
+
+def start_engines(args, ap) -> dict[str, EngineProcess]:
+    """The baseline's engine process, then the variant's, each checked for the environment it was given."""
+    if args.compare == "scheduler":  # both under the allocator this process has (LD_PRELOAD passed on as it is)
+        preload = os.environ.get("LD_PRELOAD")
+        engines = {"concurrent": EngineProcess(args, preload, f"{CPU_SCHEDULER_FLAG}=true"),
+                   "sequential": EngineProcess(args, preload, f"{CPU_SCHEDULER_FLAG}=false")}
+        for name, engine in engines.items():
+            if not engine.xla_flags.rstrip().endswith(f"{CPU_SCHEDULER_FLAG}={str(name == 'concurrent').lower()}"):
+                raise SystemExit(f"the {name} engine process ran with XLA_FLAGS={engine.xla_flags!r}")
+        return engines
+    tcmalloc = args.tcmalloc or installed_tcmalloc()
+    if not tcmalloc:
+        ap.error("no tcmalloc found: install it (Debian/Ubuntu: apt install libtcmalloc-minimal4) or give --tcmalloc")
+    engines = {"glibc": EngineProcess(args), "tcmalloc": EngineProcess(args, tcmalloc)}
+    if engines["tcmalloc"].allocator != "tcmalloc":
+        raise SystemExit(f"LD_PRELOAD={tcmalloc} did not load tcmalloc into the engine process")
+    return engines
 
 
 if __name__ == "__main__":
