@@ -11,7 +11,8 @@ before Python or jax start):
 
     python scripts/bench_cpu_env.py [--append BENCHMARKS.md]          # allocators, SmolLM2 float32: 1 and 64 requests
     python scripts/bench_cpu_env.py --compare scheduler --quantization gguf   # the GGUF's blocks kept
-    python scripts/bench_cpu_env.py --model DIR --num-prompts 4 --max-tokens 8 --rounds 1   # CI: it works
+    python scripts/bench_cpu_env.py --compare scheduler --model DIR --num-prompts 2 --max-tokens 4 --rounds 1 \
+        --num-kv-blocks 64                                           # CI: it works
 
 Each process builds its engine and warms up on the workload twice (the prefix cache's hits compile too); then the
 processes take turns, --rounds rounds, and each reports its best round (a shared machine's speed drifts from
@@ -33,6 +34,7 @@ import time
 from bench_throughput import chosen_model, make_prompts, model_argument
 from benchmark_table import append_row, command_line
 
+from jaxserve.config import LAYER_LOOPS
 from jaxserve.engine_args import QUANTIZATIONS
 from jaxserve.runner.host_allocator import installed_tcmalloc, mapped_allocator
 from jaxserve.xla_flags import CPU_SCHEDULER_FLAG
@@ -43,8 +45,9 @@ def _engine_process(args) -> None:
     for each line "single" or "batch" runs that workload and prints its seconds and minor faults as JSON."""
     from jaxserve import Engine, SamplingParams
 
-    engine = Engine(args.model, quantization=args.quantization, max_model_len=512, max_num_seqs=args.num_prompts,
-                    max_num_batched_tokens=min(1024, 64 * args.num_prompts), warmup=False)
+    engine = Engine(args.model, quantization=args.quantization, layer_loop=args.layer_loop, max_model_len=512,
+                    max_num_seqs=args.num_prompts, max_num_batched_tokens=min(1024, 64 * args.num_prompts),
+                    num_kv_blocks=args.num_kv_blocks, warmup=False)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = make_prompts(engine.tokenizer, args.num_prompts)
     workloads = {"single": prompts[:1], "batch": prompts}
@@ -80,6 +83,9 @@ class EngineProcess:
                    str(args.num_prompts), "--max-tokens", str(args.max_tokens)]
         if args.quantization:
             command += ["--quantization", args.quantization]
+        command += ["--layer-loop", args.layer_loop]
+        if args.num_kv_blocks:
+            command += ["--num-kv-blocks", str(args.num_kv_blocks)]
         self.proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         ready = self._reply()
         self.allocator, self.xla_flags, self.prompt_tokens = ready["allocator"], ready["xla_flags"], \
@@ -105,6 +111,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_argument(ap)
     ap.add_argument("--quantization", choices=QUANTIZATIONS, help="the engines' weights (default: float32)")
+    ap.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto", help="the engines' layer loop")
+    ap.add_argument("--num-kv-blocks", type=int, help="the engines' KV cache (default: sized from free memory)")
     ap.add_argument("--num-prompts", type=int, default=64, help="requests of the batch workload")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens each request generates")
     ap.add_argument("--rounds", type=int, default=3, help="turns each process takes; its best counts")

@@ -70,6 +70,10 @@ export PYTHONUNBUFFERED=1
 left() { local n=$((deadline - SECONDS)); n=$((n < $1 ? n : $1)); echo $((n > 0 ? n : 1)); }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/device.txt" 2>&1
 python3 -c "import jax; print(jax.__version__, jax.devices())" >>"$out/device.txt" 2>&1
+# jaxserve/xla_flags.py sets XLA:CPU's sequential scheduler only on the jaxlib versions it was checked on: check this one.
+XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false python3 -c "import jax; jax.devices('cpu')" \
+  >/dev/null 2>&1 && echo "this jaxlib knows --xla_cpu_enable_concurrency_optimized_scheduler" >>"$out/device.txt" \
+  || echo "this jaxlib refuses --xla_cpu_enable_concurrency_optimized_scheduler" >>"$out/device.txt"
 cat "$out/device.txt"
 
 case "$step" in
