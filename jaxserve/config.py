@@ -187,6 +187,10 @@ class ModelConfig:
     # int8 weights, int32 sums) or "float8" (float8 weights on GPUs with FP8 matmuls: e4m3 x e4m3, float32 sums).
     # Set by the engine from its quantization and devices, not by the checkpoint.
     quantized_activations: str | None = None
+    # A kept LM head (a GGUF's blocks) dequantized and multiplied in this many slices of the vocabulary, one after
+    # another, so that each slice's float copy stays small: on a CPU a step's temporaries over 32 MiB come from the
+    # kernel afresh every step (runner/host_allocator.py). Set by the engine, on one CPU device.
+    head_slices: int = 1
 
     def __post_init__(self):
         if self.router_scoring not in ROUTER_SCORINGS:

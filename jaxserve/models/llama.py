@@ -188,7 +188,14 @@ class LlamaForCausalLM(nnx.Module):
         """Float32 logits [N, V] for the N hidden states asked for (only the sampled positions)."""
         name = "embed" if self.cfg.tie_word_embeddings else "lm_head"
         stored = {n: getattr(self, n)[...] for n in (name, name + "_scale", name + "_offset") if hasattr(self, n)}
-        head = dequantized(stored, name, hidden.dtype)
-        spec = "ND,VD->NV" if self.cfg.tie_word_embeddings else "ND,DV->NV"
-        out = jnp.einsum(spec, hidden, head, preferred_element_type=jnp.float32)
+        spec, vocab_axis = ("ND,VD->NV", 0) if self.cfg.tie_word_embeddings else ("ND,DV->NV", 1)
+        slices = self.cfg.head_slices if name + "_scale" in stored else 1  # a float head is read in place
+        vocab = stored[name].shape[vocab_axis]
+        size = -(-vocab // slices)
+        out = jnp.concatenate([  # each slice's vocabulary rows, dequantized alone (ModelConfig.head_slices)
+            jnp.einsum(spec, hidden, dequantized({n: jax.lax.slice_in_dim(w, start, min(start + size, vocab),
+                                                                          axis=vocab_axis)
+                                                  for n, w in stored.items()}, name, hidden.dtype),
+                       preferred_element_type=jnp.float32)
+            for start in range(0, vocab, size)], axis=-1)
         return soft_cap(out[:, : self.cfg.vocab_size], self.cfg.final_logit_softcap)  # padded rows are not tokens

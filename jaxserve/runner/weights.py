@@ -40,6 +40,9 @@ from jaxserve.runner.layer_loop import per_layer_logical, split_layers
 from jaxserve.runner.quantize import quantize
 
 log = logging.getLogger(__name__)
+# The float copy of one slice of a kept LM head on a CPU (ModelConfig.head_slices): well under glibc's 32 MiB
+# mmap threshold, beside the step's other temporaries.
+HEAD_SLICE_BYTES = 8 << 20
 
 
 def _flat_abstract(cfg: ModelConfig, dtype, quantization: str | None = None):
@@ -106,6 +109,10 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
         model_cfg = dataclasses.replace(model_cfg, quantized_activations=checkpoint_activations)
         log.info("the checkpoint's %s weights multiply %s activations, each token's scaled per step, as it was "
                  "quantized", checkpoint_activations, checkpoint_activations)
+    head = "embed" if cfg.tie_word_embeddings else "lm_head"
+    if platform == "cpu" and mesh.devices.size == 1 and isinstance(quantization, dict) and head in quantization:
+        head_bytes = (model_cfg.vocab_size + model_cfg.vocab_pad) * model_cfg.hidden_size * np.dtype(jax.numpy.dtype(dtype)).itemsize
+        model_cfg = dataclasses.replace(model_cfg, head_slices=-(-head_bytes // HEAD_SLICE_BYTES))
     graphdef, flat = _flat_abstract(model_cfg, dtype, quantization)
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     if dummy_on_devices is None:

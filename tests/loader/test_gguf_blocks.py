@@ -8,6 +8,7 @@ import gguf
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from gguf import GGMLQuantizationType as Q
 
 from jaxserve import Engine, SamplingParams
@@ -102,6 +103,23 @@ def test_kept_blocks_serve_the_dequantized_models_tokens(mesh, tiny_quantized_gg
     assert kept == {"embed, wq, wk": "4-bit in groups of 32 with offsets", "lm_head": "8-bit in groups of 16",
                     "wv, w_down": "8-bit in groups of 16 with offsets", "w_gate": "8-bit in groups of 32 with offsets",
                     "w_up": "8-bit in groups of 32"}
+
+
+def test_a_kept_lm_head_on_one_cpu_runs_in_vocabulary_slices(tiny_quantized_gguf, dequantized_reference, monkeypatch):
+    """On one CPU device a kept LM head is dequantized a slice of the vocabulary at a time, each slice's float copy
+    at most HEAD_SLICE_BYTES (glibc maps bigger temporaries from the kernel every step): the same tokens and
+    logprobs as the whole head dequantized at load, with a last slice shorter than the others."""
+    monkeypatch.setattr("jaxserve.runner.weights.HEAD_SLICE_BYTES", 100 << 10)
+    engine = Engine(tiny_quantized_gguf, quantization="gguf", max_model_len=64, num_kv_blocks=16, max_num_seqs=2,
+                    warmup=False)
+    model = nnx.merge(engine.runner.graphdef, engine.runner.params)
+    vocab = model.lm_head_scale[...].shape[1]  # [hidden / group, vocabulary]
+    assert model.cfg.head_slices == -(-vocab * 256 * 4 // (100 << 10))  # rows x hidden size x float32 bytes
+    assert vocab % model.cfg.head_slices
+    outs = [o.outputs[0] for o in engine.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert [o.token_ids for o in outs] == dequantized_reference[0]
+    logprobs = np.array([[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] for o in outs])
+    np.testing.assert_allclose(logprobs, dequantized_reference[1], atol=1e-4)
 
 
 def test_smollm2_q4_1_kept_in_4_bits(smollm2_gguf_path, smol_engine):
