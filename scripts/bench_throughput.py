@@ -24,6 +24,7 @@ import time
 
 from benchmark_table import append_row, command_line
 
+from jaxserve.config import LAYER_LOOPS
 from jaxserve.engine_args import QUANTIZATIONS
 
 
@@ -35,12 +36,12 @@ def make_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
     return [tokenizer(" ".join(rng.choice(words) for _ in range(rng.randint(8, 40))))["input_ids"] for _ in range(n)]
 
 
-def jaxserve_runner(model_path: str, prompts, max_tokens: int, quantization: str | None):
+def jaxserve_runner(model_path: str, prompts, max_tokens: int, quantization: str | None, layer_loop: str = "auto"):
     """-> run() that times one Engine.generate over every prompt, after a warm-up that compiles what it uses."""
     from jaxserve import Engine, SamplingParams
 
     engine = Engine(model_path, max_model_len=512, max_num_seqs=len(prompts), quantization=quantization,
-                    max_num_batched_tokens=min(1024, 64 * len(prompts)), warmup=False)
+                    max_num_batched_tokens=min(1024, 64 * len(prompts)), layer_loop=layer_loop, warmup=False)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
     def run() -> float:
@@ -143,6 +144,7 @@ def main() -> None:
     ap.add_argument("--also-float32", action="store_true",
                     help="with --quantization: time jaxserve in float32 too, taking turns, for the quantized/float "
                          "ratio from one run")
+    ap.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto", help="jaxserve's layer loop (both sides)")
     ap.add_argument("--llama-cpp", action="store_true", help="also time llama.cpp on the GGUF itself")
     model_argument(ap)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; each side's best counts")
@@ -161,9 +163,9 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(**hf_location(model_path))
     prompts = make_prompts(tokenizer, args.num_prompts)
     sizes = args.hf_batch_sizes or sorted({min(b, args.num_prompts) for b in (8, 16, 32, 64)})
-    runners = {"jaxserve": jaxserve_runner(model_path, prompts, args.max_tokens, args.quantization)}
+    runners = {"jaxserve": jaxserve_runner(model_path, prompts, args.max_tokens, args.quantization, args.layer_loop)}
     if args.also_float32:
-        runners["jaxserve float32"] = jaxserve_runner(model_path, prompts, args.max_tokens, None)
+        runners["jaxserve float32"] = jaxserve_runner(model_path, prompts, args.max_tokens, None, args.layer_loop)
     model = load_transformers(model_path)
     runners |= {f"transformers batch {b}": transformers_runner(model, prompts, args.max_tokens, b) for b in sizes}
     if args.llama_cpp:
