@@ -31,7 +31,7 @@ from jaxserve.runner.layer_loop import (
 from jaxserve.runner.plan import PlanShape, empty_inputs, empty_meta, padded, padded_meta
 from jaxserve.runner.sampler import SamplerFlags
 from jaxserve.runner.step import StepFunctions, StepInputs, StepStatics
-from jaxserve.runner.weights import load_weights, resolve_quantization
+from jaxserve.runner.weights import kept_layer_groups, load_weights, resolve_quantization
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +121,10 @@ class ModelRunner:
         # The Pallas attention has a decode kernel for steps of one token per sequence (inside pipeline stages
         # too: a decode step's micro-batches take their own rows of the block table, parallel/pipeline.py).
         self.decode_kernel = attention_impl != "reference"
-        self.layer_loop = resolve_layer_loop(layer_loop, platform, experts=bool(cfg.num_experts))
-        unrolled = self.layer_loop == "unrolled"
         quantization = resolve_quantization(quantization, tensors, platform)
+        self.layer_loop = resolve_layer_loop(layer_loop, platform, experts=bool(cfg.num_experts),
+                                             kept_groups=kept_layer_groups(quantization, tensors))
+        unrolled = self.layer_loop == "unrolled"
         self.graphdef, self.params = load_weights(cfg, tensors, self.dtype, self.mesh, self.layout,
                                                   quantization, per_layer=unrolled)
         if unrolled:

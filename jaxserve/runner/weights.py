@@ -159,6 +159,12 @@ def resolve_quantization(quantization: str | None, tensors: TensorSource | None,
     return method if quantization is None and method is not None and keeps else quantization
 
 
+def kept_layer_groups(quantization: str | None, tensors: TensorSource | None) -> bool:
+    """Whether `resolve_quantization`'s choice keeps the layers' weights in the checkpoint's blocks, dequantized
+    inside each step (weight-only schemes: a W8A8 checkpoint's int8 weights multiply int8 activations instead)."""
+    return quantization in BLOCK_QUANTIZATIONS and getattr(tensors, "activations", None) is None
+
+
 def stored_bytes(array) -> int:
     """The bytes an array takes on its device: numpy's itemsize counts a float4 as a byte, XLA stores two a byte."""
     bits = jax.numpy.finfo(array.dtype).bits if array.dtype.name == "float4_e2m1fn" else 8 * array.dtype.itemsize

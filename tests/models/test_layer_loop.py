@@ -3,6 +3,7 @@ transformers, on one device, tensor-parallel and inside pipeline stages, and eac
 sharding."""
 
 import re
+from types import SimpleNamespace
 
 import jax
 import pytest
@@ -13,6 +14,7 @@ from jaxserve import Engine
 from jaxserve.runner import paged_attention_xla
 from jaxserve.runner.layer_loop import resolve_layer_loop
 from jaxserve.runner.plan import empty_inputs
+from jaxserve.runner.weights import kept_layer_groups
 from tests.models.test_parity import ARCHITECTURES, PROMPTS, check_parity
 
 
@@ -118,10 +120,20 @@ def test_layer_loop_choice():
     assert resolve_layer_loop("auto", "gpu") == "unrolled"
     assert resolve_layer_loop("auto", "cpu") == "scan"
     assert resolve_layer_loop("auto", "cpu", experts=True) == "unrolled"
+    assert resolve_layer_loop("auto", "cpu", kept_groups=True) == "unrolled"
+    assert resolve_layer_loop("scan", "cpu", kept_groups=True) == "scan"  # asked for: as asked
     assert resolve_layer_loop("unrolled", "cpu") == "unrolled"
     with pytest.raises(ValueError, match="layer_loop must be one of auto, scan, unrolled, got 'unroll'"):
         resolve_layer_loop("unroll", "cpu")
 
+
+def test_only_weight_only_kept_blocks_count_as_kept_groups():
+    """A W8A8 checkpoint's int8 weights multiply int8 activations (no dequantization in the loop); a float
+    checkpoint, or blocks dequantized at load (quantization None), have no groups."""
+    gguf, w8a8 = SimpleNamespace(method="gguf"), SimpleNamespace(method="compressed-tensors", activations="int8")
+    assert kept_layer_groups("gguf", gguf) and kept_layer_groups("gptq", SimpleNamespace(method="gptq"))
+    assert not kept_layer_groups("compressed-tensors", w8a8)
+    assert not kept_layer_groups(None, gguf) and not kept_layer_groups("int8", None)
 
 
 def test_per_layer_weights_are_placed_from_the_host(tiny_checkpoint, monkeypatch):
