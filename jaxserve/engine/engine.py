@@ -74,8 +74,6 @@ class Engine:
         devices = None if args.devices is None else list(args.devices)
         platform = (devices or jax.devices())[0].platform  # an empty list is refused by the mesh, by name
         max_num_seqs, max_num_batched_tokens = step_limits(max_num_seqs, max_num_batched_tokens, platform)
-        if (advice := allocator_advice(platform)) is not None:
-            log.info(advice)
         enable_lora, max_loras = lora_slots(args.enable_lora, args.max_loras, args.lora_modules)
         template = None if args.chat_template is None else read_chat_template(args.chat_template)  # before the load
         enable_compilation_cache(args.compilation_cache_dir)
@@ -165,6 +163,8 @@ class Engine:
         self._compiles_at_warmup: int | None = None
         if args.warmup:
             self.warmup()
+        if (advice := allocator_advice(platform)) is not None:  # once the engine is up: nothing to say on a failure
+            log.info(advice)
         log.info("Loaded %s (%s, %s%s, mesh %dx%d; %s)", self.model_name, cfg.architecture, dtype,
                  f", {args.quantization} quantization" if args.quantization else "", *self.mesh_shape,
                  "steps overlap: async scheduling" + (", pipeline stages busy across steps" if self.stage_ticks
