@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 
-from bench_throughput import chosen_model, make_prompts, model_argument
+from bench_throughput import chosen_model, make_engine, make_prompts, model_argument
 from benchmark_table import append_row, command_line
 
 from jaxserve.config import LAYER_LOOPS
@@ -41,13 +41,12 @@ from jaxserve.xla_flags import CPU_SCHEDULER_FLAG
 
 
 def _engine_process(args) -> None:
-    """The child: an engine on stdin's orders. Reads the workload sizes from its arguments, prints "ready", then
-    for each line "single" or "batch" runs that workload and prints its seconds and minor faults as JSON."""
-    from jaxserve import Engine, SamplingParams
+    """The child: an engine on stdin's orders. Reads the workload sizes from its arguments, warms up, prints its
+    allocator, XLA flags and prompt sizes as JSON, then for each line "single" or "batch" runs that workload and
+    prints its seconds and minor faults as JSON."""
+    from jaxserve import SamplingParams
 
-    engine = Engine(args.model, quantization=args.quantization, layer_loop=args.layer_loop, max_model_len=512,
-                    max_num_seqs=args.num_prompts, max_num_batched_tokens=min(1024, 64 * args.num_prompts),
-                    num_kv_blocks=args.num_kv_blocks, warmup=False)
+    engine = make_engine(args.model, args.num_prompts, args.quantization, args.layer_loop, args.num_kv_blocks)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = make_prompts(engine.tokenizer, args.num_prompts)
     workloads = {"single": prompts[:1], "batch": prompts}

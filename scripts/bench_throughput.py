@@ -36,12 +36,22 @@ def make_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
     return [tokenizer(" ".join(rng.choice(words) for _ in range(rng.randint(8, 40))))["input_ids"] for _ in range(n)]
 
 
+def make_engine(model_path: str, max_num_seqs: int, quantization: str | None = None, layer_loop: str = "auto",
+                num_kv_blocks: int | None = None):
+    """The engine the throughput scripts time: every request in one batch, prompts of up to 512 tokens, each
+    program compiled when first needed (the scripts warm up on their own workload)."""
+    from jaxserve import Engine
+
+    return Engine(model_path, max_model_len=512, max_num_seqs=max_num_seqs, quantization=quantization,
+                  max_num_batched_tokens=min(1024, 64 * max_num_seqs), layer_loop=layer_loop,
+                  num_kv_blocks=num_kv_blocks, warmup=False)
+
+
 def jaxserve_runner(model_path: str, prompts, max_tokens: int, quantization: str | None, layer_loop: str = "auto"):
     """-> run() that times one Engine.generate over every prompt, after a warm-up that compiles what it uses."""
-    from jaxserve import Engine, SamplingParams
+    from jaxserve import SamplingParams
 
-    engine = Engine(model_path, max_model_len=512, max_num_seqs=len(prompts), quantization=quantization,
-                    max_num_batched_tokens=min(1024, 64 * len(prompts)), layer_loop=layer_loop, warmup=False)
+    engine = make_engine(model_path, len(prompts), quantization, layer_loop)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
     def run() -> float:

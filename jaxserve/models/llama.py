@@ -192,10 +192,11 @@ class LlamaForCausalLM(nnx.Module):
         slices = self.cfg.head_slices if name + "_scale" in stored else 1  # a float head is read in place
         vocab = stored[name].shape[vocab_axis]
         size = -(-vocab // slices)
-        out = jnp.concatenate([  # each slice's vocabulary rows, dequantized alone (ModelConfig.head_slices)
-            jnp.einsum(spec, hidden, dequantized({n: jax.lax.slice_in_dim(w, start, min(start + size, vocab),
-                                                                          axis=vocab_axis)
-                                                  for n, w in stored.items()}, name, hidden.dtype),
-                       preferred_element_type=jnp.float32)
-            for start in range(0, vocab, size)], axis=-1)
+
+        def head_slice(start: int) -> jax.Array:  # one slice's vocabulary rows, dequantized alone
+            part = {n: jax.lax.slice_in_dim(w, start, min(start + size, vocab), axis=vocab_axis)
+                    for n, w in stored.items()}
+            return jnp.einsum(spec, hidden, dequantized(part, name, hidden.dtype), preferred_element_type=jnp.float32)
+
+        out = jnp.concatenate([head_slice(start) for start in range(0, vocab, size)], axis=-1)
         return soft_cap(out[:, : self.cfg.vocab_size], self.cfg.final_logit_softcap)  # padded rows are not tokens

@@ -109,12 +109,12 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
         model_cfg = dataclasses.replace(model_cfg, quantized_activations=checkpoint_activations)
         log.info("the checkpoint's %s weights multiply %s activations, each token's scaled per step, as it was "
                  "quantized", checkpoint_activations, checkpoint_activations)
+    np_dtype = np.dtype(jax.numpy.dtype(dtype))
     head = "embed" if cfg.tie_word_embeddings else "lm_head"
     if platform == "cpu" and mesh.devices.size == 1 and isinstance(quantization, dict) and head in quantization:
-        head_bytes = (model_cfg.vocab_size + model_cfg.vocab_pad) * model_cfg.hidden_size * np.dtype(jax.numpy.dtype(dtype)).itemsize
+        head_bytes = (model_cfg.vocab_size + model_cfg.vocab_pad) * model_cfg.hidden_size * np_dtype.itemsize
         model_cfg = dataclasses.replace(model_cfg, head_slices=-(-head_bytes // HEAD_SLICE_BYTES))
     graphdef, flat = _flat_abstract(model_cfg, dtype, quantization)
-    np_dtype = np.dtype(jax.numpy.dtype(dtype))
     if dummy_on_devices is None:
         dummy_on_devices = platform != "cpu"
     stages = layout.pp if per_layer else None  # how split_layers groups a layer weight's arrays, if at all
