@@ -4,11 +4,15 @@ on a layers axis, and an unrolled loop over per-layer arrays (runner/layer_loop.
 
     python scripts/bench_layer_loop.py [--append BENCHMARKS.md]     # on a GPU: Llama-3-8B shape, bfloat16
     python scripts/bench_layer_loop.py --shape tiny                 # CI, on CPU: checks that the script works
+    python scripts/bench_layer_loop.py --shape smollm2 --weights int4   # kept 4-bit groups, on a CPU
 
 Each layer: RMS norm, q/k/v/o and gate/up/down projections (attention itself left out: it reads the KV cache,
-not weights). Reports ms per pass and the weight bytes read per second at batch 1, 8 and 64, and counts the
-dynamic-slice ops in the scan's compiled program (XLA:GPU copies each stacked weight's slice out before its
-matmul). The last line is the scan's time over the unrolled loop's at batch 1.
+not weights), every matmul through the engine's own `models.layers.dense`. `--weights int4` / `int8` keep the
+weights in groups of 32 along the contracted axis with a float32 scale (and, for int4, an offset): a GGUF's Q4_1
+and Q8_0 blocks, dequantized inside the step as the engine runs them. Reports ms per pass and the weight bytes read
+per second at batch 1, 8 and 64, and counts the dynamic-slice ops in the scan's compiled program (XLA:GPU copies
+each stacked weight's slice out before its matmul). The last line is the scan's time over the unrolled loop's at
+batch 1.
 """
 
 from __future__ import annotations
@@ -20,20 +24,36 @@ from benchmark_table import append_row, command_line
 
 SHAPES = {  # layers, hidden, MLP, q width, kv width
     "llama3-8b": (32, 4096, 14336, 4096, 1024),
+    "smollm2": (30, 576, 1536, 576, 192),
     "tiny": (2, 64, 128, 64, 16),
 }
 BATCHES = (1, 8, 64)
+WEIGHTS = ("float", "int4", "int8")
+GROUP = 32  # values per scale along the contracted axis (GGUF's blocks)
 
 
-def make_layers(shape: str, dtype):
+def make_layers(shape: str, dtype, weights: str = "float"):
     import jax
+    import jax.numpy as jnp
 
     L, D, F, Q, K = SHAPES[shape]
     shapes = {"wq": (D, Q), "wk": (D, K), "wv": (D, K), "wo": (Q, D), "wg": (D, F), "wu": (D, F), "wd": (F, D)}
     layers = []
     for i in range(L):
         keys = jax.random.split(jax.random.key(i), len(shapes))
-        layers.append({n: (jax.random.normal(k, s, dtype) * 0.02) for k, (n, s) in zip(keys, shapes.items())})
+        layer = {}
+        for key, (name, (k, n)) in zip(keys, shapes.items()):
+            if weights == "float":
+                layer[name] = jax.random.normal(key, (k, n), dtype) * 0.02
+                continue
+            values_key, scale_key = jax.random.split(key)
+            layer[name + "_scale"] = jax.random.uniform(scale_key, (k // GROUP, n), jnp.float32) * 0.004
+            if weights == "int8":
+                layer[name] = jax.random.randint(values_key, (k, n), -128, 128, jnp.int32).astype(jnp.int8)
+            else:  # two 4-bit values to a byte along the contracted axis, and an offset per group
+                layer[name] = jax.random.randint(values_key, (k // 2, n), 0, 256, jnp.int32).astype(jnp.uint8)
+                layer[name + "_offset"] = -8 * layer[name + "_scale"]
+        layers.append(layer)
     return layers
 
 
@@ -41,14 +61,19 @@ def layer(x, w):
     import jax
     import jax.numpy as jnp
 
+    from jaxserve.models.layers import dense
+
+    def mm(h, name):
+        return dense("bd,df->bf", h, w, name)
+
     def rms(h):
         return h * jax.lax.rsqrt(jnp.mean(jnp.square(h.astype(jnp.float32)), -1, keepdims=True)).astype(h.dtype)
 
     h = rms(x)
-    q, kv = h @ w["wq"], h @ w["wk"] + h @ w["wv"]
-    x = x + (q + jnp.tile(kv, (1, q.shape[-1] // kv.shape[-1]))) @ w["wo"]
+    q, kv = mm(h, "wq"), mm(h, "wk") + mm(h, "wv")
+    x = x + mm(q + jnp.tile(kv, (1, q.shape[-1] // kv.shape[-1])), "wo")
     h = rms(x)
-    return x + (jax.nn.silu(h @ w["wg"]) * (h @ w["wu"])) @ w["wd"]
+    return x + mm(jax.nn.silu(mm(h, "wg")) * mm(h, "wu"), "wd")
 
 
 def scanned(x, stacked):
@@ -83,6 +108,8 @@ def write_header_once(path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    ap.add_argument("--weights", choices=WEIGHTS, default="float",
+                    help="float (bfloat16 on an accelerator, float32 on a CPU) or kept groups of int4 / int8 values")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--append", metavar="BENCHMARKS.md", help="append the result row to this file")
     args = ap.parse_args()
@@ -90,9 +117,11 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
+    import jaxserve  # noqa: F401  (before the backend starts: the XLA flags engines run with, jaxserve/xla_flags.py)
+
     device = jax.devices()[0]
     dtype = jnp.float32 if device.platform == "cpu" else jnp.bfloat16
-    layers = make_layers(args.shape, dtype)
+    layers = make_layers(args.shape, dtype, args.weights)
     weight_bytes = sum(a.nbytes for w in layers for a in w.values())
     stacked = {n: jnp.stack([w[n] for w in layers]) for n in layers[0]}
     ms = {"scan": [], "unrolled": []}
@@ -109,7 +138,7 @@ def main() -> None:
         write_header_once(args.append)
         cells = [" / ".join(f"{t:.2f}" for t in ms[name]) for name in ("scan", "unrolled")]
         append_row(args.append, device.device_kind, command_line("bench_layer_loop.py", args.append),
-                   args.shape, f"{weight_bytes / 1e9:.2f}", *cells, f"**{ms['scan'][0] / ms['unrolled'][0]:.2f}x**")
+                   args.shape if args.weights == "float" else f"{args.shape}, {args.weights} groups", f"{weight_bytes / 1e9:.2f}", *cells, f"**{ms['scan'][0] / ms['unrolled'][0]:.2f}x**")
     print(f"scan / unrolled at batch 1: {ms['scan'][0] / ms['unrolled'][0]:.2f}x")
 
 

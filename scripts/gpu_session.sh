@@ -38,6 +38,9 @@
 #              (FP8 GEMMs on compute capability 8.9+) and then bfloat16, side by side, no transformers (~8 min):
 #              batch-1 ms/token against the fp8 weights' roofline (goal <= 1.25x), offline 1000 x (1000 in + 100
 #              out) total tok/s (goal >= 1.6x bfloat16's)
+#   kept       issue 37's kept groups on a GPU: scripts/bench_layer_loop.py at the Llama-3-8B shape with weights in
+#              4-bit and 8-bit groups of 32 (GGUF's Q4_1 and Q8_0, dequantized in each matmul as the engine does),
+#              then bfloat16, scan and unrolled each (~3 min)
 #   moe        scripts/bench_moe.py at Qwen3-30B-A3B's shape, bfloat16: sparse experts vs the dense model of equal
 #              active width (issue 35; the every-expert column only at the CPU's shape)
 #   decode     issue 4's goals in one call: tune_decode_kernel.py at 64x2048, 8x8192 and 1x512, bench_kernels.py
@@ -48,7 +51,7 @@
 # Logs, JSON results and BENCHMARKS.md rows land in $OUT (the device tool brings them back); copy the rows into
 # BENCHMARKS.md. A command cut by its time limit leaves its log and JSON as far as it got.
 set -uo pipefail
-step=${1:?usage: scripts/gpu_session.sh all|kernels|synthetic|sync|tune|pipeline|fp8|moe|decode|profile}
+step=${1:?usage: scripts/gpu_session.sh all|kernels|synthetic|sync|tune|pipeline|fp8|kept|moe|decode|profile}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -151,6 +154,12 @@ case "$step" in
         | tee -a "$out/bench_fp8.log"
     done
     ;;
+  kept)
+    for weights in int4 int8 float; do
+      timeout -k 15 170 python3 scripts/bench_layer_loop.py --weights $weights --iters 10 \
+        --append "$out/benchmark_rows.md" 2>&1 | tee -a "$out/bench_kept.log"
+    done
+    ;;
   moe)
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
     timeout -k 15 540 python3 scripts/bench_moe.py --shape qwen3-30b-a3b --variants dense moe --repeats 2 \
@@ -183,7 +192,7 @@ case "$step" in
     done
     ;;
   *)
-    echo "unknown step $step: use all, kernels, synthetic, sync, tune, pipeline, fp8, moe, decode or profile" >&2
+    echo "unknown step $step: use all, kernels, synthetic, sync, tune, pipeline, fp8, kept, moe, decode or profile" >&2
     exit 2
     ;;
 esac
