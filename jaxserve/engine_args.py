@@ -29,7 +29,7 @@ from jaxserve.config import (
 
 DEFAULT_COMPILATION_CACHE = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxserve" / "xla")
 DTYPES = ("auto", "float32", "bfloat16", "float", "half", "float16")
-QUANTIZATIONS = ("int8", "w8a8", "fp8", *BLOCK_QUANTIZATIONS)
+QUANTIZATIONS = ("int8", "w8a8", "fp8", *BLOCK_QUANTIZATIONS, "none")
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf", "pt")
 RECOMPILE_GUARDS = ("warn", "error", "off")
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -190,8 +190,9 @@ class EngineArgs:
         "fp8: weight-only float8 e4m3 with per-channel scales (vLLM's dynamic FP8 weights), or an FP8 checkpoint's "
         "own float8 blocks kept; gguf, compressed-tensors, gptq, awq: a checkpoint quantized that way kept in its "
         "own blocks (GGUF Q4_0/Q4_1/Q4_K in 4 bits, Q5/Q6_K/Q8_0 in 8; W4A16/W8A16/FP8; GPTQ 4/8-bit; AWQ 4-bit). "
-        "Keeping a checkpoint's quantization is the default on GPU and TPU (on CPU the default dequantizes at "
-        "load, which runs faster there). docs/quantization.md has the accuracy of each", choices=QUANTIZATIONS,
+        "Keeping a checkpoint's quantization is the default (a CPU dequantizes float8 and float4 values at load, "
+        "faster there); none: a quantized checkpoint's weights dequantized at load, served in float. "
+        "docs/quantization.md has the accuracy of each", choices=QUANTIZATIONS,
         flags=("--quantization", "-q"))
     load_format: str = option(
         "auto", "dummy: random weights for the model's config (no weight files needed; benchmarks); auto reads "
@@ -264,9 +265,9 @@ class EngineArgs:
         "auto", "auto: the Pallas kernels on GPU/TPU, the XLA reference on CPU; pallas-interpret runs the kernels in "
         "Pallas's interpreter (slow; for debugging)", choices=ATTENTION_IMPLS)
     layer_loop: str = option(
-        "auto", "auto: unrolled over per-layer weights on GPU, for mixtures of experts and for weights kept in a "
-        "checkpoint's 4/8-bit groups (each matmul reads its weights in place), one scan over stacked weights "
-        "elsewhere (faster compiles)", choices=LAYER_LOOPS)
+        "auto", "auto: unrolled over per-layer weights on GPU, for mixtures of experts and for float8/float4 "
+        "weights (each matmul reads its weights in place), one scan over stacked weights elsewhere (faster "
+        "compiles)", choices=LAYER_LOOPS)
     warmup: bool = option(
         True, "compile step programs when first needed instead of at start-up (faster start, slower first "
         "requests)", check=boolean, kind="off-switch", flags=("--no-warmup",))

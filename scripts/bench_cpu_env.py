@@ -79,10 +79,8 @@ class EngineProcess:
         if xla_flag:
             env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flag}".strip()
         command = [sys.executable, __file__, "--engine-process", "--model", args.model, "--num-prompts",
-                   str(args.num_prompts), "--max-tokens", str(args.max_tokens)]
-        if args.quantization:
-            command += ["--quantization", args.quantization]
-        command += ["--layer-loop", args.layer_loop]
+                   str(args.num_prompts), "--max-tokens", str(args.max_tokens), "--quantization", args.quantization,
+                   "--layer-loop", args.layer_loop]
         if args.num_kv_blocks:
             command += ["--num-kv-blocks", str(args.num_kv_blocks)]
         self.proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -109,7 +107,8 @@ class EngineProcess:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_argument(ap)
-    ap.add_argument("--quantization", choices=QUANTIZATIONS, help="the engines' weights (default: float32)")
+    ap.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                    help="the engines' weights (default none: float32, a GGUF dequantized at load)")
     ap.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto", help="the engines' layer loop")
     ap.add_argument("--num-kv-blocks", type=int, help="the engines' KV cache (default: sized from free memory)")
     ap.add_argument("--num-prompts", type=int, default=64, help="requests of the batch workload")
@@ -155,7 +154,8 @@ def main() -> None:
         print(f"{requests} request{'s' * (requests > 1)}: {variant}/{baseline} {ratio:.2f}x", flush=True)
         if args.append:
             append_row(args.append, f"{platform.node() or 'cpu'} ({os.cpu_count()} cores, CPU)",
-                       command_line("bench_cpu_env.py", args.append), args.quantization or "float32",
+                       command_line("bench_cpu_env.py", args.append),
+                       "float32" if args.quantization == "none" else args.quantization,
                        f"{requests} x {args.max_tokens}", f"{baseline} {rates[baseline]:.1f}",
                        f"{variant} {rates[variant]:.1f}", f"{ratio:.2f}x",
                        f"{best[baseline, workload]['faults'] / generated:.0f}",

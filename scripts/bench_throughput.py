@@ -149,8 +149,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=None,
                     help="transformers batch sizes to try; the best counts (default: 8 16 32 64, capped at the prompts)")
-    ap.add_argument("--quantization", choices=QUANTIZATIONS,
-                    help="jaxserve's weights (default: float32; gguf: a GGUF's blocks kept, as on a GPU)")
+    ap.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                    help="jaxserve's weights (default none: float32, a GGUF dequantized at load as transformers reads "
+                         "it; gguf: its blocks kept, the engine's own default)")
     ap.add_argument("--also-float32", action="store_true",
                     help="with --quantization: time jaxserve in float32 too, taking turns, for the quantized/float "
                          "ratio from one run")
@@ -162,7 +163,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
-    if args.also_float32 and not args.quantization:
+    if args.also_float32 and args.quantization == "none":
         ap.error("--also-float32 compares a --quantization with float32; give --quantization too")
     if args.llama_cpp and args.model and not args.model.endswith(".gguf"):
         ap.error("--llama-cpp runs a GGUF file: give --model a .gguf path")
@@ -175,7 +176,7 @@ def main() -> None:
     sizes = args.hf_batch_sizes or sorted({min(b, args.num_prompts) for b in (8, 16, 32, 64)})
     runners = {"jaxserve": jaxserve_runner(model_path, prompts, args.max_tokens, args.quantization, args.layer_loop)}
     if args.also_float32:
-        runners["jaxserve float32"] = jaxserve_runner(model_path, prompts, args.max_tokens, None, args.layer_loop)
+        runners["jaxserve float32"] = jaxserve_runner(model_path, prompts, args.max_tokens, "none", args.layer_loop)
     model = load_transformers(model_path)
     runners |= {f"transformers batch {b}": transformers_runner(model, prompts, args.max_tokens, b) for b in sizes}
     if args.llama_cpp:
@@ -188,7 +189,7 @@ def main() -> None:
     best_batch = max(sizes, key=lambda b: rate[f"transformers batch {b}"])
     theirs = rate[f"transformers batch {best_batch}"]
     ratio = ours / theirs
-    weights = args.quantization or "float32"
+    weights = "float32" if args.quantization == "none" else args.quantization
     line = (f"jaxserve ({weights}): {ours:.1f} tok/s   transformers (float32): {theirs:.1f} tok/s "
             f"(best batch size {best_batch} of {sizes})")
     if ours_float is not None:

@@ -24,7 +24,7 @@ import platform
 from benchmark_table import append_row
 
 from jaxserve.config import KV_CACHE_DTYPES
-from jaxserve.engine_args import QUANTIZATIONS as ENGINE_QUANTIZATIONS
+from jaxserve.engine_args import QUANTIZATIONS
 
 TEXT = (
     "The river starts high in the mountains, where snow melts in the spring and runs down through narrow "
@@ -39,7 +39,6 @@ TEXT = (
     "Leave it to rise in a warm place for an hour or two, shape it into a loaf, let it rise again, and bake it "
     "in a hot oven until the crust is brown and the loaf sounds hollow when tapped underneath."
 )
-QUANTIZATIONS = (*ENGINE_QUANTIZATIONS, "none")  # the engine's, declared once (engine_args.py, config.py)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "The three primary colors are"]
 
 
@@ -72,19 +71,19 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def variant_name(quantization: str | None, kv_cache_dtype: str) -> str:
-    parts = ([quantization] if quantization else []) + ([] if kv_cache_dtype == "auto" else [f"{kv_cache_dtype} KV cache"])
+def variant_name(quantization: str, kv_cache_dtype: str) -> str:
+    parts = ([quantization] if quantization != "none" else []) + ([] if kv_cache_dtype == "auto" else [f"{kv_cache_dtype} KV cache"])
     return " + ".join(parts) or "float"
 
 
-def engine(model: str, quantization: str | None, kv_cache_dtype: str):
+def engine(model: str, quantization: str, kv_cache_dtype: str):
     from jaxserve import Engine
 
     return Engine(model, quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_model_len=512,
                   num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=512, warmup=False)
 
 
-def measure(model: str, max_tokens: int, quantization: str | None, kv_cache_dtype: str):
+def measure(model: str, max_tokens: int, quantization: str, kv_cache_dtype: str):
     """-> (teacher-forced results over TEXT, greedy continuations of PROMPTS) of one engine, built and dropped."""
     e = engine(model, quantization, kv_cache_dtype)
     return teacher_forced(e, [e.tokenizer(TEXT)["input_ids"]])[0], greedy(e, PROMPTS, max_tokens)
@@ -113,8 +112,7 @@ def parse_variant(text: str) -> tuple[str, str]:
 
 
 def report(r: dict, quantization_flag: str, kv_cache_dtype: str, append: str | None) -> None:
-    quantization = None if quantization_flag == "none" else quantization_flag
-    q = variant_name(quantization, kv_cache_dtype)
+    q = variant_name(quantization_flag, kv_cache_dtype)
     ratio = r["ppl_variant"] / r["ppl_float"]
     prefixes = "/".join(map(str, r["greedy_prefixes"]))
     print(f"perplexity: float {r['ppl_float']:.3f}, {q} {r['ppl_variant']:.3f} ({r['positions']} tokens)   "
@@ -147,9 +145,9 @@ def main() -> None:
     from jaxserve.loader.default_model import default_model_path
 
     model = args.model or str(default_model_path())
-    reference = measure(model, args.max_tokens, None, "auto")
+    reference = measure(model, args.max_tokens, "none", "auto")  # float weights, a quantized checkpoint's dequantized
     for quantization, kv_cache_dtype in args.variant or [(args.quantization, args.kv_cache_dtype)]:
-        measured = measure(model, args.max_tokens, None if quantization == "none" else quantization, kv_cache_dtype)
+        measured = measure(model, args.max_tokens, quantization, kv_cache_dtype)
         report(compare(reference, measured, args.max_tokens), quantization, kv_cache_dtype, args.append)
 
 

@@ -48,7 +48,7 @@ def test_flag_defaults_are_the_engine_defaults_and_flags_reach_their_fields():
 @pytest.mark.parametrize("options, message", [
     (dict(block_size=0), "block_size must be a positive integer, got 0"),
     (dict(kv_cache_memory_fraction=1.5), r"kv_cache_memory_fraction must be in \(0, 1\], got 1.5"),
-    (dict(quantization="int4"), "quantization must be one of int8, w8a8, fp8, gguf, compressed-tensors, gptq, awq, mxfp4, got 'int4'"),
+    (dict(quantization="int4"), "quantization must be one of int8, w8a8, fp8, gguf, compressed-tensors, gptq, awq, mxfp4, none, got 'int4'"),
     (dict(dtype="float16"), "dtype 'float16' is not supported: use bfloat16"),
     (dict(mesh="2x1", tensor_parallel_size=2), "not both"),
     (dict(lora_modules={"a": 1}), "lora_modules must map adapter names"),

@@ -11,8 +11,9 @@ batch-1 pass over the 32 layers' matmuls took 15.97 ms scanned and 7.32 ms unrol
 `unstack_layers` splits what arrives stacked) and runs the layers as a Python loop: every matmul reads its own
 buffer in place. The program grows with depth, so compiles take longer; "auto" unrolls on GPU. CPU keeps
 the scan for float weights (compile time dominates there: tests and warm-up compile every bucket; SmolLM2's cold
-warm-up took 38 s scanned and 130 s unrolled on the 2-core CI VM), but not for experts or kept quantized groups,
-which a scan makes several times slower (`resolve_layer_loop`). TPU keeps the scan (not measured here).
+warm-up took 38 s scanned and 130 s unrolled on the 2-core CI VM), and for weights kept in integer groups, but not
+for experts or float8/float4 weights, which a scan makes several times slower (`resolve_layer_loop`). TPU keeps the
+scan (not measured here).
 
 A pipeline (pp > 1) unrolls too. Its stages split the stacked `layers` axis, so per-layer arrays are grouped by
 slot instead: one array [pp, ...] per slot j of a stage, holding layer s * slots + j of each stage s and split
@@ -36,17 +37,18 @@ from jaxserve.parallel.sharding import named_sharding
 log = logging.getLogger(__name__)
 
 
-def resolve_layer_loop(choice: str, platform: str, experts: bool = False, kept_groups: bool = False) -> str:
-    """"auto": unrolled on GPU, and everywhere for a mixture of experts (`experts`) or layer weights kept in a
-    checkpoint's groups (`kept_groups`: GGUF blocks, int4). A scan hands each layer a slice of the stacked weights:
-    the expert loop cannot read it in place, so XLA:CPU copied every expert of the layer each step (a 2-layer
-    model's batch-1 decode step: 19.8 ms scanned, 0.83 ms unrolled); and XLA:CPU dequantized a slice of 4-bit
-    groups inside the loop ~4x slower than a whole per-layer array (SmolLM2's Q4_1 blocks, single stream: 9.6
-    tok/s scanned, 38.6 unrolled, against 29.9-33.6 for float32; BENCHMARKS.md)."""
+def resolve_layer_loop(choice: str, platform: str, experts: bool = False, low_bit_floats: bool = False) -> str:
+    """"auto": unrolled on GPU, and everywhere for a mixture of experts (`experts`) or layer weights held as
+    float8 or float4 values (`low_bit_floats`: fp8 at load, FP8 and MXFP4 checkpoints). A scan hands each layer a slice of the
+    stacked weights: the expert loop cannot read it in place, so XLA:CPU copied every expert of the layer each step
+    (a 2-layer model's batch-1 decode step: 19.8 ms scanned, 0.83 ms unrolled); and XLA:CPU cannot slice a float8 or
+    float4 array inside a loop, so it converted the whole stack to float16 before the loop, every step (SmolLM2's
+    shape, batch 1: ~6x the unrolled layers' time). Integer groups (GGUF blocks, GPTQ, AWQ, int4/int8
+    compressed-tensors) scan at the unrolled layers' speed (scripts/bench_layer_loop.py --weights int4)."""
     if choice not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, got {choice!r}")
     if choice == "auto":
-        return "unrolled" if platform == "gpu" or experts or kept_groups else "scan"
+        return "unrolled" if platform == "gpu" or experts or low_bit_floats else "scan"
     return choice
 
 

@@ -31,7 +31,7 @@ from jaxserve.runner.layer_loop import (
 from jaxserve.runner.plan import PlanShape, empty_inputs, empty_meta, padded, padded_meta
 from jaxserve.runner.sampler import SamplerFlags
 from jaxserve.runner.step import StepFunctions, StepInputs, StepStatics
-from jaxserve.runner.weights import kept_layer_groups, load_weights, resolve_quantization
+from jaxserve.runner.weights import load_weights, low_bit_float_weights, resolve_quantization
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class ModelRunner:
         self.decode_kernel = attention_impl != "reference"
         quantization = resolve_quantization(quantization, tensors, platform)
         self.layer_loop = resolve_layer_loop(layer_loop, platform, experts=bool(cfg.num_experts),
-                                             kept_groups=kept_layer_groups(quantization, tensors))
+                                             low_bit_floats=low_bit_float_weights(quantization, tensors))
         unrolled = self.layer_loop == "unrolled"
         self.graphdef, self.params = load_weights(cfg, tensors, self.dtype, self.mesh, self.layout,
                                                   quantization, per_layer=unrolled)

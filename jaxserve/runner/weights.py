@@ -142,27 +142,37 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
 def resolve_quantization(quantization: str | None, tensors: TensorSource | None, platform: str) -> str | None:
     """The engine's quantization for this checkpoint. A quantized checkpoint's weights are kept in their blocks
     (loader/weights.keep_blocks) when `quantization` names its method ("gguf", "compressed-tensors", "fp8", "gptq",
-    "awq"), and
-    by default on a GPU or TPU. On a CPU the default dequantizes them at load: XLA:CPU converts each weight to float
-    before its matmul, every step, which made decode slower than reading float32 weights (docs/quantization.md);
-    but for W8A8 checkpoints, whose int8 activations make integer GEMMs that beat float32 there too.
-    A quantization done at load (int8, w8a8, fp8 of a float checkpoint) quantizes the dequantized weights."""
+    "awq", "mxfp4"), and by default, but for float8 and float4 values on a CPU, which it dequantizes at load.
+    "none" dequantizes them at load everywhere (None: float weights). A quantization done at load (int8, w8a8, fp8
+    of a float checkpoint) quantizes the dequantized weights."""
+    if quantization == "none":
+        return None
     method = getattr(tensors, "method", None)
     if quantization in BLOCK_QUANTIZATIONS and quantization != method:
         held = f"a {method} checkpoint" if method else "not a quantized checkpoint jaxserve keeps in blocks"
         raise ValueError(f"quantization={quantization!r} keeps a {quantization} checkpoint's quantized weights in "
                          f"their blocks, and this model is {held}: drop the option"
                          + (f" or pass quantization={method!r}" if method else ""))
-    # W8A8 checkpoints are kept on a CPU too: their int8 x int8 matmuls beat float32 there (1.29x single stream,
-    # 1.33x at 64 requests for SmolLM2, BENCHMARKS.md), where weight-only blocks lose to it.
-    keeps = platform != "cpu" or getattr(tensors, "activations", None) == "int8"
-    return method if quantization is None and method is not None and keeps else quantization
+    if quantization is not None or method is None:
+        return quantization
+    # On a CPU, integer groups (GGUF's blocks, GPTQ, AWQ, compressed-tensors int4/int8 and W8A8) beat float32
+    # weights, dequantized in each matmul (SmolLM2's Q4_1: 1.37x single stream, 0.96x at 64 requests) or
+    # multiplying int8 activations (W8A8: 1.29x, 1.33x), at a fraction of the bytes (BENCHMARKS.md). XLA:CPU
+    # converts float8 and float4 values in software: ~0.87x and ~0.35x float32's speed per layer at batch 1.
+    keeps = platform != "cpu" or not low_bit_float_weights(method, tensors)
+    return method if keeps else None
 
 
-def kept_layer_groups(quantization: str | None, tensors: TensorSource | None) -> bool:
-    """Whether `resolve_quantization`'s choice keeps the layers' weights in the checkpoint's blocks, dequantized
-    inside each step (weight-only schemes: a W8A8 checkpoint's int8 weights multiply int8 activations instead)."""
-    return quantization in BLOCK_QUANTIZATIONS and getattr(tensors, "activations", None) is None
+def low_bit_float_weights(quantization: str | None, tensors: TensorSource | None) -> bool:
+    """Whether `resolve_quantization`'s choice holds layer weights as float8 or float4 values: quantized to fp8 at
+    load, or kept in an FP8 or MXFP4 checkpoint's groups. A CPU runs such layers unrolled
+    (runner/layer_loop.resolve_layer_loop)."""
+    if quantization == "fp8":
+        return True
+    if quantization is None or quantization != getattr(tensors, "method", None):
+        return False
+    formats = (tensors.block_format(name) for name in tensors.names())
+    return any(fmt is not None and (fmt.float8 or fmt.float4) for fmt in formats)
 
 
 def stored_bytes(array) -> int:

@@ -1,6 +1,6 @@
 """compressed-tensors pack-quantized checkpoints (llm-compressor's W4A16 and W8A16): logits against transformers
 (which decompresses them with the compressed-tensors package) on the same files, kept in their groups on 1x1, 2x1
-and 4x2 meshes and dequantized at load (the CPU default), and the schemes jaxserve refuses."""
+and 4x2 meshes (kept by default, a CPU included) or dequantized at load, and the schemes jaxserve refuses."""
 
 import json
 import shutil
@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
 from jaxserve.loader.compressed_tensors import CompressedTensorsSource
 from jaxserve.loader.safetensors import SafetensorsSource
-from tests.helpers import small_engine, write_compressed_tensors
+from tests.helpers import kept_formats, small_engine, write_compressed_tensors
 from tests.models.test_parity import PROMPTS, check_parity
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False)
@@ -93,11 +93,13 @@ def test_activation_ordered_groups_dequantize_by_their_columns(tiny_checkpoint, 
     assert np.abs(expected - original[name + "weight"]).max() <= step  # the helper quantized the real weights
 
 
-def test_the_cpu_default_dequantizes_at_load(compressed, caplog):
+def test_the_cpu_default_keeps_integer_groups(compressed, caplog):
+    """Dequantized in each matmul, 4-bit groups beat float32 weights on a CPU too (runner/weights.py)."""
     path, reference = compressed("w4a16-group32-symmetric")
     with caplog.at_level("INFO", logger="jaxserve.runner.weights"):
         served = small_engine(path)
-    assert any(r.getMessage().startswith("weights in float") for r in caplog.records)
+    assert kept_formats(caplog)["wq, wk, wv, wo, w_gate, w_up, w_down"] == "4-bit in groups of 32 with offsets"
+    assert served.runner.layer_loop == "scan"  # integer groups scan on a CPU at the unrolled layers' speed
     check_parity(served, reference, PROMPTS, tol=TOLERANCE)
 
 

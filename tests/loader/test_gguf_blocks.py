@@ -89,7 +89,19 @@ def _generate(model: str, mesh: str = "1x1", **options):
 
 @pytest.fixture(scope="module")
 def dequantized_reference(tiny_quantized_gguf):
-    return _generate(tiny_quantized_gguf)  # the CPU default: dequantized at load
+    """The tokens and logprobs of the file's weights dequantized at load, as transformers reads a GGUF."""
+    return _generate(tiny_quantized_gguf, quantization="none")
+
+
+def test_the_default_keeps_the_blocks_and_none_dequantizes_them_at_load(tiny_quantized_gguf, caplog):
+    options = dict(max_model_len=64, num_kv_blocks=16, max_num_seqs=2, warmup=False)
+    with caplog.at_level(logging.INFO, logger="jaxserve.runner.weights"):
+        Engine(tiny_quantized_gguf, **options)  # a CPU's default too
+        assert kept_formats(caplog)["embed, wq, wk"] == "4-bit in groups of 32 with offsets"
+        caplog.clear()
+        Engine(tiny_quantized_gguf, quantization="none", **options)
+    assert [r.getMessage().split(":")[0] for r in caplog.records if r.getMessage().startswith("weights")] == [
+        "weights in float"]
 
 
 @pytest.mark.parametrize("mesh", ["1x1", "2x1", "4x2"])
@@ -112,7 +124,7 @@ def test_a_kept_lm_head_on_one_cpu_runs_in_vocabulary_slices(tiny_quantized_gguf
     monkeypatch.setattr("jaxserve.runner.weights.HEAD_SLICE_BYTES", 100 << 10)
     engine = Engine(tiny_quantized_gguf, quantization="gguf", max_model_len=64, num_kv_blocks=16, max_num_seqs=2,
                     warmup=False)
-    assert engine.runner.layer_loop == "unrolled"  # "auto" with kept groups, on a CPU too
+    assert engine.runner.layer_loop == "scan"  # "auto" on a CPU: integer groups scan
     model = nnx.merge(engine.runner.graphdef, engine.runner.params)
     vocab = model.lm_head_scale[...].shape[1]  # [hidden / group, vocabulary]
     assert model.cfg.head_slices == -(-vocab * 256 * 4 // (100 << 10))  # rows x hidden size x float32 bytes
@@ -123,19 +135,16 @@ def test_a_kept_lm_head_on_one_cpu_runs_in_vocabulary_slices(tiny_quantized_gguf
     np.testing.assert_allclose(logprobs, dequantized_reference[1], atol=1e-4)
 
 
-def test_smollm2_q4_1_kept_in_4_bits(smollm2_gguf_path, smol_engine):
-    """The default model's Q4_1 file kept in its blocks: the tokens of the model dequantized at load, in under
-    0.35x of the float32 model's weight bytes."""
-    # Scanned: "auto" unrolls kept groups on a CPU, whose 30 layers compile for 35 s more (the tiny GGUF's tests
-    # run them unrolled); the head is sliced either way.
-    kept = Engine(smollm2_gguf_path, quantization="gguf", max_model_len=256, num_kv_blocks=32, max_num_seqs=2,
-                  layer_loop="scan", warmup=False)
-    params = [kept.runner.params, smol_engine.runner.params]
-    kept_bytes, float_bytes = (sum(a.nbytes for a in jax.tree.leaves(p)) for p in params)
+def test_the_default_model_is_kept_in_4_bits(smollm2_gguf_path, smol_engine):
+    """The default model's Q4_1 file kept in its blocks by default, a CPU included, in under 0.35x of the float32
+    model's weight bytes, its layers scanned. Its tokens are transformers' on the dequantized file
+    (tests/engine/test_smollm2.py)."""
+    float_bytes = 4 * sum(int(t.n_elements) for t in gguf.GGUFReader(smollm2_gguf_path).tensors)
+    kept_bytes = sum(a.nbytes for a in jax.tree.leaves(smol_engine.runner.params))
     assert kept_bytes <= 0.35 * float_bytes, (kept_bytes, float_bytes)
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    assert ([o.outputs[0].token_ids for o in kept.generate(PROMPTS, greedy, use_tqdm=False)]
-            == [o.outputs[0].token_ids for o in smol_engine.generate(PROMPTS, greedy, use_tqdm=False)])
+    model = nnx.merge(smol_engine.runner.graphdef, smol_engine.runner.params)
+    assert model.layers.w_up[...].dtype == np.uint8  # two 4-bit values a byte
+    assert smol_engine.runner.layer_loop == "scan"
 
 
 def test_gguf_quantization_needs_a_gguf_file(tiny_checkpoint):

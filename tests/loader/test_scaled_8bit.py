@@ -89,9 +89,13 @@ def test_float8_blocks_split_over_a_mesh(fp8_checkpoint):
     check_parity(small_engine(path, mesh, quantization="fp8"), reference, PROMPTS, tol=TOLERANCE)
 
 
-def test_the_cpu_default_dequantizes_fp8_at_load(fp8_checkpoint):
+def test_the_cpu_default_dequantizes_fp8_at_load(fp8_checkpoint, caplog):
+    """XLA:CPU converts float8 values in software, slower than reading float32 weights (runner/weights.py)."""
     path, reference = fp8_checkpoint("fp8-block")
-    check_parity(small_engine(path), reference, PROMPTS, tol=TOLERANCE)
+    with caplog.at_level("INFO", logger="jaxserve.runner.weights"):
+        served = small_engine(path)
+    assert any(r.getMessage().startswith("weights in float:") for r in caplog.records), caplog.text
+    check_parity(served, reference, PROMPTS, tol=TOLERANCE)
 
 
 def test_the_cpu_default_keeps_w8a8_for_its_integer_gemms(fp8_checkpoint, caplog):

@@ -138,5 +138,5 @@ def test_fp8_logits_match_transformers_on_fp8_rounded_weights(name, mesh, tiny_c
 
 
 def test_unknown_quantization_is_refused_before_loading():
-    with pytest.raises(ValueError, match="quantization must be one of int8, w8a8, fp8, gguf, compressed-tensors, gptq, awq, mxfp4, got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be one of int8, w8a8, fp8, gguf, compressed-tensors, gptq, awq, mxfp4, none, got 'int4'"):
         Engine("/nonexistent/model", quantization="int4")

@@ -6,15 +6,18 @@ import re
 from types import SimpleNamespace
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from jaxserve import Engine
+from jaxserve.models.layers import Grouped, dequantized
 from jaxserve.runner import paged_attention_xla
 from jaxserve.runner.layer_loop import resolve_layer_loop
 from jaxserve.runner.plan import empty_inputs
-from jaxserve.runner.weights import kept_layer_groups
+from jaxserve.runner.weights import low_bit_float_weights
 from tests.models.test_parity import ARCHITECTURES, PROMPTS, check_parity
 
 
@@ -120,20 +123,48 @@ def test_layer_loop_choice():
     assert resolve_layer_loop("auto", "gpu") == "unrolled"
     assert resolve_layer_loop("auto", "cpu") == "scan"
     assert resolve_layer_loop("auto", "cpu", experts=True) == "unrolled"
-    assert resolve_layer_loop("auto", "cpu", kept_groups=True) == "unrolled"
-    assert resolve_layer_loop("scan", "cpu", kept_groups=True) == "scan"  # asked for: as asked
+    assert resolve_layer_loop("auto", "cpu", low_bit_floats=True) == "unrolled"
+    assert resolve_layer_loop("scan", "cpu", low_bit_floats=True) == "scan"  # asked for: as asked
     assert resolve_layer_loop("unrolled", "cpu") == "unrolled"
     with pytest.raises(ValueError, match="layer_loop must be one of auto, scan, unrolled, got 'unroll'"):
         resolve_layer_loop("unroll", "cpu")
 
 
-def test_only_weight_only_kept_blocks_count_as_kept_groups():
-    """A W8A8 checkpoint's int8 weights multiply int8 activations (no dequantization in the loop); a float
-    checkpoint, or blocks dequantized at load (quantization None), have no groups."""
-    gguf, w8a8 = SimpleNamespace(method="gguf"), SimpleNamespace(method="compressed-tensors", activations="int8")
-    assert kept_layer_groups("gguf", gguf) and kept_layer_groups("gptq", SimpleNamespace(method="gptq"))
-    assert not kept_layer_groups("compressed-tensors", w8a8)
-    assert not kept_layer_groups(None, gguf) and not kept_layer_groups("int8", None)
+def test_a_scan_unpacks_4_bit_groups_in_one_elementwise_pass():
+    """Two 4-bit values a byte (the first in the low nibble) unpack by shifting a broadcast of the bytes: stacked
+    instead, XLA:CPU copied each layer's slice through a concatenate inside the scan, 5.7x the unrolled layers'
+    time at SmolLM2's shape (scripts/bench_layer_loop.py --weights int4), which is why a CPU can scan kept 4-bit
+    groups."""
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 16, (3, 64, 8)).astype(np.uint8)  # 3 layers of [64 in, 8 out], groups of 32 along "in"
+    scale, offset = rng.random((3, 2, 8), np.float32), rng.random((3, 2, 8), np.float32)
+    stack = {"w": jnp.asarray(q[:, 0::2] | (q[:, 1::2] << 4)), "w_scale": jnp.asarray(scale),
+             "w_offset": jnp.asarray(offset)}
+
+    def scanned(stack):
+        return jax.lax.scan(lambda _, w: (None, dequantized(w, "w", jnp.float32)), None, stack)[1]
+
+    expected = q * np.repeat(scale, 32, axis=1) + np.repeat(offset, 32, axis=1)
+    np.testing.assert_array_equal(jax.jit(scanned)(stack), expected)
+    assert "concatenate(" not in jax.jit(scanned).lower(stack).compile().as_text()
+
+
+def test_only_float8_and_float4_weights_count_as_low_bit_floats():
+    """A CPU unrolls layers whose weights are float8 or float4 values (fp8 at load, an FP8 or MXFP4 checkpoint's
+    groups); integer groups (GGUF's blocks) scan. Blocks dequantized at load (quantization None) are floats."""
+    def source(method, **formats):
+        return SimpleNamespace(method=method, names=lambda: set(formats) | {"model.norm.weight"},
+                               block_format=lambda name: formats.get(name))
+
+    gguf = source("gguf", **{"model.layers.0.mlp.up_proj.weight": Grouped(bits=4, group=32, offset=True)})
+    fp8 = source("compressed-tensors",
+                 **{"model.layers.0.mlp.up_proj.weight": Grouped(bits=8, group=128, offset=False, float8=True)})
+    experts = source("mxfp4", **{"model.layers.0.mlp.experts.down_proj": Grouped(bits=4, group=32, offset=False,
+                                                                                   float4=True)})
+    assert low_bit_float_weights("compressed-tensors", fp8) and low_bit_float_weights("mxfp4", experts)
+    assert low_bit_float_weights("fp8", None)  # a float checkpoint quantized to fp8 at load
+    assert not low_bit_float_weights("gguf", gguf)
+    assert not low_bit_float_weights(None, fp8) and not low_bit_float_weights("int8", None)
 
 
 def test_per_layer_weights_are_placed_from_the_host(tiny_checkpoint, monkeypatch):
