@@ -73,10 +73,21 @@ def hf_location(model: str) -> dict:
 
 
 def load_transformers(model: str):
-    import torch
-    from transformers import AutoModelForCausalLM
+    """transformers' float32 model of `model`; a compressed-tensors checkpoint decompressed to float32 (as the
+    tests read one: its packed int4 layers do not load into a plain model)."""
+    import json
 
-    return AutoModelForCausalLM.from_pretrained(**hf_location(model), dtype=torch.float32).eval()
+    import torch
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    options = {}
+    config = os.path.join(model, "config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            method = (json.load(f).get("quantization_config") or {}).get("quant_method")
+        if method == "compressed-tensors":
+            options["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
+    return AutoModelForCausalLM.from_pretrained(**hf_location(model), dtype=torch.float32, **options).eval()
 
 
 def model_argument(ap: argparse.ArgumentParser) -> None:
