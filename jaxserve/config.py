@@ -187,10 +187,16 @@ class ModelConfig:
     # int8 weights, int32 sums) or "float8" (float8 weights on GPUs with FP8 matmuls: e4m3 x e4m3, float32 sums).
     # Set by the engine from its quantization and devices, not by the checkpoint.
     quantized_activations: str | None = None
-    # A kept LM head (a GGUF's blocks) dequantized and multiplied in this many slices of the vocabulary, one after
-    # another, so that each slice's float copy stays small: on a CPU a step's temporaries over 32 MiB come from the
-    # kernel afresh every step (runner/host_allocator.py). Set by the engine, on one CPU device.
-    head_slices: int = 1
+    # A weight converted to float inside the step (kept groups, int8 and fp8 at load) whose float copy would pass
+    # this many bytes is converted and multiplied a slice of its outputs at a time (layers.in_output_slices), so
+    # that the copy stays in cache and under glibc's 32 MiB mmap threshold: XLA:CPU converts a weight whole before
+    # its matmul. 0: whole weights. Set by the engine, on one CPU device.
+    dequantize_slice_bytes: int = 0
+
+    @property
+    def matmul(self) -> dict:
+        """The keyword arguments of layers.dense (and gated_mlp) for this model's matmuls."""
+        return dict(activations=self.quantized_activations, slice_bytes=self.dequantize_slice_bytes)
 
     def __post_init__(self):
         if self.router_scoring not in ROUTER_SCORINGS:

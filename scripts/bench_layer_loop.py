@@ -18,6 +18,7 @@ batch 1.
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 from bench_kernels import timed
 from benchmark_table import append_row, command_line
@@ -32,11 +33,12 @@ WEIGHTS = ("float", "int4", "int8")
 GROUP = 32  # values per scale along the contracted axis (GGUF's blocks)
 
 
-def make_layers(shape: str, dtype, weights: str = "float"):
+def make_layers(shape: str, dtype, weights: str = "float", num_layers: int | None = None):
     import jax
     import jax.numpy as jnp
 
     L, D, F, Q, K = SHAPES[shape]
+    L = num_layers or L
     shapes = {"wq": (D, Q), "wk": (D, K), "wv": (D, K), "wo": (Q, D), "wg": (D, F), "wu": (D, F), "wd": (F, D)}
     layers = []
     for i in range(L):
@@ -57,14 +59,14 @@ def make_layers(shape: str, dtype, weights: str = "float"):
     return layers
 
 
-def layer(x, w):
+def layer(x, w, slice_bytes: int = 0):
     import jax
     import jax.numpy as jnp
 
     from jaxserve.models.layers import dense
 
     def mm(h, name):
-        return dense("bd,df->bf", h, w, name)
+        return dense("bd,df->bf", h, w, name, slice_bytes=slice_bytes)
 
     def rms(h):
         return h * jax.lax.rsqrt(jnp.mean(jnp.square(h.astype(jnp.float32)), -1, keepdims=True)).astype(h.dtype)
@@ -76,15 +78,15 @@ def layer(x, w):
     return x + mm(jax.nn.silu(mm(h, "wg")) * mm(h, "wu"), "wd")
 
 
-def scanned(x, stacked):
+def scanned(x, stacked, slice_bytes: int = 0):
     import jax
 
-    return jax.lax.scan(lambda x, w: (layer(x, w), None), x, stacked)[0]
+    return jax.lax.scan(lambda x, w: (layer(x, w, slice_bytes), None), x, stacked)[0]
 
 
-def unrolled(x, layers):
+def unrolled(x, layers, slice_bytes: int = 0):
     for w in layers:
-        x = layer(x, w)
+        x = layer(x, w, slice_bytes)
     return x
 
 
@@ -110,6 +112,10 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     ap.add_argument("--weights", choices=WEIGHTS, default="float",
                     help="float (bfloat16 on an accelerator, float32 on a CPU) or kept groups of int4 / int8 values")
+    ap.add_argument("--layers", type=int, help="this many of the shape's layers (default: all)")
+    ap.add_argument("--slice-mib", type=float,
+                    help="convert weights in slices of at most this many MiB of float (0: whole; default: the "
+                         "engine's choice, runner/weights.DEQUANTIZE_SLICE_BYTES on a CPU and whole elsewhere)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--append", metavar="BENCHMARKS.md", help="append the result row to this file")
     args = ap.parse_args()
@@ -118,17 +124,22 @@ def main() -> None:
     import jax.numpy as jnp
 
     import jaxserve  # noqa: F401  (before the backend starts: the XLA flags engines run with, jaxserve/xla_flags.py)
+    from jaxserve.runner.weights import DEQUANTIZE_SLICE_BYTES
 
     device = jax.devices()[0]
     dtype = jnp.float32 if device.platform == "cpu" else jnp.bfloat16
-    layers = make_layers(args.shape, dtype, args.weights)
+    if args.slice_mib is None:
+        slice_bytes = DEQUANTIZE_SLICE_BYTES if device.platform == "cpu" else 0
+    else:
+        slice_bytes = int(args.slice_mib * 2**20)
+    layers = make_layers(args.shape, dtype, args.weights, args.layers)
     weight_bytes = sum(a.nbytes for w in layers for a in w.values())
     stacked = {n: jnp.stack([w[n] for w in layers]) for n in layers[0]}
     ms = {"scan": [], "unrolled": []}
     for B in BATCHES:
         x = jnp.ones((B, SHAPES[args.shape][1]), dtype)
         for name, fn, weights in (("scan", scanned, stacked), ("unrolled", unrolled, layers)):
-            compiled = jax.jit(fn).lower(x, weights).compile()
+            compiled = jax.jit(partial(fn, slice_bytes=slice_bytes)).lower(x, weights).compile()
             if B == 1 and name == "scan":
                 print(f"scan program: {compiled.as_text().count('dynamic-slice(')} dynamic-slice ops")
             seconds = timed(compiled, x, weights, iters=args.iters)
@@ -137,8 +148,11 @@ def main() -> None:
     if args.append:
         write_header_once(args.append)
         cells = [" / ".join(f"{t:.2f}" for t in ms[name]) for name in ("scan", "unrolled")]
-        append_row(args.append, device.device_kind, command_line("bench_layer_loop.py", args.append),
-                   args.shape if args.weights == "float" else f"{args.shape}, {args.weights} groups", f"{weight_bytes / 1e9:.2f}", *cells, f"**{ms['scan'][0] / ms['unrolled'][0]:.2f}x**")
+        shape = args.shape + (f" ({len(layers)} layers)" if args.layers else "")
+        if args.weights != "float":
+            shape += f", {args.weights} groups" + (f", slices of {slice_bytes / 2**20:.3g} MiB" if slice_bytes else "")
+        append_row(args.append, device.device_kind, command_line("bench_layer_loop.py", args.append), shape,
+                   f"{weight_bytes / 1e9:.2f}", *cells, f"**{ms['scan'][0] / ms['unrolled'][0]:.2f}x**")
     print(f"scan / unrolled at batch 1: {ms['scan'][0] / ms['unrolled'][0]:.2f}x")
 
 

@@ -116,11 +116,11 @@ def expert_mlp(cfg: ModelConfig, x: jax.Array, w: dict[str, jax.Array], batched:
     `<name>_offset`); gate and up their biases where
     the model has them (the down projection's is added once, after the experts: `moe_mlp`)."""
     n = "N" if batched else ""
-    gate = dense(f"{n}RD,{n}DF->{n}RF", x, w, "w_gate", activations=cfg.quantized_activations)
-    up = dense(f"{n}RD,{n}DF->{n}RF", x, w, "w_up", activations=cfg.quantized_activations)
+    gate = dense(f"{n}RD,{n}DF->{n}RF", x, w, "w_gate", **cfg.matmul)
+    up = dense(f"{n}RD,{n}DF->{n}RF", x, w, "w_up", **cfg.matmul)
     if "b_gate" in w:
         gate, up = gate + w["b_gate"], up + w["b_up"]
-    return dense(f"{n}RF,{n}FD->{n}RD", gated(cfg, gate, up), w, "w_down", activations=cfg.quantized_activations)
+    return dense(f"{n}RF,{n}FD->{n}RD", gated(cfg, gate, up), w, "w_down", **cfg.matmul)
 
 
 def looped_experts(cfg: ModelConfig, x: jax.Array, pairs: Pairs, w: dict[str, jax.Array],
@@ -217,6 +217,6 @@ def shared_expert(cfg: ModelConfig, h: jax.Array, w: dict[str, jax.Array]) -> ja
     # Its weights (and int8 scales) under the names a dense MLP's have.
     mlp_weights = {"w_" + name.removeprefix("shared_"): value for name, value in w.items()
                    if name.startswith(("shared_gate", "shared_up", "shared_down"))}
-    out = gated_mlp(h, mlp_weights, cfg.hidden_act, activations=cfg.quantized_activations)
+    out = gated_mlp(h, mlp_weights, cfg.hidden_act, **cfg.matmul)
     scale = jax.nn.sigmoid(jnp.einsum("TD,DO->TO", h, w["shared_expert_gate"], preferred_element_type=jnp.float32))
     return out.astype(jnp.float32) * scale

@@ -152,14 +152,15 @@ def dequantized(weights: dict[str, jax.Array], name: str, dtype) -> jax.Array:
 
 
 def dense(spec: str, x: jax.Array, weights: dict[str, jax.Array], name: str,
-          adapters: jax.Array | None = None, activations: str | None = None) -> jax.Array:
+          adapters: jax.Array | None = None, activations: str | None = None, slice_bytes: int = 0) -> jax.Array:
     """`einsum(spec, x, weights[name])`, scaled back when the weight is quantized (its `<name>_scale` is present),
     plus each token's LoRA update where the weight has adapter slots (`<name>_lora_a`/`_b`) and `adapters` says
     which slot each token uses.
 
     A per-output-channel scale is applied once to the [.., out] result instead of to the weight, in float32 (a
     bfloat16 scale would add up to 0.4% of gain error per channel). GPU backends can fuse the int8 -> float
-    convert into the matmul's operand read; XLA's CPU backend converts one layer's weight at a time first.
+    convert into the matmul's operand read; XLA's CPU backend converts the weight first, into a temporary
+    (`slice_bytes`, ModelConfig.dequantize_slice_bytes: see `in_output_slices`).
     `activations` (ModelConfig.quantized_activations): "int8" (quantization="w8a8") multiplies an int8 weight by
     int8 activations, "float8" a float8 weight by float8 activations (FP8 GEMMs on GPUs that have them); see
     `quantized_matmul`. A weight kept in its checkpoint's groups (`Grouped`) is dequantized to x's dtype first,
@@ -168,23 +169,46 @@ def dense(spec: str, x: jax.Array, weights: dict[str, jax.Array], name: str,
     """
     w, scale = weights[name], weights.get(name + "_scale")
     quantized_gemm = activations is not None and w.dtype == QUANTIZED_ACTIVATIONS[activations][0]
-    if scale is not None and scale.ndim == w.ndim:  # kept in a checkpoint's groups
-        per_channel = output_scale(spec, scale) if quantized_gemm else None
-        if per_channel is not None:
-            scale = per_channel
-        else:
-            scale = None
-            w = dequantized(weights, name, x.dtype)  # inside the step (XLA fuses it)
-    if scale is None:
+    grouped = scale is not None and scale.ndim == w.ndim  # kept in a checkpoint's groups
+    if grouped:
+        scale = output_scale(spec, scale) if quantized_gemm else None
+    if grouped and scale is None:  # dequantized inside the step (XLA fuses it)
+        y = in_output_slices(spec, weights, name, x.dtype, slice_bytes,
+                             lambda part: jnp.einsum(spec, x, dequantized(part, name, x.dtype)))
+    elif scale is None:
         y = jnp.einsum(spec, x, w)
     elif quantized_gemm:
         y = (quantized_matmul(spec, x, w, activations) * scale).astype(x.dtype)
     else:
-        y = jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+        y = in_output_slices(spec, {name: w}, name, x.dtype, slice_bytes, lambda part: jnp.einsum(
+            spec, x, part[name].astype(x.dtype), preferred_element_type=jnp.float32))
         y = (y * scale).astype(x.dtype)
     if adapters is not None and name + "_lora_a" in weights:
         y = y + lora_delta(spec, x, weights[name + "_lora_a"], weights[name + "_lora_b"], adapters)
     return y
+
+
+def in_output_slices(spec: str, weights: dict[str, jax.Array], name: str, dtype, slice_bytes: int, matmul):
+    """`matmul(weights)`, the einsum `spec` of the weight `name` converted to `dtype` inside it; when that
+    converted copy would pass `slice_bytes` (0: never), `matmul` of one slice of the weight (its scale and offset
+    alike) along its widest output axis after another, the results concatenated. XLA:CPU converts a weight whole
+    into a temporary before its matmul: an 8B model's 4096 x 14336 weight in 4-bit groups made a 224 MiB float32
+    one, written and read back on every step; in slices of 14 MiB, the batch-1 matmul took 4.0 ms instead of
+    18.6 (36.7 under glibc's malloc, which maps such blocks from the kernel every step; scripts/bench_layer_loop.py
+    --shape llama3-8b --weights int4 measures whole layers)."""
+    w = weights[name]
+    values = w.size * (2 if w.dtype == jnp.uint8 else 1)  # uint8 holds two 4-bit values (`dequantized`)
+    slices = -(-values * jnp.dtype(dtype).itemsize // slice_bytes) if slice_bytes and w.dtype != dtype else 1
+    if slices <= 1:
+        return matmul(weights)
+    _, w_axes, out, _ = _axes(spec)
+    letter = max((a for a in w_axes if a in out), key=lambda a: w.shape[w_axes.index(a)])
+    axis, size = w_axes.index(letter), w.shape[w_axes.index(letter)]
+    step = -(-size // min(slices, size))
+    own = {n: a for n, a in weights.items() if n in (name, name + "_scale", name + "_offset")}
+    parts = [matmul({n: jax.lax.slice_in_dim(a, start, min(start + step, size), axis=axis) for n, a in own.items()})
+             for start in range(0, size, step)]
+    return jnp.concatenate(parts, axis=out.index(letter))
 
 
 def _axes(spec: str) -> tuple[str, str, str, str]:
@@ -332,11 +356,11 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approx
 
 
 def gated_mlp(x: jax.Array, w: dict[str, jax.Array], activation: str, adapters: jax.Array | None = None,
-              activations: str | None = None) -> jax.Array:
+              activations: str | None = None, slice_bytes: int = 0) -> jax.Array:
     """down(act(gate(x)) * up(x)): SwiGLU with "silu" (Llama), GeGLU with "gelu_tanh" (Gemma)."""
-    gate = dense("TD,DF->TF", x, w, "w_gate", adapters, activations)
-    up = dense("TD,DF->TF", x, w, "w_up", adapters, activations)
-    return dense("TF,FD->TD", ACTIVATIONS[activation](gate) * up, w, "w_down", adapters, activations)
+    gate = dense("TD,DF->TF", x, w, "w_gate", adapters, activations, slice_bytes)
+    up = dense("TD,DF->TF", x, w, "w_up", adapters, activations, slice_bytes)
+    return dense("TF,FD->TD", ACTIVATIONS[activation](gate) * up, w, "w_down", adapters, activations, slice_bytes)
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:

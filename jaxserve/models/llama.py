@@ -23,6 +23,7 @@ from jaxserve.models.layers import (
     dense,
     dequantized,
     gated_mlp,
+    in_output_slices,
     lora_selection,
     param,
     rms_norm,
@@ -83,7 +84,7 @@ class DecoderLayers(nnx.Module):
 
 
 def mlp(cfg: ModelConfig, w: dict[str, jax.Array], h: jax.Array, adapters: jax.Array | None = None) -> jax.Array:
-    return gated_mlp(h, w, cfg.hidden_act, adapters, cfg.quantized_activations)
+    return gated_mlp(h, w, cfg.hidden_act, adapters, **cfg.matmul)
 
 
 def self_attention(cfg: ModelConfig, attention_fn, w: dict[str, jax.Array], h: jax.Array, kv, layer, meta,
@@ -92,9 +93,9 @@ def self_attention(cfg: ModelConfig, attention_fn, w: dict[str, jax.Array], h: j
     kind passes the layer's kind on (its window, and its RoPE frequencies). `adapters`: each token's LoRA slot,
     one-hot (layers.lora_selection)."""
     kind = w.get("attn_kind")
-    q = dense("TD,DHd->THd", h, w, "wq", adapters, cfg.quantized_activations)
-    k = dense("TD,DKd->TKd", h, w, "wk", adapters, cfg.quantized_activations)
-    v = dense("TD,DKd->TKd", h, w, "wv", adapters, cfg.quantized_activations)
+    q = dense("TD,DHd->THd", h, w, "wq", adapters, **cfg.matmul)
+    k = dense("TD,DKd->TKd", h, w, "wk", adapters, **cfg.matmul)
+    v = dense("TD,DKd->TKd", h, w, "wv", adapters, **cfg.matmul)
     if cfg.qkv_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     if cfg.qk_norm:  # over head_dim, each head alike (zero heads padded for tp stay zero)
@@ -112,7 +113,7 @@ def self_attention(cfg: ModelConfig, attention_fn, w: dict[str, jax.Array], h: j
         # A q head padded in for tp (zero weights, so q == 0) attends uniformly and outputs the mean of v; wo's
         # zero rows cancel it in float, but it would count in each token's activation scale: zero it.
         attn = attn * jnp.any(q != 0, axis=-1, keepdims=True).astype(attn.dtype)
-    out = dense("THd,HdD->TD", attn, w, "wo", adapters, cfg.quantized_activations)
+    out = dense("THd,HdD->TD", attn, w, "wo", adapters, **cfg.matmul)
     return (out + w["bo"] if cfg.o_bias else out), kv
 
 
@@ -188,15 +189,10 @@ class LlamaForCausalLM(nnx.Module):
         """Float32 logits [N, V] for the N hidden states asked for (only the sampled positions)."""
         name = "embed" if self.cfg.tie_word_embeddings else "lm_head"
         stored = {n: getattr(self, n)[...] for n in (name, name + "_scale", name + "_offset") if hasattr(self, n)}
-        spec, vocab_axis = ("ND,VD->NV", 0) if self.cfg.tie_word_embeddings else ("ND,DV->NV", 1)
-        slices = self.cfg.head_slices if name + "_scale" in stored else 1  # a float head is read in place
-        vocab = stored[name].shape[vocab_axis]
-        size = -(-vocab // slices)
+        spec = "ND,VD->NV" if self.cfg.tie_word_embeddings else "ND,DV->NV"
 
-        def head_slice(start: int) -> jax.Array:  # one slice's vocabulary rows, dequantized alone
-            part = {n: jax.lax.slice_in_dim(w, start, min(start + size, vocab), axis=vocab_axis)
-                    for n, w in stored.items()}
+        def matmul(part: dict[str, jax.Array]) -> jax.Array:
             return jnp.einsum(spec, hidden, dequantized(part, name, hidden.dtype), preferred_element_type=jnp.float32)
 
-        out = jnp.concatenate([head_slice(start) for start in range(0, vocab, size)], axis=-1)
+        out = in_output_slices(spec, stored, name, hidden.dtype, self.cfg.dequantize_slice_bytes, matmul)
         return soft_cap(out[:, : self.cfg.vocab_size], self.cfg.final_logit_softcap)  # padded rows are not tokens

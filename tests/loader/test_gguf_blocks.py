@@ -117,18 +117,16 @@ def test_kept_blocks_serve_the_dequantized_models_tokens(mesh, tiny_quantized_gg
                     "w_up": "8-bit in groups of 32"}
 
 
-def test_a_kept_lm_head_on_one_cpu_runs_in_vocabulary_slices(tiny_quantized_gguf, dequantized_reference, monkeypatch):
-    """On one CPU device a kept LM head is dequantized a slice of the vocabulary at a time, each slice's float copy
-    at most HEAD_SLICE_BYTES (glibc maps bigger temporaries from the kernel every step): the same tokens and
-    logprobs as the whole head dequantized at load, with a last slice shorter than the others."""
-    monkeypatch.setattr("jaxserve.runner.weights.HEAD_SLICE_BYTES", 100 << 10)
-    engine = Engine(tiny_quantized_gguf, quantization="gguf", max_model_len=64, num_kv_blocks=16, max_num_seqs=2,
-                    warmup=False)
+def test_kept_weights_on_one_cpu_run_in_output_slices(tiny_quantized_gguf, dequantized_reference, monkeypatch):
+    """On one CPU device a kept weight whose float copy would pass DEQUANTIZE_SLICE_BYTES is dequantized and
+    multiplied a slice of its outputs at a time (layers.in_output_slices): here every layer weight and the LM
+    head, in slices of 32 KiB, some of them shorter than the others. The same tokens and logprobs as the weights
+    dequantized at load."""
+    monkeypatch.setattr("jaxserve.runner.weights.DEQUANTIZE_SLICE_BYTES", 32 << 10)
+    engine = Engine(tiny_quantized_gguf, max_model_len=64, num_kv_blocks=16, max_num_seqs=2, warmup=False)
     assert engine.runner.layer_loop == "scan"  # "auto" on a CPU: integer groups scan
     model = nnx.merge(engine.runner.graphdef, engine.runner.params)
-    vocab = model.lm_head_scale[...].shape[1]  # [hidden / group, vocabulary]
-    assert model.cfg.head_slices == -(-vocab * 256 * 4 // (100 << 10))  # rows x hidden size x float32 bytes
-    assert vocab % model.cfg.head_slices
+    assert model.cfg.dequantize_slice_bytes == 32 << 10
     outs = [o.outputs[0] for o in engine.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert [o.token_ids for o in outs] == dequantized_reference[0]
     logprobs = np.array([[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] for o in outs])
