@@ -9,7 +9,9 @@ on a layers axis, and an unrolled loop over per-layer arrays (runner/layer_loop.
 Each layer: RMS norm, q/k/v/o and gate/up/down projections (attention itself left out: it reads the KV cache,
 not weights), every matmul through the engine's own `models.layers.dense`. `--weights int4` / `int8` keep the
 weights in groups of 32 along the contracted axis with a float32 scale (and, for int4, an offset): a GGUF's Q4_1
-and Q8_0 blocks, dequantized inside the step as the engine runs them. Reports ms per pass and the weight bytes read
+and Q8_0 blocks, dequantized inside the step as the engine runs them (int4: two values a uint8 byte, unpacked by
+the engine). `uint4` holds the same values in XLA's own 4-bit type instead, which XLA:GPU may fuse into its
+matmuls (not what the engine stores: a comparison for GPUs). Reports ms per pass and the weight bytes read
 per second at batch 1, 8 and 64, and counts the dynamic-slice ops in the scan's compiled program (XLA:GPU copies
 each stacked weight's slice out before its matmul). The last line is the scan's time over the unrolled loop's at
 batch 1.
@@ -29,7 +31,7 @@ SHAPES = {  # layers, hidden, MLP, q width, kv width
     "tiny": (2, 64, 128, 64, 16),
 }
 BATCHES = (1, 8, 64)
-WEIGHTS = ("float", "int4", "int8")
+WEIGHTS = ("float", "int4", "uint4", "int8")
 GROUP = 32  # values per scale along the contracted axis (GGUF's blocks)
 
 
@@ -52,6 +54,9 @@ def make_layers(shape: str, dtype, weights: str = "float", num_layers: int | Non
             layer[name + "_scale"] = jax.random.uniform(scale_key, (k // GROUP, n), jnp.float32) * 0.004
             if weights == "int8":
                 layer[name] = jax.random.randint(values_key, (k, n), -128, 128, jnp.int32).astype(jnp.int8)
+            elif weights == "uint4":  # XLA's own 4-bit type (packed two to a byte on a GPU; a byte each on a CPU)
+                layer[name] = jax.random.randint(values_key, (k, n), 0, 16, jnp.int32).astype(jnp.uint4)
+                layer[name + "_offset"] = -8 * layer[name + "_scale"]
             else:  # two 4-bit values to a byte along the contracted axis, and an offset per group
                 layer[name] = jax.random.randint(values_key, (k // 2, n), 0, 256, jnp.int32).astype(jnp.uint8)
                 layer[name + "_offset"] = -8 * layer[name + "_scale"]
@@ -111,7 +116,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     ap.add_argument("--weights", choices=WEIGHTS, default="float",
-                    help="float (bfloat16 on an accelerator, float32 on a CPU) or kept groups of int4 / int8 values")
+                    help="float (bfloat16 on an accelerator, float32 on a CPU) or kept groups of int4 / uint4 / int8 values")
     ap.add_argument("--layers", type=int, help="this many of the shape's layers (default: all)")
     ap.add_argument("--slice-mib", type=float,
                     help="convert weights in slices of at most this many MiB of float (0: whole; default: the "

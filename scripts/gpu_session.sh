@@ -39,8 +39,9 @@
 #              batch-1 ms/token against the fp8 weights' roofline (goal <= 1.25x), offline 1000 x (1000 in + 100
 #              out) total tok/s (goal >= 1.6x bfloat16's)
 #   kept       issue 37's kept groups on a GPU: scripts/bench_layer_loop.py at the Llama-3-8B shape with weights in
-#              4-bit and 8-bit groups of 32 (GGUF's Q4_1 and Q8_0, dequantized in each matmul as the engine does),
-#              then bfloat16, scan and unrolled each (~3 min)
+#              4-bit and 8-bit groups of 32 (GGUF's Q4_1 and Q8_0, dequantized in each matmul as the engine does;
+#              and the 4-bit values in XLA's uint4, which XLA:GPU may fuse into the matmul), then bfloat16, scan
+#              and unrolled each (~4 min)
 #   moe        scripts/bench_moe.py at Qwen3-30B-A3B's shape, bfloat16: sparse experts vs the dense model of equal
 #              active width (issue 35; the every-expert column only at the CPU's shape)
 #   decode     issue 4's goals in one call: tune_decode_kernel.py at 64x2048, 8x8192 and 1x512, bench_kernels.py
@@ -155,7 +156,7 @@ case "$step" in
     done
     ;;
   kept)
-    for weights in int4 int8 float; do
+    for weights in int4 uint4 int8 float; do
       timeout -k 15 170 python3 scripts/bench_layer_loop.py --weights $weights --iters 10 \
         --append "$out/benchmark_rows.md" 2>&1 | tee -a "$out/bench_kept.log"
     done

@@ -53,17 +53,20 @@ def _leaf(tree: dict, path: tuple):
     return tree
 
 
+# ModelConfig's fields that say how an engine runs the model (set from its quantization and devices), not what
+# the model is: left out of a converted checkpoint's config, so that a jaxserve from before a field still reads the
+# file, and ignored when read ("head_slices": written by 0319fe0 up to dequantize_slice_bytes, which replaced it).
+SERVING_FIELDS = ("quantized_activations", "dequantize_slice_bytes", "head_slices")
+
+
 def stored_config(config: ModelConfig) -> dict:
-    """The model's config as written: `quantized_activations` is a serving choice (quantization and devices), not
-    the model's, and is left out so that a jaxserve from before it still reads the file."""
-    values = dataclasses.asdict(config)
-    values.pop("quantized_activations")
-    return values
+    """The model's config as written, without its SERVING_FIELDS."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if k not in SERVING_FIELDS}
 
 
 # --- restore -------------------------------------------------------------------------------------------------
 def model_config(meta: dict) -> ModelConfig:
-    values = dict(meta["config"])
+    values = {k: v for k, v in meta["config"].items() if k not in SERVING_FIELDS}
     rope = values.get("rope_scaling")
     if rope:  # JSON gave lists for the per-frequency factors
         rope = {k: tuple(v) if isinstance(v, list) else v for k, v in rope.items()}

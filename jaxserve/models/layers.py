@@ -139,7 +139,7 @@ def dequantized(weights: dict[str, jax.Array], name: str, dtype) -> jax.Array:
     if w.dtype == jnp.uint8:  # two 4-bit values per byte along the group axis, the first in the low nibble
         # Shifted through a broadcast rather than stacked: XLA:CPU ran a stack of the two nibbles ~5x slower
         # inside a scan over the layers (a concatenate with a layout copy per layer), the shift at the speed of
-        # unrolled layers (scripts/bench_dequant.py).
+        # unrolled layers (scripts/bench_layer_loop.py --weights int4).
         shifts = jnp.array([0, 4], jnp.uint8).reshape((2,) + (1,) * (w.ndim - axis - 1))
         w = (jnp.expand_dims(w, axis + 1) >> shifts) & 15
         w = w.reshape(w.shape[:axis] + (w.shape[axis] * 2,) + w.shape[axis + 2:])
@@ -172,7 +172,7 @@ def dense(spec: str, x: jax.Array, weights: dict[str, jax.Array], name: str,
     grouped = scale is not None and scale.ndim == w.ndim  # kept in a checkpoint's groups
     if grouped:
         scale = output_scale(spec, scale) if quantized_gemm else None
-    if grouped and scale is None:  # dequantized inside the step (XLA fuses it)
+    if grouped and scale is None:  # dequantized inside the step, in one elementwise fusion
         y = in_output_slices(spec, weights, name, x.dtype, slice_bytes,
                              lambda part: jnp.einsum(spec, x, dequantized(part, name, x.dtype)))
     elif scale is None:
@@ -194,8 +194,9 @@ def in_output_slices(spec: str, weights: dict[str, jax.Array], name: str, dtype,
     alike) along its widest output axis after another, the results concatenated. XLA:CPU converts a weight whole
     into a temporary before its matmul: an 8B model's 4096 x 14336 weight in 4-bit groups made a 224 MiB float32
     one, written and read back on every step; in slices of 14 MiB, the batch-1 matmul took 4.0 ms instead of
-    18.6 (36.7 under glibc's malloc, which maps such blocks from the kernel every step; scripts/bench_layer_loop.py
-    --shape llama3-8b --weights int4 measures whole layers)."""
+    18.6 (36.7 under glibc's malloc, which maps such blocks from the kernel every step). Whole layers: 4 of that
+    shape at batch 1 in 194 ms instead of 369 (scripts/bench_layer_loop.py --shape llama3-8b --layers 4 --weights
+    int4, BENCHMARKS.md)."""
     w = weights[name]
     values = w.size * (2 if w.dtype == jnp.uint8 else 1)  # uint8 holds two 4-bit values (`dequantized`)
     slices = -(-values * jnp.dtype(dtype).itemsize // slice_bytes) if slice_bytes and w.dtype != dtype else 1

@@ -1,7 +1,6 @@
 """`jaxserve convert` in this process (8 fake devices): the orbax checkpoint serves the same tokens as the original,
 refuses a mesh whose layout differs with a sentence naming both, and never overwrites."""
 
-import dataclasses
 import json
 import shutil
 
@@ -54,13 +53,15 @@ def test_a_converted_gemma3_keeps_its_layer_kinds_and_rope(tiny_checkpoint, tmp_
 def test_a_longrope_config_survives_its_json_round_trip():
     """LongRoPE's per-frequency factors come back from JSON as the tuples the config holds."""
     from jaxserve.loader.hf_config import model_config_from_hf
-    from jaxserve.loader.orbax_checkpoint import model_config
+    from jaxserve.loader.orbax_checkpoint import model_config, stored_config
     from tests.loader.test_hf_config import BASE, PHI35_ROPE
 
     cfg = model_config_from_hf({"architectures": ["Phi3ForCausalLM"], **BASE, "max_position_embeddings": 4096,
                                 "original_max_position_embeddings": 256, "partial_rotary_factor": 0.5,
                                 "rope_scaling": PHI35_ROPE})
-    assert model_config(json.loads(json.dumps({"config": dataclasses.asdict(cfg)}))) == cfg
+    assert model_config(json.loads(json.dumps({"config": stored_config(cfg)}))) == cfg
+    # a checkpoint written while the config held the LM head's slice count (0319fe0 to c4dc814) still reads
+    assert model_config({"config": stored_config(cfg) | {"head_slices": 1}}) == cfg
 
 
 def test_a_converted_checkpoint_keeps_the_tokenizer_it_was_given(tiny_checkpoint, tiny_tokenizer_source, tmp_path):
@@ -71,7 +72,7 @@ def test_a_converted_checkpoint_keeps_the_tokenizer_it_was_given(tiny_checkpoint
     out = str(tmp_path / "ckpt")
     assert cli.main(["convert", str(tiny_checkpoint("llama")), out, "--tokenizer", str(tokenizer_dir)]) == 0
     stored = json.loads((tmp_path / "ckpt" / "jaxserve_checkpoint.json").read_text())["config"]
-    assert "quantized_activations" not in stored  # a serving choice, unknown to older readers
+    assert not {"quantized_activations", "dequantize_slice_bytes"} & set(stored)  # serving choices, unknown to older readers
     converted = Engine(out, **SMALL)
     assert converted.encode_chat([{"role": "user", "content": "Hi"}]) == converted.tokenizer.encode(
         "[Hi]", add_special_tokens=False)
