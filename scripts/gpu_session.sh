@@ -156,8 +156,10 @@ case "$step" in
     done
     ;;
   kept)
+    shape=(--iters 10)
+    [ "$dry" = 1 ] && shape=(--shape tiny --iters 2)
     for weights in int4 uint4 int8 float; do
-      timeout -k 15 170 python3 scripts/bench_layer_loop.py --weights $weights --iters 10 \
+      timeout -k 15 140 python3 scripts/bench_layer_loop.py --weights $weights "${shape[@]}" \
         --append "$out/benchmark_rows.md" 2>&1 | tee -a "$out/bench_kept.log"
     done
     ;;
