@@ -268,7 +268,8 @@ class EngineConfig:
     dtype: str = "float32"  # resolved: "float32" or "bfloat16"
     seed: int = 0
     max_logprobs: int = 20
-    # None (weights in `dtype`), "int8" (weight-only, per-channel scales) or "w8a8" (those weights, int8 activations)
+    # The engine's `quantization` option as given (None: the default, which keeps a quantized checkpoint's own
+    # quantization; runner/weights.resolve_quantization decides what is stored)
     quantization: str | None = None
 
     def replace(self, **changes: Any) -> "EngineConfig":

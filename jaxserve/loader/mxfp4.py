@@ -62,6 +62,7 @@ class Mxfp4Source:
     in their groups (loader/weights.BlockSource)."""
 
     method = QUANT_METHOD
+    float_values = True  # float4 e2m1
 
     def __init__(self, source: TensorSource):
         self._source = source

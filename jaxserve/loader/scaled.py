@@ -61,6 +61,10 @@ class ScaledSource:
         hidden = {n for n in names if n.endswith((scale_suffix, ".input_scale"))}
         self._names = names - hidden
 
+    @property
+    def float_values(self) -> bool:
+        return self._values == FLOAT8
+
     def names(self) -> set[str]:
         return self._names
 

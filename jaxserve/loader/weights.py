@@ -27,6 +27,9 @@ class BlockSource(TensorSource, Protocol):
     """A source whose quantized tensors can stay in their blocks (a GGUF file, a compressed-tensors checkpoint)."""
 
     method: str  # the engine's quantization that keeps them: "gguf", "compressed-tensors", "fp8"
+    # Optional (read with getattr, default False): the kept values are float8 or float4 (FP8, MXFP4), which a CPU
+    # dequantizes at load by default (runner/weights.resolve_quantization).
+    float_values: bool
 
     def block_format(self, name: str) -> Grouped | None: ...
 
@@ -35,7 +38,8 @@ class BlockSource(TensorSource, Protocol):
 
 class RenamingSource:
     """Base of a source presenting another's tensors under other names (`_source` beneath): what the engine asks of
-    a quantized checkpoint as a whole, its method and whether its activations are quantized, is the one beneath's."""
+    a quantized checkpoint as a whole (its method, whether its activations are quantized, whether its values are
+    floats) is the one beneath's."""
 
     _source: TensorSource
 
@@ -46,6 +50,10 @@ class RenamingSource:
     @property
     def activations(self) -> str | None:
         return getattr(self._source, "activations", None)
+
+    @property
+    def float_values(self) -> bool:
+        return getattr(self._source, "float_values", False)
 
 
 ParamPath = tuple[str, ...]

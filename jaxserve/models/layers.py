@@ -137,7 +137,7 @@ def dequantized(weights: dict[str, jax.Array], name: str, dtype) -> jax.Array:
     offset = weights.get(name + "_offset")
     axis = next(i for i, (a, b) in enumerate(zip(w.shape, scale.shape)) if a != b)  # the group axis
     if w.dtype == jnp.uint8:  # two 4-bit values per byte along the group axis, the first in the low nibble
-        # Shifted through a broadcast rather than stacked: XLA:CPU ran a stack of the two nibbles ~5x slower
+        # Shifted through a broadcast rather than stacked: XLA:CPU ran a stack of the two nibbles 5.4x slower
         # inside a scan over the layers (a concatenate with a layout copy per layer), the shift at the speed of
         # unrolled layers (scripts/bench_layer_loop.py --weights int4).
         shifts = jnp.array([0, 4], jnp.uint8).reshape((2,) + (1,) * (w.ndim - axis - 1))
@@ -202,8 +202,9 @@ def in_output_slices(spec: str, weights: dict[str, jax.Array], name: str, dtype,
     slices = -(-values * jnp.dtype(dtype).itemsize // slice_bytes) if slice_bytes and w.dtype != dtype else 1
     if slices <= 1:
         return matmul(weights)
-    _, w_axes, out, _ = _axes(spec)
-    letter = max((a for a in w_axes if a in out), key=lambda a: w.shape[w_axes.index(a)])
+    x_axes, w_axes, out, _ = _axes(spec)
+    # w's own output axes (not one it shares with x, such as the experts' block axis)
+    letter = max((a for a in w_axes if a in out and a not in x_axes), key=lambda a: w.shape[w_axes.index(a)])
     axis, size = w_axes.index(letter), w.shape[w_axes.index(letter)]
     step = -(-size // min(slices, size))
     own = {n: a for n, a in weights.items() if n in (name, name + "_scale", name + "_offset")}

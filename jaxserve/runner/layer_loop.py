@@ -13,7 +13,7 @@ buffer in place. The program grows with depth, so compiles take longer; "auto" u
 the scan for float weights (compile time dominates there: tests and warm-up compile every bucket; SmolLM2's cold
 warm-up took 38 s scanned and 130 s unrolled on the 2-core CI VM), and for weights kept in integer groups, but not
 for experts or float8/float4 weights, which a scan makes several times slower (`resolve_layer_loop`). TPU keeps the
-scan (not measured here).
+scan but for experts (not measured here).
 
 A pipeline (pp > 1) unrolls too. Its stages split the stacked `layers` axis, so per-layer arrays are grouped by
 slot instead: one array [pp, ...] per slot j of a stage, holding layer s * slots + j of each stage s and split
@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 
 
 def resolve_layer_loop(choice: str, platform: str, experts: bool = False, low_bit_floats: bool = False) -> str:
-    """"auto": unrolled on GPU, and everywhere for a mixture of experts (`experts`) or layer weights held as
-    float8 or float4 values (`low_bit_floats`: fp8 at load, FP8 and MXFP4 checkpoints). A scan hands each layer a slice of the
+    """"auto": unrolled on GPU, everywhere for a mixture of experts (`experts`), and on a CPU for layer weights
+    held as float8 or float4 values (`low_bit_floats`: fp8 at load, FP8 and MXFP4 checkpoints). A scan hands each layer a slice of the
     stacked weights: the expert loop cannot read it in place, so XLA:CPU copied every expert of the layer each step
     (a 2-layer model's batch-1 decode step: 19.8 ms scanned, 0.83 ms unrolled); and XLA:CPU cannot slice a float8 or
     float4 array inside a loop, so it converted the whole stack to float16 before the loop, every step (SmolLM2's
@@ -48,7 +48,7 @@ def resolve_layer_loop(choice: str, platform: str, experts: bool = False, low_bi
     if choice not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, got {choice!r}")
     if choice == "auto":
-        return "unrolled" if platform == "gpu" or experts or low_bit_floats else "scan"
+        return "unrolled" if platform == "gpu" or experts or (platform == "cpu" and low_bit_floats) else "scan"
     return choice
 
 

@@ -101,6 +101,7 @@ def load_weights(cfg: ModelConfig, tensors: TensorSource, dtype, mesh: Mesh, lay
         if not (cfg.num_experts and cfg.expert_parallel):
             split["w_down"] = layout.mlp // layout.tp
         quantization, tensors = keep_blocks(cfg, tensors, split)
+        quantization = quantization or None  # nothing kept (a GGUF of float tensors): float weights
     _, real = _flat_abstract(cfg, dtype)  # checkpoint shapes, checked before padding
     model_cfg = layout.effective_config(cfg)
     if holds_float8(quantization) and fp8_gemms(mesh.devices.flat):
@@ -168,10 +169,8 @@ def low_bit_float_weights(quantization: str | None, tensors: TensorSource | None
     (runner/layer_loop.resolve_layer_loop)."""
     if quantization == "fp8":
         return True
-    if quantization is None or quantization != getattr(tensors, "method", None):
-        return False
-    formats = (tensors.block_format(name) for name in tensors.names())
-    return any(fmt is not None and (fmt.float8 or fmt.float4) for fmt in formats)
+    kept = quantization is not None and quantization == getattr(tensors, "method", None)
+    return kept and getattr(tensors, "float_values", False)
 
 
 def stored_bytes(array) -> int:

@@ -120,14 +120,27 @@ def test_kept_blocks_serve_the_dequantized_models_tokens(mesh, tiny_quantized_gg
 def test_kept_weights_on_one_cpu_run_in_output_slices(tiny_quantized_gguf, dequantized_reference, monkeypatch):
     """On one CPU device a kept weight whose float copy would pass DEQUANTIZE_SLICE_BYTES is dequantized and
     multiplied a slice of its outputs at a time (layers.in_output_slices): here every layer weight and the LM
-    head, in slices of 32 KiB, some of them shorter than the others. The same tokens and logprobs as the weights
-    dequantized at load."""
-    monkeypatch.setattr("jaxserve.runner.weights.DEQUANTIZE_SLICE_BYTES", 32 << 10)
+    head, in slices of 24 KiB, the last of each shorter than the others. The same tokens and logprobs as the
+    weights dequantized at load."""
+    from jaxserve.models import layers, llama
+
+    matmuls: dict[str, int] = {}  # weight -> the matmuls it was traced in
+
+    def counted(spec, weights, name, dtype, slice_bytes, matmul):
+        def one(part):
+            matmuls[name] = matmuls.get(name, 0) + 1
+            return matmul(part)
+        return layers_in_output_slices(spec, weights, name, dtype, slice_bytes, one)
+
+    layers_in_output_slices = layers.in_output_slices
+    monkeypatch.setattr(layers, "in_output_slices", counted)
+    monkeypatch.setattr(llama, "in_output_slices", counted)
+    monkeypatch.setattr("jaxserve.runner.weights.DEQUANTIZE_SLICE_BYTES", 24 << 10)
     engine = Engine(tiny_quantized_gguf, max_model_len=64, num_kv_blocks=16, max_num_seqs=2, warmup=False)
     assert engine.runner.layer_loop == "scan"  # "auto" on a CPU: integer groups scan
-    model = nnx.merge(engine.runner.graphdef, engine.runner.params)
-    assert model.cfg.dequantize_slice_bytes == 32 << 10
     outs = [o.outputs[0] for o in engine.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    # per traced program: 1024 x 256 head rows (1 MiB of float32) in 43 slices, w_up's 512 KiB in 22
+    assert matmuls["lm_head"] % 43 == 0 and matmuls["w_up"] % 22 == 0 and matmuls["w_up"] > 0, matmuls
     assert [o.token_ids for o in outs] == dequantized_reference[0]
     logprobs = np.array([[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] for o in outs])
     np.testing.assert_allclose(logprobs, dequantized_reference[1], atol=1e-4)
@@ -181,7 +194,7 @@ def test_kept_experts_serve_the_dequantized_models_tokens(mesh, options, impl, m
                                                           monkeypatch):
     from jaxserve.runner import experts_impl
 
-    reference = _generate(moe_quantized_gguf)
+    reference = _generate(moe_quantized_gguf, quantization="none")
     monkeypatch.setattr(experts_impl, "expert_impl", lambda platform: impl)
     with caplog.at_level(logging.INFO, logger="jaxserve.runner.weights"):
         tokens, logprobs = _generate(moe_quantized_gguf, mesh, quantization="gguf", **options)
@@ -206,7 +219,7 @@ def test_phi3_fused_projections_keep_their_blocks(mesh, tiny_checkpoint, smollm2
     hf = tiny_checkpoint("phi3", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0)
     gguf = str(write_gguf(hf, tmp_path / "phi3-q.gguf", "phi3", smollm2_gguf_path, tensor_types=PHI3_TYPES))
-    reference = _generate(gguf)
+    reference = _generate(gguf, quantization="none")
     with caplog.at_level(logging.INFO, logger="jaxserve.runner.weights"):
         tokens, logprobs = _generate(gguf, mesh, quantization="gguf")
     assert tokens == reference[0]

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from jaxserve import Engine
-from jaxserve.models.layers import Grouped, dequantized
+from jaxserve.models.layers import dequantized
 from jaxserve.runner import paged_attention_xla
 from jaxserve.runner.layer_loop import resolve_layer_loop
 from jaxserve.runner.plan import empty_inputs
@@ -132,7 +132,7 @@ def test_layer_loop_choice():
 
 def test_a_scan_unpacks_4_bit_groups_in_one_elementwise_pass():
     """Two 4-bit values a byte (the first in the low nibble) unpack by shifting a broadcast of the bytes: stacked
-    instead, XLA:CPU copied each layer's slice through a concatenate inside the scan, 5.7x the unrolled layers'
+    instead, XLA:CPU copied each layer's slice through a concatenate inside the scan, 5.4x the unrolled layers'
     time at SmolLM2's shape (scripts/bench_layer_loop.py --weights int4), which is why a CPU can scan kept 4-bit
     groups."""
     rng = np.random.default_rng(0)
@@ -151,20 +151,15 @@ def test_a_scan_unpacks_4_bit_groups_in_one_elementwise_pass():
 
 def test_only_float8_and_float4_weights_count_as_low_bit_floats():
     """A CPU unrolls layers whose weights are float8 or float4 values (fp8 at load, an FP8 or MXFP4 checkpoint's
-    groups); integer groups (GGUF's blocks) scan. Blocks dequantized at load (quantization None) are floats."""
-    def source(method, **formats):
-        return SimpleNamespace(method=method, names=lambda: set(formats) | {"model.norm.weight"},
-                               block_format=lambda name: formats.get(name))
-
-    gguf = source("gguf", **{"model.layers.0.mlp.up_proj.weight": Grouped(bits=4, group=32, offset=True)})
-    fp8 = source("compressed-tensors",
-                 **{"model.layers.0.mlp.up_proj.weight": Grouped(bits=8, group=128, offset=False, float8=True)})
-    experts = source("mxfp4", **{"model.layers.0.mlp.experts.down_proj": Grouped(bits=4, group=32, offset=False,
-                                                                                   float4=True)})
-    assert low_bit_float_weights("compressed-tensors", fp8) and low_bit_float_weights("mxfp4", experts)
+    groups kept); integer groups (GGUF's blocks) scan. Blocks dequantized at load (quantization None) are floats.
+    Elsewhere the choice is the platform's."""
+    gguf = SimpleNamespace(method="gguf")  # a source without float values says nothing of them
+    fp8 = SimpleNamespace(method="compressed-tensors", float_values=True)
+    assert low_bit_float_weights("compressed-tensors", fp8)
     assert low_bit_float_weights("fp8", None)  # a float checkpoint quantized to fp8 at load
     assert not low_bit_float_weights("gguf", gguf)
     assert not low_bit_float_weights(None, fp8) and not low_bit_float_weights("int8", None)
+    assert resolve_layer_loop("auto", "tpu", low_bit_floats=True) == "scan"
 
 
 def test_per_layer_weights_are_placed_from_the_host(tiny_checkpoint, monkeypatch):
