@@ -265,9 +265,9 @@ class EngineArgs:
         "auto", "auto: the Pallas kernels on GPU/TPU, the XLA reference on CPU; pallas-interpret runs the kernels in "
         "Pallas's interpreter (slow; for debugging)", choices=ATTENTION_IMPLS)
     layer_loop: str = option(
-        "auto", "auto: unrolled over per-layer weights on GPU, for mixtures of experts and for float8/float4 "
-        "weights (each matmul reads its weights in place), one scan over stacked weights elsewhere (faster "
-        "compiles)", choices=LAYER_LOOPS)
+        "auto", "auto: unrolled over per-layer weights on GPU, for mixtures of experts and, on CPU, for "
+        "float8/float4 weights (each matmul reads its weights in place), one scan over stacked weights elsewhere "
+        "(faster compiles)", choices=LAYER_LOOPS)
     warmup: bool = option(
         True, "compile step programs when first needed instead of at start-up (faster start, slower first "
         "requests)", check=boolean, kind="off-switch", flags=("--no-warmup",))
