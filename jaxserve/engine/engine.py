@@ -166,8 +166,7 @@ class Engine:
         if (advice := allocator_advice(platform)) is not None:  # once the engine is up: nothing to say on a failure
             log.info(advice)
         log.info("Loaded %s (%s, %s%s, mesh %dx%d; %s)", self.model_name, cfg.architecture, dtype,
-                 f", {args.quantization} quantization" if args.quantization not in (None, "none") else "",
-                 *self.mesh_shape,
+                 f", {self.runner.quantization} quantization" if self.runner.quantization else "", *self.mesh_shape,
                  "steps overlap: async scheduling" + (", pipeline stages busy across steps" if self.stage_ticks
                                                       else "") if self.async_scheduling else "one step at a time")
 

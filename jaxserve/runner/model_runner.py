@@ -121,7 +121,8 @@ class ModelRunner:
         # The Pallas attention has a decode kernel for steps of one token per sequence (inside pipeline stages
         # too: a decode step's micro-batches take their own rows of the block table, parallel/pipeline.py).
         self.decode_kernel = attention_impl != "reference"
-        quantization = resolve_quantization(quantization, tensors, platform)
+        # what the weights are stored as: a quantization done at load, a checkpoint's own kept, or None (float)
+        self.quantization = quantization = resolve_quantization(quantization, tensors, platform)
         self.layer_loop = resolve_layer_loop(layer_loop, platform, experts=bool(cfg.num_experts),
                                              low_bit_floats=low_bit_float_weights(quantization, tensors))
         unrolled = self.layer_loop == "unrolled"

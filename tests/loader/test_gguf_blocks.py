@@ -95,13 +95,16 @@ def dequantized_reference(tiny_quantized_gguf):
 
 def test_the_default_keeps_the_blocks_and_none_dequantizes_them_at_load(tiny_quantized_gguf, caplog):
     options = dict(max_model_len=64, num_kv_blocks=16, max_num_seqs=2, warmup=False)
-    with caplog.at_level(logging.INFO, logger="jaxserve.runner.weights"):
+    with caplog.at_level(logging.INFO):
         Engine(tiny_quantized_gguf, **options)  # a CPU's default too
         assert kept_formats(caplog)["embed, wq, wk"] == "4-bit in groups of 32 with offsets"
+        assert ", gguf quantization, mesh 1x1" in next(r.getMessage() for r in caplog.records
+                                                        if r.getMessage().startswith("Loaded"))
         caplog.clear()
         Engine(tiny_quantized_gguf, quantization="none", **options)
     assert [r.getMessage().split(":")[0] for r in caplog.records if r.getMessage().startswith("weights")] == [
         "weights in float"]
+    assert "quantization" not in next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Loaded"))
 
 
 @pytest.mark.parametrize("mesh", ["1x1", "2x1", "4x2"])
