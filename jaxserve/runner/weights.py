@@ -42,7 +42,8 @@ from jaxserve.runner.quantize import quantize
 log = logging.getLogger(__name__)
 # The most bytes of a weight's float copy made at once inside a step on a CPU (ModelConfig.dequantize_slice_bytes):
 # in cache, and well under glibc's 32 MiB mmap threshold beside the step's other temporaries. An 8B model's MLP
-# weight in 4-bit groups, batch 1: 4.4 ms in slices of 14 MiB, 5.8 ms of 3.5 MiB, 36.7 ms whole.
+# weight in 4-bit groups, batch 1: 4.4 ms in slices of 14 MiB, 5.8 ms of 3.5 MiB, 36.7 ms whole; SmolLM2's single
+# stream (its kept head sliced) peaks at 4-8 MiB (BENCHMARKS.md).
 DEQUANTIZE_SLICE_BYTES = 8 << 20
 
 
