@@ -39,11 +39,11 @@ log = logging.getLogger(__name__)
 
 def resolve_layer_loop(choice: str, platform: str, experts: bool = False, low_bit_floats: bool = False) -> str:
     """"auto": unrolled on GPU, everywhere for a mixture of experts (`experts`), and on a CPU for layer weights
-    held as float8 or float4 values (`low_bit_floats`: fp8 at load, FP8 and MXFP4 checkpoints). A scan hands each layer a slice of the
-    stacked weights: the expert loop cannot read it in place, so XLA:CPU copied every expert of the layer each step
-    (a 2-layer model's batch-1 decode step: 19.8 ms scanned, 0.83 ms unrolled); and XLA:CPU cannot slice a float8 or
-    float4 array inside a loop, so it converted the whole stack to float16 before the loop, every step (SmolLM2's
-    shape, batch 1: ~6x the unrolled layers' time). Integer groups (GGUF blocks, GPTQ, AWQ, int4/int8
+    held as float8 or float4 values (`low_bit_floats`: fp8 at load, FP8 and MXFP4 checkpoints). A scan hands each
+    layer a slice of the stacked weights: the expert loop cannot read it in place, so XLA:CPU copied every expert
+    of the layer each step (a 2-layer model's batch-1 decode step: 19.8 ms scanned, 0.83 ms unrolled); and XLA:CPU
+    cannot slice a float8 or float4 array inside a loop, so it converted the whole stack to float16 before the
+    loop, every step (SmolLM2's shape, batch 1: ~6x the unrolled layers' time). Integer groups (GGUF blocks, GPTQ, AWQ, int4/int8
     compressed-tensors) scan at the unrolled layers' speed (scripts/bench_layer_loop.py --weights int4)."""
     if choice not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, got {choice!r}")
