@@ -69,6 +69,12 @@ class _Link:
             self.lock.release()
 
     def close(self) -> None:
+        # shutdown first: close() alone releases the socket only once no thread is inside a call on it, so
+        # with a reader blocked in recv the peer would hear nothing until that call returned (the next ping)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed or never connected
         try:
             self.sock.close()
         except OSError:

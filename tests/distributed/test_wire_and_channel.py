@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.cluster import wire
+from jaxserve.cluster import channel, wire
 from jaxserve.cluster.channel import FollowerChannel, JoinError, LeaderChannel
 from jaxserve.runner.buckets import Buckets
 from jaxserve.runner.plan import PlanShape, empty_inputs, inputs_treedef
@@ -119,7 +119,9 @@ def test_processes_started_with_different_options_are_refused_with_the_differenc
     assert isinstance(follower, JoinError) and "refused" in str(follower) and "8x1" in str(follower)
 
 
-def test_steps_flow_and_a_closed_follower_is_reported_as_lost():
+def test_steps_flow_and_a_closed_follower_is_reported_as_lost(monkeypatch):
+    # no pings: the loss must be heard from the close itself, not when a ping wakes the follower's blocked reader
+    monkeypatch.setattr(channel, "HEARTBEAT_SECONDS", 60.0)
     leader, follower, peers = join_pair(free_port_pair())
     assert peers[1].host == "node-b" and peers[1].pid == 4242
     lost, leader_lost = [], []
