@@ -1,5 +1,5 @@
-"""scripts/bench_pipeline_model.py: its step-time model on step times known in closed form, and the script end to
-end on a tiny shape (its figures, on SmolLM2's shape, are in BENCHMARKS.md)."""
+"""scripts/bench_pipeline_model.py: its step-time model on step times known in closed form (the script end to end
+on a tiny shape: tests/test_gpu_session.py; its figures, on SmolLM2's shape, are in BENCHMARKS.md)."""
 
 import subprocess
 import sys
@@ -33,19 +33,6 @@ def test_the_model_splits_steps_into_layers_and_a_fixed_part():
     three_quarters = model(seconds, num_layers=8, vocab=1024, batch=8, pp=4, recorded=dict(tokens_per_tick=1.5,
                                                                                       step_batch=2))
     assert three_quarters["busy"] == pytest.approx(1.5 / 3.75e-3)
-
-
-def test_bench_pipeline_model_tiny(tmp_path):
-    table = tmp_path / "BENCHMARKS.md"
-    # 64 tiny layers, so that a stage's 32 fewer take longer than the machine's noise on a step (2 layers did not)
-    done = subprocess.run([sys.executable, str(SCRIPT), "--shape", "tiny", "--layers", "64", "--batch", "2",
-                           "--stages", "2", "--rounds", "1", "--append", str(table)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    last = done.stdout.strip().splitlines()[-1]
-    assert last.startswith("pp=2 (32 layers a stage, 2 micro-batches), batch 2: data parallel ")
-    command = "scripts/bench_pipeline_model.py --shape tiny --layers 64 --batch 2 --stages 2 --rounds 1"
-    assert f"| `{command}` | tiny | 2 | 2 |" in table.read_text()
 
 
 def test_stages_must_divide_the_batch():

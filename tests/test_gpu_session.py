@@ -1,5 +1,6 @@
-"""scripts/gpu_session.sh all, dry run: every step of a GPU session on tiny shapes on the CPU, each script's
-figures checked where they can be known (float32 on the CPU is exact; the roofline's bytes are counted by hand)."""
+"""scripts/gpu_session.sh all, dry run: every part of a GPU session on tiny shapes on the CPU, each script's
+figures checked where they can be known (float32 on the CPU is exact; the roofline's bytes are counted by hand).
+It is also the end-to-end test of scripts/bench_pipeline_model.py and scripts/bench_layer_loop.py."""
 
 import json
 import os
@@ -40,7 +41,32 @@ def test_gpu_session_all_dry_run(tmp_path, tiny_tokenizer_source):
     assert synthetic["offline_compiles"] == 0  # the best run is a warm one
     assert synthetic["output_tok_s"] * 20 == pytest.approx(synthetic["total_tok_s"] * 4)  # 16 in + 4 out each
 
-    rows = (tmp_path / "benchmark_rows.md").read_text().splitlines()
-    assert [r.split("`")[1].split()[0] for r in rows] == ["scripts/bench_coldstart.py", "scripts/bench_synthetic.py"]
+    fp8 = json.loads((tmp_path / "synthetic_fp8.json").read_text())
+    assert fp8["quantization"] == "fp8" and fp8["output_tok_s"] > 0
+    # its roofline counts a byte a weight and the scales (float32: 4 bytes a weight)
+    assert 3.5 < synthetic["step_bytes_parts"]["layer_weights"] / fp8["step_bytes_parts"]["layer_weights"] < 4
+
+    # The pipeline part: the schedule recorded on two fake devices, every stage busy on every tick, and the model
+    pipeline = re.search(r"^pp=2 schedule of 2 sequences, recorded over (\d+) ticks: stages busy on \[(\d+), (\d+)\]",
+                         log, re.MULTILINE)
+    assert pipeline and pipeline[1] == pipeline[2] == pipeline[3], log[-3000:]
+    # then its five engines' steps, and the model from them, unless this CPU's noise (the suite runs beside it)
+    # hid the 32 layers' time, which the script says instead of modelling on noise
+    assert len(re.findall(r"^decode step, (32|64) layers, batch [12], vocabulary (512|128): ", log, re.MULTILINE)) == 5
+    modelled = re.search(r"^pp=2 \(32 layers a stage, 2 micro-batches\), batch 2: data parallel ", log, re.MULTILINE)
+    assert modelled or "the machine's noise is larger than the layers' time" in log, log[-3000:]
+
+    # The kept part: each storage's scan program, and its ratio to the unrolled layers (a scan over 2 tiny layers
+    # slices each stacked array once per step: 3 per 4-bit or 8-bit weight, 1 per float one)
+    assert re.findall(r"^scan program: (\d+) dynamic-slice ops", log, re.MULTILINE) == ["21", "21", "14", "7"]
+    assert len(re.findall(r"^scan / unrolled at batch 1: \d+\.\d+x$", log, re.MULTILINE)) == 4
+
+    rows = [r for r in (tmp_path / "benchmark_rows.md").read_text().splitlines() if r.startswith("| 20")]
+    commands = [r.split("`")[1] for r in rows]
+    pipeline_rows = ["scripts/bench_pipeline_model.py"] if modelled else []
+    assert [c.split()[0] for c in commands] == ["scripts/bench_synthetic.py"] + pipeline_rows + [
+        "scripts/bench_layer_loop.py"] * 4 + ["scripts/bench_coldstart.py", "scripts/bench_synthetic.py"], commands
+    assert "--quantization fp8" in commands[0]
+    assert [c.split()[2] for c in commands if "bench_layer_loop" in c] == ["int4", "uint4", "int8", "float"]
     # The kernels' step: its pytest line ran (on the GPU image, without pytest-xdist's --dist) and passed.
     assert re.search(r"^\d+ passed in ", log, re.MULTILINE) and not re.search(r"\d+ (failed|error)", log), log[-3000:]
