@@ -35,6 +35,15 @@ QUANTIZATIONS = (None, "int8", "w8a8", "fp8")
 STORED_DTYPES = {"int8": jnp.int8, "w8a8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 
+# What kept 4-bit integer values are stored in: two a byte, and no other weight is (`values_held`).
+PACKED_4BIT = jnp.uint8
+
+
+def values_held(w: jax.Array) -> int:
+    """How many weight values `w` holds: two a byte of packed 4-bit values, else one an element."""
+    return w.size * (2 if w.dtype == PACKED_4BIT else 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Grouped:
     """A weight kept in the blocks a checkpoint was quantized in (GGUF's Q4_1, Q8_0, Q6_K...): w = q * scale +
@@ -59,7 +68,7 @@ class Grouped:
     def dtype(self):
         if self.float4:
             return jnp.float4_e2m1fn
-        return jnp.uint8 if self.bits == 4 else jnp.float8_e4m3fn if self.float8 else jnp.int8
+        return PACKED_4BIT if self.bits == 4 else jnp.float8_e4m3fn if self.float8 else jnp.int8
 
     @property
     def packed(self) -> bool:
@@ -136,7 +145,7 @@ def dequantized(weights: dict[str, jax.Array], name: str, dtype) -> jax.Array:
     assert scale.ndim == w.ndim, f"{name}: per-channel scales apply to a matmul's output (dense)"
     offset = weights.get(name + "_offset")
     axis = next(i for i, (a, b) in enumerate(zip(w.shape, scale.shape)) if a != b)  # the group axis
-    if w.dtype == jnp.uint8:  # two 4-bit values per byte along the group axis, the first in the low nibble
+    if w.dtype == PACKED_4BIT:  # two 4-bit values per byte along the group axis, the first in the low nibble
         # Shifted through a broadcast rather than stacked: XLA:CPU ran a stack of the two nibbles 5.4x slower
         # inside a scan over the layers (a concatenate with a layout copy per layer), the shift at the speed of
         # unrolled layers (scripts/bench_layer_loop.py --weights int4).
@@ -198,8 +207,7 @@ def in_output_slices(spec: str, weights: dict[str, jax.Array], name: str, dtype,
     shape at batch 1 in 194 ms instead of 369 (scripts/bench_layer_loop.py --shape llama3-8b --layers 4 --weights
     int4, BENCHMARKS.md)."""
     w = weights[name]
-    values = w.size * (2 if w.dtype == jnp.uint8 else 1)  # uint8 holds two 4-bit values (`dequantized`)
-    slices = -(-values * jnp.dtype(dtype).itemsize // slice_bytes) if slice_bytes and w.dtype != dtype else 1
+    slices = -(-values_held(w) * jnp.dtype(dtype).itemsize // slice_bytes) if slice_bytes and w.dtype != dtype else 1
     if slices <= 1:
         return matmul(weights)
     x_axes, w_axes, out, _ = _axes(spec)

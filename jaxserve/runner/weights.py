@@ -30,7 +30,7 @@ from jaxserve.config import BLOCK_QUANTIZATIONS, ModelConfig
 from jaxserve.loader.grouped import GroupedArray, pack_nibbles
 from jaxserve.loader.random_weights import RandomWeights
 from jaxserve.loader.weights import TensorSource, keep_blocks, load_params, param_builders
-from jaxserve.models.layers import Grouped, GroupedWeights
+from jaxserve.models.layers import PACKED_4BIT, Grouped, GroupedWeights
 from jaxserve.models.lora import is_lora_path
 from jaxserve.models.registry import abstract_model
 from jaxserve.parallel.layout import ParallelLayout, plan_layout
@@ -194,7 +194,7 @@ def describe_storage(placed: dict, quantization: str | GroupedWeights | None) ->
             if name.endswith(("_scale", "_offset")):
                 kind = "scales"
             else:
-                kind = {"uint8": "4-bit pairs", "int8": "int8", "float8_e4m3fn": "fp8",
+                kind = {jax.numpy.dtype(PACKED_4BIT).name: "4-bit pairs", "int8": "int8", "float8_e4m3fn": "fp8",
                         "float4_e2m1fn": "fp4"}.get(array.dtype.name, array.dtype.name)
             for shard in array.addressable_shards:
                 size = stored_bytes(shard.data)
