@@ -55,31 +55,40 @@ TIMED_RUNS, TIMED_STEPS = 4, 8
 RECORDED_TICKS = 24  # ticks of steady decode whose schedule is recorded
 
 
-def decode_step_seconds(model_dir: Path, num_layers: int, batch: int, vocab: int = 0) -> float:
-    """Seconds per decode step at `batch` sequences, on an engine of `num_layers` layers and a vocabulary of
-    `vocab` (0: the shape's): the fastest of TIMED_RUNS runs of TIMED_STEPS steps, each run's mean (noise only ever
-    adds time, and the model subtracts step times). With async scheduling, as replicas and pipelines both run by
-    default: a step's host work overlaps the device's where the machine lets it, so the fixed part is what it
+def decode_step_seconds(model_dir: Path, num_layers: int, batches: set[int], vocab: int = 0) -> dict[int, float]:
+    """Seconds per decode step at each of `batches` sequences, on one engine of `num_layers` layers and a
+    vocabulary of `vocab` (0: the shape's): at each batch, the fastest of TIMED_RUNS runs of TIMED_STEPS steps,
+    each run's mean (noise only ever adds time, and the model subtracts step times). One engine serves every batch
+    (a step runs at its batch's bucket whatever max_num_seqs is): at the 8B shape on a GPU an engine's dummy
+    weights and first programs take most of a minute. With async scheduling, as replicas and pipelines both run
+    by default: a step's host work overlaps the device's where the machine lets it, so the fixed part is what it
     does not hide. (One `step()` call is no step time then: it may only read back a step already done.)"""
     from jaxserve import Engine, SamplingParams
 
     overrides = {"num_hidden_layers": num_layers} | ({"vocab_size": vocab} if vocab else {})
+    most = max(batches)
     engine = Engine(str(model_dir), load_format="dummy", hf_overrides=overrides,
-                    max_num_seqs=batch, max_num_batched_tokens=batch * PROMPT_LEN, num_kv_blocks=batch * 4 + 1,
+                    max_num_seqs=most, max_num_batched_tokens=most * PROMPT_LEN, num_kv_blocks=most * 4 + 1,
                     max_model_len=64, warmup=False)
     params = SamplingParams(max_tokens=1 + WARM_STEPS + TIMED_RUNS * TIMED_STEPS, ignore_eos=True, temperature=0)
-    for i in range(batch):
-        engine.add_request(str(i), {"prompt_token_ids": [2 + (i + j) % 97 for j in range(PROMPT_LEN)]}, params)
-    engine.step()  # the prefill (one step: the budget holds every prompt)
-    for _ in range(WARM_STEPS):
-        engine.step()
-    runs = []
-    for _ in range(TIMED_RUNS):
-        started = time.perf_counter()
-        for _ in range(TIMED_STEPS):
+    seconds = {}
+    for batch in sorted(batches):
+        for i in range(batch):
+            engine.add_request(f"{batch}-{i}", {"prompt_token_ids": [2 + (i + j) % 97 for j in range(PROMPT_LEN)]},
+                               params)
+        engine.step()  # the prefill (one step: the budget holds every prompt)
+        for _ in range(WARM_STEPS):
             engine.step()
-        runs.append((time.perf_counter() - started) / TIMED_STEPS)
-    return min(runs)
+        runs = []
+        for _ in range(TIMED_RUNS):
+            started = time.perf_counter()
+            for _ in range(TIMED_STEPS):
+                engine.step()
+            runs.append((time.perf_counter() - started) / TIMED_STEPS)
+        seconds[batch] = min(runs)
+        while engine.has_unfinished_requests():  # the step in flight, before the next batch's requests
+            engine.step()
+    return seconds
 
 
 def record_schedule(pp: int, batch: int) -> dict:
@@ -212,15 +221,19 @@ def main() -> None:
     device = jax.devices()[0].device_kind
     needed = sorted(set().union(*(step_times_needed(num_layers, vocab, args.batch, pp, schedules[pp]["step_batch"])
                                   for pp in args.stages)))
+    engines: dict[tuple[int, int], set[int]] = {}  # (layers, vocabulary) -> the batches timed on that engine
+    for layers, batch, v in needed:
+        engines.setdefault((layers, v), set()).add(batch)
     times: dict[tuple[int, int, int], float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(args.shape, Path(tmp))
         for _ in range(args.rounds):  # every step time once, then again: each keeps its fastest
-            for key in needed:
-                times[key] = min(times.get(key, math.inf), decode_step_seconds(model_dir, *key))
-    for (layers, batch, v), seconds in times.items():
-        print(f"decode step, {layers} layers, batch {batch}, vocabulary {v or vocab}: {1e3 * seconds:.2f} ms",
-              flush=True)
+            for (layers, v), batches in sorted(engines.items(), reverse=True):
+                for batch, seconds in decode_step_seconds(model_dir, layers, batches, v).items():
+                    times[layers, batch, v] = min(times.get((layers, batch, v), math.inf), seconds)
+                    # printed as measured: a run cut by a time limit still leaves its step times
+                    print(f"decode step, {layers} layers, batch {batch}, vocabulary {v or vocab}: "
+                          f"{1e3 * seconds:.2f} ms", flush=True)
     results = [model(lambda *key: times[key], num_layers, vocab, args.batch, pp, schedules[pp])
                for pp in args.stages]
     for r in results:
