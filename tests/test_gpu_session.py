@@ -42,7 +42,7 @@ def test_gpu_session_all_dry_run(tmp_path, tiny_tokenizer_source):
     assert synthetic["output_tok_s"] * 20 == pytest.approx(synthetic["total_tok_s"] * 4)  # 16 in + 4 out each
 
     fp8 = json.loads((tmp_path / "synthetic_fp8.json").read_text())
-    assert fp8["quantization"] == "fp8" and fp8["output_tok_s"] > 0
+    assert fp8["quantization"] == "fp8" and fp8["output_tok_s"] > 0 and fp8["offline_compiles"] == 0
     # its roofline counts a byte a weight and the scales (float32: 4 bytes a weight)
     assert 3.5 < synthetic["step_bytes_parts"]["layer_weights"] / fp8["step_bytes_parts"]["layer_weights"] < 4
 
