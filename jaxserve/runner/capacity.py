@@ -1,6 +1,6 @@
 """How many KV blocks fit, like vLLM's gpu_memory_utilization: after the weights are loaded and a profiling step
 has run at the largest bucket, a fraction of device memory minus the peak in use goes to the cache. On CPU
-(no device memory statistics) a share of available host memory is used instead."""
+(no device memory statistics) a share of available host memory is used instead, with no profiling step."""
 
 from __future__ import annotations
 
@@ -24,18 +24,23 @@ def profile_step_inputs(T: int, B: int, shape):
     return inputs, StepStatics(sampler=flags, prompt_logprobs=shape.max_logprobs)
 
 
+def reports_memory(devices) -> bool:
+    """Whether every device says how much memory it has and uses (GPUs, TPUs; not CPUs)."""
+    return all(d.platform != "cpu" and "bytes_limit" in (d.memory_stats() or {}) for d in devices)
+
+
 def free_bytes_for_cache(devices, memory_fraction: float) -> int:
     """Bytes each device can give the cache: the minimum over the devices, so they all agree on one number.
 
     Devices without memory statistics (CPU) share this process's host memory: the host budget is split between
     them, so a mesh of 8 CPU devices takes the budget of one (not 8 x 4 GiB, which the kernel's out-of-memory
     killer ended on a 24 GiB machine)."""
+    if not reports_memory(devices):
+        host = min(CPU_KV_FRACTION * psutil.virtual_memory().available, CPU_KV_CAP_BYTES)
+        return int(host // max(1, len(devices)))
     per_device = []
     for d in devices:
-        stats = d.memory_stats() if d.platform != "cpu" else None
-        if not stats or "bytes_limit" not in stats:
-            host = min(CPU_KV_FRACTION * psutil.virtual_memory().available, CPU_KV_CAP_BYTES)
-            return int(host // max(1, len(devices)))
+        stats = d.memory_stats()
         in_use = max(stats.get("peak_bytes_in_use", 0), stats.get("bytes_in_use", 0))
         per_device.append(memory_fraction * stats["bytes_limit"] - in_use)
     return int(min(per_device))
@@ -56,13 +61,20 @@ def capacity_line(num_blocks: int, block_size: int, max_model_len: int, kv_dtype
             f"at max_model_len {max_model_len})")
 
 
-def size_kv_cache(runner, shape, num_blocks: int | None, memory_fraction: float) -> int:
-    """Fix the number of KV blocks (None: what memory holds after profiling a step at the largest bucket), the
-    same on every process, and allocate `runner`'s cache."""
+def size_kv_cache(runner, shape, num_blocks: int | None, memory_fraction: float) -> tuple[int, str]:
+    """Fix the number of KV blocks (None: what memory holds, on a device that reports its memory after profiling
+    a step at the largest bucket), the same on every process, and allocate `runner`'s cache. -> (blocks, how they
+    were sized, for the log)."""
+    how = "as given"
     if num_blocks is None:
         runner.allocate_cache(2)
-        T, B = max(shape.buckets.forward_shapes())
-        runner.execute(*profile_step_inputs(T, B, shape))
+        how = "from host memory"
+        # Only a device that reports its memory use needs the profiling step's peak: on a CPU it would compile a
+        # program of its own (the largest bucket with every sampler extra) for nothing, ~10 s of each start.
+        if reports_memory(runner.mesh.local_devices):
+            T, B = max(shape.buckets.forward_shapes())
+            runner.execute(*profile_step_inputs(T, B, shape))
+            how = "from device memory after a profiling step at the largest bucket"
         free = free_bytes_for_cache(runner.mesh.local_devices, memory_fraction)
         num_blocks = num_blocks_for(runner.cfg, runner.block_size, runner.kv_dtype, free, shards=runner.mesh.size,
                                     head_dim=runner.cache_head_dim)
@@ -70,4 +82,4 @@ def size_kv_cache(runner, shape, num_blocks: int | None, memory_fraction: float)
     if num_blocks < 2:
         raise ValueError(f"num_kv_blocks={num_blocks} is too small: block 0 is reserved, so at least 2 are needed")
     runner.allocate_cache(num_blocks)
-    return num_blocks
+    return num_blocks, how

@@ -112,3 +112,4 @@ def test_kv_capacity_defaults_from_memory(tiny):
     stats = engine.stats()
     assert stats["total_blocks"] > 1000  # a share of host memory, far more than this tiny model needs
     assert engine.config.cache.num_blocks == stats["total_blocks"] + 1
+    assert engine.runner.num_compiles == 0  # sized from host memory: no profiling step compiled on a CPU

@@ -30,3 +30,50 @@ def test_default_cache_on_an_8_device_mesh_fills_the_host_budget_once(monkeypatc
     assert 0.9 * budget <= held <= budget, (held, budget)
     out = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3
+
+
+class _Device:
+    def __init__(self, platform: str, stats: dict | None):
+        self.platform, self._stats = platform, stats
+
+    def memory_stats(self):
+        return self._stats
+
+
+class _Runner:
+    """What size_kv_cache uses of a ModelRunner, recording the steps it runs and the caches it allocates."""
+
+    def __init__(self, devices):
+        from jaxserve.config import ModelConfig
+
+        self.mesh = types.SimpleNamespace(local_devices=devices, size=len(devices))
+        self.cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=64, intermediate_size=64,
+                               num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32)
+        self.block_size, self.kv_dtype, self.cache_head_dim = 16, "float32", None
+        self.executed, self.allocated = [], []
+
+    def allocate_cache(self, blocks):
+        self.allocated.append(blocks)
+
+    def execute(self, inputs, statics):
+        self.executed.append((inputs.token_ids.shape, statics))
+
+
+def test_only_a_device_that_reports_its_memory_runs_the_profiling_step(monkeypatch):
+    """On a GPU the largest step's peak is what the cache must leave room for; a CPU sizes from host memory, and a
+    profiling step there compiled a program of its own for nothing (~10 s of each start)."""
+    from jaxserve.runner.buckets import Buckets
+    from jaxserve.runner.plan import PlanShape
+
+    shape = PlanShape(Buckets.for_limits(64, 4), 16, 32, 256, 5)
+    per_block = 2 * 2 * 1 * 32 * 4 * 16  # K and V, 2 layers, 1 kv head of 32 float32 values, 16 tokens
+    gpu = _Runner([_Device("gpu", {"bytes_limit": 1000 * per_block, "peak_bytes_in_use": 500 * per_block})])
+    blocks, how = capacity.size_kv_cache(gpu, shape, None, 0.9)
+    assert blocks == 400 and gpu.allocated == [2, 400] and "profiling step" in how  # 0.9 x 1000 - 500 blocks
+    assert len(gpu.executed) == 1 and gpu.executed[0][0] == (64,) and gpu.executed[0][1].sampler.penalties
+
+    monkeypatch.setattr(capacity.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=4000 * per_block))
+    cpu = _Runner([_Device("cpu", None)])
+    blocks, how = capacity.size_kv_cache(cpu, shape, None, 0.9)
+    assert blocks == 1000 and cpu.executed == [] and how == "from host memory"  # a quarter of what is available
+    assert capacity.size_kv_cache(cpu, shape, 7, 0.9) == (7, "as given")
