@@ -59,8 +59,8 @@ def decode_step_seconds(model_dir: Path, num_layers: int, batches: set[int], voc
     """Seconds per decode step at each of `batches` sequences, on one engine of `num_layers` layers and a
     vocabulary of `vocab` (0: the shape's): at each batch, the fastest of TIMED_RUNS runs of TIMED_STEPS steps,
     each run's mean (noise only ever adds time, and the model subtracts step times). One engine serves every batch
-    (a step runs at its batch's bucket whatever max_num_seqs is): at the 8B shape on a GPU an engine's dummy
-    weights and first programs take most of a minute. With async scheduling, as replicas and pipelines both run
+    (`shared_engines` groups only batches whose steps run unpadded on one): at the 8B shape on a GPU an engine's
+    dummy weights and first programs take most of a minute. With async scheduling, as replicas and pipelines both run
     by default: a step's host work overlaps the device's where the machine lets it, so the fixed part is what it
     does not hide. (One `step()` call is no step time then: it may only read back a step already done.)"""
     from jaxserve import Engine, SamplingParams
@@ -89,6 +89,26 @@ def decode_step_seconds(model_dir: Path, num_layers: int, batches: set[int], voc
         while engine.has_unfinished_requests():  # the step in flight, before the next batch's requests
             engine.step()
     return seconds
+
+
+def engine_buckets(most: int):
+    """The step buckets of the engine `decode_step_seconds` builds for batches of up to `most` sequences."""
+    from jaxserve.runner.buckets import Buckets
+
+    return Buckets.for_limits(most * PROMPT_LEN, most)
+
+
+def shared_engines(batches: set[int]) -> list[set[int]]:
+    """`batches` in groups that one engine each times: the largest with every smaller batch whose decode step runs
+    at its own size there (a bucket of that engine), the others likewise among themselves. A batch padded to a
+    larger bucket would time the larger step."""
+    groups, left = [], sorted(batches, reverse=True)
+    while left:
+        buckets = engine_buckets(left[0])
+        group = {b for b in left if buckets.shape(b, b) == (b, b)}
+        groups.append(group)
+        left = [b for b in left if b not in group]
+    return groups
 
 
 def record_schedule(pp: int, batch: int) -> dict:
@@ -221,14 +241,16 @@ def main() -> None:
     device = jax.devices()[0].device_kind
     needed = sorted(set().union(*(step_times_needed(num_layers, vocab, args.batch, pp, schedules[pp]["step_batch"])
                                   for pp in args.stages)))
-    engines: dict[tuple[int, int], set[int]] = {}  # (layers, vocabulary) -> the batches timed on that engine
+    by_model: dict[tuple[int, int], set[int]] = {}  # (layers, vocabulary) -> the batches timed at that model
     for layers, batch, v in needed:
-        engines.setdefault((layers, v), set()).add(batch)
+        by_model.setdefault((layers, v), set()).add(batch)
+    engines = [(key, group) for key, batches in sorted(by_model.items(), reverse=True)
+               for group in shared_engines(batches)]
     times: dict[tuple[int, int, int], float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(args.shape, Path(tmp))
         for _ in range(args.rounds):  # every step time once, then again: each keeps its fastest
-            for (layers, v), batches in sorted(engines.items(), reverse=True):
+            for (layers, v), batches in engines:
                 for batch, seconds in decode_step_seconds(model_dir, layers, batches, v).items():
                     times[layers, batch, v] = min(times.get((layers, batch, v), math.inf), seconds)
                     # printed as measured: a run cut by a time limit still leaves its step times

@@ -147,7 +147,8 @@ class LeaderChannel:
             try:
                 link.send(data)
             except OSError as exc:
-                on_lost(self.peers[pid], f"the connection to it broke ({exc.strerror or exc})")
+                if not self._closing.is_set():  # stop() shut the connection under a send: no loss
+                    on_lost(self.peers[pid], f"the connection to it broke ({exc.strerror or exc})")
         self._last_sent = time.monotonic()
 
     def stop(self, clean: bool, reason: str = "") -> None:
