@@ -67,13 +67,13 @@ def size_kv_cache(runner, shape, num_blocks: int | None, memory_fraction: float)
     were sized, for the log)."""
     how = "as given"
     if num_blocks is None:
-        runner.allocate_cache(2)
         how = "from host memory"
         # Only a device that reports its memory use needs the profiling step's peak: on a CPU it would compile a
         # program of its own (the largest bucket with every sampler extra) for nothing, ~10 s of each start.
         # Every process runs the step if any device reports its memory: the step is a collective on a cluster.
         if agree_on_min(0 if reports_memory(runner.mesh.local_devices) else 1) == 0:
             T, B = max(shape.buckets.forward_shapes())
+            runner.allocate_cache(2)  # the step reads a cache: the smallest, freed for the real one below
             runner.execute(*profile_step_inputs(T, B, shape))
             how = "from device memory after a profiling step at the largest bucket"
         free = free_bytes_for_cache(runner.mesh.local_devices, memory_fraction)
