@@ -236,7 +236,8 @@ class EngineArgs:
         check=optional(positive_int), kind="tokens", metavar="N")
     block_size: int = option(16, "tokens per KV block", check=positive_int, kind="count", metavar="N")
     num_kv_blocks: int | None = option(
-        None, "KV cache blocks (default: sized from free device memory)", check=optional(positive_int), kind="count",
+        None, "KV cache blocks (default: sized from free device memory; on CPU, from host memory, at most what "
+        "max_num_seqs sequences of max_model_len fill)", check=optional(positive_int), kind="count",
         flags=("--num-kv-blocks", "--num-gpu-blocks-override"), metavar="N", aliases=("num_gpu_blocks_override",))
     kv_cache_memory_fraction: float = option(
         0.9, "share of each accelerator's memory the engine fills: weights, activations, then the KV cache in what "

@@ -1,6 +1,8 @@
 """How many KV blocks fit, like vLLM's gpu_memory_utilization: after the weights are loaded and a profiling step
 has run at the largest bucket, a fraction of device memory minus the peak in use goes to the cache. On CPU
-(no device memory statistics) a share of available host memory is used instead, with no profiling step."""
+(no device memory statistics) a share of available host memory is used instead, with no profiling step, and no
+more than the engine's sequences can ever fill: host memory is the machine's, and each byte of the cache is
+zero-filled at start."""
 
 from __future__ import annotations
 
@@ -61,24 +63,38 @@ def capacity_line(num_blocks: int, block_size: int, max_model_len: int, kv_dtype
             f"at max_model_len {max_model_len})")
 
 
-def size_kv_cache(runner, shape, num_blocks: int | None, memory_fraction: float) -> tuple[int, str]:
+def blocks_to_fill(max_num_seqs: int, shape) -> int:
+    """Blocks that `max_num_seqs` sequences of the longest length hold at once, and the null block: a cache any
+    larger only keeps more finished prefixes."""
+    return max_num_seqs * shape.max_blocks_per_seq + 1
+
+
+def size_kv_cache(runner, shape, num_blocks: int | None, memory_fraction: float,
+                  max_num_seqs: int) -> tuple[int, str]:
     """Fix the number of KV blocks (None: what memory holds, on a device that reports its memory after profiling
-    a step at the largest bucket), the same on every process, and allocate `runner`'s cache. -> (blocks, how they
-    were sized, for the log)."""
+    a step at the largest bucket; on a host, at most what `max_num_seqs` sequences fill), the same on every
+    process, and allocate `runner`'s cache. -> (blocks, how they were sized, for the log)."""
     how = "as given"
     if num_blocks is None:
-        how = "from host memory"
         # Only a device that reports its memory use needs the profiling step's peak: on a CPU it would compile a
         # program of its own (the largest bucket with every sampler extra) for nothing, ~10 s of each start.
         # Every process runs the step if any device reports its memory: the step is a collective on a cluster.
-        if agree_on_min(0 if reports_memory(runner.mesh.local_devices) else 1) == 0:
+        on_devices = agree_on_min(0 if reports_memory(runner.mesh.local_devices) else 1) == 0
+        if on_devices:
             T, B = max(shape.buckets.forward_shapes())
             runner.allocate_cache(2)  # the step reads a cache: the smallest, freed for the real one below
             runner.execute(*profile_step_inputs(T, B, shape))
-            how = "from device memory after a profiling step at the largest bucket"
         free = free_bytes_for_cache(runner.mesh.local_devices, memory_fraction)
         num_blocks = num_blocks_for(runner.cfg, runner.block_size, runner.kv_dtype, free, shards=runner.mesh.size,
                                     head_dim=runner.cache_head_dim)
+        if on_devices:
+            how = "from device memory after a profiling step at the largest bucket"
+        elif num_blocks > blocks_to_fill(max_num_seqs, shape):
+            # A tiny Llama's 4 GiB share held 170x what its 64 sequences fill, zero-filled at each start.
+            num_blocks = blocks_to_fill(max_num_seqs, shape)
+            how = f"as {max_num_seqs} sequences of {shape.max_model_len} tokens fill it (less than host memory holds)"
+        else:
+            how = "from host memory"
     num_blocks = agree_on_min(num_blocks)  # across processes: all need the same cache; the fullest device decides
     if num_blocks < 2:
         raise ValueError(f"num_kv_blocks={num_blocks} is too small: block 0 is reserved, so at least 2 are needed")

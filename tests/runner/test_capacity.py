@@ -18,11 +18,12 @@ def test_cpu_devices_split_one_host_budget(monkeypatch):
 
 def test_default_cache_on_an_8_device_mesh_fills_the_host_budget_once(monkeypatch, tiny_checkpoint):
     """Engine(mesh="4x2") with the default KV sizing, as a user builds it: the cache over all 8 CPU devices together
-    takes the one host budget (here 1/4 of a pretended 2 GiB available), not a budget per device. The tiny Llama's
-    2 kv heads are replicated over tp=4, so the devices hold copies: it is the bytes held that must fit."""
+    takes the one host budget (here 1/4 of a pretended 128 MiB available, less than its 64 sequences could fill), not
+    a budget per device. The tiny Llama's 2 kv heads are replicated over tp=4, so the devices hold copies: it is the
+    bytes held that must fit."""
     from jaxserve import Engine, SamplingParams
 
-    available = 2 << 30
+    available = 128 << 20
     monkeypatch.setattr(capacity.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=available))
     budget = min(capacity.CPU_KV_FRACTION * available, capacity.CPU_KV_CAP_BYTES)
     engine = Engine(str(tiny_checkpoint("llama")), mesh="4x2", warmup=False)
@@ -68,12 +69,17 @@ def test_only_a_device_that_reports_its_memory_runs_the_profiling_step(monkeypat
     shape = PlanShape(Buckets.for_limits(64, 4), 16, 32, 256, 5)
     per_block = 2 * 2 * 1 * 32 * 4 * 16  # K and V, 2 layers, 1 kv head of 32 float32 values, 16 tokens
     gpu = _Runner([_Device("gpu", {"bytes_limit": 1000 * per_block, "peak_bytes_in_use": 500 * per_block})])
-    blocks, how = capacity.size_kv_cache(gpu, shape, None, 0.9)
+    blocks, how = capacity.size_kv_cache(gpu, shape, None, 0.9, max_num_seqs=100)
     assert blocks == 400 and gpu.allocated == [2, 400] and "profiling step" in how  # 0.9 x 1000 - 500 blocks
     assert len(gpu.executed) == 1 and gpu.executed[0][0] == (64,) and gpu.executed[0][1].sampler.penalties
 
     monkeypatch.setattr(capacity.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=4000 * per_block))
     cpu = _Runner([_Device("cpu", None)])
-    blocks, how = capacity.size_kv_cache(cpu, shape, None, 0.9)
+    blocks, how = capacity.size_kv_cache(cpu, shape, None, 0.9, max_num_seqs=100)
     assert blocks == 1000 and cpu.executed == [] and how == "from host memory"  # a quarter of what is available
-    assert capacity.size_kv_cache(cpu, shape, 7, 0.9) == (7, "as given")
+    assert capacity.size_kv_cache(cpu, shape, 7, 0.9, max_num_seqs=100) == (7, "as given")
+    # Fewer sequences than that fills: each holds at most 256 / 16 blocks, and block 0 is the null block.
+    blocks, how = capacity.size_kv_cache(cpu, shape, None, 0.9, max_num_seqs=4)
+    assert blocks == 4 * 16 + 1 and how.startswith("as 4 sequences of 256 tokens fill it")
+    # A GPU's cache is all its memory fraction gives, as vLLM's is: the cap is the host's.
+    assert capacity.size_kv_cache(gpu, shape, None, 0.9, max_num_seqs=4)[0] == 400
