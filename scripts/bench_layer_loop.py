@@ -12,9 +12,9 @@ weights in groups of 32 along the contracted axis with a float32 scale (and, for
 and Q8_0 blocks, dequantized inside the step as the engine runs them (int4: two values a uint8 byte, unpacked by
 the engine). `uint4` holds the same values in XLA's own 4-bit type instead, which XLA:GPU may fuse into its
 matmuls (not what the engine stores: a comparison for GPUs). Reports ms per pass and the weight bytes read
-per second at batch 1, 8 and 64, and counts the dynamic-slice ops in the scan's compiled program (XLA:GPU copies
-each stacked weight's slice out before its matmul). The last line is the scan's time over the unrolled loop's at
-batch 1.
+per second at batch 1, 8 and 64 (`--batches`), and counts the dynamic-slice ops in the scan's compiled program
+(XLA:GPU copies each stacked weight's slice out before its matmul). The last line is the scan's time over the
+unrolled loop's at the first batch (1).
 """
 
 from __future__ import annotations
@@ -121,6 +121,8 @@ def main() -> None:
     ap.add_argument("--slice-mib", type=float,
                     help="convert weights in slices of at most this many MiB of float (0: whole; default: the "
                          "engine's choice, runner/weights.DEQUANTIZE_SLICE_BYTES on a CPU and whole elsewhere)")
+    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES),
+                    help="the batch sizes timed, the first of them the ratio's (default: 1 8 64, the table's columns)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--append", metavar="BENCHMARKS.md", help="append the result row to this file")
     args = ap.parse_args()
@@ -141,11 +143,11 @@ def main() -> None:
     weight_bytes = sum(a.nbytes for w in layers for a in w.values())
     stacked = {n: jnp.stack([w[n] for w in layers]) for n in layers[0]}
     ms = {"scan": [], "unrolled": []}
-    for B in BATCHES:
+    for B in args.batches:
         x = jnp.ones((B, SHAPES[args.shape][1]), dtype)
         for name, fn, weights in (("scan", scanned, stacked), ("unrolled", unrolled, layers)):
             compiled = jax.jit(partial(fn, slice_bytes=slice_bytes)).lower(x, weights).compile()
-            if B == 1 and name == "scan":
+            if B == args.batches[0] and name == "scan":
                 print(f"scan program: {compiled.as_text().count('dynamic-slice(')} dynamic-slice ops")
             seconds = timed(compiled, x, weights, iters=args.iters)
             ms[name].append(1e3 * seconds)
@@ -154,11 +156,13 @@ def main() -> None:
         write_header_once(args.append)
         cells = [" / ".join(f"{t:.2f}" for t in ms[name]) for name in ("scan", "unrolled")]
         shape = args.shape + (f" ({len(layers)} layers)" if args.layers else "")
+        if args.batches != list(BATCHES):
+            shape += f", batches {' / '.join(map(str, args.batches))}"
         if args.weights != "float":
             shape += f", {args.weights} groups" + (f", slices of {slice_bytes / 2**20:.3g} MiB" if slice_bytes else "")
         append_row(args.append, device.device_kind, command_line("bench_layer_loop.py", args.append), shape,
                    f"{weight_bytes / 1e9:.2f}", *cells, f"**{ms['scan'][0] / ms['unrolled'][0]:.2f}x**")
-    print(f"scan / unrolled at batch 1: {ms['scan'][0] / ms['unrolled'][0]:.2f}x")
+    print(f"scan / unrolled at batch {args.batches[0]}: {ms['scan'][0] / ms['unrolled'][0]:.2f}x")
 
 
 if __name__ == "__main__":

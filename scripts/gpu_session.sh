@@ -106,7 +106,7 @@ synthetic_dry=(--shape tiny --num-prompts 4 --input-len 16 --output-len 4 --deco
                --max-num-seqs 4 --max-num-batched-tokens 64)
 part_synthetic() {  # throughput and latency, counted by the bytes and FLOPs a step needs; it reads the programs
   local args=()     # the cold start compiled, when that part ran first
-  [ "$dry" = 1 ] && args=("${synthetic_dry[@]}" --hf-batch-sizes 2 4)
+  [ "$dry" = 1 ] && args=("${synthetic_dry[@]}" --hf-batch-sizes 4)
   timeout -k 15 "$1" python3 scripts/bench_synthetic.py "${args[@]}" --compilation-cache-dir "$cache" \
     --json "$out/synthetic.json" --append "$out/benchmark_rows.md" 2>&1 | tee -a "$out/all.log"
 }
@@ -134,7 +134,7 @@ part_pipeline() {  # issue 36: pp = 2, 4 against data parallelism in steady deco
 }
 part_kept() {  # issue 37: kept 4-bit (as packed, and as XLA's uint4) and 8-bit groups, then bfloat16
   local args=(--iters 10)
-  [ "$dry" = 1 ] && args=(--shape tiny --iters 2)
+  [ "$dry" = 1 ] && args=(--shape tiny --iters 2 --batches 1)  # the command line, one batch's programs
   for weights in int4 uint4 int8 float; do
     timeout -k 15 "$(($1 / 4))" python3 scripts/bench_layer_loop.py --weights $weights "${args[@]}" \
       --append "$out/benchmark_rows.md" 2>&1 | tee -a "$out/all.log"
