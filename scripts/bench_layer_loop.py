@@ -112,34 +112,12 @@ def write_header_once(path: str) -> None:
         f.write(f"\n{HEADER}\n\n{COLUMNS}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
-    ap.add_argument("--weights", choices=WEIGHTS, default="float",
-                    help="float (bfloat16 on an accelerator, float32 on a CPU) or kept groups of int4 / uint4 / int8 values")
-    ap.add_argument("--layers", type=int, help="this many of the shape's layers (default: all)")
-    ap.add_argument("--slice-mib", type=float,
-                    help="convert weights in slices of at most this many MiB of float (0: whole; default: the "
-                         "engine's choice, runner/weights.DEQUANTIZE_SLICE_BYTES on a CPU and whole elsewhere)")
-    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES),
-                    help="the batch sizes timed, the first of them the ratio's (default: 1 8 64, the table's columns)")
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--append", metavar="BENCHMARKS.md", help="append the result row to this file")
-    args = ap.parse_args()
-
+def measure(storage: str, args, device, dtype, slice_bytes: int) -> None:
+    """Both loops over `storage`'s weights at each batch: the lines printed, and a row appended to --append."""
     import jax
     import jax.numpy as jnp
 
-    import jaxserve  # noqa: F401  (before the backend starts: the XLA flags engines run with, jaxserve/xla_flags.py)
-    from jaxserve.runner.weights import DEQUANTIZE_SLICE_BYTES
-
-    device = jax.devices()[0]
-    dtype = jnp.float32 if device.platform == "cpu" else jnp.bfloat16
-    if args.slice_mib is None:
-        slice_bytes = DEQUANTIZE_SLICE_BYTES if device.platform == "cpu" else 0
-    else:
-        slice_bytes = int(args.slice_mib * 2**20)
-    layers = make_layers(args.shape, dtype, args.weights, args.layers)
+    layers = make_layers(args.shape, dtype, storage, args.layers)
     weight_bytes = sum(a.nbytes for w in layers for a in w.values())
     stacked = {n: jnp.stack([w[n] for w in layers]) for n in layers[0]}
     ms = {"scan": [], "unrolled": []}
@@ -158,11 +136,43 @@ def main() -> None:
         shape = args.shape + (f" ({len(layers)} layers)" if args.layers else "")
         if args.batches != list(BATCHES):
             shape += f", batches {' / '.join(map(str, args.batches))}"
-        if args.weights != "float":
-            shape += f", {args.weights} groups" + (f", slices of {slice_bytes / 2**20:.3g} MiB" if slice_bytes else "")
+        if storage != "float":
+            shape += f", {storage} groups" + (f", slices of {slice_bytes / 2**20:.3g} MiB" if slice_bytes else "")
         append_row(args.append, device.device_kind, command_line("bench_layer_loop.py", args.append), shape,
                    f"{weight_bytes / 1e9:.2f}", *cells, f"**{ms['scan'][0] / ms['unrolled'][0]:.2f}x**")
     print(f"scan / unrolled at batch {args.batches[0]}: {ms['scan'][0] / ms['unrolled'][0]:.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    ap.add_argument("--weights", choices=WEIGHTS, nargs="+", default=["float"],
+                    help="float (bfloat16 on an accelerator, float32 on a CPU) or kept groups of int4 / uint4 / int8 "
+                         "values; several are measured one after another, a row each, in one process")
+    ap.add_argument("--layers", type=int, help="this many of the shape's layers (default: all)")
+    ap.add_argument("--slice-mib", type=float,
+                    help="convert weights in slices of at most this many MiB of float (0: whole; default: the "
+                         "engine's choice, runner/weights.DEQUANTIZE_SLICE_BYTES on a CPU and whole elsewhere)")
+    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES),
+                    help="the batch sizes timed, the first of them the ratio's (default: 1 8 64, the table's columns)")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--append", metavar="BENCHMARKS.md", help="append the result rows to this file")
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+
+    import jaxserve  # noqa: F401  (before the backend starts: the XLA flags engines run with, jaxserve/xla_flags.py)
+    from jaxserve.runner.weights import DEQUANTIZE_SLICE_BYTES
+
+    device = jax.devices()[0]
+    dtype = jnp.float32 if device.platform == "cpu" else jnp.bfloat16
+    if args.slice_mib is None:
+        slice_bytes = DEQUANTIZE_SLICE_BYTES if device.platform == "cpu" else 0
+    else:
+        slice_bytes = int(args.slice_mib * 2**20)
+    for storage in args.weights:  # each storage's arrays are freed before the next is made
+        measure(storage, args, device, dtype, slice_bytes)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@
 #   kept       issue 37's kept groups on a GPU: scripts/bench_layer_loop.py at the Llama-3-8B shape with weights in
 #              4-bit and 8-bit groups of 32 (GGUF's Q4_1 and Q8_0, dequantized in each matmul as the engine does;
 #              and the 4-bit values in XLA's uint4, which XLA:GPU may fuse into the matmul), then bfloat16, scan
-#              and unrolled each (~4 min)
+#              and unrolled each, in one process, a row as each is done (~4 min)
 #   moe        scripts/bench_moe.py at Qwen3-30B-A3B's shape, bfloat16: sparse experts vs the dense model of equal
 #              active width (issue 35; the every-expert column only at the CPU's shape)
 #   decode     issue 4's goals in one call: tune_decode_kernel.py at 64x2048, 8x8192 and 1x512, bench_kernels.py
@@ -132,13 +132,11 @@ part_pipeline() {  # issue 36: pp = 2, 4 against data parallelism in steady deco
   timeout -k 15 "$1" python3 scripts/bench_pipeline_model.py "${args[@]}" --append "$out/benchmark_rows.md" 2>&1 \
     | tee -a "$out/all.log"
 }
-part_kept() {  # issue 37: kept 4-bit (as packed, and as XLA's uint4) and 8-bit groups, then bfloat16
-  local args=(--iters 10)
+part_kept() {  # issue 37: kept 4-bit (as packed, and as XLA's uint4) and 8-bit groups, then bfloat16, in one
+  local args=(--iters 10)  # process (each process's start, CUDA's and jax's, spends device time), a row each
   [ "$dry" = 1 ] && args=(--shape tiny --iters 2 --batches 1)  # the command line, one batch's programs
-  for weights in int4 uint4 int8 float; do
-    timeout -k 15 "$(($1 / 4))" python3 scripts/bench_layer_loop.py --weights $weights "${args[@]}" \
-      --append "$out/benchmark_rows.md" 2>&1 | tee -a "$out/all.log"
-  done
+  timeout -k 15 "$1" python3 scripts/bench_layer_loop.py --weights int4 uint4 int8 float "${args[@]}" \
+    --append "$out/benchmark_rows.md" 2>&1 | tee -a "$out/all.log"
 }
 # Each part's cap on a GPU (a dry run gives each DRY_PART_S, so that all seven fit the test's 15 minutes).
 declare -A cap=([accuracy]=150 [coldstart]=270 [synthetic]=330 [kernels]=170 [fp8]=540 [pipeline]=300 [kept]=480)

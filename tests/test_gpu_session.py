@@ -67,6 +67,9 @@ def test_gpu_session_all_dry_run(tmp_path, tiny_tokenizer_source):
     assert [c.split()[0] for c in commands] == ["scripts/bench_synthetic.py"] + pipeline_rows + [
         "scripts/bench_layer_loop.py"] * 4 + ["scripts/bench_coldstart.py", "scripts/bench_synthetic.py"], commands
     assert "--quantization fp8" in commands[0]
-    assert [c.split()[2] for c in commands if "bench_layer_loop" in c] == ["int4", "uint4", "int8", "float"]
+    # the kept part's one process: a row for each storage, in the order measured
+    shapes = [r.split("|")[5] for r in rows if "bench_layer_loop" in r]
+    assert [re.search(r"(\w+) groups", s)[1] if "groups" in s else "float" for s in shapes] == [
+        "int4", "uint4", "int8", "float"], shapes
     # The kernels' step: its pytest line ran (on the GPU image, without pytest-xdist's --dist) and passed.
     assert re.search(r"^\d+ passed in ", log, re.MULTILINE) and not re.search(r"\d+ (failed|error)", log), log[-3000:]
