@@ -67,8 +67,8 @@ def decode_step_seconds(model_dir: Path, num_layers: int, batches: set[int], voc
 
     overrides = {"num_hidden_layers": num_layers} | ({"vocab_size": vocab} if vocab else {})
     most = max(batches)
-    engine = Engine(str(model_dir), load_format="dummy", hf_overrides=overrides,
-                    max_num_seqs=most, max_num_batched_tokens=most * PROMPT_LEN, num_kv_blocks=most * 4 + 1,
+    engine = Engine(str(model_dir), load_format="dummy", hf_overrides=overrides, **engine_limits(most),
+                    num_kv_blocks=most * 4 + 1,
                     max_model_len=64, warmup=False)
     params = SamplingParams(max_tokens=1 + WARM_STEPS + TIMED_RUNS * TIMED_STEPS, ignore_eos=True, temperature=0)
     seconds = {}
@@ -91,11 +91,18 @@ def decode_step_seconds(model_dir: Path, num_layers: int, batches: set[int], voc
     return seconds
 
 
+def engine_limits(most: int) -> dict:
+    """The step limits of the engine `decode_step_seconds` builds for batches of up to `most` sequences: every
+    prompt of the largest batch prefills in one step."""
+    return dict(max_num_seqs=most, max_num_batched_tokens=most * PROMPT_LEN)
+
+
 def engine_buckets(most: int):
-    """The step buckets of the engine `decode_step_seconds` builds for batches of up to `most` sequences."""
+    """The step buckets an engine of `engine_limits(most)` runs (one device: the limits are a step's own)."""
     from jaxserve.runner.buckets import Buckets
 
-    return Buckets.for_limits(most * PROMPT_LEN, most)
+    limits = engine_limits(most)
+    return Buckets.for_limits(limits["max_num_batched_tokens"], limits["max_num_seqs"])
 
 
 def shared_engines(batches: set[int]) -> list[set[int]]:

@@ -41,14 +41,20 @@ def test_stages_must_divide_the_batch():
     assert done.returncode == 2 and "--stages 4: each needs 1 < PP <= 30 (the layers)" in done.stderr, done.stderr
 
 
-def test_an_engine_times_only_the_batches_it_runs_unpadded():
+def test_an_engine_times_only_the_batches_it_runs_unpadded(tiny_checkpoint):
     """One engine per model shape times several batches, but a batch its buckets would pad (8 on an engine of 16
     sequences, whose buckets are 1, 4, 16) gets an engine of its own: a padded step is the larger step's time."""
+    from jaxserve import Engine
+
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        from bench_pipeline_model import engine_buckets, shared_engines
+        from bench_pipeline_model import engine_buckets, engine_limits, shared_engines
     finally:
         sys.path.remove(str(SCRIPT.parent))
+
+    # the buckets the grouping reads are the ones such an engine runs
+    engine = Engine(str(tiny_checkpoint("llama")), **engine_limits(16), num_kv_blocks=8, warmup=False)
+    assert engine.plan_shape.buckets == engine_buckets(16)
 
     assert shared_engines({16, 32, 64}) == [{16, 32, 64}]  # the 8B run's batches: all buckets of one engine
     assert engine_buckets(16).shape(8, 8) != (8, 8) and shared_engines({8, 16}) == [{16}, {8}]
