@@ -68,8 +68,7 @@ def decode_step_seconds(model_dir: Path, num_layers: int, batches: set[int], voc
     overrides = {"num_hidden_layers": num_layers} | ({"vocab_size": vocab} if vocab else {})
     most = max(batches)
     engine = Engine(str(model_dir), load_format="dummy", hf_overrides=overrides, **engine_limits(most),
-                    num_kv_blocks=most * 4 + 1,
-                    max_model_len=64, warmup=False)
+                    num_kv_blocks=most * 4 + 1, max_model_len=64, warmup=False)
     params = SamplingParams(max_tokens=1 + WARM_STEPS + TIMED_RUNS * TIMED_STEPS, ignore_eos=True, temperature=0)
     seconds = {}
     for batch in sorted(batches):

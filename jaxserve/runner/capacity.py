@@ -87,11 +87,12 @@ def size_kv_cache(runner, shape, num_blocks: int | None, memory_fraction: float,
         free = free_bytes_for_cache(runner.mesh.local_devices, memory_fraction)
         num_blocks = num_blocks_for(runner.cfg, runner.block_size, runner.kv_dtype, free, shards=runner.mesh.size,
                                     head_dim=runner.cache_head_dim)
+        fill = blocks_to_fill(max_num_seqs, shape)
         if on_devices:
             how = "from device memory after a profiling step at the largest bucket"
-        elif num_blocks > blocks_to_fill(max_num_seqs, shape):
+        elif num_blocks > fill:
             # A tiny Llama's 4 GiB share held 170x what its 64 sequences fill, zero-filled at each start.
-            num_blocks = blocks_to_fill(max_num_seqs, shape)
+            num_blocks = fill
             how = f"as {max_num_seqs} sequences of {shape.max_model_len} tokens fill it (less than host memory holds)"
         else:
             how = "from host memory"
