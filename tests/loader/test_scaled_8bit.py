@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
 from tests.helpers import kept_formats, small_engine, write_fp8
 from tests.models.test_parity import PROMPTS, check_parity
-from tests.models.test_w8a8 import TIPPED, exact_but_where_a_value_tipped
+from tests.models.test_w8a8 import TIP_PROMPTS, TIPPED, exact_but_where_a_value_tipped
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=64, tie_word_embeddings=False)
 LAYOUTS = {"fp8-block": ("block", False), "ct-tensor": ("ct-tensor", False), "ct-channel": ("ct-channel", False),
@@ -63,7 +63,7 @@ def test_kept_8_bit_weights_match_transformers(name, fp8_checkpoint, caplog):
 
     assert "the checkpoint's int8 weights multiply int8 activations" in caplog.text
     with fake_quantized_inputs(reference, PER_CHANNEL_PROJECTIONS, int8_rounded):
-        exact_but_where_a_value_tipped(check_parity(served, reference, PROMPTS, tol=TIPPED))
+        exact_but_where_a_value_tipped(check_parity(served, reference, TIP_PROMPTS, tol=TIPPED))
 
 
 
@@ -135,4 +135,4 @@ def test_fp8_gemms_on_kept_per_channel_float8_weights(mesh, fp8_projections, fp8
         served = small_engine(path, mesh, quantization="compressed-tensors")
     assert "float8 weights multiply float8 activations" in caplog.text
     with fake_quantized_inputs(reference, fp8_projections, fp8_rounded):
-        exact_but_where_a_value_tipped(check_parity(served, reference, PROMPTS, tol=TIPPED))
+        exact_but_where_a_value_tipped(check_parity(served, reference, TIP_PROMPTS, tol=TIPPED))

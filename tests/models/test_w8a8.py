@@ -8,8 +8,11 @@ independently of the engine's code: a wrong scale axis, a scale applied twice or
 changes a row's maximum shows up far above the tolerance (logits off by more than 1).
 
 The tolerance is looser than float parity's: float noise from earlier layers (1e-6) can tip an activation that
-lies on a rounding boundary to the next int8 step on one side only, which moved these logits by up to 0.04; so
-most steps must agree to float noise, and none be off by more than TOL (exact_but_where_a_value_tipped).
+lies on a rounding boundary to the next int8 step on one side only, which moved these logits by up to 0.04, and
+every later step of that sequence with them. Which sequences tip depends on the CPU's summation order (one of three
+here, two of three on an AMD EPYC for the same 4x2 case), so the tests run six prompts and ask that none be off by
+more than TOL and at least one sequence's worth of steps agree to float noise (exact_but_where_a_value_tipped):
+a wrong scale or padding moves every step.
 
 FP8 GEMMs (float8 weights times float8 activations, on GPUs that have them) are held to the same standard with
 activations rounded per token to float8 e4m3.
@@ -34,6 +37,9 @@ from jaxserve.models.layers import quantized_matmul
 from tests.models.test_int8 import NOT_QUANTIZED, dequantized_reference, fp8_rounded, int8_rounded
 from tests.models.test_parity import PROMPTS, check_parity
 from tests.parallel.test_tiny_meshes import MODELS
+
+# The parity prompts and three more of their lengths: a tipped value spoils only its own sequence's steps.
+TIP_PROMPTS = PROMPTS + [list(range(400, 403)), list(range(500, 516)), list(range(600, 641))]
 
 # 6 q / 2 kv heads on tp=4: each kv head is copied to two devices and each copy's group gets a padded q head,
 # which attends (uniformly) unlike a padded kv head's zeros.
@@ -74,7 +80,7 @@ def w8a8_engine(path, mesh=None):
 @pytest.mark.parametrize("name", ["llama-odd-sizes", "qwen2-bias", "qwen3-qk-norm"])
 def test_w8a8_logits_match_transformers_on_fake_quantized_activations(name, w8a8_case):
     path, reference = w8a8_case(name)
-    exact_but_where_a_value_tipped(check_parity(w8a8_engine(path), reference, PROMPTS, tol=TOL))
+    exact_but_where_a_value_tipped(check_parity(w8a8_engine(path), reference, TIP_PROMPTS, tol=TOL))
 
 
 @pytest.mark.parametrize("name, mesh", [("llama-odd-sizes", "4x2"), ("llama-padded-q-groups", "4x1")])
@@ -82,7 +88,7 @@ def test_w8a8_on_padded_meshes_matches_too(w8a8_case, name, mesh):
     """A token's scale is the max over all its features, which tp splits over devices and pads: padded features
     must not change the max; the int32 partial sums are added across devices."""
     path, reference = w8a8_case(name)
-    exact_but_where_a_value_tipped(check_parity(w8a8_engine(path, mesh=mesh), reference, PROMPTS, tol=TOL))
+    exact_but_where_a_value_tipped(check_parity(w8a8_engine(path, mesh=mesh), reference, TIP_PROMPTS, tol=TOL))
 
 
 def test_int8_matmul_quantizes_each_token_over_the_contracted_axes():
@@ -123,11 +129,13 @@ def test_fp8_gemms_match_transformers_on_fp8_rounded_weights_and_activations(nam
         engine = Engine(str(path), quantization="fp8", mesh=mesh, num_kv_blocks=64, max_num_batched_tokens=64,
                         max_num_seqs=4, warmup=False)
     assert "float8 weights multiply float8 activations" in caplog.text
-    exact_but_where_a_value_tipped(check_parity(engine, reference, PROMPTS, tol=TIPPED))
+    exact_but_where_a_value_tipped(check_parity(engine, reference, TIP_PROMPTS, tol=TIPPED))
 
 
 def exact_but_where_a_value_tipped(differences: list[float]) -> None:
-    assert sum(d < 1e-3 for d in differences) >= len(differences) / 2, differences
+    """`differences`: check_parity's, over TIP_PROMPTS. A tip moves its own sequence from that step on; a wrong
+    scale, axis or padded maximum moves every step."""
+    assert sum(d < 1e-3 for d in differences) >= len(differences) / len(TIP_PROMPTS), differences
 
 
 def test_fp8_gemms_only_where_the_gpu_has_them(monkeypatch):
