@@ -1,10 +1,13 @@
 """Host-side helpers that also hold when the mesh spans several processes (`jax.distributed`).
 
-Both are collectives in the multi-process case, so every process must call them at the same point of the same
+Each is a collective in the multi-process case, so every process must call them at the same point of the same
 program: the engine calls them where every process runs the same code (its constructor, `ModelRunner.execute`).
 """
 
 from __future__ import annotations
+
+import socket
+import zlib
 
 import jax
 import numpy as np
@@ -33,3 +36,12 @@ def agree_on_min(value: int) -> int:
     if jax.process_count() == 1:
         return value
     return int(np.min(multihost_utils.process_allgather(np.asarray(value, np.int32))))
+
+
+def processes_on_this_host() -> int:
+    """How many of the cluster's processes run on this machine, this one included: several when a cluster is tried
+    on one host, and then they share its memory. Compares host names (their CRC-32: int32 collectives only)."""
+    if jax.process_count() == 1:
+        return 1
+    mine = np.asarray(zlib.crc32(socket.gethostname().encode()) - (1 << 31), np.int32)
+    return int(np.sum(multihost_utils.process_allgather(mine) == mine))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import psutil
 
 from jaxserve.config import ModelConfig
-from jaxserve.parallel.multihost import agree_on_min
+from jaxserve.parallel.multihost import agree_on_min, processes_on_this_host
 from jaxserve.runner.kv_cache import kv_bytes_per_block
 from jaxserve.runner.plan import empty_inputs
 from jaxserve.runner.sampler import SamplerFlags
@@ -31,15 +31,16 @@ def reports_memory(devices) -> bool:
     return all(d.platform != "cpu" and "bytes_limit" in (d.memory_stats() or {}) for d in devices)
 
 
-def free_bytes_for_cache(devices, memory_fraction: float) -> int:
+def free_bytes_for_cache(devices, memory_fraction: float, host_processes: int = 1) -> int:
     """Bytes each device can give the cache: the minimum over the devices, so they all agree on one number.
 
-    Devices without memory statistics (CPU) share this process's host memory: the host budget is split between
-    them, so a mesh of 8 CPU devices takes the budget of one (not 8 x 4 GiB, which the kernel's out-of-memory
-    killer ended on a 24 GiB machine)."""
+    Devices without memory statistics (CPU) share the host's memory: the host budget is split between the
+    `host_processes` processes on this machine and then between each one's devices, so a mesh of 8 CPU devices
+    takes the budget of one (not 8 x 4 GiB, which the kernel's out-of-memory killer ended on a 24 GiB machine),
+    and two processes of a cluster tried on one machine take one budget between them."""
     if not reports_memory(devices):
         host = min(CPU_KV_FRACTION * psutil.virtual_memory().available, CPU_KV_CAP_BYTES)
-        return int(host // max(1, len(devices)))
+        return int(host // max(1, host_processes) // max(1, len(devices)))
     per_device = []
     for d in devices:
         stats = d.memory_stats()
@@ -84,18 +85,20 @@ def size_kv_cache(runner, shape, num_blocks: int | None, memory_fraction: float,
             T, B = max(shape.buckets.forward_shapes())
             runner.allocate_cache(2)  # the step reads a cache: the smallest, freed for the real one below
             runner.execute(*profile_step_inputs(T, B, shape))
-        free = free_bytes_for_cache(runner.mesh.local_devices, memory_fraction)
+        sharing = 1 if on_devices else processes_on_this_host()  # a collective: every process takes this branch
+        free = free_bytes_for_cache(runner.mesh.local_devices, memory_fraction, sharing)
         num_blocks = num_blocks_for(runner.cfg, runner.block_size, runner.kv_dtype, free, shards=runner.mesh.size,
                                     head_dim=runner.cache_head_dim)
         fill = blocks_to_fill(max_num_seqs, shape)
+        host = "host memory" if sharing == 1 else f"host memory split between this host's {sharing} processes"
         if on_devices:
             how = "from device memory after a profiling step at the largest bucket"
         elif num_blocks > fill:
             # A tiny Llama's 4 GiB share held 170x what its 64 sequences fill, zero-filled at each start.
             num_blocks = fill
-            how = f"as {max_num_seqs} sequences of {shape.max_model_len} tokens fill it (less than host memory holds)"
+            how = f"as {max_num_seqs} sequences of {shape.max_model_len} tokens fill it (less than {host} holds)"
         else:
-            how = "from host memory"
+            how = f"from {host}"
     num_blocks = agree_on_min(num_blocks)  # across processes: all need the same cache; the fullest device decides
     if num_blocks < 2:
         raise ValueError(f"num_kv_blocks={num_blocks} is too small: block 0 is reserved, so at least 2 are needed")

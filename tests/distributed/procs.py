@@ -18,8 +18,9 @@ from tests.helpers import FAST_COMPILE_XLA_FLAGS
 from tests.server.helpers import wait_for_health
 
 # Small buckets and no warm-up: the programs a test needs compile on first use, the same on every process.
-SMALL_ENGINE = ["--num-kv-blocks", "64", "--max-num-batched-tokens", "16", "--max-num-seqs", "2", "--no-warmup",
-                "--dtype", "float32", "--log-level", "info"]
+SMALL_STEPS = ["--max-num-batched-tokens", "16", "--max-num-seqs", "2", "--no-warmup", "--dtype", "float32",
+               "--log-level", "info"]
+SMALL_ENGINE = ["--num-kv-blocks", "64", *SMALL_STEPS]
 PROMPTS = ["Hello there", "The capital of France is"]
 
 

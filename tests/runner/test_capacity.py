@@ -83,3 +83,8 @@ def test_only_a_device_that_reports_its_memory_runs_the_profiling_step(monkeypat
     assert blocks == 4 * 16 + 1 and how.startswith("as 4 sequences of 256 tokens fill it")
     # A GPU's cache is all its memory fraction gives, as vLLM's is: the cap is the host's.
     assert capacity.size_kv_cache(gpu, shape, None, 0.9, max_num_seqs=4)[0] == 400
+
+    # Two processes of a cluster on this one host: each takes half the host's budget.
+    monkeypatch.setattr(capacity, "processes_on_this_host", lambda: 2)
+    blocks, how = capacity.size_kv_cache(cpu, shape, None, 0.9, max_num_seqs=100)
+    assert blocks == 500 and how == "from host memory split between this host's 2 processes"

@@ -122,7 +122,7 @@ def test_an_fp8_engine_computes_with_the_rounded_cache(tiny_checkpoint, monkeypa
 
 def test_the_cache_is_sized_in_its_own_dtype(tiny_checkpoint, monkeypatch):
     """The same free memory holds 4x the blocks in float8 as in float32 (less than 16 sequences fill in either)."""
-    monkeypatch.setattr("jaxserve.runner.capacity.free_bytes_for_cache", lambda devices, fraction: 1 << 20)
+    monkeypatch.setattr("jaxserve.runner.capacity.free_bytes_for_cache", lambda *args: 1 << 20)
     path = str(tiny_checkpoint("llama", tie_word_embeddings=False))
     blocks = {dtype: Engine(path, kv_cache_dtype=dtype, max_num_batched_tokens=64, max_num_seqs=16,
                             warmup=False).config.cache.num_blocks for dtype in ("auto", "fp8")}
