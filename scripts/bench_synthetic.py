@@ -130,6 +130,10 @@ def decode_seconds_per_token(engine, prompt: list[int], short: int, long: int, r
     run(long)()  # compiles the batch-1 programs
     t_short = min(timed(run(short)) for _ in range(repeats))
     t_long = min(timed(run(long)) for _ in range(repeats))
+    if t_long <= t_short:  # a negative ms/token is no figure: the machine's noise outweighed the extra tokens
+        raise SystemExit(f"decoding {long - short} more tokens took no longer ({t_long * 1e3:.1f} ms against "
+                         f"{t_short * 1e3:.1f} ms): this machine's timing noise exceeds the decode time; give "
+                         f"--decode-lens further apart")
     return (t_long - t_short) / (long - short)
 
 

@@ -35,9 +35,10 @@ def test_gpu_session_all_dry_run(tmp_path, tiny_tokenizer_source):
 
     synthetic = json.loads((tmp_path / "synthetic.json").read_text())
     # bench_synthetic's tiny shape in float32 (tests/test_roofline.py counts these by hand), a batch-1 context of
-    # 16 prompt + (4 + 12) / 2 tokens, read as two 16-token blocks of 512 bytes a token.
+    # 16 prompt + (4 + 36) / 2 tokens, read as three 16-token blocks of 512 bytes a token.
     assert synthetic["step_bytes_parts"] == dict(layer_weights=295_936, final_norm=256, lm_head=131_072,
-                                                 kv=32 * 512, embedding_not_read=131_072)
+                                                 kv=48 * 512, embedding_not_read=131_072)
+    assert synthetic["decode_ms"] > 0
     assert synthetic["offline_compiles"] == 0  # the best run is a warm one
     assert synthetic["output_tok_s"] * 20 == pytest.approx(synthetic["total_tok_s"] * 4)  # 16 in + 4 out each
 
