@@ -61,20 +61,21 @@ def test_converted_checkpoint_served_by_two_processes_matches_one_process(proces
     assert "process 1 (host" in processes.log("p0") and "received a shutdown signal" in processes.log("p0")
 
 
-def test_leaderworkerset_pods_serve_like_one_process_and_a_killed_follower_ends_the_leader(processes,
-                                                                                           tiny_checkpoint):
+def test_leaderworkerset_pods_serve_the_default_model_like_one_process_and_a_killed_follower_ends_the_leader(
+        processes, smollm2_gguf_path):
     """Two processes started as a Kubernetes LeaderWorkerSet starts its pods: the same command line, no cluster
-    options, only the LWS_* variables (and the coordinator port), and the default KV cache sizing. A 2x2 mesh, two
-    devices each: the same text as one process. Then a follower killed mid-stream makes the leader exit, naming it."""
-    model = str(tiny_checkpoint("llama"))
+    options, only the LWS_* variables (and the coordinator port), serving the built-in default model (SmolLM2) with
+    the default KV cache sizing. A 4x2 mesh, four devices each: the same greedy text as one process. Then a
+    follower killed mid-stream makes the leader exit, naming it."""
     http_port, coordinator_port = free_port(), free_port_pair()
     for index in (0, 1):
         lws = {"LWS_LEADER_ADDRESS": "127.0.0.1", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": str(index),
                "JAX_COORDINATOR_PORT": str(coordinator_port)}
-        processes.start(f"p{index}", ["serve", model, "--mesh", "2x2", "--port", str(http_port), *SMALL_STEPS],
-                        devices=2, env=lws)
-    url = processes.wait_healthy(http_port)
-    assert [complete(url, model, prompt) for prompt in PROMPTS] == reference_texts(model, "2x2")
+        processes.start(f"p{index}", ["serve", "--mesh", "4x2", "--port", str(http_port), *SMALL_STEPS], env=lws)
+    url = processes.wait_healthy(http_port, timeout=240)
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    assert model == "SmolLM2-135M-Instruct"
+    assert [complete(url, model, prompt) for prompt in PROMPTS] == reference_texts(smollm2_gguf_path, "4x2")
     assert "process 1 of 2, coordinator 127.0.0.1:" in processes.log("p1")
     assert "(from the LeaderWorkerSet's LWS_* variables)" in processes.log("p1")
     for name in ("p0", "p1"):  # both on this host: each sized its cache from half the host's budget, or less
