@@ -9,10 +9,10 @@ changes a row's maximum shows up far above the tolerance (logits off by more tha
 
 The tolerance is looser than float parity's: float noise from earlier layers (1e-6) can tip an activation that
 lies on a rounding boundary to the next int8 step on one side only, which moved these logits by up to 0.04, and
-every later step of that sequence with them. Which sequences tip depends on the CPU's summation order (one of three
-here, two of three on an AMD EPYC for the same 4x2 case), so the tests run six prompts and ask that none be off by
-more than TOL and at least one sequence's worth of steps agree to float noise (exact_but_where_a_value_tipped):
-a wrong scale or padding moves every step.
+every later step of that sequence with them. Which sequences tip depends on the CPU's summation order (the 4x2
+case tipped one of three prompts on one machine, two of three on an AVX2-only AMD EPYC), so the tests run six
+prompts and ask that none be off by more than TOL and at least one sequence's worth of steps agree to float noise
+(exact_but_where_a_value_tipped): a wrong scale or padding moves every step.
 
 FP8 GEMMs (float8 weights times float8 activations, on GPUs that have them) are held to the same standard with
 activations rounded per token to float8 e4m3.
