@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.loader.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -138,12 +139,10 @@ def _bytes_read() -> int:
 
 def open_orbax_checkpoint(directory: Path) -> dict:
     """The fields of a loader.checkpoint.Checkpoint for a directory `convert` wrote."""
-    from transformers import AutoTokenizer
-
     meta = json.loads((directory / MARKER).read_text())
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"{directory} has checkpoint format {meta.get('format')}, this jaxserve reads format "
                          f"{FORMAT_VERSION}; convert the original model again")
     return dict(name=meta["name"], config=model_config(meta), tensors=OrbaxParams(directory.absolute(), meta),
-                tokenizer=AutoTokenizer.from_pretrained(str(directory)),
+                tokenizer=load_tokenizer(directory),
                 generation_defaults=meta.get("generation_defaults") or {}, pooling=meta.get("pooling"))

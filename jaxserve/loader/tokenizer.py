@@ -73,14 +73,55 @@ class TokenizerChoice:
 def load_tokenizer(name: str | Path, revision: str | None = None,
                    advice: str = "give a directory with tokenizer files or a Hugging Face hub id",
                    cache_dir: str | None = None):
-    """AutoTokenizer from a directory or hub id; a ValueError in one sentence, ending with `advice`, if it fails."""
-    from transformers import AutoTokenizer
-
+    """AutoTokenizer's tokenizer from a directory or hub id; a ValueError in one sentence, ending with `advice`,
+    if it fails."""
+    path = Path(name).expanduser()
     try:
-        return AutoTokenizer.from_pretrained(str(Path(name).expanduser()), revision=revision, cache_dir=cache_dir)
+        if revision is None and (tokenizer := load_plain_tokenizer(path)) is not None:
+            return tokenizer
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path), revision=revision, cache_dir=cache_dir)
     except (OSError, ValueError) as exc:  # no such directory or hub id, no network, no tokenizer files in it
         raise ValueError(f"cannot load tokenizer {str(name)!r} ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0].strip()}); {advice}") from None
+
+
+# tokenizer_config.json classes that are tokenizer.json and nothing of a model's own (transformers 5's
+# TokenizersBackend; PreTrainedTokenizerFast is its older name, which Llama 3's repositories give).
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# config.json model types for which AutoTokenizer loads a generic class as it is named. transformers replaces the
+# named class for some model types (Phi-3's and Qwen2's among them, in transformers 5.24: classes their hub
+# repositories are known to name wrongly), so a model type is listed only once
+# tests/loader/test_tokenizer_fast_path.py shows AutoTokenizer's tokenizer and ours to be the same for it.
+PLAIN_TOKENIZER_MODEL_TYPES = frozenset({
+    "llama", "mistral", "mixtral", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3",
+    "gemma3_text", "granite", "smollm3", "gpt_oss"})
+
+
+def load_plain_tokenizer(directory: Path):
+    """The tokenizer of a local directory whose tokenizer is its tokenizer.json alone (a generic class, no code of
+    its own, and no model type or one AutoTokenizer takes at its word), loaded without AutoTokenizer; None for any
+    other. AutoTokenizer reads the model's config through transformers' config classes, which import torch where
+    it is installed: ~4 s and ~250 MB more for each process that starts (a tiny Llama's engine built in 10.5 s and
+    504 MB, 4.9 s and 239 MB without), for a tokenizer that needs none of it."""
+    import json
+
+    try:
+        settings = json.loads((directory / "tokenizer_config.json").read_text())
+        config = directory / "config.json"  # without one (a tokenizer alone), AutoTokenizer has no type to go by
+        model_type = json.loads(config.read_text()).get("model_type") if config.exists() else None
+    except (OSError, ValueError):
+        return None  # not a local directory, or one AutoTokenizer has to make sense of
+    plain = (settings.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES and "auto_map" not in settings
+             and (model_type is None or model_type in PLAIN_TOKENIZER_MODEL_TYPES)
+             and (directory / "tokenizer.json").is_file()
+             and not (directory / "tekken.json").exists())  # Mistral's own format: AutoTokenizer's to choose
+    if not plain:
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(directory))
 
 
 def _rendering_options(tokenizer) -> set[str]:

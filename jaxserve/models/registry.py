@@ -23,7 +23,7 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,  # Llama with NoPE layers (no RoPE on every 4th)
     "Qwen2MoeForCausalLM": MixtralForCausalLM,  # Qwen2's attention (q/k/v biases), routed and shared experts
-    "GptOssForCausalLM": MixtralForCausalLM,  # attention sinks and biases; biased experts, clamped SwiGLU  # Qwen2's attention (q/k/v biases), routed and shared experts
+    "GptOssForCausalLM": MixtralForCausalLM,  # attention sinks and biases; biased experts, clamped SwiGLU
     "Qwen3MoeForCausalLM": MixtralForCausalLM,  # Qwen3's attention (q/k norms) with Mixtral's kind of MLP
 }
 
