@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -105,14 +106,15 @@ def load_plain_tokenizer(directory: Path):
     other. AutoTokenizer reads the model's config through transformers' config classes, which import torch where
     it is installed: ~4 s and ~250 MB more for each process that starts (a tiny Llama's engine built in 10.5 s and
     504 MB, 4.9 s and 239 MB without), for a tokenizer that needs none of it."""
-    import json
-
     try:
         settings = json.loads((directory / "tokenizer_config.json").read_text())
         config = directory / "config.json"  # without one (a tokenizer alone), AutoTokenizer has no type to go by
-        model_type = json.loads(config.read_text()).get("model_type") if config.exists() else None
+        model_config = json.loads(config.read_text()) if config.exists() else {}
     except (OSError, ValueError):
         return None  # not a local directory, or one AutoTokenizer has to make sense of
+    if not (isinstance(settings, dict) and isinstance(model_config, dict)):
+        return None
+    model_type = model_config.get("model_type")
     plain = (settings.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES and "auto_map" not in settings
              and (model_type is None or model_type in PLAIN_TOKENIZER_MODEL_TYPES)
              and (directory / "tokenizer.json").is_file()

@@ -57,10 +57,11 @@ def test_the_plain_tokenizer_is_auto_tokenizers(tmp_path, tiny_tokenizer_source,
         CHAT, add_generation_prompt=True)
 
 
-@pytest.mark.parametrize("case", ["phi3", "qwen2", "own class", "remote code", "mistral format", "no tokenizer.json"])
+@pytest.mark.parametrize("case", ["phi3", "qwen2", "own class", "remote code", "mistral format", "no tokenizer.json",
+                                  "config.json not an object"])
 def test_any_other_tokenizer_is_left_to_auto_tokenizer(tmp_path, tiny_tokenizer_source, case):
     """Phi-3, Qwen2: transformers replaces the generic class their hub repositories name. The rest: a class, code or format of the
-    model's own, or a tokenizer.json missing."""
+    model's own, a tokenizer.json missing, or a config.json to make sense of."""
     model_type = {"phi3": "phi3", "qwen2": "qwen2"}.get(case, "llama")
     tokenizer_class = "LlamaTokenizer" if case == "own class" else "TokenizersBackend"
     extra = {"auto_map": {"AutoTokenizer": [None, "tokenization.Custom"]}} if case == "remote code" else {}
@@ -69,6 +70,8 @@ def test_any_other_tokenizer_is_left_to_auto_tokenizer(tmp_path, tiny_tokenizer_
         (directory / "tekken.json").write_text("{}")
     if case == "no tokenizer.json":
         (directory / "tokenizer.json").unlink()
+    if case == "config.json not an object":
+        (directory / "config.json").write_text("[]")
     assert load_plain_tokenizer(directory) is None
     assert load_plain_tokenizer(directory.parent / "no-such-directory") is None
 
