@@ -144,5 +144,5 @@ def open_orbax_checkpoint(directory: Path) -> dict:
         raise ValueError(f"{directory} has checkpoint format {meta.get('format')}, this jaxserve reads format "
                          f"{FORMAT_VERSION}; convert the original model again")
     return dict(name=meta["name"], config=model_config(meta), tensors=OrbaxParams(directory.absolute(), meta),
-                tokenizer=load_tokenizer(directory),
+                tokenizer=load_tokenizer(directory, advice="convert the original model again"),
                 generation_defaults=meta.get("generation_defaults") or {}, pooling=meta.get("pooling"))
