@@ -11,11 +11,11 @@ from tests.helpers import write_gguf
 SCRIPT = Path(__file__).parents[1] / "scripts" / "bench_cpu_env.py"
 
 
-def test_bench_cpu_env_compares_the_schedulers_tiny(tiny_checkpoint, smollm2_gguf_path, tmp_path):
+def test_bench_cpu_env_compares_the_schedulers_tiny(tiny_checkpoint, gguf_tokenizer_source, tmp_path):
     table = tmp_path / "BENCHMARKS.md"
     # As a GGUF file: an HF directory's config and tokenizer load through transformers, which imports torch in
     # each engine process (seconds each).
-    model = write_gguf(tiny_checkpoint("llama"), tmp_path / "tiny.gguf", "llama", smollm2_gguf_path)
+    model = write_gguf(tiny_checkpoint("llama"), tmp_path / "tiny.gguf", "llama", gguf_tokenizer_source)
     done = subprocess.run([sys.executable, str(SCRIPT), "--compare", "scheduler", "--num-prompts", "1",
                            "--max-tokens", "2", "--rounds", "1", "--num-kv-blocks", "64", "--model", str(model),
                            "--append", str(table)],

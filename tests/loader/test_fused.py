@@ -37,10 +37,10 @@ def test_a_config_that_does_not_fit_the_tensors_is_named(phi3):
         wrong.get("model.layers.0.mlp.up_proj.weight")
 
 
-def test_a_partial_rotary_gguf_of_another_architecture_is_refused_by_name(tiny_checkpoint, smollm2_gguf_path,
+def test_a_partial_rotary_gguf_of_another_architecture_is_refused_by_name(tiny_checkpoint, gguf_tokenizer_source,
                                                                             tmp_path):
     """Only llama.cpp's Phi-3 converter writes a rotary width below the head size; elsewhere it is the head size."""
     qwen2 = tiny_checkpoint("qwen2", tie_word_embeddings=True)
-    gguf_file = write_gguf(qwen2, tmp_path / "partial.gguf", "qwen2", smollm2_gguf_path, **{"rope.dimension_count": 8})
+    gguf_file = write_gguf(qwen2, tmp_path / "partial.gguf", "qwen2", gguf_tokenizer_source, **{"rope.dimension_count": 8})
     with pytest.raises(ValueError, match="rotates 8 of each head's 16 dimensions .* supports for phi3 only"):
         open_checkpoint(str(gguf_file))

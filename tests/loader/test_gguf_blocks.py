@@ -73,10 +73,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0
 
 
 @pytest.fixture(scope="module")
-def tiny_quantized_gguf(tiny_checkpoint, smollm2_gguf_path, tmp_path_factory):
+def tiny_quantized_gguf(tiny_checkpoint, gguf_tokenizer_source, tmp_path_factory):
     hf = tiny_checkpoint("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=64,
                          tie_word_embeddings=False)
-    return str(write_gguf(hf, tmp_path_factory.mktemp("quantized") / "tiny-q.gguf", "llama", smollm2_gguf_path,
+    return str(write_gguf(hf, tmp_path_factory.mktemp("quantized") / "tiny-q.gguf", "llama", gguf_tokenizer_source,
                           tensor_types=TINY_TYPES))
 
 
@@ -184,11 +184,11 @@ MOE_TYPES = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q8_0} | {
 
 
 @pytest.fixture(scope="module")
-def moe_quantized_gguf(tiny_checkpoint, smollm2_gguf_path, tmp_path_factory):
+def moe_quantized_gguf(tiny_checkpoint, gguf_tokenizer_source, tmp_path_factory):
     hf = tiny_checkpoint("mixtral", num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
                          intermediate_size=64, tie_word_embeddings=False)
     return str(write_gguf(hf, tmp_path_factory.mktemp("moe-quantized") / "tiny-moe-q.gguf", "llama",
-                          smollm2_gguf_path, tensor_types=MOE_TYPES))
+                          gguf_tokenizer_source, tensor_types=MOE_TYPES))
 
 
 @pytest.mark.parametrize("mesh, options, impl", [
@@ -218,12 +218,12 @@ PHI3_TYPES = {f"blk.{i}.{name}.weight": kind for i in range(2)
 
 
 @pytest.mark.parametrize("mesh", ["1x1", "2x1"])
-def test_phi3_fused_projections_keep_their_blocks(mesh, tiny_checkpoint, smollm2_gguf_path, tmp_path, caplog):
+def test_phi3_fused_projections_keep_their_blocks(mesh, tiny_checkpoint, gguf_tokenizer_source, tmp_path, caplog):
     """Phi-3 stores q, k, v in one tensor and gate, up in another: each part keeps its rows of the fused
     tensor's blocks, and serves the tokens of the model dequantized at load."""
     hf = tiny_checkpoint("phi3", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0)
-    gguf = str(write_gguf(hf, tmp_path / "phi3-q.gguf", "phi3", smollm2_gguf_path, tensor_types=PHI3_TYPES))
+    gguf = str(write_gguf(hf, tmp_path / "phi3-q.gguf", "phi3", gguf_tokenizer_source, tensor_types=PHI3_TYPES))
     reference = _generate(gguf, quantization="none")
     with caplog.at_level(logging.INFO, logger="jaxserve.runner.weights"):
         tokens, logprobs = _generate(gguf, mesh, quantization="gguf")

@@ -153,14 +153,14 @@ def test_one_expert_of_a_quantized_stacked_expert_tensor_reads_as_its_slice(tmp_
     ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64,
       "rope.scaling.yarn_log_multiplier": 0.1}, "YaRN with rope.scaling.yarn_log_multiplier is not supported"),
 ])
-def test_gguf_rope_scalings_it_cannot_run_are_refused_by_name(metadata, message, tiny_checkpoint, smollm2_gguf_path,
+def test_gguf_rope_scalings_it_cannot_run_are_refused_by_name(metadata, message, tiny_checkpoint, gguf_tokenizer_source,
                                                               tmp_path):
     """Rather than run a model with the wrong positions, as llama.cpp metadata left unread once did."""
     from tests.helpers import write_gguf
 
     qwen2 = tiny_checkpoint("qwen2", tie_word_embeddings=True)
     with pytest.raises(ValueError, match=message):
-        open_checkpoint(str(write_gguf(qwen2, tmp_path / "m.gguf", "qwen2", smollm2_gguf_path, **metadata)))
+        open_checkpoint(str(write_gguf(qwen2, tmp_path / "m.gguf", "qwen2", gguf_tokenizer_source, **metadata)))
 
 
 def test_missing_files_are_named(tmp_path):

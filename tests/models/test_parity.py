@@ -174,7 +174,7 @@ GGUF_CASES = {
 
 
 @pytest.mark.parametrize("name", list(GGUF_CASES))
-def test_gguf_logits_match_transformers(name, tiny_checkpoint, smollm2_gguf_path, tmp_path):
+def test_gguf_logits_match_transformers(name, tiny_checkpoint, gguf_tokenizer_source, tmp_path):
     """GGUFs (llama.cpp's tensor names and metadata: q/k/v biases, attn_q_norm, the head size as
     attention.key_length, Phi-3's fused attn_qkv and ffn_up, its sliding window and rotary width, the Llama
     lineage's interleaved q/k rows, Llama's RoPE scaling as per-frequency factors, YaRN's metadata, experts stacked
@@ -183,17 +183,17 @@ def test_gguf_logits_match_transformers(name, tiny_checkpoint, smollm2_gguf_path
     gguf_arch, (arch, overrides), options, head_dim = GGUF_CASES[name]
     path = tiny_checkpoint(arch, **overrides)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    gguf_file = write_gguf(path, tmp_path / f"tiny-{arch}.gguf", gguf_arch, smollm2_gguf_path, **options)
+    gguf_file = write_gguf(path, tmp_path / f"tiny-{arch}.gguf", gguf_arch, gguf_tokenizer_source, **options)
     engine = Engine(str(gguf_file), num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
     assert engine.config.model.architecture == reference.config.architectures[0]
     assert engine.config.model.head_dim == head_dim
     check_parity(engine, reference, PROMPTS)
 
 
-def test_longrope_gguf_matches_transformers(tiny_checkpoint, smollm2_gguf_path, tmp_path):
+def test_longrope_gguf_matches_transformers(tiny_checkpoint, gguf_tokenizer_source, tmp_path):
     """Phi-3.5's LongRoPE as llama.cpp stores it (rope_factors_long/short, the original length, the logit scale)."""
     path = tiny_checkpoint("phi3", **PHI4_MINI, rope_scaling=LONGROPE, original_max_position_embeddings=32)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    gguf_file = write_gguf(path, tmp_path / "tiny-longrope.gguf", "phi3", smollm2_gguf_path)
+    gguf_file = write_gguf(path, tmp_path / "tiny-longrope.gguf", "phi3", gguf_tokenizer_source)
     engine = Engine(str(gguf_file), num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
     check_parity(engine, reference, [PROMPTS[2]])
