@@ -102,7 +102,7 @@ part_coldstart() {  # how long until `jaxserve serve` answers, from an empty com
     --timeout "$(($1 > 90 ? $1 - 60 : 30))" --json "$out/coldstart.json" --append "$out/benchmark_rows.md" 2>&1 \
     | tee -a "$out/all.log"
 }
-synthetic_dry=(--shape tiny --num-prompts 4 --input-len 16 --output-len 4 --decode-lens 4 36 --bandwidth-mib 16
+synthetic_dry=(--shape tiny --num-prompts 4 --input-len 16 --output-len 4 --decode-lens 4 100 --bandwidth-mib 16
                --max-num-seqs 4 --max-num-batched-tokens 64)
 part_synthetic() {  # throughput and latency, counted by the bytes and FLOPs a step needs; it reads the programs
   local args=()     # the cold start compiled, when that part ran first

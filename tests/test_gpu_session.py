@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).parents[1]
 
 
-@pytest.mark.xla_optimised  # its benchmarks run many steps
+# Compiled unoptimised, as the suite's other tiny models are: its parts' scripts run tiny shapes a few steps each,
+# and XLA's optimisations cost more than they save there (measured alone from a cold cache: 176 s -> 152 s wall, 202 -> 182 s of CPU).
 def test_gpu_session_all_dry_run(tmp_path, tiny_tokenizer_source):
     # The accuracy check's tiny model takes the tiny checkpoints' tokenizer (as a GPU session takes the one it
     # carries): from the GGUF, transformers parsed the whole file first (~12 s).
@@ -34,15 +35,17 @@ def test_gpu_session_all_dry_run(tmp_path, tiny_tokenizer_source):
     assert cold["cache_files_added"] > 0 and warm["cache_files_added"] == 0  # the second start read every program
 
     synthetic = json.loads((tmp_path / "synthetic.json").read_text())
+    assert "output_tok_s" in synthetic, log[-3000:]  # a part that stopped early left its first figures only
     # bench_synthetic's tiny shape in float32 (tests/test_roofline.py counts these by hand), a batch-1 context of
-    # 16 prompt + (4 + 36) / 2 tokens, read as three 16-token blocks of 512 bytes a token.
+    # 16 prompt + (4 + 100) / 2 tokens, read as five 16-token blocks of 512 bytes a token.
     assert synthetic["step_bytes_parts"] == dict(layer_weights=295_936, final_norm=256, lm_head=131_072,
-                                                 kv=48 * 512, embedding_not_read=131_072)
+                                                 kv=80 * 512, embedding_not_read=131_072)
     assert synthetic["decode_ms"] > 0
     assert synthetic["offline_compiles"] == 0  # the best run is a warm one
     assert synthetic["output_tok_s"] * 20 == pytest.approx(synthetic["total_tok_s"] * 4)  # 16 in + 4 out each
 
     fp8 = json.loads((tmp_path / "synthetic_fp8.json").read_text())
+    assert "output_tok_s" in fp8, log[-3000:]
     assert fp8["quantization"] == "fp8" and fp8["output_tok_s"] > 0 and fp8["offline_compiles"] == 0
     # its roofline counts a byte a weight and the scales (float32: 4 bytes a weight)
     assert 3.5 < synthetic["step_bytes_parts"]["layer_weights"] / fp8["step_bytes_parts"]["layer_weights"] < 4
