@@ -128,13 +128,16 @@ def decode_seconds_per_token(engine, prompt: list[int], short: int, long: int, r
                                        use_tqdm=False)
 
     run(long)()  # compiles the batch-1 programs
-    t_short = min(timed(run(short)) for _ in range(repeats))
-    t_long = min(timed(run(long)) for _ in range(repeats))
-    if t_long <= t_short:  # a negative ms/token is no figure: the machine's noise outweighed the extra tokens
-        raise SystemExit(f"decoding {long - short} more tokens took no longer ({t_long * 1e3:.1f} ms against "
-                         f"{t_short * 1e3:.1f} ms): this machine's timing noise exceeds the decode time; give "
-                         f"--decode-lens further apart")
-    return (t_long - t_short) / (long - short)
+    # A negative ms/token is no figure: the machine's noise outweighed the extra tokens. Noise passes (another
+    # process's burst), so a failed try is measured again before the run gives up.
+    for _ in range(3):
+        t_short = min(timed(run(short)) for _ in range(repeats))
+        t_long = min(timed(run(long)) for _ in range(repeats))
+        if t_long > t_short:
+            return (t_long - t_short) / (long - short)
+    raise SystemExit(f"decoding {long - short} more tokens took no longer ({t_long * 1e3:.1f} ms against "
+                     f"{t_short * 1e3:.1f} ms, three times): this machine's timing noise exceeds the decode time; "
+                     f"give --decode-lens further apart")
 
 
 def run_jaxserve(model_dir: Path, args) -> dict:
