@@ -37,7 +37,7 @@ from benchmark_table import append_row, command_line
 from jaxserve.config import LAYER_LOOPS
 from jaxserve.engine_args import QUANTIZATIONS
 from jaxserve.runner.host_allocator import installed_tcmalloc, mapped_allocator
-from jaxserve.xla_flags import CPU_SCHEDULER_FLAG
+from jaxserve.xla_flags import cpu_scheduler_flag
 
 
 def _engine_process(args) -> None:
@@ -166,10 +166,10 @@ def start_engines(args, ap) -> dict[str, EngineProcess]:
     """The baseline's engine process, then the variant's, each checked for the environment it was given."""
     if args.compare == "scheduler":  # both under the allocator this process has (LD_PRELOAD passed on as it is)
         preload = os.environ.get("LD_PRELOAD")
-        engines = {"concurrent": EngineProcess(args, preload, f"{CPU_SCHEDULER_FLAG}=true"),
-                   "sequential": EngineProcess(args, preload, f"{CPU_SCHEDULER_FLAG}=false")}
+        flags = {name: cpu_scheduler_flag(concurrent=name == "concurrent") for name in ("concurrent", "sequential")}
+        engines = {name: EngineProcess(args, preload, flag) for name, flag in flags.items()}
         for name, engine in engines.items():
-            if not engine.xla_flags.rstrip().endswith(f"{CPU_SCHEDULER_FLAG}={str(name == 'concurrent').lower()}"):
+            if not engine.xla_flags.rstrip().endswith(flags[name]):
                 raise SystemExit(f"the {name} engine process ran with XLA_FLAGS={engine.xla_flags!r}")
         return engines
     tcmalloc = args.tcmalloc or installed_tcmalloc()

@@ -81,10 +81,13 @@ export PYTHONUNBUFFERED=1
 left() { local n=$((deadline - SECONDS)); n=$((n < $1 ? n : $1)); echo $((n > 0 ? n : 1)); }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/device.txt" 2>&1
 python3 -c "import jax; print(jax.__version__, jax.devices())" >>"$out/device.txt" 2>&1
-# jaxserve/xla_flags.py sets XLA:CPU's sequential scheduler only on the jaxlib versions it was checked on: check this one.
-XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false python3 -c "import jax; jax.devices('cpu')" \
-  >/dev/null 2>&1 && echo "this jaxlib knows --xla_cpu_enable_concurrency_optimized_scheduler" >>"$out/device.txt" \
-  || echo "this jaxlib refuses --xla_cpu_enable_concurrency_optimized_scheduler" >>"$out/device.txt"
+# jaxserve/xla_flags.py sets XLA:CPU's sequential scheduler only on the jaxlib versions it was checked on: check this
+# one, for the flag jaxserve sets and for the deprecated boolean it replaced.
+for flag in --xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED \
+            --xla_cpu_enable_concurrency_optimized_scheduler=false; do
+  XLA_FLAGS=$flag python3 -c "import jax; jax.devices('cpu')" >/dev/null 2>&1 \
+    && echo "this jaxlib knows $flag" >>"$out/device.txt" || echo "this jaxlib refuses $flag" >>"$out/device.txt"
+done
 cat "$out/device.txt"
 
 # The parts of `all`, each a function given its cap in seconds. Figures land in $OUT as they are known.

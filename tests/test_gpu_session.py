@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxserve.xla_flags import cpu_scheduler_flag
+
 ROOT = Path(__file__).parents[1]
 
 
@@ -23,6 +25,9 @@ def test_gpu_session_all_dry_run(tmp_path, tiny_tokenizer_source):
                           timeout=900, env=env)
     log = (tmp_path / "all.log").read_text()
     assert done.returncode == 0 and "all: done in" in log, done.stdout[-3000:] + done.stderr[-3000:]
+
+    # The session says whether its jaxlib knows the XLA:CPU scheduler flag jaxserve sets (this one does)
+    assert f"this jaxlib knows {cpu_scheduler_flag(concurrent=False)}" in (tmp_path / "device.txt").read_text()
 
     accuracy = json.loads((tmp_path / "accuracy.json").read_text())
     assert accuracy["jaxserve"]["agreement"] == 1.0 and accuracy["jaxserve"]["goal_met"]  # float32: exact
