@@ -39,9 +39,14 @@ MESH_AXES = (PIPELINE_AXIS, TENSOR_AXIS)
 def make_mesh(tp: int, pp: int, devices: Iterable[jax.Device] | None = None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     if tp * pp > len(devices):
-        raise ValueError(
-            f"mesh {tp}x{pp} needs {tp * pp} devices but only {len(devices)} are available; choose a smaller mesh"
-        )
+        advice = "choose a smaller mesh"
+        if all(d.platform == "cpu" for d in devices):  # fake CPU devices are how a mesh is tried without accelerators
+            processes = jax.process_count()
+            advice += (f", or make more CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count="
+                       f"{-(-tp * pp // processes)} in the environment before the process starts"
+                       + (f" (each of the {processes} processes)" if processes > 1 else ""))
+        are = "is" if len(devices) == 1 else "are"
+        raise ValueError(f"mesh {tp}x{pp} needs {tp * pp} devices but only {len(devices)} {are} available; {advice}")
     # `tp` innermost so a tensor-parallel group sits on neighbouring devices (one node).
     grid = np.array(devices[: tp * pp]).reshape(pp, tp)
     return Mesh(grid, MESH_AXES)

@@ -21,7 +21,8 @@ def make(path, **kwargs):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(mesh="4x4"), "mesh 4x4 needs 16 devices but only 8 are available"),
+    (dict(mesh="4x4"), "mesh 4x4 needs 16 devices but only 8 are available; choose a smaller mesh, or make more "
+                       "CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count=16 in the environment before"),
     (dict(mesh="1x4"), "pp=4 is more pipeline stages than the model's 3 layers"),
     (dict(mesh="8x"), "mesh '8x' is not of the form TPxPP"),
     (dict(mesh="0x2"), "mesh '0x2' needs tp >= 1 and pp >= 1"),
@@ -67,3 +68,15 @@ def test_an_unknown_logical_axis_name_is_refused_not_replicated():
     assert partition_spec(("layers", None, "q_heads")) == PartitionSpec("pp", None, "tp")
     with pytest.raises(ValueError, match="unknown logical axis name 'q_head'.*knows layers, embed"):
         partition_spec(("embed", "q_head"))
+
+
+def test_too_large_a_mesh_on_cpu_processes_names_the_devices_each_process_needs(monkeypatch):
+    """On several processes (jax.distributed), each makes its own share of the mesh's CPU devices."""
+    import jax
+
+    from jaxserve.parallel.sharding import make_mesh
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"device_count=8 in the environment before the process starts \(each of "
+                                         r"the 2 processes\)$"):
+        make_mesh(4, 4, jax.devices()[:4])
