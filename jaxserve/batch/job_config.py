@@ -133,7 +133,7 @@ class BatchJob(BaseModel):
 
 def read_job_mapping(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise JobError(path, [f"job file {path} does not exist; check the path"])
+        raise JobError(path, ["no such file; check the path"])  # JobError names the file
     try:
         content = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:

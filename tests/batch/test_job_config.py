@@ -87,7 +87,9 @@ def test_yaml_errors_and_non_mappings(tmp_path):
     assert problem.startswith("not valid YAML at line")
     (tmp_path / "list.yaml").write_text("- a\n")
     assert "must be a mapping" in problems_of(tmp_path / "list.yaml")[0]
-    assert "does not exist" in problems_of(tmp_path / "absent.yaml")[0]
+    with pytest.raises(JobError) as error:
+        load_job(tmp_path / "absent.yaml")
+    assert str(error.value) == f"job file {tmp_path / 'absent.yaml'}: no such file; check the path"
 
 
 def test_engine_options_map_onto_engine_keywords():
