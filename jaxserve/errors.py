@@ -8,6 +8,15 @@ class UserError(Exception):
     """A mistake the user can fix; printed as one line, exit status 2, no traceback."""
 
 
+class InvalidRequestField(ValueError):
+    """A request field the engine refuses where only the model can tell (a token id outside its vocabulary);
+    `param` names the field, as the HTTP 400's error body does (server/errors.py)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 class QueueFull(Exception):
     """Too many requests are waiting for their first token; the caller should retry later."""
 

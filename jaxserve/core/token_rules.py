@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve.core.grammar import bitmask_width
+from jaxserve.errors import InvalidRequestField
 
 ALWAYS = -1  # a ban's `after` when it holds whatever token the step in flight samples
 
@@ -19,7 +20,8 @@ def allowed_bitmask(token_ids: list[int], vocab_size: int) -> np.ndarray:
     """Bit t % 32 of word t // 32 set for each allowed token t ([bitmask_width] int32, as llguidance writes)."""
     bad = [t for t in token_ids if t >= vocab_size]
     if bad:
-        raise ValueError(f"allowed_token_ids has token id {bad[0]}, outside the vocabulary (0..{vocab_size - 1})")
+        raise InvalidRequestField(f"allowed_token_ids has token id {bad[0]}, outside the vocabulary "
+                                  f"(0..{vocab_size - 1})", "allowed_token_ids")
     words = np.zeros(bitmask_width(vocab_size), np.uint32)
     ids = np.unique(np.asarray(token_ids, np.int64))
     np.bitwise_or.at(words, ids // 32, (np.uint32(1) << (ids % 32).astype(np.uint32)))

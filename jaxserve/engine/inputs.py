@@ -16,6 +16,7 @@ from jaxserve.core.beam_search import BeamSearch
 from jaxserve.core.request import Request, Sequence
 from jaxserve.core.token_rules import allowed_bitmask, bad_words_token_ids, check_some_token_allowed
 from jaxserve.engine.pooling import step_params
+from jaxserve.errors import InvalidRequestField
 from jaxserve.loader.tokenizer import apply_chat_template
 from jaxserve.lora_request import LoRARequest
 from jaxserve.pooling_params import PoolingParams
@@ -119,7 +120,7 @@ def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int
     for field, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids or [])):
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"{field} has token id {bad[0]}, outside the vocabulary (0..{vocab - 1})")
+            raise InvalidRequestField(f"{field} has token id {bad[0]}, outside the vocabulary (0..{vocab - 1})", field)
     capacity = (config.cache.num_blocks - 1) * config.cache.block_size
     # Every sequence (n, or best_of) may grow to prompt + max_tokens. Checked before the sequences are made, so a
     # request for a billion of them is refused at once rather than exhausting host memory. A max_tokens the request

@@ -144,6 +144,17 @@ def test_real_engine_refuses_what_it_cannot_serve_with_400(real_server, path, bo
     assert fragment in assert_error_body(response)["message"]
 
 
+@pytest.mark.parametrize("field, ids", [("stop_token_ids", [49152]), ("logit_bias", {"49152": 1}),
+                                        ("allowed_token_ids", [3, 49152])])
+def test_a_token_id_outside_the_vocabulary_is_a_400_naming_its_field(real_server, field, ids):
+    """Only the engine knows the vocabulary, so these fields are checked there; the error body still names them."""
+    response = httpx.post(real_server.url + "/v1/completions", json={"model": REAL_MODEL, "prompt": "x", field: ids},
+                          headers=AUTH, timeout=60)
+    assert response.status_code == 400, response.text
+    error = assert_error_body(response)
+    assert (error["param"], error["code"]) == (field, "invalid_value") and "49152" in error["message"]
+
+
 # Values that pass validation but reach the jitted step: extreme, they must still give an answer, not kill it.
 REAL_EXTREME_PARAMS = [{"temperature": 1e300}, {"temperature": 2e-5}, {"repetition_penalty": 1e300},
                        {"repetition_penalty": 1e-300}, {"top_p": 1e-300}, {"min_p": 1.0}, {"top_k": 2**31 - 1},
