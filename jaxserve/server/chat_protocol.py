@@ -84,6 +84,8 @@ class ChatCompletionRequest(SamplingFields):
                 raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
             if self.top_logprobs > 0 and not self.logprobs:
                 raise ValueError("top_logprobs needs logprobs set to true")
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:  # named as the body named it
+            raise ValueError(f"max_completion_tokens must be >= 1 or None, got {self.max_completion_tokens}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(model_defaults, max_tokens=max_tokens,
                                      logprobs=(self.top_logprobs or 0) if self.logprobs else None,

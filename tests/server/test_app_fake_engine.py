@@ -288,6 +288,9 @@ def test_chat_validation_errors_are_400(server):
     assert_error(post(server, "/v1/chat/completions",
                       {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": -1}), 400,
                  param="top_logprobs")
+    assert_error(post(server, "/v1/chat/completions",
+                      {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}), 400,
+                 param="max_completion_tokens", contains="max_completion_tokens must be >= 1 or None, got 0")
     # As vLLM: top_logprobs 0 asks for no alternatives, so it needs no logprobs.
     zero = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 0,
                                                  "max_tokens": 1})
