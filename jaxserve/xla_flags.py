@@ -12,9 +12,9 @@ backends ignore XLA:CPU's flags.
 
 The scheduler was a boolean, `--xla_cpu_enable_concurrency_optimized_scheduler`: jaxlib 0.10's XLA still takes it
 but marks it deprecated (its DebugOptions field) for the enum above, which it takes too, with the same effect
-(tests/test_xla_flags.py compiles a program under each; the same compile time and SmolLM2 ms/token under each).
-jaxserve sets the enum, the form a later XLA is likelier to keep, and leaves XLA_FLAGS alone where it names
-either: the later of the two flags wins, so ours would override a user's.
+(tests/test_xla_flags.py compiles a program under each). jaxserve sets the enum, the form a later XLA is likelier
+to keep, and leaves XLA_FLAGS alone where it names either: the later of the two flags wins, so ours would override
+a user's.
 
 XLA refuses to start on a flag it does not know, so the flag is set only under the jaxlib versions it was
 checked on (VERIFIED_JAXLIB): jaxlib 0.10 here. The GPU image's 0.11 is not checked yet (scripts/gpu_session.sh
