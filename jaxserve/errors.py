@@ -9,10 +9,11 @@ class UserError(Exception):
 
 
 class InvalidRequestField(ValueError):
-    """A request field the engine refuses where only the model can tell (a token id outside its vocabulary);
-    `param` names the field, as the HTTP 400's error body does (server/errors.py)."""
+    """A request field refused below the server, where only the model or the grammar compiler can tell (a token
+    id outside the vocabulary, an invalid schema); `param` names the field (None: not known), as the HTTP 400's
+    error body does (server/errors.py)."""
 
-    def __init__(self, message: str, param: str):
+    def __init__(self, message: str, param: str | None):
         super().__init__(message)
         self.param = param
 

@@ -20,6 +20,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from jaxserve.errors import InvalidRequestField
 from jaxserve.sampling_params import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
@@ -31,12 +32,12 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-class GrammarError(ValueError):
-    """An invalid schema, regex or grammar; `param` is the request field it came from (HTTP 400 names it)."""
+class GrammarError(InvalidRequestField):
+    """An invalid schema, regex or grammar, named by the request field it came from."""
 
     def __init__(self, params: StructuredOutputsParams, problem: str):
-        super().__init__(f"{params.name} is invalid: {_first_line(problem)}")
-        self.param = params.source.split("[")[0].split(".")[0] if params.source else None
+        super().__init__(f"{params.name} is invalid: {_first_line(problem)}",
+                         params.source.split("[")[0].split(".")[0] if params.source else None)
 
 
 class GrammarCompiler:

@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.errors import EngineDeadError, EngineShuttingDown, QueueFull, RequestTimedOut
+from jaxserve.errors import EngineDeadError, EngineShuttingDown, InvalidRequestField, QueueFull, RequestTimedOut
 from jaxserve.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -83,8 +83,8 @@ def from_exception(exc: Exception) -> APIError:
         return exc
     if isinstance(exc, pydantic.ValidationError):
         return from_validation_error(exc)
-    if isinstance(exc, ValueError):  # a grammar error knows its request field
-        return bad_request(str(exc), param=getattr(exc, "param", None))
+    if isinstance(exc, ValueError):  # one refused below the server may know its request field
+        return bad_request(str(exc), param=exc.param if isinstance(exc, InvalidRequestField) else None)
     if isinstance(exc, QueueFull):
         return APIError(503, str(exc), "server_error", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
