@@ -1,6 +1,8 @@
 """The `jaxserve` CLI: options, YAML config files, one-line user errors, and both subcommands end to end
 (over the fake engine, so no compilation is needed)."""
 
+import importlib.metadata
+import logging
 import subprocess
 import sys
 import types
@@ -41,6 +43,23 @@ def test_help_of_each_subcommand(command):
     for option in ("--mesh", "-tp", "--max-model-len", "--dtype", "--config"):
         assert option in result.stdout
     assert ("--api-key" in result.stdout) == (command == "serve")
+
+
+def test_version_is_the_installed_distribution_s():
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout == f"jaxserve {importlib.metadata.version('jaxserve')}\n"
+
+
+@pytest.mark.parametrize("level, jax_info_shown", [("info", False), ("debug", True)])
+def test_jax_s_own_info_lines_only_when_debugging(monkeypatch, level, jax_info_shown):
+    jax_logger, root = logging.getLogger("jax._src.xla_bridge"), logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])  # so basicConfig configures, as in a fresh process
+    for logger in (root, logging.getLogger("jax")):
+        monkeypatch.setattr(logger, "level", logger.level)  # restored after the test
+    cli.configure_logging(level)
+    assert logging.getLogger("jaxserve.engine").isEnabledFor(logging.INFO)
+    assert jax_logger.isEnabledFor(logging.INFO) == jax_info_shown
+    assert jax_logger.isEnabledFor(logging.WARNING)
 
 
 def test_defaults_and_mesh_forms():

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from jaxserve import __version__
 from jaxserve.cli.args import (
     OneLineErrorParser,
     UserError,
@@ -116,6 +117,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = OneLineErrorParser(prog="jaxserve", description="A JAX/XLA LLM inference engine.")
+    parser.add_argument("--version", action="version", version=f"jaxserve {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                      parser_class=OneLineErrorParser)
     subparsers = {}
@@ -125,13 +127,22 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     return parser, subparsers
 
 
+def configure_logging(level: str) -> None:
+    """jaxserve's log at `level`; jax's own at warnings unless debugging: at info it reports each platform it
+    probed and did not find ("Unable to initialize backend 'tpu'" on every GPU or CPU machine), which reads as a
+    fault to someone starting a server."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level != "debug":
+        logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser, subparsers = build_parser()
     try:
         argv = normalize_option_spelling(sys.argv[1:] if argv is None else list(argv))
         args = parse_with_config(parser, subparsers, argv)
         args.argv = argv  # the Ray launcher starts followers with these same arguments
-        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure_logging(args.log_level)
         fold_model_option(args, subparsers[args.command].get_default("model"))
         check_vllm_options(args)
         return SUBCOMMANDS[args.command].run(args) or 0
