@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from functools import partial
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
@@ -37,6 +38,30 @@ def kernel_supports(backend: str, cfg: ModelConfig) -> bool:
     return True
 
 
+def triton_targets_this_gpu() -> bool:
+    """Whether Pallas's Triton backend can compile for the GPU this process runs on. From jax 0.11 it looks the GPU
+    up by name (`pallas.triton.get_gpu_info`) and refuses one it does not list (an L40S, an A10G), inside the
+    first compile; jax 0.10 compiled for any GPU by its compute capability. True where the process runs on no GPU
+    (an ahead-of-time target names its own) and where jax has no such list."""
+    if KERNEL_PLATFORMS.get(jax.default_backend()) != "gpu":
+        return True
+    from jax.experimental.pallas import triton as plgpu
+
+    lookup = getattr(plgpu, "get_gpu_info", None)
+    if lookup is None:
+        return True
+    try:
+        lookup()
+    except ValueError:
+        return False
+    return True
+
+
+def this_gpu() -> str:
+    """The GPU and jax, for a message: the list a GPU must be on is jax's and changes with its version."""
+    return f"{jax.devices()[0].device_kind} (jax {jax.__version__})"
+
+
 def kernel_backend(impl: str, platform: str) -> str | None:
     """Which Pallas kernel a resolved implementation runs ("gpu" or "tpu"), None for the reference. The
     interpreter runs the TPU kernel on a TPU and the (quicker) GPU one anywhere else."""
@@ -62,6 +87,10 @@ def resolve_attention_impl(impl: str, platform: str, cfg: ModelConfig) -> str:
         raise ValueError(f"attention_impl={impl!r} is not one of {', '.join(map(repr, ATTENTION_IMPLS))}")
     backend = KERNEL_PLATFORMS.get(platform)
     if impl == "auto":
+        if backend == "gpu" and not triton_targets_this_gpu():
+            log.warning("Pallas's Triton backend does not know this GPU, %s: using the XLA attention, which is "
+                        "slower", this_gpu())
+            return "reference"
         return "pallas" if backend and kernel_supports(backend, cfg) else "reference"
     if cfg.attention_sinks and kernel_backend(impl, platform) == "tpu":
         raise ValueError(f"{cfg.architecture}'s attention sinks need the GPU decode kernel or the XLA attention; "
@@ -94,6 +123,9 @@ def make_attention_fn(impl: str, platform: str, cfg: ModelConfig, mesh: Mesh | N
         if not kernel_supports(kernel, cfg):
             raise ValueError(f"the Triton attention kernels tile heads of at most {MAX_GPU_KERNEL_HEAD_DIM}, and this "
                              f"model's head_dim is {cfg.head_dim}: use attention_impl (--attention-impl) reference")
+        if impl == "pallas" and not triton_targets_this_gpu():
+            raise ValueError(f"Pallas's Triton backend cannot compile the attention kernels for this GPU, {this_gpu()}: "
+                             "use attention_impl (--attention-impl) auto or reference")
         if impl == "pallas" and kv_dtype is not None and mesh is not None:
             check_gpu_cache_dtype(kv_dtype, getattr(mesh.devices.flat[0], "compute_capability", None))
     from jaxserve.runner.pallas_attention import pallas_attention_fn

@@ -2,6 +2,7 @@
 tokens and an empty batch row, as runner/plan.py builds them) gives the reference's outputs and cache."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -155,6 +156,31 @@ def test_choice_of_implementation():
         make_attention_fn("flash", "cpu", CFG)
     with pytest.raises(ValueError, match="needs a GPU or TPU"):
         make_attention_fn("pallas", "cpu", CFG)
+
+
+@pytest.mark.parametrize("device_kind, listed", [("NVIDIA H100 80GB HBM3", True), ("NVIDIA L40S", False)])
+def test_a_gpu_the_triton_backend_does_not_list_gets_the_xla_attention(monkeypatch, caplog, device_kind, listed):
+    """From jax 0.11, Pallas's Triton lowering looks the GPU up by name (`pallas.triton.get_gpu_info`) and refuses,
+    inside the first compile, one it does not list: "auto" then takes the XLA attention and says so, "pallas" is
+    refused at start naming the GPU. Played on this CPU with that lookup, as jax 0.11 has it."""
+    from jax.experimental.pallas import triton as plgpu
+
+    def get_gpu_info():
+        if not listed:
+            raise ValueError(f"Unsupported GPU device kind: {device_kind}")
+
+    monkeypatch.setattr(plgpu, "get_gpu_info", get_gpu_info, raising=False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *_: [types.SimpleNamespace(device_kind=device_kind)])
+    assert (make_attention_fn("auto", "gpu", CFG) is not blockwise_attention_fn) == listed
+    assert cache_head_dim("auto", "gpu", head_dim_config(96)) == (128 if listed else 96)
+    if listed:
+        assert make_attention_fn("pallas", "gpu", CFG) is not blockwise_attention_fn
+    else:
+        assert f"does not know this GPU, {device_kind} (jax " in caplog.text
+        with pytest.raises(ValueError, match=f"cannot compile the attention kernels for this GPU, {device_kind}"):
+            make_attention_fn("pallas", "gpu", CFG)
+    assert make_attention_fn("pallas-interpret", "gpu", CFG) is not blockwise_attention_fn  # no Triton lowering
 
 
 def head_dim_config(head_dim: int) -> ModelConfig:
