@@ -220,13 +220,14 @@ class EngineArgs:
         "in vLLM", choices=CONTENT_FORMATS)
     generation_config: str = option(
         "auto", "where requests' sampling defaults come from, as in vLLM: the model's generation_config.json (auto), "
-        "none (vllm: OpenAI's defaults), or DIR's", check=path, metavar="auto|vllm|DIR")
+        "OpenAI's defaults (vllm), or DIR's", check=path, metavar="auto|vllm|DIR")
     override_generation_config: dict | None = option(
         None, "sampling defaults laid over those, as in vLLM: '{\"temperature\": 0.6, \"top_p\": 0.95}'",
         check=optional(mapping), kind="generation", metavar="JSON")
     # --- capacity and scheduling
     max_model_len: int | None = option(
-        None, "context length (prompt + output); 32k is 32,000 and 32K 32,768, as in vLLM",
+        None, "context length (prompt + output); on the command line and in --config files 32k is 32,000 and 32K "
+        "32,768, as in vLLM",
         check=optional(positive_int), kind="tokens", metavar="N")
     max_num_seqs: int | None = option(
         None, "most sequences in one step (default: 64 on CPU, 256 on GPU/TPU)", check=optional(positive_int),
@@ -297,7 +298,7 @@ class EngineArgs:
             except ValueError as exc:
                 raise ValueError(f"{f.name} {exc}") from None
             object.__setattr__(self, f.name, value)
-        if self.compilation_cache_dir == "":
+        if self.compilation_cache_dir in ("", "none"):  # a directory named none: ./none
             object.__setattr__(self, "compilation_cache_dir", None)
         if self.mesh is not None and (self.tensor_parallel_size, self.pipeline_parallel_size) != (None, None):
             MeshShape.of(self.mesh, self.tensor_parallel_size, self.pipeline_parallel_size)  # raises: not both

@@ -67,7 +67,8 @@ def test_vllm_names_are_aliases_and_an_unknown_keyword_is_named():
         dict(kv_cache_memory_fraction=0.5, num_kv_blocks=8)
     with pytest.raises(TypeError, match="Engine has no option 'max_num_seq'; its options are mesh, "):
         EngineArgs.of(max_num_seq=8)
-    assert EngineArgs(compilation_cache_dir="").compilation_cache_dir is None  # '' turns the cache off
+    for off in ("", "none"):  # turn the cache off
+        assert EngineArgs(compilation_cache_dir=off).compilation_cache_dir is None
 
 
 def test_the_python_docs_table_lists_every_option():
