@@ -132,8 +132,8 @@ def configure_logging(level: str) -> None:
     probed and did not find ("Unable to initialize backend 'tpu'" on every GPU or CPU machine), which reads as a
     fault to someone starting a server."""
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if level != "debug":
-        logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))
+    quiet = max(logging.WARNING, logging.getLogger().level)
+    logging.getLogger("jax").setLevel(logging.NOTSET if level == "debug" else quiet)
 
 
 def main(argv: list[str] | None = None) -> int:
