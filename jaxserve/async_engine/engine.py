@@ -153,11 +153,13 @@ class AsyncEngine:
         return stream
 
     async def generate(
-        self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str, priority: int = 0,
+        self, prompt: str | list[int] | dict, sampling_params: SamplingParams, request_id: str, priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs until the request finishes; stopping early aborts the request."""
-        stream = await self.add_request(prompt, params, request_id, priority=priority, lora_request=lora_request)
+        """Yield cumulative outputs until the request finishes; stopping early aborts the request (vLLM's
+        `AsyncLLM.generate`, whose parameter names these are)."""
+        stream = await self.add_request(prompt, sampling_params, request_id, priority=priority,
+                                        lora_request=lora_request)
         try:
             async for output in stream:
                 yield output

@@ -251,24 +251,27 @@ class Engine:
 
     # ---- whole calls (vLLM's LLM): the OfflineAPI facade runs them on this engine -----------------------------
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Run prompts (a str, a list of str, token-id lists or vLLM's prompt dicts) to completion, in input order;
-        `lora_request`: the LoRA adapter of every prompt, or one per prompt (vLLM's `LLM.generate`)."""
-        return self.offline.generate(prompts, params, use_tqdm, lora_request)
+        `sampling_params`: one for every prompt or one each; `lora_request`: the LoRA adapter of every prompt, or
+        one per prompt (vLLM's `LLM.generate`, whose parameter names these are)."""
+        return self.offline.generate(prompts, sampling_params, use_tqdm, lora_request)
 
-    def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True, *,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
              lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Replies to one conversation (a list of messages) or a list of conversations (vLLM's `LLM.chat`)."""
-        return self.offline.chat(messages, params, use_tqdm, add_generation_prompt=add_generation_prompt,
+        return self.offline.chat(messages, sampling_params, use_tqdm, add_generation_prompt=add_generation_prompt,
                                  continue_final_message=continue_final_message,
                                  chat_template_kwargs=chat_template_kwargs, tools=tools, lora_request=lora_request)
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None
+               ) -> Iterator[RequestOutput]:
         """The request's output after every step that advanced it; a caller that stops reading aborts it."""
-        return self.offline.stream(prompt, params)
+        return self.offline.stream(prompt, sampling_params)
 
     def embed(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, use_tqdm: bool = True,
               lora_request=None) -> list[EmbeddingRequestOutput]:
@@ -287,7 +290,15 @@ class Engine:
         return self.offline.beam_search(prompts, params, use_tqdm, lora_request)
 
     def default_sampling_params(self) -> SamplingParams:
+        """What a request that sets nothing samples with: the model's generation config's defaults (vLLM's
+        `LLM.get_default_sampling_params`, also by that name)."""
         return self.inputs.default_sampling_params()
+
+    get_default_sampling_params = default_sampling_params
+
+    def get_tokenizer(self):
+        """The model's tokenizer (`self.tokenizer`), by vLLM's `LLM` method name."""
+        return self.tokenizer
 
     # ---- LoRA adapters (vLLM's engine calls) ----------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import numbers
 import random
 
 import numpy as np
@@ -26,14 +27,26 @@ from jaxserve.sampling_params import BeamSearchParams, SamplingParams, check_bea
 log = logging.getLogger(__name__)
 
 
+def as_token_ids(value) -> list[int] | None:
+    """Token ids given as a list, a tuple or a 1-D numpy array of integers (numpy's too: a tokenizer's output) ->
+    a list of ints; None for anything else."""
+    if isinstance(value, np.ndarray):
+        return value.tolist() if value.ndim == 1 and np.issubdtype(value.dtype, np.integer) else None
+    if isinstance(value, (list, tuple)) and all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value):
+        return [int(t) for t in value]
+    return None
+
+
 def normalise_prompts(prompts) -> list:
-    """A prompt (a str, a list of token ids, or vLLM's dict: see split_prompt) or a list of prompts -> a list."""
+    """A prompt (a str, token ids, or vLLM's dict: see split_prompt) or a sequence of prompts -> a list."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]
-    if isinstance(prompts, (list, tuple)) and all(isinstance(p, (str, list, dict)) for p in prompts):
-        return list(prompts)
+    if ids := as_token_ids(prompts):  # one prompt's token ids ([] is no prompts)
+        return [ids]
+    if isinstance(prompts, (list, tuple)) and all(isinstance(p, (str, dict)) or as_token_ids(p) is not None
+                                                  for p in prompts):
+        return [p if isinstance(p, (str, dict)) else as_token_ids(p) for p in prompts]
     raise ValueError("prompts must be a str, a list of str, a list of token ids, a list of token-id lists, or "
                      "prompt dicts ({'prompt': text} or {'prompt_token_ids': ids})")
 
@@ -69,11 +82,10 @@ def normalise_conversations(messages) -> list[list[dict]]:
 def prompt_token_ids(tokenizer, prompt, vocab_size: int) -> list[int]:
     if isinstance(prompt, str):
         ids = list(tokenizer(prompt)["input_ids"])
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
+    elif (ids := as_token_ids(prompt)) is not None:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
-        ids = list(prompt)
     else:
         raise ValueError("a prompt must be a str or a list of int token ids")
     if not ids:

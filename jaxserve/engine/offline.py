@@ -106,7 +106,8 @@ class OfflineAPI:
     def _run_all(self, prompts: list, params, use_tqdm: bool, lora_request=None) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
-        params_list = params if isinstance(params, list) else [params or self._inputs.default_sampling_params()] * len(prompts)
+        one = params is None or isinstance(params, (SamplingParams, PoolingParams))
+        params_list = [params or self._inputs.default_sampling_params()] * len(prompts) if one else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} params for {len(prompts)} prompts; give one or one each")
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)

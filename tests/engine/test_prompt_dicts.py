@@ -1,6 +1,8 @@
 """vLLM's prompt dicts in Engine.generate: {"prompt": text} or {"prompt_token_ids": ids}, with an optional
-"cache_salt" that keeps the prefix cache apart between salts (the same salt shares it, as no salt does)."""
+"cache_salt" that keeps the prefix cache apart between salts (the same salt shares it, as no salt does); prompts
+and parameters in the other forms vLLM's LLM takes."""
 
+import numpy as np
 import pytest
 
 from jaxserve import BeamSearchParams, SamplingParams
@@ -20,6 +22,24 @@ def test_prompt_dicts_give_the_plain_prompts_outputs(smol_engine):
         out = run(smol_engine, prompt)
         assert (out.prompt_token_ids, out.outputs[0].token_ids) == (ids, plain.outputs[0].token_ids)
     assert run(smol_engine, {"prompt": PROMPT}).prompt == PROMPT
+
+
+def test_token_ids_in_a_tuple_or_numpy_and_vllm_s_keyword_names(smol_engine):
+    """As vLLM users pass them: token ids as a tuple or a numpy array (a tokenizer's output; numpy's integers
+    too), `sampling_params=` by name, a tuple of SamplingParams (one each)."""
+    plain = run(smol_engine, PROMPT)
+    ids, tokens = plain.prompt_token_ids, plain.outputs[0].token_ids
+    prompts = [tuple(ids), np.array(ids), {"prompt_token_ids": np.array(ids, np.int32)}, [np.int64(t) for t in ids]]
+    outs = smol_engine.generate(prompts, sampling_params=(GREEDY,) * len(prompts), use_tqdm=False)
+    assert [(out.prompt_token_ids, out.outputs[0].token_ids) for out in outs] == [(ids, tokens)] * len(prompts)
+    assert all(type(t) is int for out in outs for t in out.prompt_token_ids)
+    one = smol_engine.generate(np.array(ids), sampling_params=GREEDY, use_tqdm=False)  # one prompt, as a list's
+    assert [out.outputs[0].token_ids for out in one] == [tokens]
+    chat = smol_engine.chat([{"role": "user", "content": "Hi"}], sampling_params=GREEDY, use_tqdm=False)
+    assert len(chat[0].outputs[0].token_ids) == GREEDY.max_tokens
+    # vLLM's LLM methods by their names
+    assert smol_engine.get_tokenizer() is smol_engine.tokenizer
+    assert smol_engine.get_default_sampling_params() == smol_engine.default_sampling_params()
 
 
 def test_cache_salt_matches_only_its_own_salt(smol_engine):

@@ -206,8 +206,8 @@ class FakeEngine:
         n = request.params.prompt_logprobs
         return [None] + [self._position_logprobs(t, n) for t in request.prompt_token_ids[1:]]
 
-    def generate(self, prompts, params=None, use_tqdm=True, lora_request=None):
-        params = params or SamplingParams()
+    def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None):
+        params = sampling_params or SamplingParams()
         for index, prompt in enumerate(prompts):
             self.add_request(f"generate-{index}", prompt, params, lora_request=lora_request)
         finals = {}
