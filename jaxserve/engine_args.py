@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,46 @@ QUANTIZATIONS = ("int8", "w8a8", "fp8", *BLOCK_QUANTIZATIONS, "none")
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf", "pt")
 RECOMPILE_GUARDS = ("warn", "error", "off")
 CONTENT_FORMATS = ("auto", "string", "openai")
+
+log = logging.getLogger("jaxserve.engine")
+
+# vLLM's engine options that mean nothing under JAX, and why. Accepted with a warning saying so, as Engine keywords
+# (`LLM(model, trust_remote_code=True, enforce_eager=True)` in most vLLM scripts) and on the command line
+# (cli/compat.py), so code and launch commands written for vLLM run unchanged.
+PER_REQUEST_TASK = ("each request picks its task: completions and chat generate, /v1/embeddings, /classify and /score "
+                    "pool, as the model's head allows")
+VLLM_NO_EFFECT = {
+    "enforce_eager": "JAX compiles each step program once; there are no CUDA graphs to leave out",
+    "max_seq_len_to_capture": "there are no CUDA graphs; jaxserve compiles one program per batch bucket",
+    "compilation_config": "XLA compiles every step program; there is no torch.compile to configure",
+    "swap_space": "preempted sequences are recomputed, never swapped to host memory",
+    "disable_custom_all_reduce": "XLA picks the collectives",
+    "trust_remote_code": "jaxserve runs no code from model repositories (its models are its own)",
+    "guided_decoding_backend": "structured outputs always use llguidance",
+    "max_parallel_loading_workers": "weights load as one sharded read per process",
+    "enable_chunked_prefill": "prefills are always chunked to --max-num-batched-tokens",
+    "disable_log_stats": "an Engine logs no stats (the server's are --disable-log-stats)",
+    "task": PER_REQUEST_TASK,
+    "runner": PER_REQUEST_TASK,
+    "limit_mm_per_prompt": "jaxserve serves text only: a request with image or audio parts is refused",
+}
+VLLM_NEGATABLE = {"enable_chunked_prefill"}  # its False (vLLM's --no-enable-chunked-prefill) is a choice too
+# vLLM's --task values (its --runner's are auto, generate and pooling); those jaxserve has no counterpart for are
+# refused when given.
+VLLM_TASKS = ("auto", "generate", "embed", "embedding", "classify", "score", "reward", "transcription")
+UNSERVED_TASKS = {"reward": "reward models' per-token scores are not served",
+                  "transcription": "speech models are not served"}
+
+
+def vllm_no_effect(name: str, value) -> str | None:
+    """Why vLLM's option `name` set to `value` changes nothing here, or None when it is left unset (None, or
+    False for a switch). ValueError for a task jaxserve does not serve."""
+    if name == "task" and value in UNSERVED_TASKS:
+        raise ValueError(f"task {value} is not supported: {UNSERVED_TASKS[value]}; leave the task out (each "
+                         "request picks generation or pooling)")
+    if value is None or (value is False and name not in VLLM_NEGATABLE):
+        return None
+    return VLLM_NO_EFFECT[name]
 
 
 # --- checks: each takes a value, returns it (normalised) or raises ValueError saying what is allowed -----------
@@ -305,12 +346,17 @@ class EngineArgs:
 
     @classmethod
     def of(cls, model: str | None = None, /, **options) -> EngineArgs:
-        """From keywords (`Engine(model, **options)`), vLLM's alias names included; an unknown keyword is a
-        TypeError naming it and the options there are."""
+        """From keywords (`Engine(model, **options)`), vLLM's alias names included, and its options that mean
+        nothing here (VLLM_NO_EFFECT) accepted with a warning; an unknown keyword is a TypeError naming it and the
+        options there are."""
         names = {f.name: f.name for f in dataclasses.fields(cls)}
         names |= {alias: f.name for f in dataclasses.fields(cls) for alias in f.metadata["aliases"]}
         given = {}
         for key, value in options.items():
+            if key in VLLM_NO_EFFECT:
+                if reason := vllm_no_effect(key, value):
+                    log.warning("Engine(%s=%r) has no effect in jaxserve: %s", key, value, reason)
+                continue
             if key not in names:
                 raise TypeError(f"Engine has no option {key!r}; its options are {', '.join(option_names())}")
             given[names[key]] = value

@@ -4,6 +4,7 @@ job's `engine:` keys and Engine's keywords all come from its fields, with one se
 import argparse
 import dataclasses
 import inspect
+import logging
 
 import pytest
 
@@ -69,6 +70,24 @@ def test_vllm_names_are_aliases_and_an_unknown_keyword_is_named():
         EngineArgs.of(max_num_seq=8)
     for off in ("", "none"):  # turn the cache off
         assert EngineArgs(compilation_cache_dir=off).compilation_cache_dir is None
+
+
+def test_vllm_options_that_mean_nothing_here_are_accepted_with_a_warning(caplog):
+    """`LLM(model, trust_remote_code=True, enforce_eager=True)` opens most vLLM scripts: the options are taken, each
+    with a warning saying why it changes nothing; left unset (False), nothing is said; an unserved task is refused."""
+    with caplog.at_level(logging.WARNING, "jaxserve.engine"):
+        args = EngineArgs.of(trust_remote_code=True, enforce_eager=True, swap_space=4, task="generate",
+                             compilation_config={"level": 3}, max_model_len=64)
+    assert args.changed() == {"max_model_len": 64}
+    assert "Engine(trust_remote_code=True) has no effect in jaxserve: jaxserve runs no code" in caplog.text
+    assert "Engine(enforce_eager=True) has no effect in jaxserve: JAX compiles" in caplog.text
+    assert "Engine(compilation_config={'level': 3}) has no effect" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "jaxserve.engine"):
+        EngineArgs.of(trust_remote_code=False, enforce_eager=False)
+    assert caplog.text == ""
+    with pytest.raises(ValueError, match="task reward is not supported: reward models' per-token scores"):
+        EngineArgs.of(task="reward")
 
 
 def test_the_python_docs_table_lists_every_option():

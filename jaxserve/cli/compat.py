@@ -9,35 +9,18 @@ import argparse
 import logging
 
 from jaxserve.cli.args import UserError, json_object, positive_int
+from jaxserve.engine_args import VLLM_NO_EFFECT, VLLM_TASKS, vllm_no_effect
 
 logger = logging.getLogger("jaxserve.cli.main")
 
-PER_REQUEST_TASK = ("each request picks its task: completions and chat generate, /v1/embeddings, /classify and /score "
-                    "pool, as the model's head allows")
-# dest -> why the option changes nothing here. Each is warned about when given (None or False: not given; the one
-# option with a --no- form says so with False).
-NO_EFFECT = {
-    "enforce_eager": "JAX compiles each step program once; there are no CUDA graphs to leave out",
-    "max_seq_len_to_capture": "there are no CUDA graphs; jaxserve compiles one program per batch bucket",
-    "swap_space": "preempted sequences are recomputed, never swapped to host memory",
-    "disable_custom_all_reduce": "XLA picks the collectives",
-    "trust_remote_code": "jaxserve runs no code from model repositories (its models are its own)",
-    "guided_decoding_backend": "structured outputs always use llguidance",
-    "max_parallel_loading_workers": "weights load as one sharded read per process",
-    "enable_chunked_prefill": "prefills are always chunked to --max-num-batched-tokens",
+# dest -> why the option changes nothing here: vLLM's engine options (engine_args.VLLM_NO_EFFECT; not
+# --disable-log-stats, which turns serve's stats log off) and its server's. Each is warned about when given (None or
+# False: not given; the one option with a --no- form says so with False).
+NO_EFFECT = {dest: why for dest, why in VLLM_NO_EFFECT.items() if dest != "disable_log_stats"} | {
     "disable_fastapi_docs": "jaxserve serves no /docs pages",
     "disable_frontend_multiprocessing": "the HTTP server and the engine loop share one process",
-    "task": PER_REQUEST_TASK,
-    "runner": PER_REQUEST_TASK,
-    "limit_mm_per_prompt": "jaxserve serves text only: a request with image or audio parts is refused with a 400",
 }
-NEGATABLE = {"enable_chunked_prefill"}
 TOKENIZER_MODES = ("auto", "hf", "slow", "mistral", "custom")
-# vLLM's --task values (its --runner's are auto, generate and pooling); the ones with no jaxserve counterpart are
-# refused when given.
-TASKS = ("auto", "generate", "embed", "embedding", "classify", "score", "reward", "transcription")
-UNSERVED_TASKS = {"reward": "reward models' per-token scores are not served",
-                  "transcription": "speech models are not served"}
 
 
 def add_vllm_compat_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +35,7 @@ def add_vllm_compat_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-parallel-loading-workers", type=positive_int, metavar="N")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     group.add_argument("--calculate-kv-scales", action="store_true")
-    group.add_argument("--task", choices=TASKS)
+    group.add_argument("--task", choices=VLLM_TASKS)
     group.add_argument("--runner", choices=("auto", "generate", "pooling"))
     group.add_argument("--limit-mm-per-prompt", type=modality_limits, metavar="JSON|image=N,...")
     group.add_argument("--tokenizer-mode", default="auto", choices=TOKENIZER_MODES,
@@ -112,18 +95,18 @@ def check_vllm_options(args: argparse.Namespace) -> None:
     if getattr(args, "calculate_kv_scales", False):
         raise UserError("--calculate-kv-scales is not supported: jaxserve's fp8 KV cache is unscaled (a scale of 1, "
                         "saturating at the format's largest value); leave the option out")
-    task = getattr(args, "task", None)
-    if task in UNSERVED_TASKS:
-        raise UserError(f"--task {task} is not supported: {UNSERVED_TASKS[task]}; leave --task out (each request "
-                        "picks generation or pooling)")
     mode = getattr(args, "tokenizer_mode", "auto")
     if mode in ("mistral", "custom"):
         raise UserError(f"--tokenizer-mode {mode} is not supported: jaxserve reads Hugging Face tokenizers "
                         "(tokenizer.json); leave it out, or pass --tokenizer with a Hugging Face one")
     if mode == "slow":
         logger.warning("--tokenizer-mode slow has no effect in jaxserve: it uses the fast (Rust) tokenizer")
-    for dest, reason in NO_EFFECT.items():
+    for dest in NO_EFFECT:
         value = getattr(args, dest, None)
-        if value is not None and (value is not False or dest in NEGATABLE):
+        try:
+            reason = vllm_no_effect(dest, value) if dest in VLLM_NO_EFFECT else value and NO_EFFECT[dest]
+        except ValueError as exc:  # a task jaxserve does not serve
+            raise UserError(f"--{exc}") from None
+        if reason:
             option = "--" + ("no-" if value is False else "") + dest.replace("_", "-")
             logger.warning("%s has no effect in jaxserve: %s", option, reason)
