@@ -302,7 +302,7 @@ class InputProcessor:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **rendering) -> list[int]:
         """Token ids of the messages through the chat template; `rendering`: continue_final_message,
-        chat_template_kwargs, tools (loader/tokenizer.apply_chat_template)."""
+        chat_template_kwargs, tools, documents (loader/tokenizer.apply_chat_template)."""
         return apply_chat_template(self.tokenizer, messages, add_generation_prompt,
                                    content_format=self.chat_content_format, **rendering)
 

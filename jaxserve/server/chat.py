@@ -39,7 +39,7 @@ class ChatJob(ChatRendering):
 async def create_chat_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = parse_request(ChatCompletionRequest, await parse_json(request))
-    job, streams = await start_chat(state, body, f"chatcmpl-{uuid.uuid4().hex}")
+    job, streams = await start_chat(state, body, f"chatcmpl-{body.request_id or uuid.uuid4().hex}")
     if body.stream:
         return EventStreamResponse(sse_events(_stream_chunks(job)), on_close=lambda: close_all(streams))
     completed, finals = await cancel_on_disconnect(request, collect_final_outputs(state, streams, job.arrival_time))
@@ -129,6 +129,8 @@ def _delta(job: ChatJob, completion: CompletionOutput, sent: ChoiceProgress, fir
     choice, reason = job.tool_choice, completion.finish_reason
     if choice is None:
         reasoning, text = _new_answer(job, completion, sent)
+        if first_chunk:  # vLLM's echo: the message the reply goes on from, first
+            text = job.request.echoed() + text
         if not (text or reasoning or first_chunk):
             return None, reason
         return DeltaMessage(role=role, content=text if text or not reasoning else None, reasoning=reasoning), reason

@@ -46,6 +46,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the last (assistant) message is left open to go on with
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables (enable_thinking...)
+    documents: list[dict[str, str]] | None = None  # vLLM's: retrieved passages, for templates that cite them
+    chat_template: str | None = None  # vLLM's, refused: below
+    echo: bool = False  # vLLM's: the reply begins with the last message when it is in the reply's role
     reasoning_effort: str | None = None  # OpenAI's; reaches the chat template as `reasoning_effort`, as in vLLM
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the message (--reasoning-parser)
     tool_choice: Any = None
@@ -64,6 +67,26 @@ class ChatCompletionRequest(SamplingFields):
                              'tool_choice instead, or set function_call to "none"')
         return functions
 
+    @field_validator("chat_template")
+    @classmethod
+    def _no_request_template(cls, template: str | None):
+        # Refused rather than ignored: the prompt would silently differ from the one the client wrote for. A
+        # client's Jinja template runs on the server, which vLLM too refuses unless started trusting them.
+        if template is not None:
+            raise ValueError("chat_template in a request is not supported: the server renders every conversation "
+                             "with its own template (jaxserve serve --chat-template FILE picks it); leave it out")
+        return template
+
+    def echoed(self) -> str:
+        """vLLM's `echo`: the text the reply repeats first, the last message's, when that message is in the
+        reply's role (the assistant's; with add_generation_prompt false, whatever role the last message has),
+        as when `continue_final_message` goes on from it. Text parts are joined by newlines, as vLLM does."""
+        last = self.messages[-1]
+        if not self.echo or (self.add_generation_prompt and last.role != "assistant"):
+            return ""
+        content = last.content
+        return "\n".join(part["text"] for part in content) if isinstance(content, list) else content or ""
+
     def resolved_tool_choice(self) -> ToolChoice | None:
         """None (no tools in play), or what the tools ask of the output (server/tools.py)."""
         return tool_choice_of(self.tool_choice, self.tools, parallel=self.parallel_tool_calls is not False)
@@ -78,6 +101,9 @@ class ChatCompletionRequest(SamplingFields):
         return tool_constraint(choice, self.tools)
 
     def to_sampling_params(self, model_defaults: dict[str, Any] | None = None) -> SamplingParams:
+        if self.echo and self.resolved_tool_choice() is not None:
+            raise ValueError("echo cannot be combined with tools: a tool call is no message to go on from; remove "
+                             "one of them")
         # As vLLM: top_logprobs 0 asks for nothing, so it needs no logprobs; the most is the server's --max-logprobs.
         if self.top_logprobs is not None:
             if self.top_logprobs < 0:
@@ -99,7 +125,8 @@ class ChatCompletionRequest(SamplingFields):
         `--default-chat-template-kwargs`."""
         return {"continue_final_message": self.continue_final_message,
                 "chat_template_kwargs": template_kwargs(default_kwargs, self._own_template_kwargs()),
-                "tools": self.tools or None}  # also under tool_choice "none", as in vLLM
+                "tools": self.tools or None,  # also under tool_choice "none", as in vLLM
+                "documents": self.documents}
 
     def _own_template_kwargs(self) -> dict[str, Any] | None:
         if self.reasoning_effort is None:

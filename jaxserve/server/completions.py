@@ -44,7 +44,7 @@ async def create_completion(request: Request) -> Response:
     model = state.resolve_model(body.model)
     prompts, params = completion_inputs(body, state.engine.generation_defaults)
     arrival_time = time.monotonic()
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    request_id = f"cmpl-{body.request_id or uuid.uuid4().hex}"
     streams = await start_requests(state, prompts, params, request_id, body.priority, model, body.cache_salt)
     job = CompletionJob(body, model, request_id, state.engine.tokenizer, state.output_options, state=state,
                         arrival_time=arrival_time, streams=streams)

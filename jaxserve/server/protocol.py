@@ -133,6 +133,10 @@ class SamplingFields(RequestModel):
     cache_salt: str | None = Field(None, min_length=1)  # only requests with the same salt share prefix-cache blocks
     prompt_logprobs: int | None = Field(None, ge=0)  # vLLM's: each prompt token's logprob and its top alternatives
     return_token_ids: bool | None = None  # vLLM's: responses carry the prompt's and each choice's token ids
+    # vLLM's: logprobs name tokens "token_id:N" (as --return-tokens-as-token-ids does for every request)
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM's: the response's id is "cmpl-<request_id>" ("chatcmpl-..." for chat) instead of a random one
+    request_id: str | None = Field(None, min_length=1)
 
     @property
     def include_usage_chunk(self) -> bool:

@@ -45,6 +45,10 @@ class OutputOptions:
         cached = sum(output.num_cached_tokens for output in finals) if self.prompt_tokens_details else None
         return UsageInfo.of(prompt_token_count(finals), completion_token_count(finals), cached)
 
+    def for_request(self, request) -> OutputOptions:
+        """These options under a request's own `return_tokens_as_token_ids`, which turns the naming on for it."""
+        return dataclasses.replace(self, tokens_as_ids=True) if request.return_tokens_as_token_ids else self
+
     def token_name(self, tokenizer) -> TokenName:
         return token_namer(lambda token_id: tokenizer.decode([token_id]), self.tokens_as_ids)
 
@@ -74,6 +78,9 @@ class CompletionRendering:
     options: OutputOptions = field(default_factory=OutputOptions)
 
     created: int = field(default_factory=lambda: int(time.time()), init=False)  # one time for every chunk
+
+    def __post_init__(self) -> None:
+        self.options = self.options.for_request(self.request)
 
     def choice_index(self, prompt_index: int, completion: CompletionOutput) -> int:
         return prompt_index * self.request.n + completion.index
@@ -158,6 +165,7 @@ class ChatRendering:
     created: int = field(default_factory=lambda: int(time.time()), init=False)  # one time for every chunk
 
     def __post_init__(self) -> None:
+        self.options = self.options.for_request(self.request)
         self.tool_choice = self.request.resolved_tool_choice()
         if self.tool_parser is not None:  # a parser may read a call by the request's tool schemas
             self.tool_parser = self.tool_parser.for_tools(self.request.tools)
@@ -209,6 +217,8 @@ class ChatRendering:
 
     def _full_choice(self, completion: CompletionOutput) -> ChatChoice:
         message, finish_reason = self.message(completion)
+        if echoed := self.request.echoed():
+            message = message.model_copy(update={"content": echoed + (message.content or "")})
         return ChatChoice(index=completion.index, message=message, logprobs=self.logprobs(completion),
                           finish_reason=finish_reason, stop_reason=completion.stop_reason,
                           token_ids=self.token_ids(completion, 0))

@@ -543,6 +543,83 @@ def test_reasoning_effort_reaches_the_chat_template(tokenizer):
             "hi effort low"
 
 
+def test_documents_reach_the_chat_template(tokenizer):
+    """vLLM's `documents` (retrieved passages for a RAG template): the template variable of that name."""
+    import copy
+
+    own = copy.deepcopy(tokenizer)
+    own.chat_template = "{% for d in documents or [] %}[{{ d['text'] }}]{% endfor %}{% for m in messages %}" \
+                        "{{ m['content'] }}{% endfor %}"
+    fake = FakeEngine(own)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False, "max_tokens": 1}
+    with serve_in_thread(build_app(AsyncEngine(fake))) as url:
+        reply = httpx.post(url + "/v1/chat/completions", json={**chat, "documents": [{"title": "a", "text": "Paris"}]})
+        assert reply.status_code == 200, reply.text
+    assert own.decode(list(fake.prompts.values())[-1]) == "[Paris]hi"
+
+
+@pytest.mark.parametrize("path, body, prefix", [
+    ("/v1/completions", {"prompt": "Hello"}, "cmpl-"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, "chatcmpl-"),
+])
+def test_a_request_id_in_the_body_names_the_response(server, path, body, prefix):
+    """vLLM's `request_id`: the response's id is the endpoint's prefix and it, whole and in every chunk."""
+    body = {**body, "max_tokens": 2, "request_id": "order-17"}
+    assert post(server, path, body).json()["id"] == f"{prefix}order-17"
+    with httpx.stream("POST", server[0] + path, json={**body, "stream": True}, headers=AUTH, timeout=30) as reply:
+        assert {chunk["id"] for chunk in sse_payloads(reply)} == {f"{prefix}order-17"}
+
+
+def test_a_request_id_still_running_is_a_400(tokenizer):
+    slow = build_app(AsyncEngine(FakeEngine(tokenizer, step_delay=0.1)), served_model_names=["fake"])
+    body = {"prompt": "Hello", "max_tokens": 10, "request_id": "twice"}
+    with serve_in_thread(slow) as url, httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                                                    timeout=30) as running:
+        lines = running.iter_lines()  # kept: a generator dropped closes the response, reading it to the end
+        assert '"id": "cmpl-twice"' in next(lines)  # admitted: its first chunk came
+        assert_error(httpx.post(url + "/v1/completions", json=body, timeout=30), 400,
+                     contains="request id 'cmpl-twice' is already in use")
+
+
+def test_a_request_s_own_return_tokens_as_token_ids(server, tokenizer):
+    """vLLM's per-request `return_tokens_as_token_ids`: that request's logprobs name tokens by id, others not."""
+    body = {"prompt": "Hello there", "max_tokens": 2, "logprobs": 1, "temperature": 0}
+    by_id = post(server, "/v1/completions", {**body, "return_tokens_as_token_ids": True}).json()
+    assert by_id["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in tokenizer.encode(" one two")]
+    assert post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]["tokens"] == [" one", " two"]
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True, "temperature": 0,
+            "return_tokens_as_token_ids": True}
+    content = post(server, "/v1/chat/completions", chat).json()["choices"][0]["logprobs"]["content"]
+    assert [entry["token"] for entry in content] == [f"token_id:{t}" for t in tokenizer.encode(" one two")]
+
+
+def test_chat_echo_repeats_the_message_the_reply_goes_on_from(server):
+    """vLLM's chat `echo`: with the last message the assistant's (continue_final_message), the reply's content
+    begins with it, whole and streamed; a reply to a user message repeats nothing; with tools it is a 400."""
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    body = {"messages": conversation, "add_generation_prompt": False, "continue_final_message": True,
+            "max_tokens": 2, "temperature": 0, "echo": True}
+    whole = post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    assert whole == "Hello, I am one two"
+    with httpx.stream("POST", server[0] + "/v1/chat/completions", json={**body, "stream": True}, headers=AUTH,
+                      timeout=30) as reply:
+        chunks = sse_payloads(reply)
+    assert "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks) == whole
+    user_last = {"messages": conversation[:1], "max_tokens": 2, "temperature": 0}
+    assert post(server, "/v1/chat/completions", {**user_last, "echo": True}).json()["choices"][0]["message"] == \
+        post(server, "/v1/chat/completions", user_last).json()["choices"][0]["message"]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert_error(post(server, "/v1/chat/completions", {**body, "tools": tools}), 400,
+                 contains="echo cannot be combined with tools")
+
+
+def test_a_chat_template_in_the_request_is_refused_by_name(server):
+    """Not ignored: the prompt would differ from the one the client wrote its template for."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "chat_template": "{{ messages }}"}
+    assert_error(post(server, "/v1/chat/completions", body), 400, param="chat_template",
+                 contains="chat_template in a request is not supported")
+
+
 def test_tools_reach_the_template_in_chat_and_tokenize_alike(tokenizer):
     import copy
 
