@@ -38,8 +38,8 @@ CONTENT_FORMATS = ("auto", "string", "openai")
 log = logging.getLogger("jaxserve.engine")
 
 # vLLM's engine options that mean nothing under JAX, and why. Accepted with a warning saying so, as Engine keywords
-# (`LLM(model, trust_remote_code=True, enforce_eager=True)` in most vLLM scripts) and on the command line
-# (cli/compat.py), so code and launch commands written for vLLM run unchanged.
+# (most vLLM scripts pass trust_remote_code and enforce_eager to their LLM) and on the command line (cli/compat.py),
+# so code and launch commands written for vLLM run unchanged.
 PER_REQUEST_TASK = ("each request picks its task: completions and chat generate, /v1/embeddings, /classify and /score "
                     "pool, as the model's head allows")
 VLLM_NO_EFFECT = {
