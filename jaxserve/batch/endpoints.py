@@ -63,7 +63,7 @@ def _pooled(schema: type, id_prefix: str, rendering_class: type, example_body: d
 ENDPOINTS: dict[str, Endpoint] = {
     "/v1/completions": Endpoint(
         schema=CompletionRequest, id_prefix="cmpl",
-        inputs=lambda request, engine, _: completion_inputs(request, engine.generation_defaults),
+        inputs=lambda request, engine, _: completion_inputs(request, engine.generation_defaults, engine.tokenizer),
         rendering=lambda request, model, response_id, tokenizer, *_: CompletionRendering(request, model, response_id,
                                                                                           tokenizer),
         render=lambda rendering, finals: rendering.full_response(finals),

@@ -48,6 +48,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables (enable_thinking...)
     documents: list[dict[str, str]] | None = None  # vLLM's: retrieved passages, for templates that cite them
     chat_template: str | None = None  # vLLM's, refused: below
+    add_special_tokens: bool = False  # vLLM's; true (the tokenizer's BOS over the template's own) is refused
     echo: bool = False  # vLLM's: the reply begins with the last message when it is in the reply's role
     reasoning_effort: str | None = None  # OpenAI's; reaches the chat template as `reasoning_effort`, as in vLLM
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the message (--reasoning-parser)
@@ -66,6 +67,14 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError('functions are not supported (OpenAI deprecated them for tools): send tools and '
                              'tool_choice instead, or set function_call to "none"')
         return functions
+
+    @field_validator("add_special_tokens")
+    @classmethod
+    def _template_tokens_only(cls, add: bool):
+        if add:
+            raise ValueError("add_special_tokens true is not supported in chat: the chat template writes the "
+                             "prompt's special tokens (true would add the tokenizer's BOS again); leave it out")
+        return add
 
     @field_validator("chat_template")
     @classmethod

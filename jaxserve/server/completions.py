@@ -42,7 +42,7 @@ async def create_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = parse_request(CompletionRequest, await parse_json(request))
     model = state.resolve_model(body.model)
-    prompts, params = completion_inputs(body, state.engine.generation_defaults)
+    prompts, params = completion_inputs(body, state.engine.generation_defaults, state.engine.tokenizer)
     arrival_time = time.monotonic()
     request_id = f"cmpl-{body.request_id or uuid.uuid4().hex}"
     streams = await start_requests(state, prompts, params, request_id, body.priority, model, body.cache_salt)

@@ -277,6 +277,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: false encodes text prompts without the tokenizer's own BOS (or EOS)
 
     @field_validator("prompt")
     @classmethod
@@ -308,12 +309,14 @@ class CompletionRequest(SamplingFields):
         perplexity tools, lm-evaluation-harness among them, ask for prompt logprobs so)."""
         return self.echo and self.max_tokens == 0
 
-    def prompts(self) -> list[str | list[int]]:
-        """The prompt field as a list of single prompts (text or token ids)."""
+    def prompts(self, tokenizer=None) -> list[str | list[int]]:
+        """The prompt field as a list of single prompts (text or token ids); under `add_special_tokens: false`,
+        text encoded here by `tokenizer` without its special tokens (the engine's encoding adds them)."""
         prompt = self.prompt
-        if isinstance(prompt, str) or _is_token_ids(prompt):
-            return [prompt]
-        return list(prompt)
+        prompts = [prompt] if isinstance(prompt, str) or _is_token_ids(prompt) else list(prompt)
+        if self.add_special_tokens:
+            return prompts
+        return [tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else p for p in prompts]
 
 
 class CompletionLogProbs(OpenAIModel):

@@ -58,12 +58,12 @@ def resolve_model_name(requested: str | None, served_model_names: list[str]) -> 
     return requested
 
 
-def completion_inputs(body: CompletionRequest, model_defaults: dict
+def completion_inputs(body: CompletionRequest, model_defaults: dict, tokenizer
                       ) -> tuple[list[Prompt], SamplingParams | BeamSearchParams]:
     """POST /v1/completions: one engine prompt per entry of `prompt`, all with the same params (BeamSearchParams
-    under use_beam_search)."""
+    under use_beam_search); `tokenizer` encodes text prompts under `add_special_tokens: false`."""
     params = build_sampling_params(body, model_defaults)
-    return body.prompts(), checked_params(body, lambda: body.beam_search_params(params))
+    return body.prompts(tokenizer), checked_params(body, lambda: body.beam_search_params(params))
 
 
 def chat_inputs(body: ChatCompletionRequest, encode_chat: ChatEncoder, model_defaults: dict,

@@ -613,6 +613,32 @@ def test_chat_echo_repeats_the_message_the_reply_goes_on_from(server):
                  contains="echo cannot be combined with tools")
 
 
+def test_add_special_tokens_false_encodes_a_completion_prompt_without_them(tokenizer):
+    """vLLM's `add_special_tokens`: false leaves out what the tokenizer adds itself (a BOS here), for prompts that
+    already hold their special tokens; chat's prompt is the template's, so true there is refused by name."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    own = copy.deepcopy(tokenizer)  # a tokenizer that adds a BOS, as Llama 3's does
+    own.backend_tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A",
+                                                              special_tokens=[("<|endoftext|>", 0)])
+    text_ids = own("Hello there", add_special_tokens=False)["input_ids"]
+    fake = FakeEngine(own)
+    with serve_in_thread(build_app(AsyncEngine(fake))) as url:
+        def prompt_tokens(extra):
+            reply = httpx.post(url + "/v1/completions", json={"prompt": "Hello there", "max_tokens": 1, **extra})
+            assert reply.status_code == 200, reply.text
+            return reply.json()["usage"]["prompt_tokens"]
+
+        assert prompt_tokens({}) == len(text_ids) + 1  # the engine encodes the text, BOS and all
+        assert prompt_tokens({"add_special_tokens": False}) == len(text_ids)
+        assert list(fake.prompts.values())[-1] == text_ids  # encoded without it, the ids went to the engine
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "add_special_tokens": True}
+        assert_error(httpx.post(url + "/v1/chat/completions", json=chat), 400, param="add_special_tokens",
+                     contains="add_special_tokens true is not supported in chat")
+
+
 def test_a_chat_template_in_the_request_is_refused_by_name(server):
     """Not ignored: the prompt would differ from the one the client wrote its template for."""
     body = {"messages": [{"role": "user", "content": "Hi"}], "chat_template": "{{ messages }}"}
