@@ -9,7 +9,7 @@ import itertools
 from collections.abc import Iterator
 
 from jaxserve.core.beam_search import BeamSearchOutput, top_logprobs_of
-from jaxserve.core.scoring import as_prompts, check_cross_encoder, cross_encoder_prompts, pair_scores, score_pairs
+from jaxserve.core.scoring import check_cross_encoder, cross_encoder_prompts, pair_scores, score_pairs
 from jaxserve.engine.inputs import InputProcessor, normalise_conversations, normalise_prompts
 from jaxserve.engine.interface import StepEngine
 from jaxserve.lora_request import LoRARequest
@@ -61,7 +61,7 @@ class OfflineAPI:
         """Score text pairs (vLLM's `LLM.score`): one `text_1` against each of `text_2`, or the two lists pairwise;
         a text may be a str or token ids. An embedding model scores the cosine similarity of the two embeddings; a
         cross-encoder (a classifier with one label) reads each pair as one prompt and scores its relevance."""
-        first, second = as_prompts(text_1), as_prompts(text_2)
+        first, second = normalise_prompts(text_1), normalise_prompts(text_2)  # token ids in any form generate takes
         pairs = score_pairs(len(first), len(second))
         if self._engine.head.classifier is None:  # each text embedded; a pair's prompts are its two texts'
             outs = self.embed(first + second, PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens),

@@ -37,6 +37,8 @@ def test_token_ids_in_a_tuple_or_numpy_and_vllm_s_keyword_names(smol_engine):
     assert [out.outputs[0].token_ids for out in one] == [tokens]
     chat = smol_engine.chat([{"role": "user", "content": "Hi"}], sampling_params=GREEDY, use_tqdm=False)
     assert len(chat[0].outputs[0].token_ids) == GREEDY.max_tokens
+    pair = smol_engine.score(np.array(ids[:4]), [tuple(ids[4:8])], use_tqdm=False)[0]  # scores take them alike
+    assert pair.outputs.score == smol_engine.score(ids[:4], [ids[4:8]], use_tqdm=False)[0].outputs.score
     # vLLM's LLM methods by their names
     assert smol_engine.get_tokenizer() is smol_engine.tokenizer
     assert smol_engine.get_default_sampling_params() == smol_engine.default_sampling_params()
