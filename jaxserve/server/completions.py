@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -42,7 +43,9 @@ async def create_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = parse_request(CompletionRequest, await parse_json(request))
     model = state.resolve_model(body.model)
-    prompts, params = completion_inputs(body, state.engine.generation_defaults, state.engine.tokenizer)
+    # Off the event loop: under add_special_tokens false the prompts are tokenized here.
+    prompts, params = await asyncio.to_thread(completion_inputs, body, state.engine.generation_defaults,
+                                              state.engine.tokenizer)
     arrival_time = time.monotonic()
     request_id = f"cmpl-{body.request_id or uuid.uuid4().hex}"
     streams = await start_requests(state, prompts, params, request_id, body.priority, model, body.cache_salt)

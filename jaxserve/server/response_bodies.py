@@ -46,8 +46,10 @@ class OutputOptions:
         return UsageInfo.of(prompt_token_count(finals), completion_token_count(finals), cached)
 
     def for_request(self, request) -> OutputOptions:
-        """These options under a request's own `return_tokens_as_token_ids`, which turns the naming on for it."""
-        return dataclasses.replace(self, tokens_as_ids=True) if request.return_tokens_as_token_ids else self
+        """These options under a request's own `return_tokens_as_token_ids`, which wins where it is given (true
+        or false), as in vLLM."""
+        own = request.return_tokens_as_token_ids
+        return self if own is None else dataclasses.replace(self, tokens_as_ids=own)
 
     def token_name(self, tokenizer) -> TokenName:
         return token_namer(lambda token_id: tokenizer.decode([token_id]), self.tokens_as_ids)

@@ -249,6 +249,9 @@ def test_tokens_as_ids_name_logprob_tokens_by_id(tokenizer):
                                                    logprobs=2, temperature=0)
         chat = ids_client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "Hi"}],
                                                   max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+        plain = ids_client.completions.create(model="fake", prompt="Hello there", max_tokens=2, logprobs=1,
+                                              temperature=0, extra_body={"return_tokens_as_token_ids": False})
+    assert plain.choices[0].logprobs.tokens == [" one", " two"]  # the request's own false wins, as in vLLM
     expected = [f"token_id:{t}" for t in tokenizer.encode("Hello there one two")]
     assert completion.choices[0].logprobs.tokens == expected
     assert all(key.startswith("token_id:") for top in completion.choices[0].logprobs.top_logprobs[1:] for key in top)
