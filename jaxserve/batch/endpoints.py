@@ -34,7 +34,7 @@ from jaxserve.server.scores import RerankRendering, RerankRequest, ScoreRenderin
 Rendering = CompletionRendering | ChatRendering | EmbeddingRendering | ScoreRendering | RerankRendering
 
 # Body fields that make no sense as job-wide defaults (each request has its own prompt) or in a batch at all.
-NOT_DEFAULTS = {"prompt", "messages", "stream", "stream_options"}
+NOT_DEFAULTS = {"prompt", "messages", "stream", "stream_options", "request_id", "chat_template"}
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,9 @@ def parse_body(url: str, body: dict, defaults: dict) -> tuple[Any, SamplingParam
     merged = {**{key: value for key, value in defaults.items() if key in schema.model_fields}, **body}
     if merged.get("stream"):
         raise bad_request("stream is not supported in a batch job; remove it from the body", param="stream")
+    if "request_id" in merged:  # each line's result is found by its custom_id; response ids are the job's own
+        raise bad_request("request_id is not used in a batch job: a line's custom_id names its result; remove it "
+                          "from the body", param="request_id")
     request = parse_request(schema, merged)
     return request, build_sampling_params(request) if isinstance(request, SamplingFields) else None
 

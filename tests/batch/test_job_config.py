@@ -78,6 +78,8 @@ def test_sampling_defaults_are_checked_like_request_bodies(tmp_path):
     assert problem.startswith("sampling: top_p")
     [problem] = problems_of(write_job(tmp_path, [], sampling={"stream": True}))
     assert "sampling.stream" in problem and "cannot be a job-wide default" in problem
+    [problem] = problems_of(write_job(tmp_path, [], sampling={"request_id": "x"}))
+    assert "sampling.request_id" in problem and "cannot be a job-wide default" in problem
     assert load_job(write_job(tmp_path, [], sampling={"temperature": 0, "max_tokens": 4, "echo": True})).sampling
 
 

@@ -55,6 +55,7 @@ def test_every_line_answers_as_the_http_api_does(tmp_path, fake_engine):
 def test_error_records_carry_the_message_and_the_job_goes_on(tmp_path, fake_engine):
     lines = [completion_line("ok", "Hello"), "{broken", completion_line("long", "word " * 300, max_tokens=100),
              {**completion_line("streamed", "x"), "body": {"prompt": "x", "stream": True}},
+             {**completion_line("named", "x"), "body": {"prompt": "x", "request_id": "mine"}},
              chat_line("last", "Hi")]
     run_job(write_job(tmp_path, lines, sampling=SAMPLING, errors="errors.jsonl"), engine=fake_engine,
             show_progress=False)
@@ -68,6 +69,8 @@ def test_error_records_carry_the_message_and_the_job_goes_on(tmp_path, fake_engi
     assert long["response"]["body"]["error"]["message"] == long["error"]["message"]
     assert long["response"]["request_id"].startswith("cmpl-")
     assert "stream is not supported" in errors["streamed"]["error"]["message"]
+    # the HTTP API's response id; a line's result is found by its custom_id
+    assert errors["named"]["error"]["param"] == "request_id"
 
 
 def test_max_concurrency_bounds_the_lines_in_the_engine(tmp_path, fake_engine):
