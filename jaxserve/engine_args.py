@@ -61,6 +61,7 @@ VLLM_NEGATABLE = {"enable_chunked_prefill"}  # its False (vLLM's --no-enable-chu
 # vLLM's --task values (its --runner's are auto, generate and pooling); those jaxserve has no counterpart for are
 # refused when given.
 VLLM_TASKS = ("auto", "generate", "embed", "embedding", "classify", "score", "reward", "transcription")
+VLLM_RUNNERS = ("auto", "generate", "pooling")
 UNSERVED_TASKS = {"reward": "reward models' per-token scores are not served",
                   "transcription": "speech models are not served"}
 
@@ -68,6 +69,9 @@ UNSERVED_TASKS = {"reward": "reward models' per-token scores are not served",
 def vllm_no_effect(name: str, value) -> str | None:
     """Why vLLM's option `name` set to `value` changes nothing here, or None when it is left unset (None, or
     False for a switch). ValueError for a task jaxserve does not serve."""
+    choices = {"task": VLLM_TASKS, "runner": VLLM_RUNNERS}.get(name)
+    if choices and value is not None and value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of vLLM's: {', '.join(choices)}")
     if name == "task" and value in UNSERVED_TASKS:
         raise ValueError(f"task {value} is not supported: {UNSERVED_TASKS[value]}; leave the task out (each "
                          "request picks generation or pooling)")
@@ -305,8 +309,9 @@ class EngineArgs:
         metavar="JSON")
     # --- compiling
     attention_impl: str = option(
-        "auto", "auto: the Pallas kernels on GPU/TPU, the XLA reference on CPU; pallas-interpret runs the kernels in "
-        "Pallas's interpreter (slow; for debugging)", choices=ATTENTION_IMPLS)
+        "auto", "auto: the Pallas kernels on GPU/TPU (on a GPU jax's Triton backend lists), the XLA reference on "
+        "CPU; pallas-interpret runs the kernels in Pallas's interpreter (slow; for debugging)",
+        choices=ATTENTION_IMPLS)
     layer_loop: str = option(
         "auto", "auto: unrolled over per-layer weights on GPU, for mixtures of experts and, on CPU, for "
         "float8/float4 weights (each matmul reads its weights in place), one scan over stacked weights elsewhere "

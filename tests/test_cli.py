@@ -1,6 +1,7 @@
 """The `jaxserve` CLI: options, YAML config files, one-line user errors, and both subcommands end to end
 (over the fake engine, so no compilation is needed)."""
 
+import functools
 import importlib.metadata
 import logging
 import subprocess
@@ -51,11 +52,11 @@ def test_version_is_the_installed_distribution_s():
 
 
 @pytest.mark.parametrize("level, jax_info_shown", [("info", False), ("debug", True)])
-def test_jax_s_own_info_lines_only_when_debugging(monkeypatch, level, jax_info_shown):
+def test_jax_s_own_info_lines_only_when_debugging(monkeypatch, request, level, jax_info_shown):
     jax_logger, root = logging.getLogger("jax._src.xla_bridge"), logging.getLogger()
     monkeypatch.setattr(root, "handlers", [])  # so basicConfig configures, as in a fresh process
-    for logger in (root, logging.getLogger("jax")):
-        monkeypatch.setattr(logger, "level", logger.level)  # restored after the test
+    for logger in (root, logging.getLogger("jax")):  # restored by setLevel, which also clears logging's cache
+        request.addfinalizer(functools.partial(logger.setLevel, logger.level))  # of isEnabledFor answers
     cli.configure_logging(level)
     assert logging.getLogger("jaxserve.engine").isEnabledFor(logging.INFO)
     assert jax_logger.isEnabledFor(logging.INFO) == jax_info_shown

@@ -88,6 +88,8 @@ def test_vllm_options_that_mean_nothing_here_are_accepted_with_a_warning(caplog)
     assert caplog.text == ""
     with pytest.raises(ValueError, match="task reward is not supported: reward models' per-token scores"):
         EngineArgs.of(task="reward")
+    with pytest.raises(ValueError, match="runner='pool' is not one of vLLM's: auto, generate, pooling"):
+        EngineArgs.of(runner="pool")
 
 
 def test_the_python_docs_table_lists_every_option():

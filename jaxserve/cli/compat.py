@@ -9,7 +9,7 @@ import argparse
 import logging
 
 from jaxserve.cli.args import UserError, json_object, positive_int
-from jaxserve.engine_args import VLLM_NO_EFFECT, VLLM_TASKS, vllm_no_effect
+from jaxserve.engine_args import VLLM_NO_EFFECT, VLLM_RUNNERS, VLLM_TASKS, vllm_no_effect
 
 logger = logging.getLogger("jaxserve.cli.main")
 
@@ -28,6 +28,7 @@ def add_vllm_compat_arguments(parser: argparse.ArgumentParser) -> None:
                                       "why)")
     group.add_argument("--enforce-eager", action="store_true")
     group.add_argument("--max-seq-len-to-capture", type=positive_int, metavar="N")
+    group.add_argument("--compilation-config", "-O", metavar="JSON|LEVEL")
     group.add_argument("--swap-space", type=float, metavar="GIB")
     group.add_argument("--disable-custom-all-reduce", action="store_true")
     group.add_argument("--trust-remote-code", action="store_true")
@@ -36,7 +37,7 @@ def add_vllm_compat_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     group.add_argument("--calculate-kv-scales", action="store_true")
     group.add_argument("--task", choices=VLLM_TASKS)
-    group.add_argument("--runner", choices=("auto", "generate", "pooling"))
+    group.add_argument("--runner", choices=VLLM_RUNNERS)
     group.add_argument("--limit-mm-per-prompt", type=modality_limits, metavar="JSON|image=N,...")
     group.add_argument("--tokenizer-mode", default="auto", choices=TOKENIZER_MODES,
                        help="auto/hf: the model's Hugging Face tokenizer (the only kind jaxserve reads)")
