@@ -1,6 +1,7 @@
 """The job file: paths relative to it, unknown keys and bad values named, engine options handed over as given."""
 
 import inspect
+import logging
 
 import pytest
 
@@ -41,6 +42,18 @@ def test_unknown_engine_key_is_named_with_the_valid_ones(tmp_path):
     assert "unknown key 'engine.max_num_seq'" in problem and "max_num_seqs" in problem
     [problem] = problems_of(write_job(tmp_path, [], outputs="x.jsonl"))
     assert "unknown key 'outputs'" in problem and "output" in problem
+
+
+def test_vllm_s_options_without_effect_are_taken_with_a_warning(tmp_path, caplog):
+    """As Engine takes them: an engine section copied from a vLLM script loads, each such option named."""
+    with caplog.at_level(logging.WARNING, "jaxserve.engine"):
+        job = load_job(write_job(tmp_path, [], engine={"trust_remote_code": True, "enforce_eager": False,
+                                                       "max_num_seqs": 8}))
+    assert job.engine.engine_kwargs() == {"max_num_seqs": 8}
+    assert caplog.messages == ["engine.trust_remote_code has no effect in jaxserve: jaxserve runs no code from model "
+                               "repositories (its models are its own)"]  # enforce_eager false: left unset
+    [problem] = problems_of(write_job(tmp_path, [], engine={"task": "reward"}))
+    assert "task reward is not supported" in problem
 
 
 def test_every_problem_is_reported_and_the_message_is_one_line(tmp_path):
