@@ -80,6 +80,15 @@ def vllm_no_effect(name: str, value) -> str | None:
     return VLLM_NO_EFFECT[name]
 
 
+def without_vllm_no_effect(options: dict[str, Any], spelled: str) -> dict[str, Any]:
+    """`options` less vLLM's that mean nothing here, each one set warned about (`spelled`: how the warning names
+    it, from {name} and {value}); ValueError for what cannot be served (vllm_no_effect)."""
+    for name in VLLM_NO_EFFECT.keys() & options.keys():
+        if reason := vllm_no_effect(name, options[name]):
+            log.warning("%s has no effect in jaxserve: %s", spelled.format(name=name, value=options[name]), reason)
+    return {name: value for name, value in options.items() if name not in VLLM_NO_EFFECT}
+
+
 # --- checks: each takes a value, returns it (normalised) or raises ValueError saying what is allowed -----------
 def positive_int(value):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -357,11 +366,7 @@ class EngineArgs:
         names = {f.name: f.name for f in dataclasses.fields(cls)}
         names |= {alias: f.name for f in dataclasses.fields(cls) for alias in f.metadata["aliases"]}
         given = {}
-        for key, value in options.items():
-            if key in VLLM_NO_EFFECT:
-                if reason := vllm_no_effect(key, value):
-                    log.warning("Engine(%s=%r) has no effect in jaxserve: %s", key, value, reason)
-                continue
+        for key, value in without_vllm_no_effect(options, "Engine({name}={value!r})").items():
             if key not in names:
                 raise TypeError(f"Engine has no option {key!r}; its options are {', '.join(option_names())}")
             given[names[key]] = value

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationInfo, field_v
 
 from jaxserve.batch.problems import JobError, describe_validation_error
 from jaxserve.config import MeshShape
-from jaxserve.engine_args import VLLM_NO_EFFECT, check_option, log, option_fields, vllm_no_effect
+from jaxserve.engine_args import check_option, option_fields, without_vllm_no_effect
 from jaxserve.loader.generation_config import GENERATION_CONFIG_SOURCES, check_overrides
 from jaxserve.loader.tokenizer import is_template_text
 from jaxserve.server.reasoning_parsers import REASONING_PARSERS
@@ -38,12 +38,8 @@ class _EngineOptionsBase(BaseModel):
     @classmethod
     def _vllm_options_without_effect(cls, data: Any) -> Any:
         """vLLM's options that mean nothing here (trust_remote_code...) taken with a warning, as Engine takes them."""
-        if not isinstance(data, dict):
-            return data
-        for name in VLLM_NO_EFFECT.keys() & data.keys():
-            if reason := vllm_no_effect(name, data[name]):  # a ValueError for what cannot be served: named
-                log.warning("engine.%s has no effect in jaxserve: %s", name, reason)
-        return {name: value for name, value in data.items() if name not in VLLM_NO_EFFECT}
+        # (a ValueError, for what cannot be served, is named as the job's problem)
+        return without_vllm_no_effect(data, "engine.{name}") if isinstance(data, dict) else data
 
     @field_validator("*", mode="after")
     @classmethod
