@@ -44,9 +44,10 @@ def normalise_prompts(prompts) -> list:
         return [prompts]
     if ids := as_token_ids(prompts):  # one prompt's token ids ([] is no prompts)
         return [ids]
-    if isinstance(prompts, (list, tuple)) and all(isinstance(p, (str, dict)) or as_token_ids(p) is not None
-                                                  for p in prompts):
-        return [p if isinstance(p, (str, dict)) else as_token_ids(p) for p in prompts]
+    if isinstance(prompts, (list, tuple)):
+        normalised = [p if isinstance(p, (str, dict)) else as_token_ids(p) for p in prompts]
+        if None not in normalised:
+            return normalised
     raise ValueError("prompts must be a str, a list of str, a list of token ids, a list of token-id lists, or "
                      "prompt dicts ({'prompt': text} or {'prompt_token_ids': ids})")
 
