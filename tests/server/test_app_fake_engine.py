@@ -1,5 +1,7 @@
 """The HTTP layer over the fake engine: formats, errors, streaming, disconnects. Milliseconds per test."""
 
+import contextlib
+import copy
 import json
 import time
 
@@ -506,8 +508,6 @@ def test_continue_final_message_and_chat_template_kwargs_reach_the_template(serv
 
 def test_server_default_chat_template_kwargs_under_the_requests_own(tokenizer):
     """--default-chat-template-kwargs: variables every chat renders with, unless the request sets its own."""
-    import copy
-
     own = copy.deepcopy(tokenizer)
     own.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if thinking %} and think{% endif %}"
     app = build_app(AsyncEngine(FakeEngine(own)), default_chat_template_kwargs={"thinking": True})
@@ -524,14 +524,12 @@ def test_server_default_chat_template_kwargs_under_the_requests_own(tokenizer):
         assert rendered({"chat_template_kwargs": {"thinking": False}}) == "hi"
 
 
-def test_reasoning_effort_reaches_the_chat_template(tokenizer):
-    """OpenAI's reasoning_effort is a template variable, as in vLLM (gpt-oss and others read it); the request's own
-    chat_template_kwargs win."""
-    import copy
-
+@contextlib.contextmanager
+def chats_rendered_by(tokenizer, template: str):
+    """A server over the fake engine whose chat template is `template`: yields rendered(extra fields) -> the prompt
+    a chat of the one user message "hi" (and those fields) gave the engine, as text."""
     own = copy.deepcopy(tokenizer)
-    own.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if reasoning_effort %} effort " \
-                        "{{ reasoning_effort }}{% endif %}"
+    own.chat_template = template
     fake = FakeEngine(own)
     chat = {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False, "max_tokens": 1}
     with serve_in_thread(build_app(AsyncEngine(fake))) as url:
@@ -540,6 +538,15 @@ def test_reasoning_effort_reaches_the_chat_template(tokenizer):
             assert reply.status_code == 200, reply.text
             return own.decode(list(fake.prompts.values())[-1])  # the latest request's prompt
 
+        yield rendered
+
+
+def test_reasoning_effort_reaches_the_chat_template(tokenizer):
+    """OpenAI's reasoning_effort is a template variable, as in vLLM (gpt-oss and others read it); the request's own
+    chat_template_kwargs win."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if reasoning_effort %} effort " \
+               "{{ reasoning_effort }}{% endif %}"
+    with chats_rendered_by(tokenizer, template) as rendered:
         assert rendered({}) == "hi"
         assert rendered({"reasoning_effort": "high"}) == "hi effort high"
         assert rendered({"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}}) == \
@@ -548,17 +555,10 @@ def test_reasoning_effort_reaches_the_chat_template(tokenizer):
 
 def test_documents_reach_the_chat_template(tokenizer):
     """vLLM's `documents` (retrieved passages for a RAG template): the template variable of that name."""
-    import copy
-
-    own = copy.deepcopy(tokenizer)
-    own.chat_template = "{% for d in documents or [] %}[{{ d['text'] }}]{% endfor %}{% for m in messages %}" \
-                        "{{ m['content'] }}{% endfor %}"
-    fake = FakeEngine(own)
-    chat = {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False, "max_tokens": 1}
-    with serve_in_thread(build_app(AsyncEngine(fake))) as url:
-        reply = httpx.post(url + "/v1/chat/completions", json={**chat, "documents": [{"title": "a", "text": "Paris"}]})
-        assert reply.status_code == 200, reply.text
-    assert own.decode(list(fake.prompts.values())[-1]) == "[Paris]hi"
+    template = "{% for d in documents or [] %}[{{ d['text'] }}]{% endfor %}{% for m in messages %}" \
+               "{{ m['content'] }}{% endfor %}"
+    with chats_rendered_by(tokenizer, template) as rendered:
+        assert rendered({"documents": [{"title": "a", "text": "Paris"}]}) == "[Paris]hi"
 
 
 @pytest.mark.parametrize("path, body, prefix", [
@@ -619,8 +619,6 @@ def test_chat_echo_repeats_the_message_the_reply_goes_on_from(server):
 def test_add_special_tokens_false_encodes_a_completion_prompt_without_them(tokenizer):
     """vLLM's `add_special_tokens`: false leaves out what the tokenizer adds itself (a BOS here), for prompts that
     already hold their special tokens; chat's prompt is the template's, so true there is refused by name."""
-    import copy
-
     from tokenizers.processors import TemplateProcessing
 
     own = copy.deepcopy(tokenizer)  # a tokenizer that adds a BOS, as Llama 3's does
@@ -650,8 +648,6 @@ def test_a_chat_template_in_the_request_is_refused_by_name(server):
 
 
 def test_tools_reach_the_template_in_chat_and_tokenize_alike(tokenizer):
-    import copy
-
     own = copy.deepcopy(tokenizer)
     own.chat_template = "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}" \
                         "{% for m in messages %}{{ m['content'] }}{% endfor %}"
