@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -24,7 +23,14 @@ from jaxserve.server.errors import parse_json
 from jaxserve.server.protocol import choice_usage
 from jaxserve.server.request_bodies import chat_inputs, parse_request
 from jaxserve.server.response_bodies import ChatRendering
-from jaxserve.server.serving import ServerState, close_all, collect_final_outputs, observed, start_requests
+from jaxserve.server.serving import (
+    ServerState,
+    close_all,
+    collect_final_outputs,
+    observed,
+    request_ids,
+    start_requests,
+)
 from jaxserve.server.streaming import EventStreamResponse, cancel_on_disconnect, sse_events
 from jaxserve.server.tools import ToolCall
 
@@ -39,7 +45,7 @@ class ChatJob(ChatRendering):
 async def create_chat_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = parse_request(ChatCompletionRequest, await parse_json(request))
-    job, streams = await start_chat(state, body, f"chatcmpl-{body.request_id or uuid.uuid4().hex}")
+    job, streams = await start_chat(state, body, *request_ids("chatcmpl", request.headers, body.request_id))
     if body.stream:
         return EventStreamResponse(sse_events(_stream_chunks(job)), on_close=lambda: close_all(streams))
     completed, finals = await cancel_on_disconnect(request, collect_final_outputs(state, streams, job.arrival_time))
@@ -48,9 +54,10 @@ async def create_chat_completion(request: Request) -> Response:
     return JSONResponse(job.full_response(finals[0]).model_dump())
 
 
-async def start_chat(state: ServerState, body: ChatCompletionRequest, request_id: str
+async def start_chat(state: ServerState, body: ChatCompletionRequest, response_id: str, engine_id: str | None = None
                      ) -> tuple[ChatJob, list[RequestStream]]:
-    """Render the conversation and queue its request (also how /v1/responses runs)."""
+    """Render the conversation and queue its request (also how /v1/responses runs); the engine runs it as
+    `engine_id` (by default the response's id)."""
     model = state.resolve_model(body.model)
     # Rendering a long conversation through the template is CPU work: keep it off the event loop.
     prompts, params = await asyncio.to_thread(chat_inputs, body, state.engine.encode_chat,
@@ -58,9 +65,10 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, request_id
                                               state.tool_parser, state.reasoning_parser)
     reasoning = state.reasoning_parser and state.reasoning_parser.bind(prompts[0], params)
     arrival_time = time.monotonic()
-    streams = await start_requests(state, prompts, params, request_id, body.priority, model, body.cache_salt)
+    streams = await start_requests(state, prompts, params, engine_id or response_id, body.priority, model,
+                                   body.cache_salt)
     try:
-        job = ChatJob(body, model, request_id, state.engine.tokenizer, state.tool_parser, reasoning,
+        job = ChatJob(body, model, response_id, state.engine.tokenizer, state.tool_parser, reasoning,
                       state.output_options, state=state, arrival_time=arrival_time, stream=streams[0])
     except BaseException:  # no one would read the requests: stop them
         close_all(streams)

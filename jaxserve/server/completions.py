@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -26,7 +25,14 @@ from jaxserve.server.response_bodies import (
     CompletionRendering,
     concat_logprobs,
 )
-from jaxserve.server.serving import ServerState, close_all, collect_final_outputs, observed, start_requests
+from jaxserve.server.serving import (
+    ServerState,
+    close_all,
+    collect_final_outputs,
+    observed,
+    request_ids,
+    start_requests,
+)
 from jaxserve.server.streaming import EventStreamResponse, cancel_on_disconnect, sse_events
 
 
@@ -47,9 +53,9 @@ async def create_completion(request: Request) -> Response:
     prompts, params = await asyncio.to_thread(completion_inputs, body, state.engine.generation_defaults,
                                               state.engine.tokenizer)
     arrival_time = time.monotonic()
-    request_id = f"cmpl-{body.request_id or uuid.uuid4().hex}"
-    streams = await start_requests(state, prompts, params, request_id, body.priority, model, body.cache_salt)
-    job = CompletionJob(body, model, request_id, state.engine.tokenizer, state.output_options, state=state,
+    response_id, engine_id = request_ids("cmpl", request.headers, body.request_id)
+    streams = await start_requests(state, prompts, params, engine_id, body.priority, model, body.cache_salt)
+    job = CompletionJob(body, model, response_id, state.engine.tokenizer, state.output_options, state=state,
                         arrival_time=arrival_time, streams=streams)
     if body.stream:
         return EventStreamResponse(sse_events(_stream_chunks(job)), on_close=lambda: close_all(streams))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,7 +20,7 @@ from jaxserve.pooling_params import PoolingParams
 from jaxserve.server.errors import bad_request, parse_json
 from jaxserve.server.protocol import OpenAIModel, RequestModel, UsageInfo
 from jaxserve.server.request_bodies import checked_params, parse_request
-from jaxserve.server.serving import ServerState, collect_final_outputs, start_requests
+from jaxserve.server.serving import ServerState, collect_final_outputs, request_ids, start_requests
 from jaxserve.server.streaming import cancel_on_disconnect
 
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
@@ -114,10 +113,11 @@ async def serve_pooled(request: Request, schema: type[PooledRequest], rendering_
     state: ServerState = request.app.state.server
     body = parse_request(schema, await parse_json(request))
     model = state.resolve_model(body.model)
-    rendering = rendering_class(body, model, f"{id_prefix}-{uuid.uuid4().hex}")
+    response_id, engine_id = request_ids(id_prefix, request.headers, None)
+    rendering = rendering_class(body, model, response_id)
     # In a thread: a cross-encoder's inputs are tokenized here, which must not stall the streams of other requests.
     prompts, params = await asyncio.to_thread(checked_params, body, lambda: body.engine_inputs(state.engine))
-    streams = await start_requests(state, prompts, params, rendering.request_id, body.priority, model)
+    streams = await start_requests(state, prompts, params, engine_id, body.priority, model)
     completed, finals = await cancel_on_disconnect(request, collect_final_outputs(state, streams, time.monotonic()))
     if not completed:
         return Response(status_code=499)  # the client left; nobody reads this

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -58,6 +59,18 @@ class ServerState:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.engine.tokenizer.decode(token_ids)
+
+
+def request_ids(prefix: str, headers, named: str | None) -> tuple[str, str]:
+    """The response's id and the engine's, as vLLM names them: a client names a request by its X-Request-Id
+    header or the body's `request_id` (the header wins), and the response answers `<prefix>-<name>`. A name may
+    come again while its first request runs (a retry, a gateway's id): the engine's id adds a random suffix to a
+    named one, so two requests never share one and the second is not refused."""
+    named = headers.get("x-request-id") or named
+    if not named:
+        fresh = f"{prefix}-{uuid.uuid4().hex}"
+        return fresh, fresh
+    return f"{prefix}-{named}", f"{prefix}-{named}-{uuid.uuid4().hex[:8]}"
 
 
 async def start_requests(state: ServerState, prompts: list[str | list[int]],

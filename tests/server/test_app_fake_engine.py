@@ -573,15 +573,32 @@ def test_a_request_id_in_the_body_names_the_response(server, path, body, prefix)
         assert {chunk["id"] for chunk in sse_payloads(reply)} == {f"{prefix}order-17"}
 
 
-def test_a_request_id_still_running_is_a_400(tokenizer):
+def test_a_request_id_may_come_again_while_its_first_request_runs(tokenizer):
+    """A retry under the same name (or a gateway's reused X-Request-Id) is served, both answering with it: the
+    engine runs each under a name of its own (vLLM's too)."""
     slow = build_app(AsyncEngine(FakeEngine(tokenizer, step_delay=0.1)), served_model_names=["fake"])
     body = {"prompt": "Hello", "max_tokens": 10, "request_id": "twice"}
     with serve_in_thread(slow) as url, httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
                                                     timeout=30) as running:
         lines = running.iter_lines()  # kept: a generator dropped closes the response, reading it to the end
         assert '"id": "cmpl-twice"' in next(lines)  # admitted: its first chunk came
-        assert_error(httpx.post(url + "/v1/completions", json=body, timeout=30), 400,
-                     contains="request id 'cmpl-twice' is already in use")
+        again = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert again.status_code == 200 and again.json()["id"] == "cmpl-twice"
+        assert again.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("path, body, prefix", [
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "request_id": "in-body"}, "cmpl-"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}, "chatcmpl-"),
+    ("/v1/embeddings", {"input": "Hello"}, "embd-"),
+])
+def test_the_x_request_id_header_names_the_response(tokenizer, path, body, prefix):
+    """vLLM's: a client's X-Request-Id names the response (over the body's request_id), whatever
+    --enable-request-id-headers says (that flag only puts it on the response's headers)."""
+    app = build_app(AsyncEngine(FakeEngine(tokenizer)), served_model_names=["fake"])
+    with serve_in_thread(app) as url:
+        reply = httpx.post(url + path, json=body, headers={"X-Request-Id": "trace-9"}, timeout=30)
+        assert reply.status_code == 200 and reply.json()["id"] == f"{prefix}trace-9", reply.text
 
 
 def test_a_request_s_own_return_tokens_as_token_ids(server, tokenizer):
