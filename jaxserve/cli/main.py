@@ -48,6 +48,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                           help="default: the generation config's, else 0 (greedy, so runs repeat exactly)")
     sampling.add_argument("--chat", action="store_true",
                           help="send the prompt as a user message through the chat template")
+    # serve's (and vLLM's) engine flag: a serve command's options run here unchanged
+    parser.add_argument("--disable-log-stats", action="store_true", help="(generate logs no stats in any case)")
 
 
 def generate_params(args: argparse.Namespace, defaults: dict):
