@@ -7,6 +7,7 @@ Every checkpoint format (safetensors, GGUF) is first presented as a `TensorSourc
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any, Callable, Iterator, Protocol
 
@@ -15,6 +16,8 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.loader.grouped import GroupedArray, common_format, stack_grouped
 from jaxserve.models.layers import Grouped, GroupedWeights
+
+log = logging.getLogger(__name__)
 
 
 class TensorSource(Protocol):
@@ -220,6 +223,10 @@ BLOCK_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "shared_gat
 
 
 MAX_GROUP = 128
+# The narrowest group kept: below it the scales (and offsets) cost about what the values save, and a weight with
+# as many scales as values is no format the matmul reads. Narrower (an FP8 block over a row of 129 columns leaves
+# groups of 1), the weight is dequantized at load instead.
+MIN_KEPT_GROUP = 16
 
 
 def weight_tensors(cfg: ModelConfig) -> dict[str, list[str]]:
@@ -264,6 +271,10 @@ def keep_blocks(cfg: ModelConfig, source: BlockSource, split: dict[str, int] | N
             continue
         cap = 0 if fmt.channel else MAX_GROUP
         group = math.gcd(fmt.group, _group_axis_size(cfg, ours), (split or {}).get(ours, 0), cap)
+        if group < MIN_KEPT_GROUP:
+            log.info("%s is dequantized at load: its checkpoint groups narrow to %d columns here (whole groups on "
+                     "each device of the mesh), too few to keep", ours, group)
+            continue
         formats[ours] = dataclasses.replace(fmt, group=group)
         by_tensor |= dict.fromkeys(tensors, formats[ours])
     return formats, KeptBlocks(source, by_tensor)

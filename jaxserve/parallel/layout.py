@@ -9,7 +9,8 @@ Every padding is exact:
   stay kv-major ([K_pad, G_pad] flattened), so q head h attends with kv head h // (G_pad / rep), which is a
   copy of real kv head h // G_pad. Padded q heads have zero `wo` rows and contribute nothing.
 - MLP width (each expert's too, unless whole experts split), vocabulary and, with expert parallelism, experts:
-  zero columns/rows appended (padded logits are sliced off, padded experts are never routed to).
+  zero columns/rows appended (padded logits are sliced off, padded experts are never routed to). An MLP width
+  that tp does not divide is padded to a multiple of tp x 128 (`split_width`).
 - layers: every stage gets the same number of layer slots; a stage with fewer real layers ends in zero-weight
   layers, which are identities (x + 0).
 """
@@ -25,6 +26,18 @@ from jaxserve.config import ModelConfig
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+# A contracted width split over tp that tp does not divide is padded so that each device's share is a multiple of
+# 128: a checkpoint's quantized groups (up to 128 columns, loader/weights.MAX_GROUP) then never straddle two
+# devices, and each share is whole tiles of the accelerators' 128-wide matmul units. Padded to a multiple of tp
+# alone, a 3-way split of 256 columns left each device 86, groups of 2 no kernel keeps. A width tp divides is
+# left as it is (its groups narrow to fit instead, exact).
+SPLIT_ALIGN = 128
+
+
+def split_width(width: int, tp: int) -> int:
+    return width if width % tp == 0 else round_up(width, tp * SPLIT_ALIGN)
 
 
 def default_partition(num_layers: int, pp: int) -> tuple[int, ...]:
@@ -106,9 +119,9 @@ def plan_layout(cfg: ModelConfig, tp: int, pp: int, partition: Sequence[int] | N
     parts = default_partition(cfg.num_layers, pp) if partition is None else check_partition(partition,
                                                                                            cfg.num_layers, pp)
     return ParallelLayout(tp=tp, pp=pp, partition=parts, heads=plan_heads(cfg.num_heads, cfg.num_kv_heads, tp),
-                          mlp=round_up(cfg.intermediate_size, tp), vocab=round_up(cfg.vocab_size, tp),
+                          mlp=split_width(cfg.intermediate_size, tp), vocab=round_up(cfg.vocab_size, tp),
                           experts=round_up(cfg.num_experts, tp) if cfg.expert_parallel else cfg.num_experts,
-                          shared_mlp=round_up(cfg.shared_expert_size, tp))
+                          shared_mlp=split_width(cfg.shared_expert_size, tp))
 
 
 def check_expert_parallel(cfg: ModelConfig, tp: int) -> None:

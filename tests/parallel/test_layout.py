@@ -28,6 +28,16 @@ def test_default_partition_follows_vllm(layers, pp, expected):
     assert default_partition(layers, pp) == expected
 
 
+@pytest.mark.parametrize("width, tp, padded", [
+    (24, 2, 24), (24, 3, 24), (14336, 8, 14336),  # tp divides it: as it is
+    (256, 3, 384), (14336, 3, 14592), (11008, 3, 11136),  # each device's share a multiple of 128
+])
+def test_an_mlp_width_tp_does_not_divide_pads_to_whole_128_column_shares(width, tp, padded):
+    layout = plan_layout(config(intermediate_size=width, shared_expert_size=width), tp, 1)
+    assert layout.mlp == layout.shared_mlp == padded
+    assert width % tp == 0 or (padded // tp) % 128 == 0
+
+
 @pytest.mark.parametrize("partition, message", [
     ([8, 8, 7, 6], "sums to 29 but the model has 30 layers"),
     ([15, 15], "has 2 stages but the mesh has pp=4"),
