@@ -4,7 +4,8 @@ names and kept in groups (loader/grouped.py) as 8-bit values with float32 scales
 Three formats:
 - `quant_method: fp8` (transformers' FineGrainedFP8, the Qwen3-FP8 and DeepSeek releases): `X.weight` float8 and
   `X.weight_scale_inv` [ceil(out / 128), ceil(in / 128)], one scale per 128x128 block (`weight_block_size`); the
-  weight is weight * scale_inv, whatever the name says.
+  weight is weight * scale_inv, whatever the name says. Without `weight_block_size` (AutoFP8's and vLLM's own
+  serialized FP8): `X.weight_scale`, one per tensor.
 - compressed-tensors `float-quantized` (llm-compressor's FP8 and FP8-dynamic): `X.weight` float8 and
   `X.weight_scale`, per tensor, per output channel or per block; static activation scales (`X.input_scale`) may
   come beside them;
@@ -37,7 +38,7 @@ def fp8_scale_suffix(config: dict[str, Any]) -> str | None:
         if config.get("activation_scheme", "dynamic") != "dynamic":
             raise ValueError(f"this fp8 checkpoint's activation_scheme is {config.get('activation_scheme')!r}; "
                              "supported: dynamic (activations are not quantized here)")
-        return ".weight_scale_inv"
+        return ".weight_scale_inv" if config.get("weight_block_size") else ".weight_scale"
     return None
 
 
@@ -85,7 +86,9 @@ class ScaledSource:
         rows, columns = values.shape
         group = self._group(columns)
         scale = self._source.get(name[: -len(".weight")] + self._suffix).astype(np.float32)
-        if scale.ndim == 2 and scale.shape[1] > 1:  # blocks [ceil(rows / b0), ceil(columns / b1)]
+        # Blocks [ceil(rows / b0), ceil(columns / b1)]: [n, 1] too where a row is one block wide, which is no
+        # per-channel scale.
+        if self._block or (scale.ndim == 2 and scale.shape[1] > 1):
             b0, b1 = self._block or (math.ceil(rows / scale.shape[0]), math.ceil(columns / scale.shape[1]))
             scale = np.repeat(np.repeat(scale, b0, 0)[:rows], b1 // group, 1)[:, : columns // group]
         else:  # per tensor ([] or [1]) or per output channel ([rows] or [rows, 1])

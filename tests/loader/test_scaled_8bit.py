@@ -8,10 +8,14 @@ import contextlib
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
+from jaxserve.config import ModelConfig
+from jaxserve.loader.scaled import FLOAT8, ScaledSource
+from jaxserve.loader.weights import keep_blocks, weight_tensors
 from tests.helpers import kept_formats, small_engine, write_fp8
 from tests.models.test_parity import PROMPTS, check_parity
 from tests.models.test_w8a8 import TIP_PROMPTS, TIPPED, exact_but_where_a_value_tipped
@@ -115,6 +119,64 @@ def test_static_activation_scales_are_refused(fp8_checkpoint, tmp_path):
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="activation_scheme is 'static'; supported: dynamic"):
         small_engine(copy)
+
+
+def test_fp8_without_a_block_size_reads_its_per_tensor_scales(fp8_checkpoint, tmp_path):
+    """`quant_method: fp8` with no weight_block_size (AutoFP8's, vLLM's own serialized FP8): `weight_scale` per
+    tensor, the tensors compressed-tensors' per-tensor FP8 holds (it asked for weight_scale_inv and refused)."""
+    path, reference = fp8_checkpoint("ct-tensor")
+    copy = tmp_path / "fp8-tensor"
+    shutil.copytree(path, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (copy / "config.json").write_text(json.dumps(config))
+    check_parity(small_engine(copy, quantization="fp8"), reference, PROMPTS, tol=TOLERANCE)
+
+
+class InMemory:
+    """A TensorSource of numpy arrays."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def names(self):
+        return set(self.tensors)
+
+    def get(self, name):
+        return self.tensors[name]
+
+    def shape(self, name):
+        return self.tensors[name].shape
+
+
+@pytest.mark.parametrize("rows, columns", [(256, 64), (300, 128), (256, 129), (200, 300)])
+def test_128_by_128_blocks_of_any_weight_shape_dequantize_exactly(rows, columns):
+    """A row one block wide has block scales [n, 1], which are no per-channel scales (they were broadcast as if,
+    and failed); partial blocks at the edges; a width of 129 leaves groups of 1."""
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=(rows, columns)).astype(FLOAT8)
+    scale = rng.uniform(0.5, 2, size=(-(-rows // 128), -(-columns // 128))).astype(np.float32)
+    source = ScaledSource(InMemory({"x.weight": values, "x.weight_scale_inv": scale}), ".weight_scale_inv", "fp8",
+                          (128, 128))
+    expected = values.astype(np.float32) * np.repeat(np.repeat(scale, 128, 0), 128, 1)[:rows, :columns]
+    np.testing.assert_array_equal(source.get("x.weight"), expected)
+
+
+def test_a_weight_whose_groups_narrow_below_16_columns_is_dequantized_at_load_not_kept():
+    """An MLP 129 wide: w_down's 128-column blocks narrow to groups of 1 (kept, it had a scale for every value and
+    its matmul could not find the group axis: a crash), the weights beside it stay kept."""
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=8, hidden_size=64, intermediate_size=129,
+                      num_layers=1, num_heads=1, num_kv_heads=1, head_dim=64)
+    shapes = {"wq": (64, 64), "wk": (64, 64), "wv": (64, 64), "wo": (64, 64), "w_gate": (129, 64),
+              "w_up": (129, 64), "w_down": (64, 129)}
+    tensors = {}
+    for ours, (name,) in ((k, v) for k, v in weight_tensors(cfg).items() if k in shapes):
+        rows, columns = shapes[ours]
+        tensors[name] = np.ones(shapes[ours], FLOAT8)
+        tensors[name + "_scale_inv"] = np.ones((-(-rows // 128), -(-columns // 128)), np.float32)
+    formats, _ = keep_blocks(cfg, ScaledSource(InMemory(tensors), ".weight_scale_inv", "fp8", (128, 128)))
+    assert set(formats) == set(shapes) - {"w_down"}
+    assert formats["w_up"].group == 64
 
 
 @pytest.mark.parametrize("mesh, fp8_projections", [
