@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.loader.grouped import GroupedArray, shuffled_groups
+from jaxserve.loader.grouped import GroupedArray, shuffled_groups, uneven_groups
 from jaxserve.loader.scaled import ScaledSource
 from jaxserve.loader.weights import TensorSource
 from jaxserve.models.layers import Grouped
@@ -92,6 +92,7 @@ class CompressedTensorsSource:
         _, scheme, _ = weight_scheme(raw)
         self._bits = int(scheme["num_bits"])
         self._symmetric = bool(scheme.get("symmetric", True))
+        self._group_size = scheme.get("group_size") if scheme.get("strategy") == "group" else None
         names = source.names()
         self._packed = {n[: -len(PACKED)] + ".weight" for n in names if n.endswith(PACKED)}
         if not self._packed:
@@ -122,10 +123,13 @@ class CompressedTensorsSource:
         return grouped
 
     def _decoded_columns(self, name: str) -> np.ndarray | None:
-        """Each input column's group where the checkpoint orders them by activation (GPTQ's act-order), else None."""
-        if name + "_g_idx" not in self._source.names():
-            return None
-        return shuffled_groups(self._source.get(name + "_g_idx"), self._source.shape(name + "_scale")[-1])
+        """Each input column's group where the checkpoint orders them by activation (GPTQ's act-order) or the last
+        group is shorter, else None."""
+        groups = self._source.shape(name + "_scale")[-1]
+        if name + "_g_idx" in self._source.names():
+            return shuffled_groups(self._source.get(name + "_g_idx"), groups)
+        columns = int(self._source.get(name + "_shape")[1])
+        return uneven_groups(name, columns, groups, self._group_size)
 
     def _decoded(self, name: str) -> tuple[GroupedArray, np.ndarray | None]:
         """(the weight as values 0..2^bits-1 for 4 bits or signed int8 for 8, scales and offsets; the columns'

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.loader.grouped import GroupedArray, shuffled_groups
+from jaxserve.loader.grouped import GroupedArray, shuffled_groups, uneven_groups
 from jaxserve.loader.weights import TensorSource
 from jaxserve.models.layers import Grouped
 
@@ -55,6 +55,7 @@ class PackedIntSource:
         self._source = source
         self.method = packed_int_method(config)
         self._bits = int(config["bits"])
+        self._group_size = config.get("group_size")  # -1: one group a row (per channel)
         # GPTQ's original format stores each zero point minus one
         self._zero_offset = 1 if self.method == "gptq" and config.get("checkpoint_format", "gptq") == "gptq" else 0
         names = source.names()
@@ -75,24 +76,29 @@ class PackedIntSource:
         return grouped.dequantize() if rows_group is None else grouped.dequantize_by_columns(rows_group)
 
     def block_format(self, name: str) -> Grouped | None:
-        if name not in self._packed or self._act_order(name) is not None:
+        if name not in self._packed or self._rows_group(name) is not None:
             return None
         base = name[: -len(".weight")]
-        packed_rows = self._source.shape(base + ".qweight")[0]
-        columns = packed_rows if self.method == "awq" else packed_rows * 32 // self._bits  # the input width
-        return Grouped(bits=self._bits, group=columns // self._source.shape(base + ".scales")[0], offset=True)
+        return Grouped(bits=self._bits, group=self._rows(base) // self._source.shape(base + ".scales")[0],
+                       offset=True)
 
     def get_grouped(self, name: str) -> GroupedArray:
         grouped, rows_group = self._decoded(name)
-        assert rows_group is None, f"{name} is ordered by activation: its groups are not contiguous"
+        assert rows_group is None, f"{name}'s groups are not contiguous and even: it is dequantized at load"
         return grouped
 
-    def _act_order(self, name: str) -> np.ndarray | None:
-        """Each input row's group where GPTQ's act-order shuffled them, else None."""
+    def _rows(self, base: str) -> int:
+        """The weight's input width (the packed tensors' rows)."""
+        packed_rows = self._source.shape(base + ".qweight")[0]
+        return packed_rows if self.method == "awq" else packed_rows * 32 // self._bits
+
+    def _rows_group(self, name: str) -> np.ndarray | None:
+        """Each input row's group where GPTQ's act-order shuffled them or the last group is shorter, else None."""
         base = name[: -len(".weight")]
-        if self.method != "gptq" or base + ".g_idx" not in self._source.names():
-            return None
-        return shuffled_groups(self._source.get(base + ".g_idx"), self._source.shape(base + ".scales")[0])
+        groups = self._source.shape(base + ".scales")[0]
+        if self.method == "gptq" and base + ".g_idx" in self._source.names():
+            return shuffled_groups(self._source.get(base + ".g_idx"), groups)
+        return uneven_groups(name, self._rows(base), groups, self._group_size)
 
     def _decoded(self, name: str) -> tuple[GroupedArray, np.ndarray | None]:
         """(the weight in HF's [out, in] layout: values q, per-group scales and offsets -zero * scale; each input
@@ -109,7 +115,7 @@ class PackedIntSource:
         shift = 0 if self._bits == 4 else 128  # 8-bit values stored as int8: q - 128
         offset = (-(zero - shift) * scale).T
         return GroupedArray(np.ascontiguousarray(values), np.ascontiguousarray(scale.T), np.ascontiguousarray(offset),
-                            1, self._bits), self._act_order(name)
+                            1, self._bits), self._rows_group(name)
 
 
 def _unpack(words: np.ndarray, bits: int, axis: int) -> np.ndarray:

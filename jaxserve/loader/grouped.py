@@ -118,6 +118,21 @@ def shuffled_groups(column_groups: np.ndarray, groups: int) -> np.ndarray | None
     return None if np.array_equal(column_groups, in_order) else column_groups
 
 
+def uneven_groups(name: str, columns: int, groups: int, group_size: int | None) -> np.ndarray | None:
+    """Each input column's group where a checkpoint's groups of `group_size` (its config's; None or <= 0: one
+    group a row) do not tile the `columns` evenly (the last one shorter: groups are counted rounding up, as
+    compressed-tensors, AutoGPTQ and AutoAWQ count them), else None (whole groups, kept as they are); a ValueError
+    where `groups` scales fit neither."""
+    if group_size is None or group_size <= 0:
+        expected, group_size = 1, columns
+    else:
+        expected = -(-columns // group_size)
+    if groups != expected:
+        raise ValueError(f"{name} has {groups} groups of scales for {columns} input columns in groups of "
+                         f"{group_size}: the checkpoint is not what its quantization_config describes")
+    return None if columns % group_size == 0 else np.arange(columns) // group_size
+
+
 def common_format(formats: list[Grouped]) -> Grouped | None:
     """The storage every one of `formats` converts into exactly (GroupedArray.conform); None if there is none
     (float8 or float4 values beside integer ones)."""

@@ -131,6 +131,18 @@ def test_unsupported_schemes_are_refused_by_name(change, named, compressed, tmp_
         small_engine(_rewritten(path, tmp_path, change))
 
 
+def test_scales_that_do_not_fit_the_group_size_are_refused(compressed, tmp_path):
+    """Groups are counted rounding up (the last may be shorter): 4 scales a row of 128 columns are no groups of 48
+    (3 would be). The group was guessed from the count before (128 / 4), which for a last group shorter than the
+    others (96 columns in groups of 64: 2 scales) put columns under the wrong scale."""
+    path, _ = compressed("w4a16-group32-symmetric")
+    def group_size_48(q):
+        q["config_groups"]["group_0"]["weights"]["group_size"] = 48
+    with pytest.raises(ValueError, match="has 4 groups of scales for 128 input columns in groups of 48: the "
+                                         "checkpoint is not what its quantization_config describes"):
+        small_engine(_rewritten(path, tmp_path, group_size_48))
+
+
 def test_a_quantization_for_another_checkpoint_kind_is_refused(compressed):
     path, _ = compressed("w4a16-group32-symmetric")
     with pytest.raises(ValueError, match="quantization='gguf' keeps a gguf checkpoint's quantized weights in their "
