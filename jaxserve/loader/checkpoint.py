@@ -193,7 +193,28 @@ def _weights_source(directory: Path, raw: dict[str, Any]) -> TensorSource:
         return ScaledSource(source, suffix, "fp8", tuple(block) if block else None)
     if packed_int_method(config):
         return PackedIntSource(source, config)
+    if not config:
+        refuse_undeclared_quantization(directory, source.names())
     return source
+
+
+# Tensors only a quantized checkpoint holds (scales, packed values): beside a config that declares no
+# quantization, the weights would be read as floats without their scales, every one of them wrong.
+QUANTIZED_TENSOR_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".weight_packed", ".qweight", ".qzeros")
+
+
+def refuse_undeclared_quantization(directory: Path, names: set[str]) -> None:
+    """A ValueError for a checkpoint that holds quantized tensors although its config.json declares no
+    quantization (NVIDIA ModelOpt's exports declare theirs in hf_quant_config.json)."""
+    if (directory / "hf_quant_config.json").exists():
+        raise ValueError(f"{directory} is an NVIDIA ModelOpt checkpoint (hf_quant_config.json), whose quantized "
+                         "weights jaxserve cannot read yet: serve the unquantized model (and --quantization fp8 "
+                         "to quantize it here)")
+    quantized = sorted(n for n in names if n.endswith(QUANTIZED_TENSOR_SUFFIXES))
+    if quantized:
+        raise ValueError(f"{directory} holds quantized tensors ({quantized[0]}, ...) but its config.json declares no "
+                         "quantization_config: its weights cannot be read without knowing their format; give the "
+                         "checkpoint's own config.json")
 
 
 def refuse_quantized(raw: dict[str, Any], config_path: Path) -> None:

@@ -26,7 +26,14 @@ PARTS = ("_packed", "_scale", "_zero_point", "_shape", "_g_idx")
 
 
 def quantization_config(raw: dict[str, Any]) -> dict[str, Any]:
-    return raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
+    """A config.json's quantization config: `quantization_config`, or `compression_config` (the name older
+    llm-compressor and sparseml releases wrote, read by vLLM too), at the top or in a multimodal model's
+    text_config."""
+    for config in (raw, raw.get("text_config") or {}):
+        for key in ("quantization_config", "compression_config"):
+            if config.get(key):
+                return config[key]
+    return {}
 
 
 def is_compressed_tensors(raw: dict[str, Any]) -> bool:

@@ -133,6 +133,34 @@ def test_fp8_without_a_block_size_reads_its_per_tensor_scales(fp8_checkpoint, tm
     check_parity(small_engine(copy, quantization="fp8"), reference, PROMPTS, tol=TOLERANCE)
 
 
+def _with_config(path, tmp_path, change) -> str:
+    copy = tmp_path / "changed"
+    shutil.copytree(path, copy)
+    config = json.loads((copy / "config.json").read_text())
+    change(config)
+    (copy / "config.json").write_text(json.dumps(config))
+    return str(copy)
+
+
+def test_the_older_compression_config_key_is_read(fp8_checkpoint, tmp_path):
+    """Older llm-compressor and sparseml releases named it compression_config: read as vLLM reads it (the weights
+    were taken as floats without their scales, every one wrong)."""
+    path, reference = fp8_checkpoint("ct-channel")
+    older = _with_config(path, tmp_path, lambda c: c.update(compression_config=c.pop("quantization_config")))
+    check_parity(small_engine(older, quantization="compressed-tensors"), reference, PROMPTS, tol=TOLERANCE)
+
+
+def test_quantized_tensors_under_a_config_that_declares_none_are_refused(fp8_checkpoint, tmp_path):
+    path, _ = fp8_checkpoint("ct-channel")
+    undeclared = _with_config(path, tmp_path, lambda c: c.pop("quantization_config"))
+    with pytest.raises(ValueError, match=r"holds quantized tensors \(model.layers.0.mlp.down_proj.weight_scale, "
+                                         r"...\) but its config.json declares no quantization_config"):
+        small_engine(undeclared)
+    (tmp_path / "changed" / "hf_quant_config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"is an NVIDIA ModelOpt checkpoint \(hf_quant_config.json\)"):
+        small_engine(undeclared)
+
+
 class InMemory:
     """A TensorSource of numpy arrays."""
 
