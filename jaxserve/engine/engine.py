@@ -382,6 +382,9 @@ class Engine:
         Whether one was. A step takes at most a pp-th of the sequences, so that pp steps share them in steady
         decode, and a pp-th of the token budget: the stages run at the shape of the largest step among them, so a
         prompt's chunk as large as the whole budget would pad the decode steps beside it to its size."""
+        if self.runner.unsampled is not None:  # a tick interrupted in its sampler: its step first, then ticks
+            self._queue_leaving(*self.runner.sample_unsampled())
+            return True
         pp = self.runner.layout.pp
         active = len(self.scheduler.running) + len(self.scheduler.waiting)
         planned = self._plan(max_seqs=min(self.step_seqs, max(1, -(-active // pp))), max_tokens=self.step_tokens)
@@ -392,11 +395,7 @@ class Engine:
         compiles_before = self._unforeseen_compiles()
         leaving, pending = self.runner.tick(inputs, statics, tag=entering)
         if leaving is not None:
-            leaving.pending = pending
-            for chunk in leaving.sched.chunks:  # their next tokens are sampled: later steps may take them again
-                if chunk.samples:  # (a prompt's earlier chunk leaving does not free its later, sampling one)
-                    chunk.seq.staged = False
-            self._launched.append(leaving)
+            self._queue_leaving(leaving, pending)
         if entering is not None:
             self.scheduler.advance(sched)
             for chunk in sched.chunks:
@@ -405,6 +404,14 @@ class Engine:
             if self._unforeseen_compiles() != compiles_before:
                 self._on_recompile(sched)  # may raise: the step is in the pipeline, the one leaving it queued
         return leaving is not None
+
+    def _queue_leaving(self, leaving: InFlightStep, pending) -> None:
+        """The step that left the pipeline's last stage, sampled (`pending`): queued to be read back."""
+        leaving.pending = pending
+        for chunk in leaving.sched.chunks:  # their next tokens are sampled: later steps may take them again
+            if chunk.samples:  # (a prompt's earlier chunk leaving does not free its later, sampling one)
+                chunk.seq.staged = False
+        self._launched.append(leaving)
 
     def _grammar_in_flight(self) -> bool:
         """Whether a constrained sequence samples in a step in flight: then the next step waits for its token, which

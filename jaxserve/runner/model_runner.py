@@ -152,6 +152,7 @@ class ModelRunner:
         # Stages busy across steps (`start_ticks`): the steps in stages 0 .. pp - 2 after the last tick (None: a
         # stage with none), and the activations each stage handed the next.
         self.staged: list[StagedStep | None] | None = None
+        self.unsampled = None  # (step, its padded inputs, hidden, rows): the last stage ran it, the sampler not yet
         self.carry = None
         self.ticks = 0  # ticks run, and in how many of them each stage had a step to work on
         self.stage_busy_ticks = [0] * self.layout.pp
@@ -193,7 +194,7 @@ class ModelRunner:
 
     @property
     def pipeline_empty(self) -> bool:
-        return not self.ticking or all(step is None for step in self.staged)
+        return not self.ticking or (self.unsampled is None and all(step is None for step in self.staged))
 
     def launch(self, inputs: StepInputs, statics: StepStatics) -> PendingStep:
         """Dispatch the step and return at once: the device works while the host goes on (jax is asynchronous)."""
@@ -207,15 +208,12 @@ class ModelRunner:
         new step) enters stage 0, every step inside moves one stage on, and the one reaching the last stage is
         sampled. Returns that step's `tag` and PendingStep, or (None, None) while no step leaves. The stages run
         at one shape, the largest of their steps' buckets."""
+        assert self.unsampled is None, "the step left by an interrupted tick is sampled first (sample_unsampled)"
         entering = None if inputs is None else StagedStep(inputs, statics, self.fed_tokens, tag)
         stages = [entering, *self.staged]  # stage s works on stages[s]
-        self.staged = stages[:-1]
         present = [step for step in stages if step is not None]
         if not present:
             return None, None
-        self.ticks += 1
-        for stage, step in enumerate(stages):
-            self.stage_busy_ticks[stage] += step is not None
         T = max(step.inputs.token_ids.shape[0] for step in present)
         B = max(step.inputs.logits_indices.shape[0] for step in present)
         decode_only = all(step.statics.decode_only for step in present)
@@ -237,9 +235,26 @@ class ModelRunner:
         logits_indices = np.zeros(B, np.int32) if last is None else last.logits_indices
         self.kv, self.carry, hidden, rows = self.fns.forward_tick(
             self.params, self.kv, self.carry, token_ids, stage_meta, logits_indices, self.fed_tokens, token_source)
+        # The steps move on only once the tick's program is dispatched: an interrupt or error before (its first
+        # compile, out of memory) leaves the pipeline as it was, the entering step never entered.
+        self.staged = stages[:-1]
+        self.ticks += 1
+        for stage, step in enumerate(stages):
+            self.stage_busy_ticks[stage] += step is not None
         if last is None:
             return None, None
-        return leaving.tag, self._sample(last, leaving.statics, hidden, rows, leaving.fed_tokens)
+        # Kept until sampled: the stages have run it, so an interrupt in the sampler (its first compile) must not
+        # lose it; the engine samples it before the next tick (sample_unsampled).
+        self.unsampled = (leaving, last, hidden, rows)
+        return self.sample_unsampled()
+
+    def sample_unsampled(self) -> tuple[object, PendingStep]:
+        """Sample the step that left the last stage (its tag and PendingStep): at the end of its tick, or at the
+        next call after an interrupted one."""
+        leaving, last, hidden, rows = self.unsampled
+        pending = self._sample(last, leaving.statics, hidden, rows, leaving.fed_tokens)
+        self.unsampled = None
+        return leaving.tag, pending
 
     def _sample(self, inputs: StepInputs, statics: StepStatics, hidden, rows, fed_tokens) -> PendingStep:
         """The sampler (and what else the step asks for) on a forward's outputs; `fed_tokens`: the token feed the
