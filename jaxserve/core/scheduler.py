@@ -247,8 +247,10 @@ class Scheduler:
                 seq.token_ids[at:] = tokens
                 computed = seq.num_computed_tokens = at + len(tokens) - 1  # the accepted drafts' K/V is valid
                 self._count_accepted(len(tokens) - 1)
-            if seq.status is SequenceStatus.RUNNING:  # not preempted since: it still holds its blocks
-                self.blocks.commit(seq.seq_id, seq.token_ids, computed, seq.cache_root)
+            if seq.status is SequenceStatus.RUNNING:
+                # Preempted since and admitted again (a pipeline reads a chunk back steps after dispatching it), its
+                # new table holds only what was dispatched into it, all committed at dispatch (`advance`).
+                self.blocks.commit(seq.seq_id, seq.token_ids, min(computed, seq.num_computed_tokens), seq.cache_root)
             if not chunk.samples:
                 continue
             if not chunk.draft:

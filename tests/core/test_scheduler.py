@@ -151,3 +151,31 @@ def test_a_higher_priority_arrival_never_preempts_a_sequence_already_scheduled_i
         assert all(bm.block_table(q.seq_id) for q in scheduled)  # every scheduled sequence holds its blocks
     assert low in out.preempted or low.status.value == "waiting"
     assert high.num_output_tokens >= 6
+
+
+def test_a_chunk_read_back_after_its_sequence_came_back_from_preemption_commits_only_what_it_holds():
+    """Stages busy across steps read a prompt's chunk back a few steps after it was dispatched: its sequence may
+    have been preempted meanwhile and admitted again with a new, shorter block table. Reading the old chunk back
+    committed its end on the new table (a ValueError out of the engine's step: 16 computed tokens need 4
+    blocks, but it holds 3), or registered blocks the new table had not computed."""
+    s, bm = make(num_blocks=8, block_size=4, budget=8)
+    a = seq(prompt_len=24, max_tokens=2)
+    s.add(a)
+    first, second = s.schedule(max_tokens=8), None
+    s.advance(first)  # [0, 8) in the pipeline
+    second = s.schedule(max_tokens=8)
+    s.advance(second)  # [8, 16) too
+    s._preempt(a)  # the cache ran short: its 4 blocks freed (still cached)
+    b = seq(prompt_len=20, max_tokens=2)
+    s.add(b)
+    s.waiting.remove(a)  # b first: it takes the 3 blocks never used and a's two last ones
+    s.advance(s.schedule(max_tokens=20))
+    s.finish(b, "abort")
+    s.add(a)
+    again = s.schedule(max_tokens=4)
+    assert [(c.seq, c.start, c.num_tokens) for c in again.chunks] == [(a, 8, 4)]  # its first 8 tokens cached
+    s.advance(again)
+    for out in (first, second, again):
+        s.resolve(out, [None] * len(out.chunks))
+    assert len(bm.block_table(a.seq_id)) == 3
+    bm.check_invariants()
