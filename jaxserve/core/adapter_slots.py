@@ -71,6 +71,17 @@ class AdapterSlots:
         if slot is not None:
             self._pinned.discard(slot)
 
+    def hold(self, slots: tuple[int, ...]) -> None:
+        """References of a step inside a pipeline's stages on the slots its sequences run with: its later stages
+        read the adapters' weights ticks after it entered, so no slot of theirs goes to another adapter before it
+        leaves (`drop`), though its sequences finish or are aborted meanwhile."""
+        for slot in slots:
+            self._refs[slot] += 1
+
+    def drop(self, slots: tuple[int, ...]) -> None:
+        for slot in slots:
+            self._refs[slot] -= 1
+
     def release(self, seq: Sequence) -> None:
         if seq.lora_slot >= 0:
             self._refs[seq.lora_slot] -= 1

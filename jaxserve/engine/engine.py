@@ -397,6 +397,8 @@ class Engine:
         if leaving is not None:
             self._queue_leaving(leaving, pending)
         if entering is not None:
+            entering.lora_slots = tuple({c.seq.lora_slot for c in sched.chunks if c.seq.lora_slot >= 0})
+            self.scheduler.adapters.hold(entering.lora_slots)
             self.scheduler.advance(sched)
             for chunk in sched.chunks:
                 chunk.seq.staged = chunk.samples
@@ -408,6 +410,7 @@ class Engine:
     def _queue_leaving(self, leaving: InFlightStep, pending) -> None:
         """The step that left the pipeline's last stage, sampled (`pending`): queued to be read back."""
         leaving.pending = pending
+        self.scheduler.adapters.drop(leaving.lora_slots)  # the last stage has run it: its adapters may go
         for chunk in leaving.sched.chunks:  # their next tokens are sampled: later steps may take them again
             if chunk.samples:  # (a prompt's earlier chunk leaving does not free its later, sampling one)
                 chunk.seq.staged = False

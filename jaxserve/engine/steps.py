@@ -17,6 +17,8 @@ class InFlightStep:
     sched: SchedulerOutput
     pending: PendingStep | StepResult | None  # None: still inside a pipeline's stages, not sampled yet
     index: int  # the engine's count of steps before it
+    # LoRA slots its sequences run with, referenced while it is inside a pipeline's stages (AdapterSlots.hold)
+    lora_slots: tuple[int, ...] = ()
 
 
 class StepObserver(Protocol):

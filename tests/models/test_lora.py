@@ -111,6 +111,27 @@ def test_one_slot_serves_adapters_in_turn(llama_with_adapters):
                                           "waiting_lora_adapters": "attention"}
 
 
+def test_a_slot_is_not_given_to_another_adapter_while_a_step_of_its_own_is_in_the_pipeline(llama_with_adapters):
+    """1x2, stages busy across steps: a request aborted while its prompt's first chunk is in stage 0 gave its only
+    slot back at once; the next request's adapter was written into it, and the chunk ran stage 1 with those
+    weights, its KV cached under the first adapter. A later request of the first adapter with that prompt read
+    it: other tokens. Its KV (and the tokens of that later request) must be the adapter's own."""
+    base, adapters, references = llama_with_adapters
+    every, attention = adapters["every"], adapters["attention"]
+    engine = Engine(str(base), mesh="1x2", enable_lora=True, max_loras=1, max_lora_rank=8, num_kv_blocks=64,
+                    max_num_batched_tokens=32, max_num_seqs=4, warmup=False)
+    assert engine.stage_ticks
+    prompt = list(range(200, 248))  # 3 blocks, prefilled a block a tick (a pp-th of the token budget)
+    engine.add_request("aborted", prompt, GREEDY, lora_request=every)
+    engine.step()  # its first block enters stage 0 and joins the prefix cache
+    engine.abort_request("aborted")
+    engine.add_request("other", PROMPTS[1], GREEDY, lora_request=attention)
+    while engine.has_unfinished_requests():
+        engine.step()
+    again = check_lora_parity(engine, references, [prompt], [every])[0]
+    assert again.num_cached_tokens == 16  # the aborted request's first block, computed with its own adapter
+
+
 def test_named_adapters_are_loaded_at_start_and_kept(llama_with_adapters):
     base, adapters, references = llama_with_adapters
     modules = {name: lora.lora_path for name, lora in adapters.items()}
