@@ -225,7 +225,7 @@ def refuse_quantized(raw: dict[str, Any], config_path: Path) -> None:
         return  # read, dequantized at load (loader/mxfp4.py)
     try:
         if is_compressed_tensors(raw):
-            weight_scheme(raw)  # W4A16, W8A16, FP8: read (loader/compressed_tensors.py)
+            weight_scheme(raw)  # W4A16, W8A16, W8A8, FP8: read (loader/compressed_tensors.py)
             return
         if fp8_scale_suffix(method):
             return  # FP8 by block, channel or tensor (loader/scaled.py)
@@ -237,7 +237,8 @@ def refuse_quantized(raw: dict[str, Any], config_path: Path) -> None:
         name = method.get("quant_method", "quantized") if isinstance(method, dict) else "quantized"
         raise ValueError(f"{config_path} describes a {name} checkpoint, whose weights jaxserve cannot read: serve "
                          "the unquantized model (and --quantization int8 or w8a8 to quantize it here); "
-                         "compressed-tensors (W4A16, W8A16, FP8), fp8, GPTQ and AWQ checkpoints are read")
+                         "compressed-tensors (W4A16, W8A16, W8A8, FP8), fp8, GPTQ, AWQ and gpt-oss's MXFP4 checkpoints "
+                         "are read")
 
 
 def _download_from_hub(repo_id: str, weights: bool = True, revision: str | None = None,

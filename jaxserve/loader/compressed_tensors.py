@@ -12,6 +12,7 @@ dequantized at load: its groups are not contiguous).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,8 @@ from jaxserve.loader.grouped import GroupedArray, shuffled_groups, uneven_groups
 from jaxserve.loader.scaled import ScaledSource
 from jaxserve.loader.weights import TensorSource
 from jaxserve.models.layers import Grouped
+
+log = logging.getLogger(__name__)
 
 PACKED = ".weight_packed"
 PARTS = ("_packed", "_scale", "_zero_point", "_shape", "_g_idx")
@@ -46,20 +49,30 @@ SUPPORTED = ("supported: pack-quantized int4/int8 weights by group or channel, a
              "dynamic per token (W8A8)")
 
 
-def weight_scheme(raw: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
-    """(format, the one weight scheme, its input activations' scheme or None) of a checkpoint jaxserve reads, or a
-    ValueError naming what it uses instead."""
+def weight_scheme(raw: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any] | None] | None:
+    """(format, the one weight scheme, its input activations' scheme or None) of a checkpoint jaxserve reads; None
+    for one that quantizes no weights (its KV cache only); a ValueError naming what it uses instead."""
     config = quantization_config(raw)
+    if config.get("transform_config"):
+        raise ValueError("this compressed-tensors checkpoint's weights are rotated (transform_config: QuIP or "
+                         "SpinQuant Hadamard transforms), which needs each layer's activations rotated too; "
+                         "jaxserve cannot serve it yet")
+    sparsity = (config.get("sparsity_config") or {}).get("format", "dense")
+    if sparsity != "dense":  # "dense": compressed-tensors' name for weights stored as they are
+        raise ValueError(f"this compressed-tensors checkpoint stores its weights sparse ({sparsity}), which jaxserve "
+                         f"cannot read yet; supported: dense storage, and {SUPPORTED.removeprefix('supported: ')}")
     groups = list((config.get("config_groups") or {}).values())
-    schemes = {repr((g.get("weights"), g.get("format"))) for g in groups}
-    if len(schemes) != 1:
-        raise ValueError(f"this compressed-tensors checkpoint uses {len(schemes)} weight schemes; {SUPPORTED}")
+    if not groups:
+        return None
+    if len({repr((g.get("weights"), g.get("format"), g.get("input_activations"))) for g in groups}) > 1:
+        described = "; ".join(sorted({_described(g, config) for g in groups}))
+        raise ValueError(f"this compressed-tensors checkpoint uses {len(groups)} weight schemes ({described}), and "
+                         f"jaxserve reads checkpoints of one; {SUPPORTED}")
     group = groups[0]
     weights, activations = group.get("weights") or {}, group.get("input_activations")
     kind = group.get("format") or config.get("format")
-    described = f"{kind} {weights.get('type')}{weights.get('num_bits')} weights by {weights.get('strategy')}"
-    if activations:
-        described += ", activations quantized too"
+    if kind == "naive-quantized":  # 8-bit values stored in their own dtype, as the int and float formats store them
+        kind = {"int": "int-quantized", "float": "float-quantized"}.get(weights.get("type"), kind)
     packed = (kind == "pack-quantized" and weights.get("type") == "int" and weights.get("num_bits") in (4, 8)
               and weights.get("strategy") in ("group", "channel") and not activations)
     def dynamic(kind: str) -> bool:  # activations in float, or quantized per token as a step runs
@@ -70,15 +83,29 @@ def weight_scheme(raw: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, A
     int8 = (kind == "int-quantized" and weights.get("type") == "int" and weights.get("num_bits") == 8
             and weights.get("strategy") in ("tensor", "channel") and weights.get("symmetric", True)
             and dynamic("int"))
-    if not (packed or fp8 or int8) or config.get("sparsity_config"):
-        raise ValueError(f"this compressed-tensors checkpoint holds {described}, which jaxserve cannot read yet; "
-                         f"{SUPPORTED}")
+    if not (packed or fp8 or int8):
+        raise ValueError(f"this compressed-tensors checkpoint holds {_described(group, config)}, which jaxserve "
+                         f"cannot read yet; {SUPPORTED}")
     return kind, weights, activations
+
+
+def _described(group: dict[str, Any], config: dict[str, Any]) -> str:
+    """A config group's scheme in words: "pack-quantized int4 weights by group, activations quantized too"."""
+    weights = group.get("weights") or {}
+    described = (f"{group.get('format') or config.get('format')} {weights.get('type')}{weights.get('num_bits')} "
+                 f"weights by {weights.get('strategy')}")
+    return described + (", activations quantized too" if group.get("input_activations") else "")
 
 
 def compressed_tensors_source(source: TensorSource, raw: dict[str, Any]) -> TensorSource:
     """The source presenting a compressed-tensors checkpoint's weights under their float names."""
-    kind, weights, activations = weight_scheme(raw)
+    if quantization_config(raw).get("kv_cache_scheme"):
+        log.warning("the checkpoint's calibrated KV-cache scales (kv_cache_scheme) are not used: the KV cache holds "
+                    "the model's dtype, or float8 unscaled with --kv-cache-dtype fp8")
+    scheme = weight_scheme(raw)
+    if scheme is None:  # its KV cache quantized only: float weights
+        return source
+    kind, weights, activations = scheme
     if kind == "float-quantized":
         block = weights.get("block_structure")
         return ScaledSource(source, ".weight_scale", "compressed-tensors", tuple(block) if block else None)

@@ -121,14 +121,54 @@ def _float_weights(q):
     q["config_groups"]["group_0"]["weights"] |= {"type": "float", "num_bits": 8}
 
 
-@pytest.mark.parametrize("change, named", [
-    (_activations_too, "pack-quantized int4 weights by group, activations quantized too"),
-    (_float_weights, "float-quantized float8 weights by group"),
-], ids=["w4a8", "fp8"])
-def test_unsupported_schemes_are_refused_by_name(change, named, compressed, tmp_path):
+def _two_schemes(q):
+    q["config_groups"]["group_1"] = {**q["config_groups"]["group_0"], "targets": ["re:.*down_proj"],
+                                     "input_activations": {"num_bits": 8, "type": "int", "strategy": "token"}}
+    q["config_groups"]["group_0"]["targets"] = ["re:.*(q|k|v|o|gate|up)_proj"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (_activations_too, "holds pack-quantized int4 weights by group, activations quantized too, which jaxserve cannot "
+                       "read yet; supported: pack-quantized"),
+    (_float_weights, "holds float-quantized float8 weights by group, which jaxserve cannot read yet; supported: "
+                     "pack-quantized"),
+    # the same weights, one group's activations quantized: each weight's own matmul would differ (it took the
+    # first group's for all)
+    (_two_schemes, r"uses 2 weight schemes \(pack-quantized int4 weights by group; pack-quantized int4 weights by "
+                   r"group, activations quantized too\), and jaxserve reads checkpoints of one"),
+    (lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask"}),
+     r"stores its weights sparse \(sparse-24-bitmask\), which jaxserve cannot read yet; supported: dense storage"),
+    (lambda q: q.update(transform_config={"config_groups": {}}), r"weights are rotated \(transform_config"),
+], ids=["w4a8", "fp8", "two-schemes", "sparse", "transforms"])
+def test_unsupported_schemes_are_refused_by_name(change, message, compressed, tmp_path):
     path, _ = compressed("w4a16-group32-symmetric")
-    with pytest.raises(ValueError, match=f"holds {named}, which jaxserve cannot read yet; supported: pack-quantized"):
+    with pytest.raises(ValueError, match=message):
         small_engine(_rewritten(path, tmp_path, change))
+
+
+def test_dense_sparsity_and_a_kv_cache_scheme_change_nothing_but_a_warning(compressed, tmp_path, caplog):
+    """compressed-tensors' "dense" sparsity format is weights stored as they are (it was refused as a sparse
+    checkpoint); calibrated KV-cache scales are not used, which the log says."""
+    path, reference = compressed("w4a16-group32-symmetric")
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    changed = _rewritten(path, tmp_path, lambda q: q.update(sparsity_config={"format": "dense"}, kv_cache_scheme=kv))
+    with caplog.at_level("WARNING", logger="jaxserve.loader.compressed_tensors"):
+        served = small_engine(changed, quantization="compressed-tensors")
+    assert "calibrated KV-cache scales (kv_cache_scheme) are not used" in caplog.text
+    check_parity(served, reference, PROMPTS, tol=TOLERANCE)
+
+
+def test_a_checkpoint_quantizing_only_its_kv_cache_serves_its_float_weights(tiny_checkpoint, tmp_path):
+    """No config_groups, a kv_cache_scheme: float weights (it was refused as "0 weight schemes")."""
+    hf = tiny_checkpoint("llama", **TINY)
+    copy = tmp_path / "kv-only"
+    shutil.copytree(hf, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
+                                     "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}
+    (copy / "config.json").write_text(json.dumps(config))
+    reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    check_parity(small_engine(copy), reference, PROMPTS, tol=1e-5)
 
 
 def test_scales_that_do_not_fit_the_group_size_are_refused(compressed, tmp_path):

@@ -150,6 +150,18 @@ def test_the_older_compression_config_key_is_read(fp8_checkpoint, tmp_path):
     check_parity(small_engine(older, quantization="compressed-tensors"), reference, PROMPTS, tol=TOLERANCE)
 
 
+def test_naive_quantized_8_bit_weights_are_read_as_their_type_s_format(fp8_checkpoint, tmp_path):
+    """compressed-tensors' naive-quantized format stores 8-bit values in their own dtype, as float-quantized
+    (and int-quantized) do: it was refused."""
+    path, reference = fp8_checkpoint("ct-channel")
+
+    def naive(config):
+        q = config["quantization_config"]
+        q["format"] = q["config_groups"]["group_0"]["format"] = "naive-quantized"
+    check_parity(small_engine(_with_config(path, tmp_path, naive), quantization="compressed-tensors"), reference,
+                 PROMPTS, tol=TOLERANCE)
+
+
 def test_quantized_tensors_under_a_config_that_declares_none_are_refused(fp8_checkpoint, tmp_path):
     path, _ = fp8_checkpoint("ct-channel")
     undeclared = _with_config(path, tmp_path, lambda c: c.pop("quantization_config"))
