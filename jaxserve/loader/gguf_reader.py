@@ -9,6 +9,7 @@ types by their dimensions, quantized types as rows of bytes), so `gguf.quants.de
 
 from __future__ import annotations
 
+import importlib.metadata
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,10 @@ class GGUFField:
     value: Any  # a Python value: int, float, bool, str, or a list of one of them
     type: gguf.GGUFValueType
     element_type: gguf.GGUFValueType | None = None  # an array's
+
+
+class UnknownTensorType(ValueError):
+    """A tensor of a GGML type the gguf package does not know."""
 
 
 class GGUFReader:
@@ -115,7 +120,14 @@ class GGUFReader:
     def _tensor_info(self) -> tuple[str, tuple[int, ...], gguf.GGMLQuantizationType, int]:
         name = self._string()
         dims = tuple(self._scalar(VT.UINT64) for _ in range(self._scalar(VT.UINT32)))
-        return name, dims, gguf.GGMLQuantizationType(self._scalar(VT.UINT32)), self._scalar(VT.UINT64)
+        code = self._scalar(VT.UINT32)
+        try:
+            kind = gguf.GGMLQuantizationType(code)
+        except ValueError:  # a type newer than the installed gguf package (the file itself may be sound)
+            raise UnknownTensorType(f"tensor {name} is of GGML type {code}, which the installed gguf package "
+                                    f"({importlib.metadata.version('gguf')}) does not know: upgrade it "
+                                    "(pip install -U gguf) or use a file of another quantization type") from None
+        return name, dims, kind, self._scalar(VT.UINT64)
 
     def _tensor(self, start: int, name: str, dims: tuple[int, ...], kind: gguf.GGMLQuantizationType,
                 offset: int) -> GGUFTensor:

@@ -78,3 +78,16 @@ def test_a_truncated_or_foreign_file_is_refused_with_a_reason(tmp_path):
     foreign.write_bytes(b"PK\x03\x04" + bytes(100))
     with pytest.raises(ValueError, match="no GGUF magic"):
         GGUFReader(foreign)
+
+
+def test_a_tensor_type_the_gguf_package_does_not_know_is_named_not_called_truncated(tmp_path):
+    whole = bytearray(write(tmp_path / "m.gguf").read_bytes())
+    name = whole.index(b"\x03\x00\x00\x00\x00\x00\x00\x00f32") + 8 + 3  # then its dimension count, dims and type
+    type_at = name + 4 + 8 * int.from_bytes(whole[name:name + 4], "little")
+    whole[type_at:type_at + 4] = (250).to_bytes(4, "little")
+    newer = tmp_path / "newer.gguf"
+    newer.write_bytes(bytes(whole))
+    with pytest.raises(ValueError, match=r"newer.gguf: tensor f32 is of GGML type 250, which the installed gguf "
+                                         r"package \(.*\) does not know: upgrade it") as refused:
+        GGUFFile(newer)
+    assert "truncated" not in str(refused.value)
