@@ -264,13 +264,14 @@ def keep_blocks(cfg: ModelConfig, source: BlockSource, split: dict[str, int] | N
             continue
         # Groups no wider than the axis they run along in our layout (wo's head_dim), than one device's share of
         # it, nor than MAX_GROUP unless the scales are per output channel: a wider group's scale is repeated over
-        # the smaller ones, exact, so any mesh splits the weight in whole groups. Per-channel scales keep their
-        # groups as wide as that allows: one group over the contracted axis is what an FP8 GEMM scales by.
+        # the smaller ones, exact, so any mesh splits the weight in whole groups. Per-channel scales keep one group
+        # over the whole contracted axis, what a W8A8 or FP8 GEMM scales by, on a mesh that splits or pads the axis
+        # too (the scale is then replicated: models/layers.weight), so the matmul computes as on one device.
         fmt = common_format(found)
         if fmt is None:
             continue
-        cap = 0 if fmt.channel else MAX_GROUP
-        group = math.gcd(fmt.group, _group_axis_size(cfg, ours), (split or {}).get(ours, 0), cap)
+        share = 0 if fmt.channel else (split or {}).get(ours, 0)
+        group = math.gcd(fmt.group, _group_axis_size(cfg, ours), share, 0 if fmt.channel else MAX_GROUP)
         if group < MIN_KEPT_GROUP:
             log.info("%s is dequantized at load: its checkpoint groups narrow to %d columns here (whole groups on "
                      "each device of the mesh), too few to keep", ours, group)

@@ -106,12 +106,18 @@ def weight(shape: tuple[int, ...], logical: tuple[str | None, ...], dtype, contr
         return {"": param(shape, logical, dtype)}
     if isinstance(stored, Grouped):
         axis = max(i for i, name in enumerate(logical) if name in contract)  # the group axis
+        # A group of per-channel scales spans the whole axis, padded for a mesh too (shape[axis] may exceed it).
+        groups = max(1, shape[axis] // stored.group) if stored.channel else shape[axis] // stored.group
         grouped = {"": _resized(shape, axis, shape[axis] // 2 if stored.packed else shape[axis]), "_scale": _resized(
-            shape, axis, shape[axis] // stored.group)}
+            shape, axis, groups)}
         dtypes = {"": stored.dtype, "_scale": jnp.float32, "_offset": jnp.float32}
         if stored.offset:
             grouped["_offset"] = grouped["_scale"]
-        return {suffix: param(s, logical, dtypes[suffix]) for suffix, s in grouped.items()}
+        # One group over the whole axis (per-channel scales): every device splitting the axis holds that group's
+        # scale, replicated.
+        scale_logical = logical[:axis] + (None,) + logical[axis + 1:] if groups == 1 else logical
+        return {suffix: param(s, logical if suffix == "" else scale_logical, dtypes[suffix])
+                for suffix, s in grouped.items()}
     if stored not in QUANTIZATIONS:
         raise ValueError(f"quantization={stored!r} is not supported; use None, 'int8', 'w8a8' or 'fp8'")
     kept = [i for i, name in enumerate(logical) if name not in contract]

@@ -267,11 +267,13 @@ def _prepared_groups(cfg: ModelConfig, path, array: GroupedArray, logical: tuple
     are zeros: zero weights). 4-bit values are then packed two to a byte along the group axis."""
     values = pad_weight(array.values, logical, layout, cfg.num_kv_heads)
     axis, group = array.axis, array.group
+    if array.scale.shape[axis] == 1:  # one group (per-channel scales): over the padded axis too, its scale replicated
+        group = values.shape[axis]
     if values.shape[axis] % group:
         raise ValueError(f"{'.'.join(path)} is quantized in groups of {group} along {logical[axis]!r}, which this mesh "
                          f"pads to {values.shape[axis]}: not whole groups; use a mesh with fewer tensor-parallel devices")
     split = {"tp": layout.tp, "pp": layout.pp}.get(mesh_axis(logical[axis]), 1)
-    if (values.shape[axis] // group) % split:
+    if values.shape[axis] // group > 1 and (values.shape[axis] // group) % split:
         raise ValueError(f"{'.'.join(path)} is quantized in groups of {group} along {logical[axis]!r} "
                          f"({values.shape[axis] // group} groups), which this mesh splits over {split} devices: not "
                          f"whole groups on each; use a mesh with fewer tensor-parallel devices")

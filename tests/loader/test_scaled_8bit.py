@@ -74,6 +74,19 @@ def test_kept_8_bit_weights_match_transformers(name, fp8_checkpoint, caplog):
 PER_CHANNEL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def test_w8a8_on_a_mesh_splitting_and_padding_w_down_computes_as_on_one_device(fp8_checkpoint, caplog):
+    """tp 3 splits (and pads) w_down's contracted axis: its per-channel scale stays one group, so its matmul still
+    multiplies int8 activations (a group per device dequantized it instead: 0.08 off one device's logits)."""
+    from tests.models.test_int8 import int8_rounded
+
+    path, reference = fp8_checkpoint("ct-w8a8")
+    with caplog.at_level("INFO", logger="jaxserve.runner.weights"):
+        served = small_engine(path, "3x1")
+    assert kept_formats(caplog)["w_down"] == "8-bit in groups of 512, scales per output channel"
+    with fake_quantized_inputs(reference, PER_CHANNEL_PROJECTIONS, int8_rounded):
+        exact_but_where_a_value_tipped(check_parity(served, reference, TIP_PROMPTS, tol=TIPPED))
+
+
 @contextlib.contextmanager
 def fake_quantized_inputs(reference, projections, rounded):
     """transformers' `reference` with the inputs of the layers named `projections` passed through `rounded`."""
@@ -219,12 +232,11 @@ def test_a_weight_whose_groups_narrow_below_16_columns_is_dequantized_at_load_no
     assert formats["w_up"].group == 64
 
 
-@pytest.mark.parametrize("mesh, fp8_projections", [
-    (None, PER_CHANNEL_PROJECTIONS),
-    # tp splits w_down's contracted axis: its scale has a group per device, so it is dequantized in its matmul
-    ("2x1", ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")),
-])
-def test_fp8_gemms_on_kept_per_channel_float8_weights(mesh, fp8_projections, fp8_checkpoint, monkeypatch, caplog):
+# 2x1 and 3x1 split w_down's contracted axis (3x1 pads it too): its per-channel scale stays one group, replicated,
+# so it multiplies float8 activations as on one device (a group per device took the dequantized path: other
+# logits, other tokens than on one device).
+@pytest.mark.parametrize("mesh", [None, "2x1", "3x1"])
+def test_fp8_gemms_on_kept_per_channel_float8_weights(mesh, fp8_checkpoint, monkeypatch, caplog):
     """An FP8-dynamic checkpoint kept where FP8 GEMMs run (forced on the CPU here): every weight whose scales are
     one per output channel over its whole contracted axis multiplies float8 activations (each token's rounded to
     e4m3 at max |x| / 448), as transformers computes with those layers' inputs fake-quantized. wo's groups run
@@ -236,5 +248,5 @@ def test_fp8_gemms_on_kept_per_channel_float8_weights(mesh, fp8_projections, fp8
     with caplog.at_level("INFO", logger="jaxserve.runner.weights"):
         served = small_engine(path, mesh, quantization="compressed-tensors")
     assert "float8 weights multiply float8 activations" in caplog.text
-    with fake_quantized_inputs(reference, fp8_projections, fp8_rounded):
+    with fake_quantized_inputs(reference, PER_CHANNEL_PROJECTIONS, fp8_rounded):
         exact_but_where_a_value_tipped(check_parity(served, reference, TIP_PROMPTS, tol=TIPPED))
