@@ -7,6 +7,8 @@ Each test runs on one device and on a 3-stage pipeline, where the async engine k
 step's micro-batches through the stages within the step: the same tokens, whatever the interleaving (and the same
 logprobs but for their last bit: the two batch the rows differently)."""
 
+import re
+
 import pytest
 
 from jaxserve import Engine, SamplingParams
@@ -50,6 +52,23 @@ def test_greedy_sampled_and_n_best_of_match_the_synchronous_engine(engines):
     both(engines, PROMPTS[:2], SamplingParams(n=2, best_of=3, temperature=1.0, seed=5, max_tokens=6,
                                               ignore_eos=True))
     both(engines, PROMPTS, SamplingParams(temperature=0, max_tokens=6, logprobs=2, min_tokens=3))
+
+
+def test_constrained_requests_beside_free_ones_match_the_synchronous_engine(engines):
+    """A constrained sequence's next mask needs the token in flight: the engine reads every step back before it
+    plans one where such a sequence samples (on 1x3: before the next tick), the free requests beside it as usual."""
+    from jaxserve.sampling_params import StructuredOutputsParams
+
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    digits = SamplingParams(temperature=0, max_tokens=8,
+                            structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{2}"))
+    fast, slow = engines
+    prompts, params = PROMPTS, [digits, free, digits, free]
+    got = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs]
+           for o in fast.generate(prompts, params, use_tqdm=False)]
+    assert got == [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs]
+                   for o in slow.generate(prompts, params, use_tqdm=False)]
+    assert all(re.fullmatch(r"[0-9]{3}-[0-9]{2}", got[i][0][1]) and got[i][0][2] == "stop" for i in (0, 2)), got
 
 
 def test_lengths_of_one_to_three_tokens_and_the_context_limit(engines):
