@@ -106,16 +106,15 @@ def weight(shape: tuple[int, ...], logical: tuple[str | None, ...], dtype, contr
         return {"": param(shape, logical, dtype)}
     if isinstance(stored, Grouped):
         axis = max(i for i, name in enumerate(logical) if name in contract)  # the group axis
-        # A group of per-channel scales spans the whole axis, padded for a mesh too (shape[axis] may exceed it).
-        groups = max(1, shape[axis] // stored.group) if stored.channel else shape[axis] // stored.group
-        grouped = {"": _resized(shape, axis, shape[axis] // 2 if stored.packed else shape[axis]), "_scale": _resized(
-            shape, axis, groups)}
+        if stored.channel:  # one scale per output channel: size 1 along every contracted axis, on every device
+            scale_shape = tuple(1 if name in contract else n for n, name in zip(shape, logical))
+            scale_logical = tuple(None if name in contract else name for name in logical)
+        else:
+            scale_shape, scale_logical = _resized(shape, axis, shape[axis] // stored.group), logical
+        grouped = {"": _resized(shape, axis, shape[axis] // 2 if stored.packed else shape[axis]), "_scale": scale_shape}
         dtypes = {"": stored.dtype, "_scale": jnp.float32, "_offset": jnp.float32}
         if stored.offset:
             grouped["_offset"] = grouped["_scale"]
-        # One group over the whole axis (per-channel scales): every device splitting the axis holds that group's
-        # scale, replicated.
-        scale_logical = logical[:axis] + (None,) + logical[axis + 1:] if groups == 1 else logical
         return {suffix: param(s, logical if suffix == "" else scale_logical, dtypes[suffix])
                 for suffix, s in grouped.items()}
     if stored not in QUANTIZATIONS:
@@ -150,6 +149,9 @@ def dequantized(weights: dict[str, jax.Array], name: str, dtype) -> jax.Array:
         return w.astype(dtype)
     assert scale.ndim == w.ndim, f"{name}: per-channel scales apply to a matmul's output (dense)"
     offset = weights.get(name + "_offset")
+    if w.dtype != PACKED_4BIT and all(b == 1 for a, b in zip(w.shape, scale.shape) if a != b):
+        values = w.astype(jnp.float32) * scale  # one group over each axis the scale does not vary along
+        return (values if offset is None else values + offset).astype(dtype)
     axis = next(i for i, (a, b) in enumerate(zip(w.shape, scale.shape)) if a != b)  # the group axis
     if w.dtype == PACKED_4BIT:  # two 4-bit values per byte along the group axis, the first in the low nibble
         # Shifted through a broadcast rather than stacked: XLA:CPU ran a stack of the two nibbles 5.4x slower

@@ -252,7 +252,7 @@ def _prepared(cfg: ModelConfig, path, array, flat: dict, layout: ParallelLayout)
     out; jax in, jax out."""
     logical = _logical(flat, path)
     if isinstance(array, GroupedArray):
-        return _prepared_groups(cfg, path, array, logical, layout)
+        return _prepared_groups(cfg, path, array, logical, _logical(flat, _suffixed(path, "_scale")), layout)
     array = pad_weight(array, logical, layout, cfg.num_kv_heads)
     if len(paths := _part_paths(path, flat)) == 1:
         return {path: array}
@@ -261,19 +261,21 @@ def _prepared(cfg: ModelConfig, path, array, flat: dict, layout: ParallelLayout)
 
 
 def _prepared_groups(cfg: ModelConfig, path, array: GroupedArray, logical: tuple[str, ...],
-                     layout: ParallelLayout) -> dict:
+                     scale_logical: tuple[str, ...], layout: ParallelLayout) -> dict:
     """A weight kept in groups, padded for the mesh: the values like a float weight's; the scales and offsets on
     every axis but the group axis alike, and on the group axis to the padded size over the group (padded groups
-    are zeros: zero weights). 4-bit values are then packed two to a byte along the group axis."""
+    are zeros: zero weights). 4-bit values are then packed two to a byte along the group axis. Per-channel scales
+    (`scale_logical` leaves out the contracted axes, models/layers.weight) are one over every contracted axis."""
     values = pad_weight(array.values, logical, layout, cfg.num_kv_heads)
+    if scale_logical != logical:
+        return {path: values, _suffixed(path, "_scale"): _per_channel(path, array.scale, logical, scale_logical,
+                                                                       layout, cfg.num_kv_heads)}
     axis, group = array.axis, array.group
-    if array.scale.shape[axis] == 1:  # one group (per-channel scales): over the padded axis too, its scale replicated
-        group = values.shape[axis]
     if values.shape[axis] % group:
         raise ValueError(f"{'.'.join(path)} is quantized in groups of {group} along {logical[axis]!r}, which this mesh "
                          f"pads to {values.shape[axis]}: not whole groups; use a mesh with fewer tensor-parallel devices")
     split = {"tp": layout.tp, "pp": layout.pp}.get(mesh_axis(logical[axis]), 1)
-    if values.shape[axis] // group > 1 and (values.shape[axis] // group) % split:
+    if (values.shape[axis] // group) % split:
         raise ValueError(f"{'.'.join(path)} is quantized in groups of {group} along {logical[axis]!r} "
                          f"({values.shape[axis] // group} groups), which this mesh splits over {split} devices: not "
                          f"whole groups on each; use a mesh with fewer tensor-parallel devices")
@@ -287,6 +289,20 @@ def _prepared_groups(cfg: ModelConfig, path, array: GroupedArray, logical: tuple
     if array.offset is not None:
         parts[_suffixed(path, "_offset")] = groups(array.offset)
     return parts
+
+
+def _per_channel(path, scale: np.ndarray, logical: tuple[str, ...], scale_logical: tuple[str, ...],
+                 layout: ParallelLayout, num_kv_heads: int) -> np.ndarray:
+    """A per-channel scale in its groups' layout (repeated over the groups of each contracted axis: wo's heads)
+    as one over each contracted axis, padded like the weight's other axes."""
+    for axis, (name, kept) in enumerate(zip(logical, scale_logical)):
+        if name != kept and scale.shape[axis] > 1:
+            first = scale.take([0], axis=axis)
+            if not np.array_equal(scale, np.broadcast_to(first, scale.shape)):
+                raise ValueError(f"{'.'.join(map(str, path))}: its scales vary along {name!r}, so they are not one per "
+                                 "output channel as its format says")
+            scale = first
+    return pad_weight(scale, scale_logical, layout, num_kv_heads)
 
 
 def _suffixed(path, suffix: str):

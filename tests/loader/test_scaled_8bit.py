@@ -61,8 +61,8 @@ def test_kept_8_bit_weights_match_transformers(name, fp8_checkpoint, caplog):
     if name != "ct-w8a8":
         check_parity(served, reference, PROMPTS, tol=TOLERANCE)
         return
-    # W8A8: the layers whose scales are one per output channel over their whole contracted axis (all but wo,
-    # grouped per head) multiply int8 activations, each token rounded at max |x| / 127, as vLLM serves it.
+    # W8A8: every layer (its scales one per output channel, over each contracted axis: wo's heads too) multiplies
+    # int8 activations, each token rounded at max |x| / 127, as vLLM serves it.
     from tests.models.test_int8 import int8_rounded
 
     assert "the checkpoint's int8 weights multiply int8 activations" in caplog.text
@@ -71,7 +71,7 @@ def test_kept_8_bit_weights_match_transformers(name, fp8_checkpoint, caplog):
 
 
 
-PER_CHANNEL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj")
+PER_CHANNEL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def test_w8a8_on_a_mesh_splitting_and_padding_w_down_computes_as_on_one_device(fp8_checkpoint, caplog):
@@ -239,8 +239,9 @@ def test_a_weight_whose_groups_narrow_below_16_columns_is_dequantized_at_load_no
 def test_fp8_gemms_on_kept_per_channel_float8_weights(mesh, fp8_checkpoint, monkeypatch, caplog):
     """An FP8-dynamic checkpoint kept where FP8 GEMMs run (forced on the CPU here): every weight whose scales are
     one per output channel over its whole contracted axis multiplies float8 activations (each token's rounded to
-    e4m3 at max |x| / 448), as transformers computes with those layers' inputs fake-quantized. wo's groups run
-    along head_dim within each head, so it stays dequantized in its matmul."""
+    e4m3 at max |x| / 448), as transformers computes with those layers' inputs fake-quantized; wo too, its
+    per-channel scale one over both its contracted axes (heads and head_dim), where it was kept grouped per head
+    and dequantized in its matmul."""
     from tests.models.test_int8 import fp8_rounded
 
     path, reference = fp8_checkpoint("ct-fp8-dynamic")
