@@ -393,19 +393,29 @@ class Engine:
         sched, inputs, statics = planned or (None, None, None)
         entering = None if sched is None else InFlightStep(sched, None, self._num_steps)
         compiles_before = self._unforeseen_compiles()
-        leaving, pending = self.runner.tick(inputs, statics, tag=entering)
+        try:
+            leaving, pending = self.runner.tick(inputs, statics, tag=entering)
+        except BaseException:
+            if entering is not None and self.runner.unsampled is not None:  # the stages took it; the sampler of the
+                self._entered(entering)  # step leaving them was interrupted (sampled at the next call)
+            raise
         if leaving is not None:
             self._queue_leaving(leaving, pending)
         if entering is not None:
-            entering.lora_slots = tuple({c.seq.lora_slot for c in sched.chunks if c.seq.lora_slot >= 0})
-            self.scheduler.adapters.hold(entering.lora_slots)
-            self.scheduler.advance(sched)
-            for chunk in sched.chunks:
-                chunk.seq.staged = chunk.samples
-            self._num_steps += 1
+            self._entered(entering)
             if self._unforeseen_compiles() != compiles_before:
                 self._on_recompile(sched)  # may raise: the step is in the pipeline, the one leaving it queued
         return leaving is not None
+
+    def _entered(self, entering: InFlightStep) -> None:
+        """The step just planned is inside the pipeline's first stage: its tokens count as dispatched."""
+        sched = entering.sched
+        entering.lora_slots = tuple({c.seq.lora_slot for c in sched.chunks if c.seq.lora_slot >= 0})
+        self.scheduler.adapters.hold(entering.lora_slots)
+        self.scheduler.advance(sched)
+        for chunk in sched.chunks:
+            chunk.seq.staged = chunk.samples
+        self._num_steps += 1
 
     def _queue_leaving(self, leaving: InFlightStep, pending) -> None:
         """The step that left the pipeline's last stage, sampled (`pending`): queued to be read back."""

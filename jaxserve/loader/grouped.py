@@ -130,7 +130,7 @@ def uneven_groups(name: str, columns: int, groups: int, group_size: int | None) 
     if groups != expected:
         raise ValueError(f"{name} has {groups} groups of scales for {columns} input columns in groups of "
                          f"{group_size}: the checkpoint is not what its quantization_config describes")
-    return None if columns % group_size == 0 else np.arange(columns) // group_size
+    return None if expected == 1 or columns % group_size == 0 else np.arange(columns) // group_size
 
 
 def common_format(formats: list[Grouped]) -> Grouped | None:

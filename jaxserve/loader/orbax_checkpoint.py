@@ -34,7 +34,8 @@ def is_orbax_checkpoint(path: Path) -> bool:
 def layout_signature(layout) -> dict:
     """Everything that fixes the stored arrays' shapes and where each real layer and head sits in them."""
     return {"heads": dataclasses.asdict(layout.heads), "mlp": layout.mlp, "vocab": layout.vocab,
-            "experts": layout.experts, "layer_slots": layout.layer_slots(), "num_slots": layout.pp * layout.slots}
+            "experts": layout.experts, "shared_mlp": layout.shared_mlp, "layer_slots": layout.layer_slots(),
+            "num_slots": layout.pp * layout.slots}
 
 
 def nested(flat: dict) -> dict:
@@ -109,9 +110,14 @@ class OrbaxParams:
         return graphdef, nnx.from_flat_state([(path, var.replace(_leaf(restored, path))) for path, var in flat.items()])
 
     def _check_layout(self, layout) -> None:
-        if layout_signature(layout) != self.meta["layout"]:
+        stored = self.meta["layout"]  # an older conversion's has fewer keys (shared_mlp): those it has must match
+        if {key: value for key, value in layout_signature(layout).items() if key in stored} != stored:
             tp, pp = self.meta["mesh"]
             parts = ",".join(map(str, self.meta["partition"]))
+            if (tp, pp) == (layout.tp, layout.pp) and list(layout.partition) == list(self.meta["partition"]):
+                # an older jaxserve padded this mesh otherwise (a width tp does not divide: parallel/layout.py)
+                raise ValueError(f"{self.directory} was converted for mesh {tp}x{pp} by a jaxserve that padded the "
+                                 "weights for it otherwise: convert the original model again")
             raise ValueError(f"{self.directory} was converted for mesh {tp}x{pp} (layer partition {parts}), and its "
                              f"weights are padded and split for that layout; serve it with --mesh {tp}x{pp}, or "
                              f"convert the original model again with --mesh {layout.tp}x{layout.pp}")

@@ -3,6 +3,7 @@ refuses a mesh whose layout differs with a sentence naming both, and never overw
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +33,17 @@ def test_convert_then_serve_gives_the_original_tokens(tiny_checkpoint, tmp_path,
         Engine(out, mesh="4x1", **SMALL)
     with pytest.raises(ValueError, match="serve the original model .* with this quantization"):
         Engine(out, mesh="2x2", quantization="int8", **SMALL)
+    # An older conversion: its layout without the keys added since is read; one padded otherwise is refused.
+    marker = Path(out) / "jaxserve_checkpoint.json"
+    meta = json.loads(marker.read_text())
+    del meta["layout"]["shared_mlp"]
+    marker.write_text(json.dumps(meta))
+    assert tokens(Engine(out, mesh="2x2", **SMALL)) == tokens(converted)
+    meta["layout"]["mlp"] += 2
+    marker.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="converted for mesh 2x2 by a jaxserve that padded the weights for it "
+                                         "otherwise: convert the original model again"):
+        Engine(out, mesh="2x2", **SMALL)
     with pytest.raises(SystemExit):
         cli.main(["convert", model, out])
     assert "already exists" in capsys.readouterr().err

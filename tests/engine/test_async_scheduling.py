@@ -13,6 +13,7 @@ import pytest
 
 from jaxserve import Engine, SamplingParams
 from jaxserve.core.request import PLACEHOLDER
+from jaxserve.engine.steps import StepLog
 from jaxserve.runner import plan
 from tests.helpers import assert_equal_up_to_rounding
 
@@ -248,6 +249,10 @@ def test_an_interrupt_inside_a_step_loses_nothing(engines, monkeypatch, where, p
         monkeypatch.setattr("jaxserve.engine.engine.build_step_inputs",
                             once_on_the_third_call(plan.build_step_inputs, RuntimeError("boom")))
     fast.add_request("interrupted", PROMPTS[0], params)
+    for i, prompt in enumerate(PROMPTS[1:]):  # on 1x3 a step enters the pipeline at the interrupted tick
+        fast.add_request(f"beside{i}", prompt, params)
+    steps = StepLog()
+    fast.observers.append(steps)
     outs, raised = [], 0
     for _ in range(100):  # a step lost in the pipeline left its sequence waiting for it for ever
         if not fast.has_unfinished_requests():
@@ -256,8 +261,12 @@ def test_an_interrupt_inside_a_step_loses_nothing(engines, monkeypatch, where, p
             outs += fast.step()
         except (KeyboardInterrupt, RuntimeError):
             raised += 1
+    fast.observers.remove(steps)
     assert raised == 1 and not fast.has_unfinished_requests() and fast.runner.unsampled is None
-    assert outs[-1].finished and outs[-1].outputs[0].token_ids == expected
+    chunks = [(rid, start) for record in steps.records for rid, start, _ in record.chunks]
+    assert len(chunks) == len(set(chunks)), "a chunk was computed twice"  # the step entering an interrupted tick
+    final = {o.request_id: o for o in outs if o.finished}["interrupted"]
+    assert final.outputs[0].token_ids == expected
     assert all(PLACEHOLDER not in o.outputs[0].token_ids for o in outs)
     assert fast.blocks.num_free_blocks == fast.config.cache.num_blocks - 1
 

@@ -183,6 +183,19 @@ def test_scales_that_do_not_fit_the_group_size_are_refused(compressed, tmp_path)
         small_engine(_rewritten(path, tmp_path, group_size_48))
 
 
+@pytest.mark.parametrize("columns, groups, group_size, uneven", [
+    (256, 2, 128, False), (256, 3, 96, True), (256, 1, None, False),
+    (64, 1, 128, False),  # a group wider than the row: one whole group, kept (not dequantized by its columns)
+])
+def test_groups_are_counted_rounding_up(columns, groups, group_size, uneven):
+    from jaxserve.loader.grouped import uneven_groups
+
+    found = uneven_groups("w", columns, groups, group_size)
+    assert (found is not None) == uneven
+    if uneven:
+        assert found.tolist() == [c // group_size for c in range(columns)]
+
+
 def test_a_quantization_for_another_checkpoint_kind_is_refused(compressed):
     path, _ = compressed("w4a16-group32-symmetric")
     with pytest.raises(ValueError, match="quantization='gguf' keeps a gguf checkpoint's quantized weights in their "
