@@ -273,8 +273,9 @@ def keep_blocks(cfg: ModelConfig, source: BlockSource, split: dict[str, int] | N
         share = 0 if fmt.channel else (split or {}).get(ours, 0)
         group = math.gcd(fmt.group, _group_axis_size(cfg, ours), share, 0 if fmt.channel else MAX_GROUP)
         if group < MIN_KEPT_GROUP:
-            log.info("%s is dequantized at load: its checkpoint groups narrow to %d columns here (whole groups on "
-                     "each device of the mesh), too few to keep", ours, group)
+            log.warning("%s is dequantized at load (its float weights take several times the memory): its "
+                        "checkpoint groups narrow to %d columns here (whole groups on each device of the mesh), too "
+                        "few to keep; a mesh with fewer tensor-parallel devices keeps them", ours, group)
             continue
         formats[ours] = dataclasses.replace(fmt, group=group)
         by_tensor |= dict.fromkeys(tensors, formats[ours])
