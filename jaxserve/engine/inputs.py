@@ -114,8 +114,7 @@ def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int
             f"the prompt has {prompt_len} tokens but the model's maximum context length is {max_model_len}; "
             "shorten the prompt"
         )
-    filled = params.max_tokens is None
-    if filled:
+    if params.max_tokens is None:
         params = params.replace(max_tokens=min(max_model_len - prompt_len, max_tokens_cap or max_model_len))
     elif prompt_len + params.max_tokens > max_model_len:
         raise ValueError(
@@ -135,18 +134,16 @@ def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int
         if bad:
             raise InvalidRequestField(f"{field} has token id {bad[0]}, outside the vocabulary (0..{vocab - 1})", field)
     capacity = (config.cache.num_blocks - 1) * config.cache.block_size
-    # Every sequence (n, or best_of) may grow to prompt + max_tokens. Checked before the sequences are made, so a
-    # request for a billion of them is refused at once rather than exhausting host memory. A max_tokens the request
-    # left out (the room left in the context) is no budget it asked for: as in vLLM, its sequences share the cache,
-    # preempted and recomputed while it is short (one alone always fits: max_model_len fits the cache), so only
-    # their start is checked.
-    needed = params.num_sequences * (prompt_len + (1 if filled else params.max_tokens))
+    # The request's sequences (n, or best_of) share the cache as vLLM's do: while it is short they are preempted and
+    # recomputed in turn (one alone always fits: max_model_len fits the cache), so only their starts must fit at
+    # once, whatever max_tokens allows each to grow to. Checked before the sequences are made, so a request for a
+    # billion of them is refused at once rather than exhausting host memory.
+    needed = params.num_sequences * (prompt_len + 1)
     if needed > capacity:
-        each = f"{params.num_sequences} sequences x " if params.num_sequences > 1 else ""
-        growth = "1 token to start" if filled else f"{params.max_tokens} max_tokens"
         raise ValueError(
-            f"the request needs up to {needed} tokens of KV cache ({each}{prompt_len} prompt + {growth}) but the "
-            f"whole cache holds {capacity}; lower n{'' if filled else ' or max_tokens'}, or raise num_kv_blocks"
+            f"the request's {params.num_sequences} sequences need {needed} tokens of KV cache to start "
+            f"({params.num_sequences} x {prompt_len} prompt + 1) but the whole cache holds {capacity}; lower n, or "
+            "raise num_kv_blocks"
         )
     return params
 

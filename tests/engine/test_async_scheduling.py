@@ -84,18 +84,19 @@ def test_lengths_of_one_to_three_tokens_and_the_context_limit(engines):
     assert fast.blocks.num_free_blocks == fast.config.cache.num_blocks - 1  # every block back, null block aside
 
 
-def test_n_sequences_up_to_the_context_share_a_cache_too_small_for_all_of_them(engines):
-    """max_tokens left out: each of 4 sequences may grow to max_model_len (4 x 128 tokens), more than the whole cache
-    (23 blocks x 16): admitted as vLLM admits it, they take turns, preempted and recomputed, and all finish."""
+@pytest.mark.parametrize("max_tokens", [None, 120])
+def test_n_sequences_up_to_the_context_share_a_cache_too_small_for_all_of_them(engines, max_tokens):
+    """Each of 4 sequences may grow to max_model_len (4 x 128 tokens: max_tokens left out, or asked for), more than
+    the whole cache (23 blocks x 16): admitted as vLLM admits them, they take turns, preempted and recomputed, and
+    all finish."""
     fast, _ = engines
-    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=None, ignore_eos=True)
-    out = both(engines, PROMPTS[:1], params)
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=max_tokens, ignore_eos=True)
     prompt_len = len(fast.tokenizer(PROMPTS[0])["input_ids"])
-    assert [len(choice[0]) for choice in out[0]] == [128 - prompt_len] * 4
+    assert 4 * (prompt_len + (max_tokens or 128 - prompt_len)) > 23 * 16
+    out = both(engines, PROMPTS[:1], params)
+    assert [len(choice[0]) for choice in out[0]] == [max_tokens or 128 - prompt_len] * 4
     assert fast.blocks.num_free_blocks == fast.config.cache.num_blocks - 1
-    with pytest.raises(ValueError, match=r"\+ 120 max_tokens\) .* lower n or max_tokens"):  # a budget it asks for
-        fast.generate(PROMPTS[:1], params.replace(max_tokens=120), use_tqdm=False)
-    with pytest.raises(ValueError, match=r"400 sequences x \d+ prompt \+ 1 token to start\) .* lower n, or"):
+    with pytest.raises(ValueError, match=r"400 sequences need \d+ tokens of KV cache to start .* lower n, or"):
         fast.generate(PROMPTS[:1], params.replace(n=400), use_tqdm=False)  # even their starts do not fit
 
 
