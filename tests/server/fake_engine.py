@@ -121,8 +121,8 @@ class FakeEngine:
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"{name}={value} is above the maximum of {self.max_logprobs}")
-        if params.num_sequences * (len(token_ids) + max_tokens) > self.total_blocks * self.block_size:
-            raise ValueError("n x (prompt + max_tokens) is more than the whole KV cache holds")  # as the engine
+        if params.num_sequences * (len(token_ids) + 1) > self.total_blocks * self.block_size:
+            raise ValueError("n x (prompt + 1) is more than the whole KV cache holds")  # as the engine
         return FakeRequest(request_id, prompt, token_ids, params, self._start_offsets(params))
 
     def _start_offsets(self, params):

@@ -102,7 +102,7 @@ def test_oversized_bodies_are_413_declared_or_chunked(fuzz_server):
 
 def test_capacity_and_vocabulary_limits_are_400(fuzz_server):
     client = fuzz_server[0]
-    for body in ({"prompt": "x", "n": 10**9}, {"prompt": "x", "n": 40, "max_tokens": 100},
+    for body in ({"prompt": "x", "n": 10**9}, {"prompt": "x " * 60, "n": 40},
                  {"prompt": [49152]}, {"prompt": "x", "logprobs": 21}):
         assert post_body(client, "/v1/completions", json.dumps(body).encode()).status_code == 400, body
 
@@ -123,7 +123,7 @@ REAL_BAD_BODIES = [
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
-    ("/v1/completions", {"prompt": "x", "n": 9, "max_tokens": 500}, "KV cache"),
+    ("/v1/completions", {"prompt": [1] * 400, "n": 11}, "KV cache"),  # 11 x (400 + 1): even their starts
     ("/v1/completions", {"prompt": "x", "n": 10**9}, "KV cache"),
     ("/v1/completions", {"prompt": [1] * 600}, "maximum context length"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**30}, "maximum context length"),
