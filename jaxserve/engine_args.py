@@ -56,6 +56,8 @@ VLLM_NO_EFFECT = {
     "task": PER_REQUEST_TASK,
     "runner": PER_REQUEST_TASK,
     "limit_mm_per_prompt": "jaxserve serves text only: a request with image or audio parts is refused",
+    "scheduling_policy": "requests always run in (priority, arrival) order, a lower priority first: first come, "
+                         "first served where no request sets one",
 }
 VLLM_NEGATABLE = {"enable_chunked_prefill"}  # its False (vLLM's --no-enable-chunked-prefill) is a choice too
 # vLLM's --task values (its --runner's are auto, generate and pooling); those jaxserve has no counterpart for are

@@ -77,12 +77,13 @@ def test_options_without_effect_are_accepted_with_a_warning_each(capsys, caplog,
     assert generate("--enforce-eager", "--trust-remote-code", "--swap-space", "4", "--no-enable-chunked-prefill",
                     "--disable-custom-all-reduce", "--max-seq-len-to-capture", "8192", "--kv-cache-dtype", "auto",
                     "--load-format", "safetensors", "--tokenizer-mode", "auto", "--task", "embed", "--runner",
-                    "pooling", "--limit-mm-per-prompt", '{"image": 0}', "-O", "3", "--disable-log-stats") == 0
+                    "pooling", "--limit-mm-per-prompt", '{"image": 0}', "-O", "3", "--disable-log-stats",
+                    "--scheduling-policy", "priority") == 0
     warned = [record.getMessage().split(" has no effect")[0] for record in caplog.records]
     assert warned == ["--enforce-eager", "--max-seq-len-to-capture", "--compilation-config", "--swap-space",
                       "--disable-custom-all-reduce",
                       "--trust-remote-code", "--no-enable-chunked-prefill", "--task", "--runner",
-                      "--limit-mm-per-prompt"]  # not --disable-log-stats: generate logs none, as asked
+                      "--limit-mm-per-prompt", "--scheduling-policy"]  # not --disable-log-stats: generate logs none, as asked
     assert fake_engine_module["load_format"] == "auto"  # the loader reads whichever format the model has
     assert fake_engine_module["kv_cache_dtype"] == "auto"
     caplog.clear()
@@ -156,8 +157,9 @@ def test_float_is_float32_everywhere():
 def test_server_options_without_effect_are_warned_about(caplog):
     caplog.set_level(logging.WARNING, logger="jaxserve.cli.main")
     check_vllm_options(parse(["serve", "--disable-fastapi-docs", "--disable-frontend-multiprocessing"]))
+    # --disable-fastapi-docs does what vLLM's does (tests/server/test_security.py)
     assert [record.getMessage().split(" has no effect")[0] for record in caplog.records] == [
-        "--disable-fastapi-docs", "--disable-frontend-multiprocessing"]
+        "--disable-frontend-multiprocessing"]
     assert parse(["serve", "--max-log-len", "64"]).max_log_len == 64
 
 

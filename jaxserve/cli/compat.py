@@ -17,7 +17,6 @@ logger = logging.getLogger("jaxserve.cli.main")
 # --disable-log-stats, which turns serve's stats log off) and its server's. Each is warned about when given (None or
 # False: not given; the one option with a --no- form says so with False).
 NO_EFFECT = {dest: why for dest, why in VLLM_NO_EFFECT.items() if dest != "disable_log_stats"} | {
-    "disable_fastapi_docs": "jaxserve serves no /docs pages",
     "disable_frontend_multiprocessing": "the HTTP server and the engine loop share one process",
 }
 TOKENIZER_MODES = ("auto", "hf", "slow", "mistral", "custom")
@@ -35,17 +34,18 @@ def add_vllm_compat_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--guided-decoding-backend", metavar="NAME")
     group.add_argument("--max-parallel-loading-workers", type=positive_int, metavar="N")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
-    group.add_argument("--calculate-kv-scales", action="store_true")
     group.add_argument("--task", choices=VLLM_TASKS)
     group.add_argument("--runner", choices=VLLM_RUNNERS)
     group.add_argument("--limit-mm-per-prompt", type=modality_limits, metavar="JSON|image=N,...")
+    group.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
     group.add_argument("--tokenizer-mode", default="auto", choices=TOKENIZER_MODES,
                        help="auto/hf: the model's Hugging Face tokenizer (the only kind jaxserve reads)")
+    refused = parser.add_argument_group("vLLM options jaxserve cannot honour (refused, saying why)")
+    refused.add_argument("--calculate-kv-scales", action="store_true")
 
 
 def add_vllm_serve_compat_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("vLLM server options accepted for its command lines (no effect here)")
-    group.add_argument("--disable-fastapi-docs", action="store_true")
     group.add_argument("--disable-frontend-multiprocessing", action="store_true")
 
 

@@ -66,9 +66,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' (any of the keys given) on /v1 routes (default: "
                              f"${' or $'.join(API_KEY_VARIABLES)} when set, as vLLM reads VLLM_API_KEY)")
     server.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                        help="name(s) clients use for the model (default: MODEL as given)")
+                        help="name(s) clients use for the model (default: MODEL as given; a GGUF file's name without "
+                             "its directory and suffix; SmolLM2-135M-Instruct for the built-in default)")
     server.add_argument("--max-waiting-requests", type=positive_int, default=1024, metavar="N",
-                        help="requests waiting for their first token before new ones get 503")
+                        help="requests waiting for their first token before new ones get 503 (default: 1024)")
     server.add_argument("--max-request-body-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         metavar="N", help="larger request bodies get 413 (default: 8 MiB)")
     server.add_argument("--request-timeout", type=positive_float, metavar="SECONDS",
@@ -125,6 +126,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     web.add_argument("--root-path", type=url_root_path, default="", metavar="PATH",
                      help="the prefix a reverse proxy serves this under, e.g. /llm: requests are answered with or "
                           "without it")
+    web.add_argument("--disable-fastapi-docs", action="store_true",
+                     help="serve no API description (/openapi.json, /docs), as vLLM's option of that name")
     web.add_argument("--enable-request-id-headers", action="store_true",
                      help="answer with an X-Request-Id header: the request's own, or a new one")
     web.add_argument("--ssl-keyfile", metavar="PEM", help="the TLS private key (serve HTTPS)")

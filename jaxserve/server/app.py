@@ -171,9 +171,8 @@ ROUTES = [
     Route("/health", health, methods=["GET"]),
     Route("/version", version, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
-    Route("/openapi.json", openapi_json, methods=["GET"]),
-    Route("/docs", docs_page, methods=["GET"]),
 ]
+API_DESCRIPTION = [Route("/openapi.json", openapi_json, methods=["GET"]), Route("/docs", docs_page, methods=["GET"])]
 
 
 def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = None,
@@ -183,7 +182,8 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
               reasoning_parser=None, lora_adapters: dict | None = None,
               runtime_lora_updating: bool = False, cors: CORSPolicy | None = None, root_path: str = "",
               log_stats_interval: float | None = None, output_options: OutputOptions | None = None,
-              request_id_headers: bool = False, vllm_metric_names: bool = False) -> Starlette:
+              request_id_headers: bool = False, vllm_metric_names: bool = False,
+              api_description: bool = True) -> Starlette:
     """The HTTP app over `async_engine`; it serves the model under `served_model_names` (default: its name),
     and each of `lora_adapters` (name -> LoRARequest) under its name; `runtime_lora_updating` opens the routes
     that load and unload adapters.
@@ -194,7 +194,8 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
     (server/transport.py). `log_stats_interval`: seconds between the engine stats lines in the log (None: none).
     `output_options`: what completion and chat bodies carry beyond OpenAI's fields (vLLM's flags).
     `request_id_headers`: every response carries an X-Request-Id header. `vllm_metric_names`: /metrics names its
-    series vllm:NAME instead of jaxserve:NAME.
+    series vllm:NAME instead of jaxserve:NAME. `api_description`: serve /openapi.json and /docs (open, as in
+    vLLM; vLLM's --disable-fastapi-docs turns them off).
     """
     names = list(served_model_names or [async_engine.model_name])
     metrics = ServerMetrics(async_engine, names[0], VLLM_PREFIX if vllm_metric_names else PREFIX)
@@ -218,7 +219,7 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
     handlers = {error: handle_api_error for error in (*expected_failures, Exception)}
     handlers[HTTPException] = handle_http_exception
     handlers[ClientDisconnect] = handle_client_disconnect
-    app = Starlette(routes=ROUTES, exception_handlers=handlers, lifespan=lifespan,
+    app = Starlette(routes=ROUTES + (API_DESCRIPTION if api_description else []), exception_handlers=handlers, lifespan=lifespan,
                     middleware=[*([Middleware(RequestIdMiddleware)] if request_id_headers else []),
                                 *([Middleware(RootPathMiddleware, root_path=root_path)] if root_path else []),
                                 *([cors.middleware()] if cors else []),  # errors get CORS headers too

@@ -46,7 +46,8 @@ def serve_engine(engines, args: argparse.Namespace, sock: socket.socket, mesh: M
                     log_stats_interval=None if args.disable_log_stats else log_stats_interval(),
                     output_options=OutputOptions(tokens_as_ids=args.return_tokens_as_token_ids,
                                                  prompt_tokens_details=args.enable_prompt_tokens_details),
-                    request_id_headers=args.enable_request_id_headers, vllm_metric_names=args.vllm_metric_names)
+                    request_id_headers=args.enable_request_id_headers, vllm_metric_names=args.vllm_metric_names,
+                    api_description=not args.disable_fastapi_docs)
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
     log_startup(engines, args, mesh, names, f"{'https' if tls else 'http'}://{host}:{port}")

@@ -198,11 +198,13 @@ def test_max_log_len_cuts_logged_prompts(tokenizer, caplog):
 
 
 def test_serve_options_reach_the_server(tokenizer_dir, tmp_path):  # noqa: F811 - the fixture
-    """--log-prompts, --request-timeout, --max-request-body-bytes and --max-waiting-requests, through the real
-    `serve` command line."""
+    """--log-prompts, --request-timeout, --max-request-body-bytes, --max-waiting-requests and
+    --disable-fastapi-docs, through the real `serve` command line."""
     args = ["--log-prompts", "--max-log-len", "500", "--request-timeout", "0.5", "--max-request-body-bytes", "2000",
-            "--max-waiting-requests", "1"]
+            "--max-waiting-requests", "1", "--disable-fastapi-docs"]
     with fake_server_process(tokenizer_dir, args, tmp_path / "serve.log", step_delay=0.02) as server:
+        assert [httpx.get(server.url + path).status_code for path in ("/openapi.json", "/docs", "/health")] == [
+            404, 404, 200]
         send_prompts_everywhere(server.url)
         slow = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 200}, timeout=10)
         big = httpx.post(server.url + "/v1/completions", json={"prompt": "x" * 3000}, timeout=10)
