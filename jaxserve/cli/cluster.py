@@ -93,6 +93,8 @@ def _detected_cluster() -> tuple[str, int, int] | None:
         return None
     if ":" not in coordinator.rpartition("]")[2]:
         coordinator = f"{coordinator}:{_coordinator_port()}"
+    elif coordinator.endswith(":65535"):  # a SLURM job-id port may be the last one; the step channel needs the next
+        coordinator = coordinator.removesuffix("65535") + "65534"
     return coordinator, int(num), int(pid)
 
 

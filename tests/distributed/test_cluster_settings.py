@@ -74,5 +74,14 @@ def test_a_slurm_job_step_is_found_as_jax_distributed_finds_it(monkeypatch):
     options = cluster.cluster_options(flags())
     assert (options.num_processes, options.process_id) == (2, 1)
     assert options.coordinator.startswith("node3:") and not cluster.is_leader(flags())
+    # jax takes the port from the job id (61440 + id % 4096), unless JAX_COORDINATOR_PORT says; the last port
+    # leaves no next one for the step channel, so the one before is taken (by every process alike)
+    for job, port in (("7", 61447), ("4095", 65534)):
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        cluster._detected_cluster.cache_clear()
+        assert cluster.cluster_options(flags()).coordinator == f"node3:{port}"
+    monkeypatch.setenv("JAX_COORDINATOR_PORT", "9000")
+    cluster._detected_cluster.cache_clear()
+    assert cluster.cluster_options(flags()).coordinator == "node3:9000"
     # A flag still decides: one process inside the job
     assert cluster.cluster_options(flags(num_processes=1)) is None
