@@ -16,6 +16,7 @@ from jaxserve.batch.job_config import BatchJob, load_job
 from jaxserve.batch.problems import JobError
 from jaxserve.batch.result_log import read_results
 from jaxserve.errors import UserError
+from jaxserve.loader.model_name import served_name
 from jaxserve.server.errors import APIError
 
 
@@ -64,8 +65,9 @@ def _input_facts(job: BatchJob, scan: InputScan) -> list[str]:
 
 
 def _body_problems(job: BatchJob, scan: InputScan) -> list[str]:
-    """Every body checked as the HTTP API would check it (schema, sampling values, model name if known)."""
+    """Every body checked as the HTTP API would check it (schema, sampling values, the model's name)."""
     problems = []
+    names = job.served_model_name or [served_name(job.model)]  # as the run resolves bodies' names
     for item in scan.items:
         try:
             request, _ = parse_body(item.url, item.body, job.sampling)
@@ -73,9 +75,11 @@ def _body_problems(job: BatchJob, scan: InputScan) -> list[str]:
             problems.append(f"line {item.line} (custom_id {item.custom_id!r}): {exc.message}")
             continue
         adapters = list(job.engine.lora_modules or {})
-        if job.served_model_name and request.model and request.model not in job.served_model_name + adapters:
+        if request.model and request.model not in names + adapters:
+            served = (f"served_model_name is {', '.join(names)}" if job.served_model_name else
+                      f"the job serves its model as {names[0]!r} (set served_model_name to the name the bodies use)")
             problems.append(f"line {item.line} (custom_id {item.custom_id!r}): model {request.model!r} is not "
-                            f"served; served_model_name is {', '.join(job.served_model_name)}"
+                            f"served; {served}"
                             + (f" and the LoRA adapters are {', '.join(adapters)}" if adapters else ""))
     return problems
 

@@ -25,6 +25,7 @@ from jaxserve.loader.gguf import GGUFFile
 from jaxserve.loader.gptq import PackedIntSource, packed_int_method
 from jaxserve.loader.heads import ModelHead, causal_config, open_head
 from jaxserve.loader.hf_config import model_config_from_hf
+from jaxserve.loader.model_name import is_gguf_file, served_name
 from jaxserve.loader.mxfp4 import ARCHITECTURES as MXFP4_ARCHITECTURES
 from jaxserve.loader.mxfp4 import is_mxfp4, mxfp4_source
 from jaxserve.loader.orbax_checkpoint import is_orbax_checkpoint, open_orbax_checkpoint
@@ -85,14 +86,12 @@ def _open(model: str | None, weights: bool, hf_overrides: dict, revision: str | 
             log.warning("tokenizer_revision %r ignored: %s is a local file or directory, not a hub id",
                         tokenizer.revision, model)
         tokenizer = TokenizerChoice() if local else replace(tokenizer, given=model)
-    gguf = path.is_file() and (path.suffix.lower() == ".gguf" or _has_gguf_magic(path))  # ollama's blobs have no suffix
+    gguf = is_gguf_file(path)
     if hf_overrides and (gguf or (path.is_dir() and is_orbax_checkpoint(path))):
         raise ValueError(f"hf_overrides applies to a Hugging Face config.json, and {model or DEFAULT_MODEL_NAME} "
                          "has none (a GGUF file or a `jaxserve convert` checkpoint): give the HF model directory")
-    if model is None:
-        return _open_gguf(path, DEFAULT_MODEL_NAME, tokenizer)
-    if gguf:
-        return _open_gguf(path, path.stem, tokenizer)
+    if model is None or gguf:
+        return _open_gguf(path, served_name(model), tokenizer)
     if path.is_file():
         raise ValueError(f"{model} is a file jaxserve cannot serve alone: give a GGUF file, or the Hugging Face "
                          "model directory holding it (config.json beside the .safetensors files)")
@@ -118,11 +117,6 @@ def _open_gguf(path: Path, name: str, tokenizer: TokenizerChoice) -> Checkpoint:
     config = f.model_config()
     return Checkpoint(name=name, config=config, tensors=_split_fused(f, config),
                       tokenizer=tokenizer.resolve(f.tokenizer, config.vocab_size))
-
-
-def _has_gguf_magic(path: Path) -> bool:
-    with path.open("rb") as file:
-        return file.read(4) == b"GGUF"
 
 
 def _split_fused(tensors: TensorSource, config: ModelConfig) -> TensorSource:

@@ -44,6 +44,17 @@ def test_every_problem_is_listed(tmp_path, capsys):
         assert expected in out, expected
 
 
+def test_model_names_are_checked_against_the_name_the_job_serves(tmp_path, capsys):
+    """Without served_model_name the model serves under its own name (the default model's here): an OpenAI batch
+    file's model names would make every line a 404 record, so --validate lists them."""
+    lines = [completion_line("a", "x", model="SmolLM2-135M-Instruct"), completion_line("b", "x", model="gpt-4o-mini")]
+    code, out, _ = validate(capsys, write_job(tmp_path, lines))
+    assert code == 2 and "1 problem(s):" in out
+    assert ("line 2 (custom_id 'b'): model 'gpt-4o-mini' is not served; the job serves its model as "
+            "'SmolLM2-135M-Instruct' (set served_model_name to the name the bodies use)") in out
+    assert validate(capsys, write_job(tmp_path, lines, served_model_name=["gpt-4o-mini", "SmolLM2-135M-Instruct"]))[0] == 0
+
+
 def test_a_bad_job_file_is_listed_too(tmp_path, capsys):
     code, out, _ = validate(capsys, write_job(tmp_path, GOOD, engine={"tp": 2}, max_concurency=4))
     assert code == 2 and "unknown key 'engine.tp'" in out and "unknown key 'max_concurency'" in out
