@@ -40,7 +40,7 @@ ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCE
 LWS_ENV = {"coordinator": "LWS_LEADER_ADDRESS", "num_processes": "LWS_GROUP_SIZE", "process_id": "LWS_WORKER_INDEX"}
 COORDINATOR_PORT_ENV = "JAX_COORDINATOR_PORT"  # jax's own name for the port of an address found in the environment
 DETECTED = ("slurm", "ompi", "gcetpu", "gketpu")  # jax's names of the clusters whose processes it finds itself
-DEFAULT_COORDINATOR_PORT = 8476  # jax's default (Cloud TPU); the step channel takes the next one
+DEFAULT_COORDINATOR_PORT = 8476  # for LWS_LEADER_ADDRESS (jax finds its own ports); the step channel takes the next
 
 
 def _converted(variable: str, convert):
