@@ -65,6 +65,8 @@ class Cluster:
     step_lock: threading.Lock = field(default_factory=threading.Lock)  # leader: held while a step is sent
     closed: bool = False  # leader: the followers were released (the step lock stays held from then on)
     last_launched: object | None = None  # leader: the outputs of the newest step launched (it may still run)
+    followers_wait_for_load: bool = False  # join(wait_for_load=True): followers build nothing before LOAD
+    exit_status: int = 1  # leader: this process's status if it leaves before serving (a signal's, 128 + its number)
 
     @property
     def is_leader(self) -> bool:
@@ -107,6 +109,13 @@ class Cluster:
 
             jax.block_until_ready(self.last_launched)  # the devices run steps in order: every earlier one is done
         self.leader.stop(clean=clean, reason="" if clean else reason)
+        if not clean and not self.followers_wait_for_load:
+            # The followers were building their engines, so they leave at once on this abort (their main thread
+            # cannot be waited for), and jax.distributed's exit barrier would wait SHUTDOWN_SECONDS for them, then
+            # abort this process natively. Leave as they do.
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(self.exit_status)
 
 
 _FATAL = threading.Lock()
@@ -138,7 +147,7 @@ def join(options: ClusterOptions, fingerprint: dict, liveness_seconds: float | N
     `wait_for_load`: followers build nothing until the leader sends LOAD (follower.await_load)."""
     host, port = split_address(options.coordinator)
     kw = {} if liveness_seconds is None else {"liveness_seconds": liveness_seconds}
-    cluster = Cluster(options)
+    cluster = Cluster(options, followers_wait_for_load=wait_for_load)
     if options.is_leader:
         cluster.leader = LeaderChannel(host, port + 1, options.num_processes, **kw)
         log.info("waiting up to %.0f s for %d more processes on %s:%d", options.timeout,
@@ -154,7 +163,23 @@ def join(options: ClusterOptions, fingerprint: dict, liveness_seconds: float | N
     initialize_jax(options)
     if cluster.is_leader:
         atexit.register(cluster.close)  # after jax's own exit hook, so it runs first (atexit is last-in first-out)
+        exit_on_sigterm(cluster)
     return cluster
+
+
+def exit_on_sigterm(cluster: Cluster) -> None:
+    """Leader: until the server or the batch job takes the signals over, SIGTERM exits the process (status 143,
+    as the signal's own), unwinding it, so one arriving while the model loads or compiles still releases the
+    followers at exit (`Cluster.close`, which tells them why) rather than cutting their connection mid-load."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers belong to the main thread; the default action still ends the process
+
+    def exit_on_signal(signum, frame):
+        log.warning("%s before serving began: stopping every process", signal.Signals(signum).name)
+        cluster.exit_status = 128 + signum
+        raise SystemExit(cluster.exit_status)
+
+    signal.signal(signal.SIGTERM, exit_on_signal)
 
 
 def initialize_jax(options: ClusterOptions) -> None:
@@ -162,6 +187,14 @@ def initialize_jax(options: ClusterOptions) -> None:
 
     # CPU meshes across processes need a collectives library; gloo ships with jaxlib (0.10 default, said anyway).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # jax's preemption service (on by default) takes SIGTERM over in C++ and only records it, for
+    # multihost_utils.reached_preemption_sync_point, which jaxserve never asks: a SIGTERM before jaxserve's own
+    # handlers were in place (the model loading, compiling) was lost and every process ran on. jaxserve handles
+    # SIGTERM itself: it drains, then stops every process.
+    try:
+        jax.config.update("jax_enable_preemption_service", False)
+    except AttributeError:  # a jax without the service: nothing takes the signal
+        pass
     jax.distributed.initialize(options.coordinator, num_processes=options.num_processes,
                                process_id=options.process_id, initialization_timeout=max(10, int(options.timeout)),
                                shutdown_timeout_seconds=SHUTDOWN_SECONDS)
