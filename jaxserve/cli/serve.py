@@ -137,8 +137,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                      help="client certificates: 0 not asked, 1 optional, 2 required (as Python's ssl.CERT_*)")
 
     # The server's own options: process 0 alone serves HTTP, so several processes need not agree on them
-    # (cli/cluster.py compares the rest).
-    parser.set_defaults(server_only_options=frozenset({a.dest for a in parser._actions} - engine_dests))
+    # (cli/cluster.py compares the rest). Runtime LoRA updating is compared too: it turns enable_lora on (the
+    # adapter slots every process's programs hold), and a mismatch should name the flag the user gave.
+    parser.set_defaults(server_only_options=frozenset({a.dest for a in parser._actions} - engine_dests
+                                                      - {"enable_runtime_lora_updating"}))
 
 
 def add_logging_arguments(parser: argparse.ArgumentParser) -> None:

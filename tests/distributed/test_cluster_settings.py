@@ -67,6 +67,15 @@ def test_a_bad_variable_is_named(monkeypatch):
         cluster.cluster_options(flags())
 
 
+def test_processes_compare_engine_options_and_runtime_lora_updating_not_the_server_s_own():
+    from tests.test_cli import parse
+
+    shared = cluster.fingerprint(parse(["serve", "--enable-runtime-lora-updating", "--port", "9000", "--max-num-seqs",
+                                        "4"]))
+    assert shared["enable_runtime_lora_updating"] is True and shared["max_num_seqs"] == 4  # a follower must match
+    assert "port" not in shared and "api_key" not in shared  # process 0 alone serves HTTP
+
+
 def test_a_slurm_job_step_is_found_as_jax_distributed_finds_it(monkeypatch):
     for name, value in dict(SLURM_JOB_ID="7", SLURM_STEP_NODELIST="node[3-4]", SLURM_NTASKS="2", SLURM_PROCID="1",
                             SLURM_LOCALID="0").items():
