@@ -68,13 +68,13 @@ def _body_problems(job: BatchJob, scan: InputScan) -> list[str]:
     """Every body checked as the HTTP API would check it (schema, sampling values, the model's name)."""
     problems = []
     names = job.served_model_name or [served_name(job.model)]  # as the run resolves bodies' names
+    adapters = list(job.engine.lora_modules or {})
     for item in scan.items:
         try:
             request, _ = parse_body(item.url, item.body, job.sampling)
         except APIError as exc:
             problems.append(f"line {item.line} (custom_id {item.custom_id!r}): {exc.message}")
             continue
-        adapters = list(job.engine.lora_modules or {})
         if request.model and request.model not in names + adapters:
             served = (f"served_model_name is {', '.join(names)}" if job.served_model_name else
                       f"the job serves its model as {names[0]!r} (set served_model_name to the name the bodies use)")

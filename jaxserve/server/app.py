@@ -219,7 +219,8 @@ def build_app(async_engine: AsyncEngine, served_model_names: list[str] | None = 
     handlers = {error: handle_api_error for error in (*expected_failures, Exception)}
     handlers[HTTPException] = handle_http_exception
     handlers[ClientDisconnect] = handle_client_disconnect
-    app = Starlette(routes=ROUTES + (API_DESCRIPTION if api_description else []), exception_handlers=handlers, lifespan=lifespan,
+    routes = ROUTES + (API_DESCRIPTION if api_description else [])
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,
                     middleware=[*([Middleware(RequestIdMiddleware)] if request_id_headers else []),
                                 *([Middleware(RootPathMiddleware, root_path=root_path)] if root_path else []),
                                 *([cors.middleware()] if cors else []),  # errors get CORS headers too
