@@ -163,14 +163,15 @@ def join(options: ClusterOptions, fingerprint: dict, liveness_seconds: float | N
     initialize_jax(options)
     if cluster.is_leader:
         atexit.register(cluster.close)  # after jax's own exit hook, so it runs first (atexit is last-in first-out)
-        exit_on_sigterm(cluster)
+        exit_on_signals(cluster)
     return cluster
 
 
-def exit_on_sigterm(cluster: Cluster) -> None:
-    """Leader: until the server or the batch job takes the signals over, SIGTERM exits the process (status 143,
-    as the signal's own), unwinding it, so one arriving while the model loads or compiles still releases the
-    followers at exit (`Cluster.close`, which tells them why) rather than cutting their connection mid-load."""
+def exit_on_signals(cluster: Cluster) -> None:
+    """Leader: until the server or the batch job takes the signals over, SIGTERM and SIGINT (Ctrl-C) exit the
+    process with the signal's own status (143, 130), unwinding it, so one arriving while the model loads or
+    compiles still releases the followers at exit (`Cluster.close`, which tells them why) rather than cutting their
+    connection mid-load."""
     if threading.current_thread() is not threading.main_thread():
         return  # signal handlers belong to the main thread; the default action still ends the process
 
@@ -179,7 +180,8 @@ def exit_on_sigterm(cluster: Cluster) -> None:
         cluster.exit_status = 128 + signum
         raise SystemExit(cluster.exit_status)
 
-    signal.signal(signal.SIGTERM, exit_on_signal)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, exit_on_signal)
 
 
 def initialize_jax(options: ClusterOptions) -> None:
