@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -30,7 +30,10 @@ class OpenAIModel(BaseModel):
 
 class RequestModel(OpenAIModel):
     """A request body (or a part of one): fields it does not know are named in a warning, as vLLM does. Response
-    models skip the check, which costs microseconds per model built (a streamed token builds dozens)."""
+    models skip the check, which costs microseconds per model built (a streamed token builds dozens).
+
+    A null sent for an optional field means its default, as OpenAI's API types them ("integer or null") and vLLM
+    reads them: the OpenAI SDK sends `"n": null` for a caller's `n=None`."""
 
     EXTRA_FIELDS_USED: ClassVar[frozenset[str]] = frozenset()  # extras a model with extra="allow" reads itself
 
@@ -41,13 +44,30 @@ class RequestModel(OpenAIModel):
             ignored = data.keys() - cls._known_keys()
             if ignored:
                 logger.warning("these fields of the request were ignored: %s", ", ".join(sorted(map(str, ignored))))
+            nulls_as_defaults = cls._null_means_default()
+            if any(data.get(key, ...) is None for key in nulls_as_defaults):
+                data = {key: value for key, value in data.items() if value is not None or key not in nulls_as_defaults}
         return handler(data)
+
+    @classmethod
+    @functools.cache  # per class
+    def _null_means_default(cls) -> frozenset[str]:
+        """The names (and aliases) of the fields with a default whose type has no None of its own."""
+        keys = set()
+        for name, field in cls.model_fields.items():
+            if not field.is_required() and not _admits_none(field.annotation):
+                keys |= {name, field.alias} - {None}
+        return frozenset(keys)
 
     @classmethod
     @functools.cache  # per class
     def _known_keys(cls) -> frozenset[str]:
         aliases = {field.alias for field in cls.model_fields.values() if field.alias}
         return frozenset(cls.model_fields) | aliases | cls.EXTRA_FIELDS_USED
+
+
+def _admits_none(annotation: Any) -> bool:
+    return annotation is Any or annotation is None or type(None) in get_args(annotation)
 
 
 # --- errors -------------------------------------------------------------------------------------------------

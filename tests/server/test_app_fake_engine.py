@@ -11,6 +11,8 @@ import pytest
 
 from jaxserve.async_engine.engine import AsyncEngine
 from jaxserve.server.app import build_app
+from jaxserve.server.chat_protocol import ChatCompletionRequest
+from jaxserve.server.protocol import CompletionRequest
 from jaxserve.server.response_bodies import OutputOptions
 from jaxserve.server.uvicorn_server import DrainingServer
 from tests.server.fake_engine import FakeEngine
@@ -126,6 +128,22 @@ def test_ignored_fields_are_named_in_the_log(server, caplog):
     warnings = [record.getMessage() for record in caplog.records]
     assert "these fields of the request were ignored: max_tokns, vllm_xargs" in warnings
     assert "these fields of the request were ignored: include_usgae" in warnings
+
+
+@pytest.mark.parametrize("path, body, request_class", [
+    ("/v1/completions", {"prompt": "a b", "max_tokens": 3}, CompletionRequest),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, ChatCompletionRequest),
+])
+def test_a_null_optional_field_means_its_default(server, path, body, request_class):
+    """OpenAI types these fields "X or null" and its SDK sends `"n": null` for a caller's n=None: vLLM reads a null
+    as the default, where a strict schema answered 400 ("n: Input should be a valid integer")."""
+    nulls = {name: None for name in request_class._null_means_default()}
+    assert {"n", "stream", "presence_penalty", "frequency_penalty"} <= nulls.keys()
+    expected = post(server, path, {**body, "temperature": 0}).json()
+    answered = post(server, path, {**body, "temperature": 0, **nulls})
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["choices"] == expected["choices"]
+    assert post(server, path, {**body, "max_tokens": "three"}).status_code == 400  # a wrong type is still refused
 
 
 @pytest.mark.parametrize("options, usage_chunk", [({}, True), ({"include_usage": False}, False), (None, False)])
