@@ -24,6 +24,7 @@ from jaxserve.server.request_bodies import completion_inputs, parse_request
 from jaxserve.server.response_bodies import (
     CompletionRendering,
     concat_logprobs,
+    end_offset,
 )
 from jaxserve.server.serving import (
     ServerState,
@@ -108,15 +109,18 @@ def _delta_choice(job: CompletionJob, prompt_index: int, output: RequestOutput, 
     new_tokens = len(completion.token_ids) - sent.tokens_sent
     if not text and new_tokens <= 0 and not completion.finished:
         return None
-    prefix = job.prompt_text(output) if first_chunk and job.request.echo else ""
-    sent.next_offset += len(prefix)
+    echo = first_chunk and job.request.echo
+    prefix = job.prompt_text(output) if echo else ""
     logprobs = None
     if job.request.logprobs is not None:
+        echoed = job.prompt_logprobs(output) if echo else None
+        if echoed is not None:
+            sent.next_offset = end_offset(echoed)
         logprobs = job.generated_logprobs(completion, sent.tokens_sent, sent.next_offset)
         if logprobs.tokens:
-            sent.next_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-        if prefix:
-            logprobs = concat_logprobs(job.prompt_logprobs(output), logprobs)
+            sent.next_offset = end_offset(logprobs)
+        if echoed is not None:
+            logprobs = concat_logprobs(echoed, logprobs)
     ids = bool(job.request.return_token_ids)  # vLLM's: the prompt's in the first chunk, then each chunk's new ones
     new_ids = list(completion.token_ids[sent.tokens_sent:]) if ids else None
     sent.chars_sent, sent.tokens_sent = len(completion.text), len(completion.token_ids)

@@ -122,9 +122,10 @@ class CompletionRendering:
         prefix = self.prompt_text(output) if self.request.echo else ""
         logprobs = None
         if self.request.logprobs is not None:
-            logprobs = self.generated_logprobs(completion, 0, len(prefix))
-            if self.request.echo:
-                logprobs = concat_logprobs(self.prompt_logprobs(output), logprobs)
+            echoed = self.prompt_logprobs(output) if self.request.echo else None
+            logprobs = self.generated_logprobs(completion, 0, end_offset(echoed))
+            if echoed is not None:
+                logprobs = concat_logprobs(echoed, logprobs)
         ids = bool(self.request.return_token_ids)
         return CompletionChoice(index=self.choice_index(prompt_index, completion), text=prefix + completion.text,
                                 logprobs=logprobs, finish_reason=completion.finish_reason,
@@ -132,6 +133,14 @@ class CompletionRendering:
                                 prompt_logprobs=self.options.prompt_logprobs(output, self.request, self.tokenizer),
                                 prompt_token_ids=output.prompt_token_ids if ids else None,
                                 token_ids=list(completion.token_ids) if ids else None)
+
+
+def end_offset(logprobs: CompletionLogProbs | None) -> int:
+    """Where the next token's text_offset starts: after the last token's name, as vLLM counts offsets over the
+    echoed prompt and the output in one pass (with "token_id:N" names too, so they never go back)."""
+    if logprobs is None or not logprobs.tokens:
+        return 0
+    return logprobs.text_offset[-1] + len(logprobs.tokens[-1])
 
 
 def concat_logprobs(first: CompletionLogProbs, second: CompletionLogProbs) -> CompletionLogProbs:

@@ -205,6 +205,20 @@ def test_echo_with_logprobs(client, tokenizer):
     assert all(len(top) == 2 for top in lp.top_logprobs[1:])
 
 
+def test_echoed_offsets_count_token_id_names_on_through_the_output(server):
+    """With return_tokens_as_token_ids, offsets count the names' lengths, as vLLM counts them over the echoed
+    prompt and the output in one pass: the output's restarted at the prompt text's length (going back)."""
+    body = {"prompt": "Hello there", "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1,
+            "return_tokens_as_token_ids": True}
+    whole = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    assert all(token.startswith("token_id:") for token in whole["tokens"])
+    names = whole["tokens"]
+    assert whole["text_offset"] == [sum(len(t) for t in names[:i]) for i in range(len(names))]
+    with httpx.stream("POST", server[0] + "/v1/completions", json={**body, "stream": True}, headers=AUTH) as response:
+        chunks = [c["choices"][0]["logprobs"] for c in sse_payloads(response) if c["choices"]]
+    assert [offset for lp in chunks for offset in lp["text_offset"]] == whole["text_offset"]
+
+
 def test_echo_with_max_tokens_0_gives_the_prompt_and_its_logprobs_alone(server, tokenizer):
     """vLLM's echo_without_generation: how scoring tools (lm-evaluation-harness) ask for a prompt's logprobs."""
     body = {"prompt": "Hello there", "echo": True, "max_tokens": 0, "logprobs": 1}
