@@ -44,9 +44,10 @@ class IncrementalDetokenizer:
         return new_text
 
     def flush(self) -> str:
-        """Emit whatever is held back (an unfinished character decodes as U+FFFD); call when the sequence ends."""
+        """Emit the text held back in front of an unfinished character; call when the sequence ends (at its
+        length limit). The unfinished character itself is dropped, as vLLM drops it, not sent as U+FFFD."""
         prefix_text, window_text = self._decode_window()
-        tail = window_text[len(prefix_text) :]
+        tail = window_text[len(prefix_text) :].rstrip(REPLACEMENT_CHAR)
         self._prefix_offset = self._read_offset = len(self._ids)
         self.text += tail
         return tail

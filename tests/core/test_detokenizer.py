@@ -63,15 +63,26 @@ def test_special_tokens(smol_tokenizer, skip):
     assert detok.text.startswith("Hi there!")
 
 
-def test_flush_emits_an_unfinished_character(smol_tokenizer):
+def test_flush_drops_an_unfinished_character(smol_tokenizer):
+    """A length limit that cuts a character short: the text ends before it (vLLM's text), not in U+FFFD."""
     tok = smol_tokenizer
     output = tok.encode("日本語")  # 語 is three byte-tokens
     detok, pieces = stream(tok, tok.encode("a"), output[:-1])  # 語's last byte never arrives
     assert "".join(pieces) == "日本"
-    tail = detok.flush()
-    assert tail.endswith("\ufffd")
-    assert detok.text == decode(tok, output[:-1])
+    assert decode(tok, output[:-1]) == "日本\ufffd"
     assert detok.flush() == ""
+    assert detok.text == "日本"
+
+
+def test_flush_emits_the_text_held_back_before_an_unfinished_character(smol_tokenizer):
+    tok = smol_tokenizer
+    # A token holding whole characters and the start of another (" " and two of a dash's three bytes, say)
+    held = next(t for t in range(tok.vocab_size)
+                if (text := decode(tok, [t])).endswith("\ufffd") and text.rstrip("\ufffd"))
+    whole = decode(tok, [held]).rstrip("\ufffd")
+    detok, pieces = stream(tok, tok.encode("a"), [held])
+    assert pieces == [""]  # held back whole while it ends in an unfinished character
+    assert detok.flush() == whole and detok.text == whole
 
 
 def test_decode_token(smol_tokenizer):
