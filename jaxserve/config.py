@@ -133,6 +133,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     o_bias: bool = False  # a bias on the attention's output projection too (attention_bias: Llama's, gpt-oss)
+    mlp_bias: bool = False  # biases on a dense MLP's gate, up and down projections (Llama's mlp_bias)
     # gpt-oss: a learned logit per q head that joins each softmax's denominator and attends to nothing
     attention_sinks: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each q and k head (its own gains, shared by heads) before RoPE
@@ -148,7 +149,7 @@ class ModelConfig:
     attention_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     final_logit_softcap: float | None = None  # Gemma 2: the same on the logits
-    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU), "gelu_tanh" (Gemma's GeGLU) or "gelu"
     # Gemma stores RMSNorm gains as w - 1 (it multiplies by 1 + w); the loader adds this to every norm gain.
     norm_weight_offset: float = 0.0
     # Granite: embeddings times embedding_multiplier, attention/MLP outputs times residual_multiplier before each

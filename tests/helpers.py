@@ -69,10 +69,12 @@ def make_tiny_checkpoint(arch: str, out: Path, tokenizer_source: str, **override
                              "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[arch]]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # RMSNorm gains start at 1: made distinct, so a norm loaded into the wrong place shows
-        for name, weight in model.named_parameters():
+    with torch.no_grad():  # RMSNorm gains start at 1 and biases at 0: made distinct, so one loaded into the wrong
+        for name, weight in model.named_parameters():  # place (or not at all) shows
             if name.endswith("norm.weight"):
                 weight.uniform_(0.5, 1.5)
+            elif name.endswith("bias") and not weight.any():
+                weight.normal_(0.0, 0.1)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

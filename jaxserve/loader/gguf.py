@@ -55,6 +55,11 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Optional biases llama.cpp reads for Llama-family files (a checkpoint with attention_bias or mlp_bias)
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.bias": "mlp.down_proj.bias",
 }
 
 
@@ -205,7 +210,9 @@ class GGUFFile:
             rotary_dim=None if rotary is None or int(rotary) == head_dim else int(rotary),
             max_position_embeddings=int(self.field(f"{a}.context_length", 2048)),
             tie_word_embeddings="lm_head.weight" not in self._tensors,
-            qkv_bias=a in ("qwen2", "qwen2moe"),
+            qkv_bias=a in ("qwen2", "qwen2moe") or self._has_layer_tensor("self_attn.q_proj.bias"),
+            o_bias=self._has_layer_tensor("self_attn.o_proj.bias"),
+            mlp_bias=self._has_layer_tensor("mlp.gate_proj.bias"),
             qk_norm=a in ("qwen3", "qwen3moe"),
             sliding_window=int(self.field(f"{a}.attention.sliding_window", 0)) or None,
             rope_layers=rope_layer_flags(layers, SMOLLM3_NOPE_INTERVAL) if a == "smollm3" else (),
@@ -213,6 +220,9 @@ class GGUFFile:
             eos_token_ids=self._end_token_ids(),
         )
         return ModelConfig(**(fields | self._experts() | self._granite() | self._gemma(fields)))
+
+    def _has_layer_tensor(self, name: str) -> bool:
+        return f"model.layers.0.{name}" in self._tensors
 
     def _end_token_ids(self) -> tuple[int, ...]:
         """The ids generation stops at: EOS, and, as llama.cpp stops, the end of a turn where the file names it

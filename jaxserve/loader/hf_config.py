@@ -80,10 +80,17 @@ def _rope(arch: str, d: dict[str, Any], width: int) -> tuple[float, RopeScaling 
         if (sliding.get("rope_type") or sliding.get("type") or "default") != "default":
             raise ValueError(f"{arch}: scaled RoPE on sliding-window layers is not supported")
         local, params = sliding.get("rope_theta"), params["full_attention"]
-    theta = float(d.get("rope_theta") or params.get("rope_theta") or 10000.0)
-    local = local or d.get("rope_local_base_freq")
+    # A top-level rope_theta first: it is what hf_overrides={"rope_theta": ...} writes over a transformers 5 config.
+    theta = float(d.get("rope_theta") or params.get("rope_theta") or DEFAULT_ROPE_THETA.get(arch, 10000.0))
+    local = local or d.get("rope_local_base_freq") or (GEMMA3_LOCAL_ROPE_THETA if arch.startswith("Gemma3") else None)
     scaling = _scaling(arch, d.get("rope_scaling") or params, d, width, theta)
     return theta, scaling, None if local is None else float(local)
+
+
+# transformers' RoPE base where a config gives none (its config classes' default_theta); 10000 for the others.
+DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1e6, "SmolLM3ForCausalLM": 2e6, "Gemma3ForCausalLM": 1e6,
+                      "GptOssForCausalLM": 150000.0}
+GEMMA3_LOCAL_ROPE_THETA = 10000.0  # Gemma 3's sliding layers' base when the config names none
 
 
 def _context_length(d: dict[str, Any]) -> int:
@@ -96,6 +103,8 @@ def _context_length(d: dict[str, Any]) -> int:
     original = d.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")  # _yarn's
     return max(longest, int(int(original) * float(scaling["factor"]))) if original else longest
 
+
+MLP_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
 
 # transformers' default for Qwen2/Qwen3 configs that leave max_window_layers out.
 QWEN_MAX_WINDOW_LAYERS = 28
@@ -138,9 +147,16 @@ def _layer_kinds(arch: str, d: dict[str, Any]) -> list[str]:
     if d.get("layer_types"):
         return list(d["layer_types"])
     num_layers = int(d["num_hidden_layers"])
-    if arch.startswith(("Qwen2", "Qwen3")):  # the first max_window_layers layers attend to everything
-        first_sliding = int(d.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS))
-        return ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
+    max_window_layers = int(d.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS))
+    if arch.startswith("Qwen2Moe"):  # every other layer of the first max_window_layers slides, the first one included
+        return ["sliding_attention" if (i + 1) % 2 and i < max_window_layers else "full_attention"
+                for i in range(num_layers)]
+    if arch.startswith(("Qwen2", "Qwen3")) and not arch.startswith("Qwen3Moe"):
+        # the first max_window_layers layers attend to everything (Qwen3-MoE has no such rule: all slide)
+        return ["sliding_attention" if i >= max_window_layers else "full_attention" for i in range(num_layers)]
+    if arch.startswith("SmolLM3"):  # only the layers without RoPE slide
+        flags = _rope_layers(arch, d)
+        return ["sliding_attention" if flags and not flags[i] else "full_attention" for i in range(num_layers)]
     if arch.startswith("Gemma2"):  # every other layer slides, the first one included
         return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
     if arch.startswith("Gemma3"):  # five sliding layers, then one full one
@@ -177,14 +193,15 @@ def rope_layer_flags(num_layers: int, nope_interval: int) -> tuple[int, ...]:
     return () if all(flags) else flags
 
 
-ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
+               "gelu": "gelu"}
 
 
 def _activation(arch: str, d: dict[str, Any]) -> str:
     # Gemma's configs name the MLP's activation `hidden_activation`; Gemma 1 also carries a stale `hidden_act`.
     name = d.get("hidden_activation") or d.get("hidden_act") or "silu"
-    if name == "gelu" and arch.startswith("Gemma"):
-        name = "gelu_pytorch_tanh"  # what transformers runs for Gemma's "gelu" (the tanh approximation)
+    if name == "gelu" and arch == "GemmaForCausalLM":
+        name = "gelu_pytorch_tanh"  # what transformers runs for Gemma 1's legacy "gelu" (Gemma 2/3: exact GELU)
     if name not in ACTIVATIONS:
         raise ValueError(f"{arch}: hidden activation {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
     return ACTIVATIONS[name]
@@ -231,7 +248,8 @@ def _gemma(arch: str, d: dict[str, Any]) -> dict[str, Any]:
         norm_weight_offset=1.0,
         attention_scale=None if scalar is None else float(scalar) ** -0.5,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
-        attn_logit_softcap=d.get("attn_logit_softcapping"),
+        # Gemma 3's config carries the key, but its attention never reads it (transformers, vLLM)
+        attn_logit_softcap=None if arch.startswith("Gemma3") else d.get("attn_logit_softcapping"),
         final_logit_softcap=d.get("final_logit_softcapping"),
         post_norms=arch.startswith(("Gemma2", "Gemma3")),
         qk_norm=arch.startswith("Gemma3"),
@@ -267,6 +285,8 @@ def model_config_from_hf(d: dict[str, Any], generation: dict[str, Any] | None = 
         tie_word_embeddings=bool(d.get("tie_word_embeddings", arch.startswith("SmolLM3"))),
         qkv_bias=arch.startswith("Qwen2") or bool(d.get("attention_bias", False)),
         o_bias=bool(d.get("attention_bias", False)),  # Llama-style attention_bias covers o_proj too
+        # only these architectures' MLPs read mlp_bias in transformers (Mistral's, Qwen's... have no biases)
+        mlp_bias=arch in MLP_BIAS_ARCHITECTURES and bool(d.get("mlp_bias", False)),
         attention_sinks=arch.startswith("GptOss"),
         qk_norm=arch.startswith("Qwen3"),
         sliding_window=window,

@@ -42,6 +42,7 @@ def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "o_proj.weight": (D, H * d), "q_proj.bias": (H * d,), "k_proj.bias": (K * d,), "v_proj.bias": (K * d,), "o_proj.bias": (D,),
         "q_norm.weight": (d,), "k_norm.weight": (d,),
         "gate_proj.weight": (F, D), "up_proj.weight": (F, D), "down_proj.weight": (D, F),
+        "gate_proj.bias": (F,), "up_proj.bias": (F,), "down_proj.bias": (D,),
     }
     if cfg.num_experts:
         shapes |= {"gate.weight": (cfg.num_experts, D), "w1.weight": (F, D), "w3.weight": (F, D),

@@ -113,6 +113,12 @@ def _layer_weights(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
             "w_up": ("mlp.up_proj.weight", lambda w: w.T),
             "w_down": ("mlp.down_proj.weight", lambda w: w.T),
         }
+    if cfg.mlp_bias:
+        table |= {
+            "b_gate": ("mlp.gate_proj.bias", lambda b: b),
+            "b_up": ("mlp.up_proj.bias", lambda b: b),
+            "b_down": ("mlp.down_proj.bias", lambda b: b),
+        }
     if cfg.shared_expert_size:
         table |= {
             "shared_gate": ("mlp.shared_expert.gate_proj.weight", lambda w: w.T),

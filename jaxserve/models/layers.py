@@ -370,15 +370,20 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq, factor=1.0) -> jax.
     return jnp.concatenate(parts, axis=-1).astype(x.dtype)
 
 
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+               "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
 
 
 def gated_mlp(x: jax.Array, w: dict[str, jax.Array], activation: str, adapters: jax.Array | None = None,
               activations: str | None = None, slice_bytes: int = 0) -> jax.Array:
-    """down(act(gate(x)) * up(x)): SwiGLU with "silu" (Llama), GeGLU with "gelu_tanh" (Gemma)."""
+    """down(act(gate(x)) * up(x)): SwiGLU with "silu" (Llama), GeGLU with "gelu_tanh" (Gemma); with the
+    projections' biases where `w` has them (Llama's mlp_bias)."""
     gate = dense("TD,DF->TF", x, w, "w_gate", adapters, activations, slice_bytes)
     up = dense("TD,DF->TF", x, w, "w_up", adapters, activations, slice_bytes)
-    return dense("TF,FD->TD", ACTIVATIONS[activation](gate) * up, w, "w_down", adapters, activations, slice_bytes)
+    if "b_gate" in w:
+        gate, up = gate + w["b_gate"], up + w["b_up"]
+    out = dense("TF,FD->TD", ACTIVATIONS[activation](gate) * up, w, "w_down", adapters, activations, slice_bytes)
+    return out + w["b_down"] if "b_down" in w else out
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:

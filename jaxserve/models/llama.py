@@ -73,6 +73,10 @@ class DecoderLayers(nnx.Module):
         self.add_weight("w_gate", (L, D, F), ("layers", "embed", "mlp"), dtype, ("embed",), q)
         self.add_weight("w_up", (L, D, F), ("layers", "embed", "mlp"), dtype, ("embed",), q)
         self.add_weight("w_down", (L, F, D), ("layers", "mlp", "embed"), dtype, ("mlp",), q)
+        if cfg.mlp_bias:
+            self.b_gate = param((L, F), ("layers", "mlp"), dtype)
+            self.b_up = param((L, F), ("layers", "mlp"), dtype)
+            self.b_down = param((L, D), ("layers", "embed"), dtype)
 
     def add_weight(self, name: str, shape: tuple[int, ...], logical: tuple[str | None, ...], dtype,
                    contract: tuple[str, ...], quantization: str | GroupedWeights | None) -> None:

@@ -163,3 +163,47 @@ def test_smollm3_nope_layers_become_kinds_without_rope():
     mixed = config("SmolLM3ForCausalLM", sliding_window=12, use_sliding_window=True, no_rope_layers=[1, 0, 1],
                    layer_types=[F, S, S])
     assert mixed.attention_windows == (None, 12, None, 12) and mixed.layer_kinds() == [0, 3, 1]
+
+
+def layer_kinds(cfg) -> list[str]:
+    if cfg.layer_types:
+        return list(cfg.layer_types)
+    return [S if cfg.sliding_window else F] * cfg.num_layers
+
+
+@pytest.mark.parametrize("model_type, arch", [
+    ("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    ("qwen3_moe", "Qwen3MoeForCausalLM"), ("smollm3", "SmolLM3ForCausalLM"), ("mistral", "MistralForCausalLM"),
+])
+def test_which_layers_slide_without_layer_types_is_transformers_rule(model_type, arch):
+    """Each architecture's own rule when config.json lists no layer_types: Qwen2/Qwen3 slide the layers from
+    max_window_layers on, Qwen2-MoE every other one before it, Qwen3-MoE and Mistral all, SmolLM3 its NoPE ones."""
+    from transformers import AutoConfig
+
+    fields = dict(BASE, num_hidden_layers=8, use_sliding_window=True, sliding_window=12, max_window_layers=5)
+    reference = AutoConfig.for_model(model_type, **fields)
+    ours = layer_kinds(config(arch, **fields))
+    # Qwen3-MoE's and Mistral's configs have no layer_types: their attention slides wherever sliding_window is set.
+    expected = getattr(reference, "layer_types", None) or [S if reference.sliding_window else F] * 8
+    assert ours == list(expected)
+    assert len(set(ours)) == (1 if arch in ("Qwen3MoeForCausalLM", "MistralForCausalLM") else 2)
+
+
+def test_defaults_a_config_leaves_out_are_its_architectures():
+    """transformers' per-architecture defaults: the RoPE base, Gemma 3's sliding layers' own base, GELU exact
+    but for Gemma 1's legacy "gelu", and no attention soft cap in Gemma 3 (its attention never reads the key)."""
+    assert config("LlamaForCausalLM").rope_theta == 10000.0
+    assert config("MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2).rope_theta == 1e6
+    assert config("SmolLM3ForCausalLM").rope_theta == 2e6
+    gemma3 = config("Gemma3ForCausalLM", sliding_window=12, attn_logit_softcapping=50.0)
+    assert (gemma3.rope_theta, gemma3.rope_local_theta, gemma3.attn_logit_softcap) == (1e6, 1e4, None)
+    assert config("Gemma2ForCausalLM", hidden_activation="gelu").hidden_act == "gelu"
+    assert config("LlamaForCausalLM", hidden_act="gelu").hidden_act == "gelu"
+
+
+def test_mlp_biases_where_the_architecture_has_them():
+    """Llama, Granite and SmolLM3 read mlp_bias; the others' MLPs have no biases whatever the config says."""
+    for arch in ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM"):
+        assert config(arch, mlp_bias=True).mlp_bias and not config(arch).mlp_bias
+    assert not config("MistralForCausalLM", mlp_bias=True).mlp_bias
+    assert not config("Qwen2ForCausalLM", mlp_bias=True).mlp_bias

@@ -29,6 +29,8 @@ PHI4_MINI = dict(partial_rotary_factor=0.5, tie_word_embeddings=True, pad_token_
 ARCHITECTURES = {
     "llama-untied-llama3-rope": ("llama", dict(rope_scaling=LLAMA3_ROPE, tie_word_embeddings=False)),
     "llama-tied": ("llama", dict(tie_word_embeddings=True)),
+    # biases on every projection (attention_bias and mlp_bias)
+    "llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True)),
     "mistral-sliding-window": ("mistral", dict(sliding_window=12)),
     "qwen2-bias": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen2-yarn": ("qwen2", dict(tie_word_embeddings=True, rope_scaling=YARN, max_position_embeddings=256)),
@@ -56,9 +58,11 @@ ARCHITECTURES = {
     # (1 + w) norm gains, GeGLU, the sqrt(hidden) embedding scale
     "gemma-geglu": ("gemma", dict(head_dim=16)),
     # + norms after attention and MLP, sliding and full layers alternating, soft caps small enough to bend
-    # these scores and logits, a query scale that is not head_dim's
+    # these scores and logits, a query scale that is not head_dim's; the exact GELU (Gemma 2 reads "gelu" as it
+    # says, where Gemma 1 runs the tanh approximation)
     "gemma2-softcap-mixed-windows": ("gemma2", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
-                                                    attn_logit_softcapping=1.0, final_logit_softcapping=2.0)),
+                                                    attn_logit_softcapping=1.0, final_logit_softcapping=2.0,
+                                                    hidden_activation="gelu")),
     # + q/k norms, and the sliding layers' own RoPE base (the full layers' scaled linearly)
     "gemma3-local-rope": ("gemma3_text", dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=12,
                                               sliding_window_pattern=2, rope_parameters=GEMMA3_ROPE)),
@@ -157,6 +161,7 @@ GGUF_CASES = {
     "phi3-fused-sliding-window": ("phi3", ARCHITECTURES["phi3-fused-sliding-window"], {}, 16),
     "phi4-mini-partial-rotary": ("phi3", ARCHITECTURES["phi4-mini-partial-rotary"], {}, 16),
     "llama-untied-llama3-rope": ("llama", ARCHITECTURES["llama-untied-llama3-rope"], {}, 16),
+    "llama-biases": ("llama", ARCHITECTURES["llama-biases"], {}, 16),  # the optional biases llama.cpp reads
     "qwen2-yarn": ("qwen2", ARCHITECTURES["qwen2-yarn"], {}, 16),
     "mixtral-stacked-experts": ("llama", MIXTRAL, {}, 16),
     "mixtral-one-tensor-per-expert": ("llama", MIXTRAL, {"split_experts": True}, 16),

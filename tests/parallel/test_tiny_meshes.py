@@ -2,8 +2,8 @@
 from the arrays and the compiled program that the work is really split.
 
 The Llama is deliberately awkward: 6 q / 3 kv heads, MLP width 100, a vocabulary of 1029 (odd, and 5 more ids than
-its tokenizer has, as real checkpoints pad theirs) and 5 layers (stages of 3 and 2, so stage 1 ends in a zero layer):
-every padding path runs."""
+its tokenizer has, as real checkpoints pad theirs), 5 layers (stages of 3 and 2, so stage 1 ends in a zero layer) and
+biases on every projection (the MLP's split and padded with its width): every padding path runs."""
 
 import numpy as np
 import pytest
@@ -17,7 +17,7 @@ from tests.models.test_parity import GEMMA3_ROPE, PROMPTS, check_parity
 MODELS = {
     "llama-odd-sizes": ("llama", dict(num_attention_heads=6, num_key_value_heads=3, intermediate_size=100,
                                       vocab_size=1029, num_hidden_layers=5, hidden_size=48,
-                                      tie_word_embeddings=False)),
+                                      tie_word_embeddings=False, attention_bias=True, mlp_bias=True)),
     "qwen2-bias": ("qwen2", dict(tie_word_embeddings=True)),
     # each expert's MLP width split over tp (expert tensor parallelism, the default)
     "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2)),
