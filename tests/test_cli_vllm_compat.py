@@ -38,12 +38,14 @@ def test_model_option_overrides_a_config_files_model(tmp_path, fake_engine_modul
     assert fake_engine_module["model"] == "org/from-file"
 
 
-def test_a_model_after_several_api_key_values_is_refused_not_taken_for_a_key(capsys):
+@pytest.mark.parametrize("option", ["--api-key", "--served-model-name"])
+def test_a_model_after_several_values_is_refused_not_taken_for_one(capsys, option):
     """vLLM's --api-key takes several keys: `--api-key KEY org/model` would serve the default model with the model's
-    name as a second valid key."""
-    error = user_error(capsys, ["serve", "--api-key", "k", "org/model", "--port", "0"])
-    assert "'org/model' is the model, put it before --api-key" in error
-    assert parse(["serve", "org/model", "--api-key", "k1", "k2"]).api_key == ["k1", "k2"]
+    name as a second valid key (--served-model-name NAME org/model: the default model under both names)."""
+    error = user_error(capsys, ["serve", option, "k", "org/model", "--port", "0"])
+    assert f"'org/model' is the model, put it before {option}" in error
+    dest = option.removeprefix("--").replace("-", "_")
+    assert getattr(parse(["serve", "org/model", option, "k1", "k2"]), dest) == ["k1", "k2"]
 
 
 def test_underscores_are_rewritten_in_option_names_only():

@@ -39,18 +39,25 @@ def api_key_from_environment() -> list[str] | None:
     return None
 
 
+# Options that take several values (as vLLM's do): a MODEL written after one is read as one more value.
+MANY_VALUED_OPTIONS = {"--api-key": "for several keys, repeat --api-key",
+                       "--served-model-name": "for several names, put MODEL first"}
+
+
 def check_model_not_taken_as_a_key(args: argparse.Namespace) -> None:
     """`serve --api-key KEY org/model`: --api-key takes several keys (as vLLM's), so the model would be read as a
-    second key, and the default model served with it as a valid key. Several keys with no MODEL are refused."""
+    second key, and the default model served with it as a valid key (--served-model-name alike: the default model
+    served under the model's name). Several values with no MODEL are refused."""
     argv = getattr(args, "argv", [])
     if args.model is not None:
         return
-    for start in (i + 1 for i, word in enumerate(argv) if word == "--api-key"):
-        after = argv[start:]
-        given = next((i for i, word in enumerate(after) if word.startswith("-")), len(after))
-        if given > 1:
-            raise UserError(f"--api-key got {given} values and no MODEL was given: if {after[given - 1]!r} is the "
-                            "model, put it before --api-key (or pass --model); for several keys, repeat --api-key")
+    for option, several in MANY_VALUED_OPTIONS.items():
+        for start in (i + 1 for i, word in enumerate(argv) if word == option):
+            after = argv[start:]
+            given = next((i for i, word in enumerate(after) if word.startswith("-")), len(after))
+            if given > 1:
+                raise UserError(f"{option} got {given} values and no MODEL was given: if {after[given - 1]!r} is "
+                                f"the model, put it before {option} (or pass --model); {several}")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
