@@ -3,8 +3,8 @@
 "string": one string, text parts joined by newlines as vLLM joins them (what most templates expect). "openai": a
 list of parts,
 [{"type": "text", "text": ...}], for templates that loop over them (Llama 4's, Mistral Small 3.1's, vision
-models'). "auto" reads the template: a `for` loop over a message's content means "openai". Only text parts exist
-here (the server refuses others), so the two formats carry the same words.
+models'). "auto" reads the template: a `for` loop over a message's content means "openai". Only text parts are
+taken (the models served read no images or audio), so the two formats carry the same words.
 """
 
 from __future__ import annotations
@@ -35,8 +35,23 @@ def resolve_content_format(content_format: str, template: str | None) -> str:
     return "openai" if isinstance(template, str) and _LOOP_OVER_CONTENT.search(template) else "string"
 
 
+def check_text_parts(content) -> None:
+    """A ValueError unless every part of a list content is a text part: an image or audio part dropped would
+    leave the model answering a question it never saw."""
+    if not isinstance(content, list):
+        return
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"only text content parts ({{'type': 'text', 'text': ...}}) are supported, not "
+                             f"{kind!r}: the models jaxserve serves read no images or audio")
+
+
 def shape_content(messages: list[dict], content_format: str) -> list[dict]:
-    """The messages with each content in `content_format` ("string" or "openai"); other keys are kept."""
+    """The messages with each content in `content_format` ("string" or "openai"); other keys are kept. A ValueError
+    names a part that is not text."""
+    for message in messages:
+        check_text_parts(message.get("content"))
     return [{**m, "content": _shaped(m.get("content"), content_format)} for m in messages]
 
 

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from jaxserve.loader.chat_content import check_text_parts
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.server.protocol import OpenAIModel, PromptLogprobs, SamplingFields, UsageInfo
 from jaxserve.server.tools import ToolChoice, template_tool_calls, tool_choice_of, tool_constraint
@@ -23,10 +24,7 @@ class ChatMessageParam(BaseModel):
     @field_validator("content")
     @classmethod
     def _text_parts_only(cls, content):
-        if isinstance(content, list):
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
+        check_text_parts(content)
         return content
 
     def to_template_dict(self) -> dict[str, Any]:

@@ -5,6 +5,7 @@ import copy
 
 import pytest
 
+from jaxserve import SamplingParams
 from jaxserve.cli import main as cli
 from jaxserve.engine import Engine
 from jaxserve.loader.chat_content import resolve_content_format, shape_content
@@ -71,6 +72,10 @@ def test_the_engine_renders_in_the_format_it_was_given(tiny_checkpoint):
     assert engine.chat_content_format == "openai"
     ids = engine.encode_chat([{"role": "user", "content": "Name a fruit."}], add_generation_prompt=False)
     assert engine.tokenizer.decode(ids) == "<user>Name a fruit.</user>"
+    # An image part is refused, not dropped (the model would answer a question it never saw), as the server does
+    image = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+    with pytest.raises(ValueError, match="only text content parts .* not 'image_url'"):
+        engine.chat([{"role": "user", "content": image}], SamplingParams(max_tokens=1), use_tqdm=False)
     with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, string, openai"):
         Engine(str(tiny_checkpoint("llama")), chat_template_content_format="parts")
 
