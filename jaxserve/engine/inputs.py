@@ -108,20 +108,24 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
 def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int, config: EngineConfig,
                      max_tokens_cap: int | None = None) -> SamplingParams:
     """Check the request fits the context and the cache; fill in max_tokens=None as 'up to the context length', or
-    `max_tokens_cap` (generation config's max_new_tokens) if less."""
+    `max_tokens_cap` (generation config's max_new_tokens) if less. A max_tokens beyond the room the prompt leaves
+    is cut to it, as vLLM's does (the output then ends at the context's end, finish_reason "length"): one request
+    in an offline batch asking too much would otherwise fail them all. Only one no context could hold is refused."""
     if prompt_len >= max_model_len:
         raise ValueError(
             f"the prompt has {prompt_len} tokens but the model's maximum context length is {max_model_len}; "
             "shorten the prompt"
         )
+    room = max_model_len - prompt_len
     if params.max_tokens is None:
-        params = params.replace(max_tokens=min(max_model_len - prompt_len, max_tokens_cap or max_model_len))
-    elif prompt_len + params.max_tokens > max_model_len:
-        raise ValueError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, {params.max_tokens} for the "
-            "completion). Please reduce the prompt or max_tokens."
-        )
+        params = params.replace(max_tokens=min(room, max_tokens_cap or max_model_len))
+    elif params.max_tokens > max_model_len:
+        raise InvalidRequestField(
+            f"max_tokens={params.max_tokens} is more than the model's maximum context length of {max_model_len} "
+            f"tokens; ask for at most {room} with this {prompt_len}-token prompt (or leave max_tokens out: the room "
+            "left)", "max_tokens")
+    elif params.max_tokens > room:
+        params = params.replace(max_tokens=room, min_tokens=min(params.min_tokens, room))
     for field in ("logprobs", "prompt_logprobs"):
         value = getattr(params, field)
         if value is not None and value > config.max_logprobs:

@@ -81,6 +81,12 @@ def test_lengths_of_one_to_three_tokens_and_the_context_limit(engines):
     long_prompt = list(range(100, 226))
     out = both(engines, [long_prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
     assert len(out[0][0][0]) == 2 and out[0][0][2] == "length"
+    # max_tokens beyond the room it leaves is cut to it, as vLLM cuts it, the prompt beside it served in full (one
+    # request of an offline batch asking too much refused the whole batch); more than any context holds is refused
+    out = both(engines, [long_prompt, PROMPTS[0]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert [(len(c[0][0]), c[0][2]) for c in out] == [(2, "length"), (10, "length")]
+    with pytest.raises(ValueError, match="max_tokens=129 is more than the model's maximum context length of 128"):
+        fast.generate(PROMPTS[:1], SamplingParams(max_tokens=129), use_tqdm=False)
     assert fast.blocks.num_free_blocks == fast.config.cache.num_blocks - 1  # every block back, null block aside
 
 

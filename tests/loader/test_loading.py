@@ -199,8 +199,8 @@ def test_bad_requests_are_refused_with_clear_errors(smol_engine):
     e = smol_engine
     with pytest.raises(ValueError, match="maximum context length is 1024"):
         e.generate("word " * 1100, SamplingParams(max_tokens=4), use_tqdm=False)
-    with pytest.raises(ValueError, match=r"1034 tokens \(\d+ in the prompt, 1000 for the completion\)|requested"):
-        e.generate("x " * 33, SamplingParams(max_tokens=1000), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_tokens=2000 is more than the model's maximum context length of 1024"):
+        e.generate("x " * 33, SamplingParams(max_tokens=2000), use_tqdm=False)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         e.generate([[1, 2, 10**9]], SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):

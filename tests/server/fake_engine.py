@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from jaxserve.core.beam_search import BeamSearch
+from jaxserve.errors import InvalidRequestField
 from jaxserve.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -76,9 +77,20 @@ class FakeEngine:
         """As the engine: the width and lengths checked as for a request of beam_width sequences."""
         check_beam_width(params, self.eos_token_ids(), self.max_logprobs)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if len(ids) + (params.max_tokens or 1) > self.max_model_len:
-            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens")
-        return BeamSearch(ids, params, self.eos_token_ids(), self.max_model_len)
+        max_tokens = self._fitted_max_tokens(len(ids), params.max_tokens)
+        return BeamSearch(ids, dataclasses.replace(params, max_tokens=max_tokens), self.eos_token_ids(),
+                          self.max_model_len)
+
+    def _fitted_max_tokens(self, prompt_len: int, max_tokens: int | None) -> int:
+        """As the engine: a prompt the context cannot hold, or max_tokens beyond it, is refused; max_tokens beyond
+        the room the prompt leaves is cut to it."""
+        if prompt_len >= self.max_model_len:
+            raise ValueError(f"the prompt has {prompt_len} tokens but the model's maximum context length is "
+                             f"{self.max_model_len}")
+        if max_tokens is not None and max_tokens > self.max_model_len:
+            raise InvalidRequestField(f"max_tokens={max_tokens} is more than the model's maximum context length of "
+                                      f"{self.max_model_len} tokens", "max_tokens")
+        return min(max_tokens or self.max_model_len, self.max_model_len - prompt_len)
 
     def add_lora(self, lora_request, load_inplace=False):
         """As the engine: a directory it cannot serve is a ValueError naming why."""
@@ -111,12 +123,9 @@ class FakeEngine:
                 raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {len(self.tokenizer)})")
         if not token_ids:
             raise ValueError("the prompt is empty")
-        max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
-        if len(token_ids) + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(token_ids)} tokens and max_tokens is {max_tokens}: lower max_tokens or shorten the prompt"
-            )
+        max_tokens = self._fitted_max_tokens(len(token_ids), params.max_tokens)
+        if max_tokens != params.max_tokens:
+            params = params.replace(max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:

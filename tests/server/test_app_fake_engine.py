@@ -307,7 +307,7 @@ def test_stop_string(client):
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens", "integer"),
     ({"prompt": "x", "temperature": -1}, "temperature", "temperature must be >= 0"),
     ({"prompt": "x", "n": 0}, "n", "n must be >= 1"),
-    ({"prompt": "x", "max_tokens": 1000}, None, "1000"),
+    ({"prompt": "x", "max_tokens": 1000}, "max_tokens", "1000"),
     ({"prompt": "x", "logprobs": 21}, None, "logprobs"),
 ])
 def test_validation_errors_are_400(server, body, param, contains):

@@ -38,7 +38,7 @@ def test_generate_streams_cumulative_outputs_until_finished(engine):
 
 def test_validation_error_is_raised_before_anything_is_queued(engine, fake):
     async def run():
-        with pytest.raises(ValueError, match="maximum context length is 256"):
+        with pytest.raises(ValueError, match="maximum context length of 256"):
             await engine.add_request("Hello", SamplingParams(max_tokens=1000), "too-long")
 
     asyncio.run(run())
