@@ -291,6 +291,8 @@ class SamplingParams:
         self.allowed_token_ids = _normalise_allowed_token_ids(self.allowed_token_ids)
         self.bad_words = _normalise_bad_words(self.bad_words)
         self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
+        if self.seed == -1:  # vLLM's spelling of "no seed": a fresh random stream each time
+            self.seed = None
 
     def _check_counts(self) -> None:
         _require_int("n", self.n)

@@ -142,3 +142,14 @@ def test_truncate_prompt_keeps_the_end():
     assert truncate_prompt(ids, 8, 8) == ids[-8:]
     with pytest.raises(ValueError, match="truncate_prompt_tokens=9 is more than .* at most 7"):
         truncate_prompt(ids, 9, 8)
+
+
+def test_seed_minus_one_means_no_seed_and_every_bit_of_a_seed_counts():
+    """vLLM's seed=-1 is "no seed" (random each time, not one fixed stream); a seed's bits above 32 change the
+    stream (seeds 7 and 7 + 2**32 sampled alike), while seeds below 2**32 keep theirs."""
+    from jaxserve.engine.inputs import sequence_seed
+
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    assert sequence_seed(7, 0) == 7 and sequence_seed(7, 1) != 7
+    seeds = {sequence_seed(s, 0) for s in (7, 7 + 2**32, 7 + 2**40, 7 - 2**32, -2, 2**32 - 2, 2**63 - 1)}
+    assert len(seeds) == 7 and all(0 <= s < 2**32 for s in seeds)

@@ -105,6 +105,14 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
     return ids[-(max_model_len - 1 if keep == -1 else keep):]
 
 
+def sequence_seed(seed: int, index: int) -> int:
+    """The 32 bits the sampler keys sequence `index` of a request seeded `seed` with: a seed's bits above 32 are
+    mixed in (seeds 7 and 7 + 2**32 sample differently), and a seed below 2**32 keys its first sequence as itself."""
+    high = seed >> 32
+    mixed = seed ^ (high * 0x85EBCA6B) if high else seed
+    return (mixed + index * 0x9E3779B9) & 0xFFFFFFFF
+
+
 def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int, config: EngineConfig,
                      max_tokens_cap: int | None = None) -> SamplingParams:
     """Check the request fits the context and the cache; fill in max_tokens=None as 'up to the context length', or
@@ -280,7 +288,7 @@ class InputProcessor:
     def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams, priority: int,
                       **shared) -> Sequence:
         """`shared`: Sequence fields every sequence of the request has alike (adapter, pooling, token rules)."""
-        seed = self._rng.getrandbits(32) if params.seed is None else (params.seed + index * 0x9E3779B9) & 0xFFFFFFFF
+        seed = self._rng.getrandbits(32) if params.seed is None else sequence_seed(params.seed, index)
         seq = Sequence(next(self._seq_ids), request_id, index, list(ids), len(ids), params, seed,
                        arrival=next(self._arrivals), priority=priority, eos_token_ids=self.eos_token_ids(),
                        max_model_len=self.max_model_len, **shared)

@@ -129,7 +129,7 @@ class SamplingFields(RequestModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # as vLLM's: a 64-bit integer (-1: no seed)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -309,6 +309,7 @@ def test_stop_string(client):
     ({"prompt": "x", "n": 0}, "n", "n must be >= 1"),
     ({"prompt": "x", "max_tokens": 1000}, "max_tokens", "1000"),
     ({"prompt": "x", "logprobs": 21}, None, "logprobs"),
+    ({"prompt": "x", "seed": 2**64}, "seed", "less than or equal to 9223372036854775807"),  # vLLM's int64 range
 ])
 def test_validation_errors_are_400(server, body, param, contains):
     error = assert_error(post(server, "/v1/completions", body), 400, param=param, contains=contains)
