@@ -67,8 +67,14 @@ def stored_config(config: ModelConfig) -> dict:
 
 
 # --- restore -------------------------------------------------------------------------------------------------
-def model_config(meta: dict) -> ModelConfig:
+def model_config(meta: dict, directory: Path | str = "the checkpoint") -> ModelConfig:
     values = {k: v for k, v in meta["config"].items() if k not in SERVING_FIELDS}
+    # A field this jaxserve does not know changes the model in a way it would not compute: refused, not ignored.
+    unknown = sorted(values.keys() - {f.name for f in dataclasses.fields(ModelConfig)})
+    if unknown:
+        raise ValueError(f"{directory} was written by another jaxserve version: its model config has "
+                         f"{', '.join(unknown)}, which this one does not know; convert the original model again with "
+                         "this version (or upgrade jaxserve)")
     rope = values.get("rope_scaling")
     if rope:  # JSON gave lists for the per-frequency factors
         rope = {k: tuple(v) if isinstance(v, list) else v for k, v in rope.items()}
@@ -145,10 +151,14 @@ def _bytes_read() -> int:
 
 def open_orbax_checkpoint(directory: Path) -> dict:
     """The fields of a loader.checkpoint.Checkpoint for a directory `convert` wrote."""
-    meta = json.loads((directory / MARKER).read_text())
+    try:
+        meta = json.loads((directory / MARKER).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{directory / MARKER} is not valid JSON ({exc}): the conversion did not finish or the file "
+                         "was damaged; convert the original model again") from None
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"{directory} has checkpoint format {meta.get('format')}, this jaxserve reads format "
                          f"{FORMAT_VERSION}; convert the original model again")
-    return dict(name=meta["name"], config=model_config(meta), tensors=OrbaxParams(directory.absolute(), meta),
+    return dict(name=meta["name"], config=model_config(meta, directory), tensors=OrbaxParams(directory.absolute(), meta),
                 tokenizer=load_tokenizer(directory, advice="convert the original model again"),
                 generation_defaults=meta.get("generation_defaults") or {}, pooling=meta.get("pooling"))

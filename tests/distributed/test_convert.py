@@ -74,6 +74,17 @@ def test_a_longrope_config_survives_its_json_round_trip():
     assert model_config(json.loads(json.dumps({"config": stored_config(cfg)}))) == cfg
     # a checkpoint written while the config held the LM head's slice count (0319fe0 to c4dc814) still reads
     assert model_config({"config": stored_config(cfg) | {"head_slices": 1}}) == cfg
+    # one from a jaxserve whose model config has a field this one lacks is refused by name, not a TypeError
+    with pytest.raises(ValueError, match="another jaxserve version: its model config has new_knob, which this one"):
+        model_config({"config": stored_config(cfg) | {"new_knob": True}}, "/ckpt")
+
+
+def test_a_damaged_checkpoint_marker_is_named_with_the_fix(tmp_path):
+    from jaxserve.loader.orbax_checkpoint import MARKER, open_orbax_checkpoint
+
+    (tmp_path / MARKER).write_text('{"format": ')
+    with pytest.raises(ValueError, match=f"{MARKER} is not valid JSON .* convert the original model again"):
+        open_orbax_checkpoint(tmp_path)
 
 
 def test_a_converted_checkpoint_keeps_the_tokenizer_it_was_given(tiny_checkpoint, tiny_tokenizer_source, tmp_path):
