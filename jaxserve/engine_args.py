@@ -15,6 +15,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -58,7 +59,20 @@ VLLM_NO_EFFECT = {
     "limit_mm_per_prompt": "jaxserve serves text only: a request with image or audio parts is refused",
     "scheduling_policy": "requests always run in (priority, arrival) order, a lower priority first: first come, "
                          "first served where no request sets one",
+    "structured_outputs_config": "structured outputs always use llguidance",
+    "tokenizer_pool_size": "prompts are tokenized on the server's own threads",
+    "num_scheduler_steps": "the next step is always scheduled while the current one runs (async scheduling)",
+    "disable_async_output_proc": "outputs are read back while the next step runs, unless --no-async-scheduling",
+    "preemption_mode": "a preempted sequence is always recomputed (vLLM's recompute mode), never swapped out",
+    "model_impl": "jaxserve runs its own JAX implementation of every model it serves",
+    "max_cpu_loras": "adapters are read from disk when loaded; there is no host-memory adapter cache to size",
+    "prefix_caching_hash_algo": "prefix-cache blocks are keyed by jaxserve's own hash of their tokens",
+    "enable_sleep_mode": "jaxserve has no sleep mode: the weights and KV cache stay in device memory",
+    "cpu_offload_gb": "weights stay in device memory; none are offloaded to the host",
+    "tokenizer_mode": "it uses the fast (Rust) tokenizer",
 }
+# Options whose vLLM default (0) is what jaxserve does, and whose other values it cannot honour.
+VLLM_ZERO_ONLY = {"cpu_offload_gb"}
 VLLM_NEGATABLE = {"enable_chunked_prefill"}  # its False (vLLM's --no-enable-chunked-prefill) is a choice too
 # vLLM's --task values (its --runner's are auto, generate and pooling); those jaxserve has no counterpart for are
 # refused when given.
@@ -77,7 +91,14 @@ def vllm_no_effect(name: str, value) -> str | None:
     if name == "task" and value in UNSERVED_TASKS:
         raise ValueError(f"task {value} is not supported: {UNSERVED_TASKS[value]}; leave the task out (each "
                          "request picks generation or pooling)")
-    if value is None or (value is False and name not in VLLM_NEGATABLE):
+    if name == "tokenizer_mode":  # auto and hf: the Hugging Face tokenizer jaxserve reads; slow: the same, fast
+        if value in ("mistral", "custom"):
+            raise ValueError(f"tokenizer_mode {value} is not supported: jaxserve reads Hugging Face tokenizers "
+                             "(tokenizer.json); leave it out, or give a Hugging Face tokenizer")
+        return VLLM_NO_EFFECT[name] if value == "slow" else None
+    if name in VLLM_ZERO_ONLY and value not in (None, 0):
+        raise ValueError(f"{name}={value} is not supported: {VLLM_NO_EFFECT[name]}; leave it out (0)")
+    if value is None or (value is False and name not in VLLM_NEGATABLE) or name in VLLM_ZERO_ONLY:
         return None
     return VLLM_NO_EFFECT[name]
 
@@ -148,6 +169,30 @@ def one_of(*allowed) -> Callable:
         return value
 
     return check
+
+
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def token_count(value) -> int | None:
+    """A count of tokens as vLLM reads one: a positive whole number, or its readable form, 32k = 32,000 and
+    32K = 32,768 (1.5k = 1,500); "auto" or -1 leave it to the engine (None: the default)."""
+    if value is None or value in ("auto", -1, "-1"):
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return positive_int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"must be a whole number of tokens such as 4096 or 32k, got {value!r}")
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])?", value.strip())
+    if match is None:
+        raise ValueError(f"expected a whole number of tokens such as 4096 or 32k (or auto), got {value!r}")
+    number, suffix = match.groups()
+    multiplier = _DECIMAL_SUFFIXES.get(suffix) or _BINARY_SUFFIXES.get(suffix) or 1
+    count = round(float(number) * multiplier, 6)  # 1.001 * 1000 is 1000.999...
+    if count != int(count) or count < 1:
+        raise ValueError(f"{value!r} is not a whole number of tokens (>= 1)")
+    return int(count)
 
 
 def optional(check: Callable) -> Callable:
@@ -284,13 +329,13 @@ class EngineArgs:
     max_model_len: int | None = option(
         None, "context length (prompt + output); on the command line and in --config files 32k is 32,000 and 32K "
         "32,768, as in vLLM",
-        check=optional(positive_int), kind="tokens", metavar="N")
+        check=token_count, kind="tokens", metavar="N")
     max_num_seqs: int | None = option(
         None, "most sequences in one step (default: 64 on CPU, 256 on GPU/TPU)", check=optional(positive_int),
         kind="count", metavar="N")
     max_num_batched_tokens: int | None = option(
         None, "most tokens in one step, prefill chunks cut to fit (default: 512 on CPU, 8192 on GPU/TPU)",
-        check=optional(positive_int), kind="tokens", metavar="N")
+        check=token_count, kind="tokens", metavar="N")
     block_size: int = option(16, "tokens per KV block", check=positive_int, kind="count", metavar="N")
     num_kv_blocks: int | None = option(
         None, "KV cache blocks (default: sized from free device memory; on CPU, from host memory, at most what "
@@ -304,8 +349,8 @@ class EngineArgs:
         "auto", "auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2 stores K/V in one byte a value, twice a bf16 "
         "cache's tokens in the same memory (unscaled, as vLLM without scales)", choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = option(
-        True, "share the KV blocks of a common prompt prefix between requests (default: on)", check=boolean,
-        kind="bool")
+        True, "share the KV blocks of a common prompt prefix between requests (default: on)",
+        check=lambda value: True if value is None else boolean(value), kind="bool")  # None: vLLM's "default"
     async_scheduling: bool = option(
         True, "read each step back before scheduling the next (by default the next step is dispatched first, so "
         "host work overlaps device work; for debugging)", check=boolean, kind="off-switch",

@@ -55,7 +55,7 @@ def test_underscores_are_rewritten_in_option_names_only():
 
 
 @pytest.mark.parametrize("text, tokens", [("32k", 32_000), ("32K", 32_768), ("1.5k", 1_500), ("1.5K", 1_536),
-                                          ("2m", 2_000_000), ("4096", 4096)])
+                                          ("2m", 2_000_000), ("4096", 4096), ("auto", None), ("-1", None)])
 def test_token_counts_read_vllms_suffixes(text, tokens):
     assert token_count(text) == tokens
 
@@ -69,6 +69,7 @@ def test_token_counts_read_vllms_suffixes(text, tokens):
     (["serve", "--dtype", "half"], "use --dtype bfloat16"),
     (["serve", "--task", "reward"], "--task reward is not supported: reward models' per-token scores are not served"),
     (["serve", "--limit-mm-per-prompt", "image"], "expected JSON such as '{\"image\": 0}' or image=0,video=0"),
+    (["serve", "--cpu-offload-gb", "4"], "--cpu-offload-gb=4.0 is not supported: weights stay in device memory"),
 ])
 def test_what_cannot_be_honoured_is_refused_in_one_line(capsys, argv, expected):
     assert expected in user_error(capsys, argv)
@@ -80,12 +81,20 @@ def test_options_without_effect_are_accepted_with_a_warning_each(capsys, caplog,
                     "--disable-custom-all-reduce", "--max-seq-len-to-capture", "8192", "--kv-cache-dtype", "auto",
                     "--load-format", "safetensors", "--tokenizer-mode", "auto", "--task", "embed", "--runner",
                     "pooling", "--limit-mm-per-prompt", '{"image": 0}', "-O", "3", "--disable-log-stats",
-                    "--scheduling-policy", "priority") == 0
+                    "--scheduling-policy", "priority", "--structured-outputs-config", '{"backend": "xgrammar"}',
+                    "--tokenizer-pool-size", "0", "--num-scheduler-steps", "8", "--disable-async-output-proc",
+                    "--preemption-mode", "swap", "--model-impl", "vllm", "--max-cpu-loras", "4",
+                    "--prefix-caching-hash-algo", "sha256", "--enable-sleep-mode", "--cpu-offload-gb", "0",
+                    "--max-model-len", "auto") == 0
     warned = [record.getMessage().split(" has no effect")[0] for record in caplog.records]
     assert warned == ["--enforce-eager", "--max-seq-len-to-capture", "--compilation-config", "--swap-space",
                       "--disable-custom-all-reduce",
                       "--trust-remote-code", "--no-enable-chunked-prefill", "--task", "--runner",
-                      "--limit-mm-per-prompt", "--scheduling-policy"]  # not --disable-log-stats: generate logs none, as asked
+                      "--limit-mm-per-prompt", "--scheduling-policy", "--structured-outputs-config",
+                      "--tokenizer-pool-size", "--num-scheduler-steps", "--disable-async-output-proc",
+                      "--preemption-mode", "--model-impl", "--max-cpu-loras", "--prefix-caching-hash-algo",
+                      "--enable-sleep-mode"]  # not --disable-log-stats: generate logs none, as asked; nor a 0 offload
+    assert fake_engine_module["max_model_len"] is None  # auto: the model's own, as the cache allows
     assert fake_engine_module["load_format"] == "auto"  # the loader reads whichever format the model has
     assert fake_engine_module["kv_cache_dtype"] == "auto"
     caplog.clear()
@@ -158,10 +167,13 @@ def test_float_is_float32_everywhere():
 
 def test_server_options_without_effect_are_warned_about(caplog):
     caplog.set_level(logging.WARNING, logger="jaxserve.cli.main")
-    check_vllm_options(parse(["serve", "--disable-fastapi-docs", "--disable-frontend-multiprocessing"]))
+    check_vllm_options(parse(["serve", "--disable-fastapi-docs", "--disable-frontend-multiprocessing",
+                              "--api-server-count", "4", "--enable-server-load-tracking", "--data-parallel-backend",
+                              "ray"]))
     # --disable-fastapi-docs does what vLLM's does (tests/server/test_security.py)
     assert [record.getMessage().split(" has no effect")[0] for record in caplog.records] == [
-        "--disable-frontend-multiprocessing"]
+        "--disable-frontend-multiprocessing", "--api-server-count", "--enable-server-load-tracking",
+        "--data-parallel-backend"]
     assert parse(["serve", "--max-log-len", "64"]).max_log_len == 64
 
 

@@ -90,6 +90,17 @@ def test_vllm_options_that_mean_nothing_here_are_accepted_with_a_warning(caplog)
         EngineArgs.of(task="reward")
     with pytest.raises(ValueError, match="runner='pool' is not one of vLLM's: auto, generate, pooling"):
         EngineArgs.of(runner="pool")
+    # vLLM's defaults, as scripts pass them: the fast tokenizer, no offload, prefix caching left to the engine
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "jaxserve.engine"):
+        args = EngineArgs.of(tokenizer_mode="auto", cpu_offload_gb=0, enable_prefix_caching=None,
+                             max_model_len="32k", structured_outputs_config={"backend": "auto"})
+    assert args.changed() == {"max_model_len": 32_000} and args.enable_prefix_caching
+    assert caplog.text.count("has no effect") == 1  # structured_outputs_config's backend
+    for refused, message in ((dict(tokenizer_mode="mistral"), "tokenizer_mode mistral is not supported"),
+                             (dict(cpu_offload_gb=8), "cpu_offload_gb=8 is not supported")):
+        with pytest.raises(ValueError, match=message):
+            EngineArgs.of(**refused)
 
 
 def test_the_python_docs_table_lists_every_option():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -16,6 +15,7 @@ from typing import Any, NoReturn
 import yaml
 
 from jaxserve.config import MeshShape, SpeculativeConfig
+from jaxserve.engine_args import token_count as engine_token_count
 from jaxserve.errors import UserError
 from jaxserve.loader.generation_config import check_overrides
 
@@ -42,21 +42,12 @@ def positive_int(text: str) -> int:
     return value
 
 
-_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
-_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30}
-
-
-def token_count(text: str) -> int:
-    """A positive whole number, or vLLM's readable form: 32k = 32,000 and 32K = 32,768 (1.5k = 1,500)."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])", text.strip())
-    if match is None:
-        return positive_int(text)
-    number, suffix = match.groups()
-    multiplier = _DECIMAL_SUFFIXES.get(suffix) or _BINARY_SUFFIXES[suffix]
-    value = round(float(number) * multiplier, 6)  # 1.001 * 1000 is 1000.999...
-    if value != int(value) or value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
-    return int(value)
+def token_count(text: str) -> int | None:
+    """engine_args.token_count on the command line: 4096, 32k = 32,000, 32K = 32,768; auto or -1: the default."""
+    try:
+        return engine_token_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _float(text: str) -> float:

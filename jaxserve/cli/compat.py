@@ -18,6 +18,9 @@ logger = logging.getLogger("jaxserve.cli.main")
 # False: not given; the one option with a --no- form says so with False).
 NO_EFFECT = {dest: why for dest, why in VLLM_NO_EFFECT.items() if dest != "disable_log_stats"} | {
     "disable_frontend_multiprocessing": "the HTTP server and the engine loop share one process",
+    "api_server_count": "one HTTP server process serves every request (its event loop never blocks on a step)",
+    "enable_server_load_tracking": "the server's load is in /metrics (jaxserve:num_requests_running, ...) always",
+    "data_parallel_backend": "serve -dp runs its replicas in this process, one mesh each",
 }
 TOKENIZER_MODES = ("auto", "hf", "slow", "mistral", "custom")
 
@@ -38,6 +41,16 @@ def add_vllm_compat_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--runner", choices=VLLM_RUNNERS)
     group.add_argument("--limit-mm-per-prompt", type=modality_limits, metavar="JSON|image=N,...")
     group.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
+    group.add_argument("--structured-outputs-config", type=json_object, metavar="JSON")
+    group.add_argument("--tokenizer-pool-size", type=int, metavar="N")
+    group.add_argument("--num-scheduler-steps", type=positive_int, metavar="N")
+    group.add_argument("--disable-async-output-proc", action="store_true")
+    group.add_argument("--preemption-mode", choices=("recompute", "swap"))
+    group.add_argument("--model-impl", metavar="NAME")
+    group.add_argument("--max-cpu-loras", type=positive_int, metavar="N")
+    group.add_argument("--prefix-caching-hash-algo", metavar="NAME")
+    group.add_argument("--enable-sleep-mode", action="store_true")
+    group.add_argument("--cpu-offload-gb", type=float, metavar="GIB", help="0 only (vLLM's default)")
     group.add_argument("--tokenizer-mode", default="auto", choices=TOKENIZER_MODES,
                        help="auto/hf: the model's Hugging Face tokenizer (the only kind jaxserve reads)")
     refused = parser.add_argument_group("vLLM options jaxserve cannot honour (refused, saying why)")
@@ -47,6 +60,9 @@ def add_vllm_compat_arguments(parser: argparse.ArgumentParser) -> None:
 def add_vllm_serve_compat_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("vLLM server options accepted for its command lines (no effect here)")
     group.add_argument("--disable-frontend-multiprocessing", action="store_true")
+    group.add_argument("--api-server-count", type=positive_int, metavar="N")
+    group.add_argument("--enable-server-load-tracking", action="store_true")
+    group.add_argument("--data-parallel-backend", metavar="NAME")
 
 
 def modality_limits(text: str) -> dict:
@@ -100,14 +116,12 @@ def check_vllm_options(args: argparse.Namespace) -> None:
     if mode in ("mistral", "custom"):
         raise UserError(f"--tokenizer-mode {mode} is not supported: jaxserve reads Hugging Face tokenizers "
                         "(tokenizer.json); leave it out, or pass --tokenizer with a Hugging Face one")
-    if mode == "slow":
-        logger.warning("--tokenizer-mode slow has no effect in jaxserve: it uses the fast (Rust) tokenizer")
     for dest in NO_EFFECT:
         value = getattr(args, dest, None)
         try:
             reason = vllm_no_effect(dest, value) if dest in VLLM_NO_EFFECT else value and NO_EFFECT[dest]
-        except ValueError as exc:  # a task jaxserve does not serve
-            raise UserError(f"--{exc}") from None
+        except ValueError as exc:  # a task jaxserve does not serve, a value it cannot honour
+            raise UserError("--" + str(exc).replace(dest, dest.replace("_", "-"), 1)) from None
         if reason:
             option = "--" + ("no-" if value is False else "") + dest.replace("_", "-")
             logger.warning("%s has no effect in jaxserve: %s", option, reason)
