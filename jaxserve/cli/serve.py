@@ -121,6 +121,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "written for vLLM (vllm:num_requests_waiting, ...) read them unchanged")
     server.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="usage reports prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served")
+    server.add_argument("--response-role", default="assistant", metavar="ROLE",
+                        help="the role chat replies name after a generation prompt (default: assistant, as vLLM)")
+    server.add_argument("--enable-force-include-usage", action="store_true",
+                        help="every streamed response reports its usage (each chunk, and a last usage chunk), as "
+                             "if it asked with stream_options (vLLM's option)")
     add_logging_arguments(parser)
     add_vllm_serve_compat_arguments(parser)
     web = parser.add_argument_group("CORS, TLS and proxies (vLLM's options)")

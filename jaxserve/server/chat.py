@@ -86,12 +86,12 @@ async def _stream_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionStreamResp
             for completion in output.outputs:
                 choice = delta_choice(job, completion, progress)
                 if choice is not None:
-                    usage = choice_usage(output, completion) if job.request.usage_in_every_chunk else None
+                    usage = choice_usage(output, completion) if job.options.usage_in_every_chunk(job.request) else None
                     yield ChatCompletionStreamResponse(
                         id=job.request_id, model=job.model, choices=[choice], usage=usage, created=job.created,
                         prompt_token_ids=output.prompt_token_ids if send_prompt_ids else None)
                     send_prompt_ids = False
-    if job.request.include_usage_chunk and last_output is not None:
+    if job.options.usage_chunk(job.request) and last_output is not None:
         yield ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[], created=job.created,
                                            usage=job.options.usage([last_output]))
 
@@ -133,7 +133,7 @@ def delta_choice(job: ChatJob, completion: CompletionOutput, progress: dict[int,
 def _delta(job: ChatJob, completion: CompletionOutput, sent: ChoiceProgress, first_chunk: bool
            ) -> tuple[DeltaMessage | None, str | None]:
     """The message delta (None when there is nothing new to say) and the finish reason, by tool choice."""
-    role = "assistant" if first_chunk else None
+    role = job.options.role(job.request) if first_chunk else None
     choice, reason = job.tool_choice, completion.finish_reason
     if choice is None:
         reasoning, text = _new_answer(job, completion, sent)

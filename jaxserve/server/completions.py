@@ -88,10 +88,10 @@ async def _stream_chunks(job: CompletionJob) -> AsyncIterator[CompletionStreamRe
             for completion in output.outputs:
                 choice = _delta_choice(job, prompt_index, output, completion, progress)
                 if choice is not None:
-                    usage = choice_usage(output, completion) if job.request.usage_in_every_chunk else None
+                    usage = choice_usage(output, completion) if job.options.usage_in_every_chunk(job.request) else None
                     yield CompletionStreamResponse(id=job.request_id, model=job.model, choices=[choice], usage=usage,
                                                    created=job.created)
-    if job.request.include_usage_chunk:
+    if job.options.usage_chunk(job.request):
         finals = list(last_outputs.values())
         yield CompletionStreamResponse(id=job.request_id, model=job.model, choices=[], usage=job.options.usage(finals),
                                        created=job.created)

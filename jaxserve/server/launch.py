@@ -45,7 +45,9 @@ def serve_engine(engines, args: argparse.Namespace, sock: socket.socket, mesh: M
                     root_path=args.root_path,
                     log_stats_interval=None if args.disable_log_stats else log_stats_interval(),
                     output_options=OutputOptions(tokens_as_ids=args.return_tokens_as_token_ids,
-                                                 prompt_tokens_details=args.enable_prompt_tokens_details),
+                                                 prompt_tokens_details=args.enable_prompt_tokens_details,
+                                                 response_role=args.response_role,
+                                                 force_include_usage=args.enable_force_include_usage),
                     request_id_headers=args.enable_request_id_headers, vllm_metric_names=args.vllm_metric_names,
                     api_description=not args.disable_fastapi_docs)
     host, port = sock.getsockname()[:2]

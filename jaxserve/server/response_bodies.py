@@ -40,6 +40,20 @@ class OutputOptions:
 
     tokens_as_ids: bool = False  # --return-tokens-as-token-ids: logprobs name tokens "token_id:N"
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage counts the prompt tokens cached
+    response_role: str = "assistant"  # --response-role: the role a chat reply names after a generation prompt
+    force_include_usage: bool = False  # --enable-force-include-usage: every stream reports its usage, per chunk too
+
+    def role(self, request) -> str:
+        """A chat reply's role, as vLLM names it: the response role after a generation prompt, else (the model
+        continuing the conversation's last message) that message's role."""
+        return self.response_role if request.add_generation_prompt else request.messages[-1].role
+
+    def usage_chunk(self, request) -> bool:
+        """Whether a stream ends with a usage chunk: asked for by stream_options, or forced for every stream."""
+        return request.stream and (self.force_include_usage or request.include_usage_chunk)
+
+    def usage_in_every_chunk(self, request) -> bool:
+        return request.stream and (self.force_include_usage or request.usage_in_every_chunk)
 
     def usage(self, finals: list[RequestOutput]) -> UsageInfo:
         cached = sum(output.num_cached_tokens for output in finals) if self.prompt_tokens_details else None
@@ -201,7 +215,9 @@ class ChatRendering:
         choice, reason = self.tool_choice, completion.finish_reason
         reasoning, text = self.answer(completion, final=True)
         # With reasoning split off, an answer not yet begun is None, as in vLLM.
-        plain = ChatMessage(content=None if reasoning is not None and not text else text, reasoning=reasoning)
+        role = self.options.role(self.request)
+        plain = ChatMessage(role=role, content=None if reasoning is not None and not text else text,
+                            reasoning=reasoning)
         if choice is None:
             return plain, reason
         if choice.kind == "auto":
@@ -215,7 +231,8 @@ class ChatRendering:
         # output cut short keeps "length": its last call may be unfinished.
         if choice.kind == "auto" and reason in ("stop", "length") or choice.kind == "required" and reason == "stop":
             reason = "tool_calls"
-        return ChatMessage(content=content, reasoning=reasoning, tool_calls=[call.body() for call in calls]), reason
+        return ChatMessage(role=role, content=content, reasoning=reasoning,
+                           tool_calls=[call.body() for call in calls]), reason
 
     def full_response(self, output: RequestOutput) -> ChatCompletionResponse:
         """The whole (non-streamed) response from the request's final output."""

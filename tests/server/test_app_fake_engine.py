@@ -295,6 +295,29 @@ def test_tokens_as_ids_name_logprob_tokens_by_id(tokenizer):
     assert completion.usage.prompt_tokens_details is None and chat.usage.prompt_tokens_details is None
 
 
+def test_response_role_and_forced_usage_options(tokenizer):
+    """--response-role names chat replies after a generation prompt (a continued message keeps its own role, as
+    vLLM's); --enable-force-include-usage makes every stream report its usage, per chunk and at the end."""
+    app = build_app(AsyncEngine(FakeEngine(tokenizer, step_delay=0)), served_model_names=["fake"],
+                    output_options=OutputOptions(response_role="bot", force_include_usage=True))
+    chat = {"model": "fake", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+    with serve_in_thread(app) as url:
+        whole = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=30).json()
+        continued = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+            **chat, "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}],
+            "add_generation_prompt": False, "continue_final_message": True}).json()
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**chat, "stream": True}) as response:
+            chunks = sse_payloads(response)
+        with httpx.stream("POST", f"{url}/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 2,
+                                                                 "stream": True}) as response:
+            completion_chunks = sse_payloads(response)
+    assert whole["choices"][0]["message"]["role"] == "bot" and chunks[0]["choices"][0]["delta"]["role"] == "bot"
+    assert continued["choices"][0]["message"]["role"] == "assistant"
+    for stream in (chunks, completion_chunks):
+        assert stream[-1]["choices"] == [] and stream[-1]["usage"]["completion_tokens"] == 2
+        assert all(chunk["usage"] is not None for chunk in stream)
+
+
 def test_stop_string(client):
     result = client.completions.create(model="fake", prompt="x", max_tokens=10, temperature=0, stop=[" four"])
     assert result.choices[0].text == " one two three" and result.choices[0].finish_reason == "stop"
