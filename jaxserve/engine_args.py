@@ -175,24 +175,33 @@ _DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
 _BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30}
 
 
-def token_count(value) -> int | None:
-    """A count of tokens as vLLM reads one: a positive whole number, or its readable form, 32k = 32,000 and
-    32K = 32,768 (1.5k = 1,500); "auto" or -1 leave it to the engine (None: the default)."""
+def readable_count(value, unit: str = "tokens") -> int | None:
+    """A count as vLLM reads one: a positive whole number, or its readable form, 32k = 32,000 and 32K = 32,768
+    (1.5k = 1,500; 4G = 4 GiB); "auto" or -1 leave it to the engine (None: the default)."""
     if value is None or value in ("auto", -1, "-1"):
         return None
     if isinstance(value, int) and not isinstance(value, bool):
         return positive_int(value)
+    example = "4096 or 32k" if unit == "tokens" else "4000000000 or 4G"
     if not isinstance(value, str):
-        raise ValueError(f"must be a whole number of tokens such as 4096 or 32k, got {value!r}")
+        raise ValueError(f"must be a whole number of {unit} such as {example}, got {value!r}")
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])?", value.strip())
     if match is None:
-        raise ValueError(f"expected a whole number of tokens such as 4096 or 32k (or auto), got {value!r}")
+        raise ValueError(f"expected a whole number of {unit} such as {example} (or auto), got {value!r}")
     number, suffix = match.groups()
     multiplier = _DECIMAL_SUFFIXES.get(suffix) or _BINARY_SUFFIXES.get(suffix) or 1
     count = round(float(number) * multiplier, 6)  # 1.001 * 1000 is 1000.999...
     if count != int(count) or count < 1:
-        raise ValueError(f"{value!r} is not a whole number of tokens (>= 1)")
+        raise ValueError(f"{value!r} is not a whole number of {unit} (>= 1)")
     return int(count)
+
+
+def token_count(value) -> int | None:
+    return readable_count(value, "tokens")
+
+
+def byte_count(value) -> int | None:
+    return readable_count(value, "bytes")
 
 
 def optional(check: Callable) -> Callable:
@@ -240,8 +249,8 @@ def option(default, help: str, *, check: Callable | None = None, kind: str = "te
            job: bool = True):
     """An EngineArgs field.
 
-    `kind`, how the command line reads it: "text", "int", "count" (a whole number >= 1), "tokens" (a count, or
-    32k = 32,000), "fraction", "json" (a JSON object), "speculative" / "generation" (JSON, checked by their own
+    `kind`, how the command line reads it: "text", "int", "count" (a whole number >= 1), "tokens" / "bytes" (a
+    count, or 32k = 32,000), "fraction", "json" (a JSON object), "speculative" / "generation" (JSON, checked by their own
     rules), "choice" (one of `choices`, which also make the check),
     "partition" (8,8,7,7), "mesh" (TPxPP), "adapters" (NAME=PATH ...), "switch" (a flag that sets True), "bool"
     (--x / --no-x), "off-switch" (its `flags` set False, e.g. --no-warmup; `on_flags` set True). `flags`: the
@@ -345,6 +354,10 @@ class EngineArgs:
         0.9, "share of each accelerator's memory the engine fills: weights, activations, then the KV cache in what "
         "is left (as in vLLM; ignored with --num-kv-blocks; default 0.9)", check=fraction, kind="fraction",
         flags=("--gpu-memory-utilization",), metavar="FRACTION", aliases=("gpu_memory_utilization",))
+    kv_cache_memory_bytes: int | None = option(
+        None, "bytes of each device's memory the KV cache takes (as vLLM's; 4G = 4 GiB): the cache sized from it, "
+        "not from a profiling step and --gpu-memory-utilization; ignored with --num-kv-blocks", check=byte_count,
+        kind="bytes", metavar="BYTES")
     kv_cache_dtype: str = option(
         "auto", "auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2 stores K/V in one byte a value, twice a bf16 "
         "cache's tokens in the same memory (unscaled, as vLLM without scales)", choices=KV_CACHE_DTYPES)

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 import yaml
 
 from jaxserve.config import MeshShape, SpeculativeConfig
+from jaxserve.engine_args import byte_count as engine_byte_count
 from jaxserve.engine_args import token_count as engine_token_count
 from jaxserve.errors import UserError
 from jaxserve.loader.generation_config import check_overrides
@@ -44,8 +45,17 @@ def positive_int(text: str) -> int:
 
 def token_count(text: str) -> int | None:
     """engine_args.token_count on the command line: 4096, 32k = 32,000, 32K = 32,768; auto or -1: the default."""
+    return _argument(engine_token_count, text)
+
+
+def byte_count(text: str) -> int | None:
+    """engine_args.byte_count on the command line: 4000000000, 4G = 4 GiB; auto or -1: the default."""
+    return _argument(engine_byte_count, text)
+
+
+def _argument(check, text: str):
     try:
-        return engine_token_count(text)
+        return check(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

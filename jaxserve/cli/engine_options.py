@@ -9,6 +9,7 @@ import os
 from jaxserve.cli.args import (
     UserError,
     add_distributed_arguments,
+    byte_count,
     generation_overrides,
     json_object,
     layer_partition,
@@ -30,7 +31,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 # How a flag's text becomes each kind of EngineArgs value (engine_args.option says what the kinds are).
-PARSERS = {"text": None, "int": int, "count": positive_int, "tokens": token_count, "fraction": memory_fraction,
+PARSERS = {"text": None, "int": int, "count": positive_int, "tokens": token_count, "bytes": byte_count,
+           "fraction": memory_fraction,
            "json": json_object, "speculative": speculative_config, "generation": generation_overrides,
            "partition": layer_partition, "mesh": mesh_shape, "adapters": lora_module, "choice": None}
 

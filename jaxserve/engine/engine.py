@@ -131,7 +131,7 @@ class Engine:
             self.runner.start_ticks(self.plan_shape)
         started = time.perf_counter()
         num_kv_blocks, how = size_kv_cache(self.runner, self.plan_shape, num_kv_blocks, args.kv_cache_memory_fraction,
-                                           max_num_seqs)
+                                           max_num_seqs, args.kv_cache_memory_bytes)
         log.info("KV cache sized %s and allocated in %.1f s", how, time.perf_counter() - started)
         max_model_len = fit_context_to_cache(max_model_len, requested_len, (num_kv_blocks - 1) * args.block_size)
         self.plan_shape = dataclasses.replace(self.plan_shape, max_model_len=max_model_len)

@@ -71,11 +71,16 @@ def blocks_to_fill(max_num_seqs: int, shape) -> int:
 
 
 def size_kv_cache(runner, shape, num_blocks: int | None, memory_fraction: float,
-                  max_num_seqs: int) -> tuple[int, str]:
-    """Fix the number of KV blocks (None: what memory holds, on a device that reports its memory after profiling
-    a step at the largest bucket; on a host, at most what `max_num_seqs` sequences fill), the same on every
-    process, and allocate `runner`'s cache. -> (blocks, how they were sized, for the log)."""
+                  max_num_seqs: int, memory_bytes: int | None = None) -> tuple[int, str]:
+    """Fix the number of KV blocks (None: what `memory_bytes` of each device hold, if given; else what memory
+    holds, on a device that reports its memory after profiling a step at the largest bucket; on a host, at most
+    what `max_num_seqs` sequences fill), the same on every process, and allocate `runner`'s cache. -> (blocks,
+    how they were sized, for the log)."""
     how = "as given"
+    if num_blocks is None and memory_bytes is not None:
+        num_blocks = num_blocks_for(runner.cfg, runner.block_size, runner.kv_dtype, memory_bytes,
+                                    shards=runner.mesh.size, head_dim=runner.cache_head_dim)
+        how = f"from kv_cache_memory_bytes ({memory_bytes / 2**30:.2f} GiB a device)"
     if num_blocks is None:
         # Only a device that reports its memory use needs the profiling step's peak: on a CPU it would compile a
         # program of its own (the largest bucket with every sampler extra) for nothing, ~10 s of each start.

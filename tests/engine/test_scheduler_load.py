@@ -78,6 +78,19 @@ def test_a_context_longer_than_the_cache_is_lowered_or_refused(tiny, caplog):
         Engine(tiny, max_model_len=2048, num_kv_blocks=9, warmup=False)
 
 
+def test_kv_cache_memory_bytes_sizes_the_cache(tiny, caplog):
+    """vLLM's --kv-cache-memory-bytes: the cache is what that many bytes of each device hold (here, the bytes of
+    10 blocks and a half), not what free memory would hold."""
+    from jaxserve.runner.kv_cache import kv_bytes_per_block
+
+    probe = Engine(tiny, num_kv_blocks=4, warmup=False)
+    per_block = kv_bytes_per_block(probe.runner.cfg, 16, probe.runner.kv_dtype, probe.runner.cache_head_dim)
+    with caplog.at_level(logging.INFO, logger="jaxserve"):
+        engine = Engine(tiny, kv_cache_memory_bytes=int(10.5 * per_block), max_model_len=128, warmup=False)
+    assert engine.config.cache.num_blocks == 10
+    assert any("KV cache sized from kv_cache_memory_bytes" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.xla_optimised  # runs 120 requests: 1.4x slower unoptimised
 def test_no_compiles_after_warmup_for_120_random_requests(tiny, caplog):
     with caplog.at_level(logging.INFO, logger="jaxserve"):
