@@ -107,6 +107,9 @@ def test_config_file_values_with_command_line_winning(tmp_path):
     (["generate", "--prompt", "x", "--temperature", "-1"], "temperature"),
     (["serve", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 3}'], "method 'eagle'"),
     (["serve", "--speculative-config", '{"method": "ngram"}'], "needs num_speculative_tokens"),
+    # an unknown option points at the subcommand's own --help, which lists its options
+    (["serve", "--warp-speed"], "unrecognized arguments: --warp-speed; see 'jaxserve serve --help'"),
+    (["serve", "--kv-cache-memory-bytes", "lots"], "expected a whole number of bytes such as 4000000000 or 4G"),
 ])
 def test_user_errors_are_one_line_and_exit_2(capsys, argv, expected):
     assert expected in user_error(capsys, argv)

@@ -310,9 +310,18 @@ def apply_config_file(parser: argparse.ArgumentParser, path: str) -> None:
 def parse_with_config(parser: argparse.ArgumentParser, subparsers: dict[str, argparse.ArgumentParser],
                       argv: list[str]) -> argparse.Namespace:
     """Parse once to find the subcommand and --config, then again with the file's values as defaults."""
-    args = parser.parse_args(argv)
+    args = _parse(parser, subparsers, argv)
     config = getattr(args, "config", None)
     if config is None:
         return args
     apply_config_file(subparsers[args.command], config)
-    return parser.parse_args(argv)
+    return _parse(parser, subparsers, argv)
+
+
+def _parse(parser: argparse.ArgumentParser, subparsers: dict[str, argparse.ArgumentParser],
+           argv: list[str]) -> argparse.Namespace:
+    """An option the subcommand does not know is refused by the subcommand, whose --help lists its options."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        subparsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
