@@ -55,6 +55,7 @@ def add_vllm_compat_arguments(parser: argparse.ArgumentParser) -> None:
                        help="auto/hf: the model's Hugging Face tokenizer (the only kind jaxserve reads)")
     refused = parser.add_argument_group("vLLM options jaxserve cannot honour (refused, saying why)")
     refused.add_argument("--calculate-kv-scales", action="store_true")
+    refused.add_argument("--disable-sliding-window", action="store_true")
 
 
 def add_vllm_serve_compat_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +113,10 @@ def check_vllm_options(args: argparse.Namespace) -> None:
     if getattr(args, "calculate_kv_scales", False):
         raise UserError("--calculate-kv-scales is not supported: jaxserve's fp8 KV cache is unscaled (a scale of 1, "
                         "saturating at the format's largest value); leave the option out")
+    if getattr(args, "disable_sliding_window", False):
+        raise UserError("--disable-sliding-window is not supported: jaxserve always attends within a model's sliding "
+                        "window as the model was trained (vLLM's option instead caps the context at the window); "
+                        "leave it out, and lower --max-model-len for a shorter context")
     mode = getattr(args, "tokenizer_mode", "auto")
     if mode in ("mistral", "custom"):
         raise UserError(f"--tokenizer-mode {mode} is not supported: jaxserve reads Hugging Face tokenizers "
