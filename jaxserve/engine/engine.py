@@ -252,21 +252,26 @@ class Engine:
     # ---- whole calls (vLLM's LLM): the OfflineAPI facade runs them on this engine -----------------------------
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None
-                 ) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """Run prompts (a str, a list of str, token-id lists or vLLM's prompt dicts) to completion, in input order;
         `sampling_params`: one for every prompt or one each; `lora_request`: the LoRA adapter of every prompt, or
-        one per prompt (vLLM's `LLM.generate`, whose parameter names these are)."""
-        return self.offline.generate(prompts, sampling_params, use_tqdm, lora_request)
+        one per prompt; `priority`: one per prompt, lower first (vLLM's `LLM.generate`, whose parameter names these
+        are)."""
+        return self.offline.generate(prompts, sampling_params, use_tqdm, lora_request, priority)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
-             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """Replies to one conversation (a list of messages) or a list of conversations (vLLM's `LLM.chat`)."""
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None, chat_template: str | None = None,
+             chat_template_content_format: str | None = None) -> list[RequestOutput]:
+        """Replies to one conversation (a list of messages) or a list of conversations (vLLM's `LLM.chat`;
+        `chat_template`, Jinja text, renders these instead of the engine's template)."""
         return self.offline.chat(messages, sampling_params, use_tqdm, add_generation_prompt=add_generation_prompt,
                                  continue_final_message=continue_final_message,
-                                 chat_template_kwargs=chat_template_kwargs, tools=tools, lora_request=lora_request)
+                                 chat_template_kwargs=chat_template_kwargs, tools=tools, lora_request=lora_request,
+                                 chat_template=chat_template,
+                                 chat_template_content_format=chat_template_content_format)
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None
                ) -> Iterator[RequestOutput]:

@@ -313,8 +313,9 @@ class InputProcessor:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **rendering) -> list[int]:
         """Token ids of the messages through the chat template; `rendering`: continue_final_message,
         chat_template_kwargs, tools, documents (loader/tokenizer.apply_chat_template)."""
-        return apply_chat_template(self.tokenizer, messages, add_generation_prompt,
-                                   content_format=self.chat_content_format, **rendering)
+        # A template of the call's own is read for its content format, as vLLM's LLM.chat reads it ("auto")
+        rendering.setdefault("content_format", "auto" if rendering.get("chat_template") else self.chat_content_format)
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt, **rendering)
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (temperature, top_p, ...), as vLLM. Its

@@ -35,11 +35,12 @@ class OfflineAPI:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
-                 ) -> list[RequestOutput]:
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """Run prompts (a str, a list of str, or a list of token-id lists) to completion, in input order;
-        `lora_request`: the LoRA adapter of every prompt, or one per prompt (vLLM's `LLM.generate`)."""
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt; `priority`: one per prompt, a lower
+        one scheduled first (vLLM's `LLM.generate`)."""
         prompts = normalise_prompts(prompts)
-        return self._run_all(prompts, params, use_tqdm, lora_request)
+        return self._run_all(prompts, params, use_tqdm, lora_request, priority)
 
     def embed(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None,
               use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
@@ -79,11 +80,16 @@ class OfflineAPI:
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
-             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None, chat_template: str | None = None,
+             chat_template_content_format: str | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or a list of conversations; the template
-        options are vLLM's `LLM.chat` ones."""
-        prompts = [self._inputs.encode_chat(conv, add_generation_prompt, continue_final_message=continue_final_message,
-                                    chat_template_kwargs=chat_template_kwargs, tools=tools)
+        options are vLLM's `LLM.chat` ones (`chat_template`: Jinja text rendering these instead of the engine's;
+        `chat_template_content_format`: auto, string or openai, instead of the engine's)."""
+        rendering = dict(continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+                         tools=tools, chat_template=chat_template)
+        if chat_template_content_format is not None:
+            rendering["content_format"] = chat_template_content_format
+        prompts = [self._inputs.encode_chat(conv, add_generation_prompt, **rendering)
                    for conv in normalise_conversations(messages)]
         return self._run_all(prompts, params, use_tqdm, lora_request)
 
@@ -103,7 +109,8 @@ class OfflineAPI:
             if not finished:
                 self._engine.abort_request(request_id)
 
-    def _run_all(self, prompts: list, params, use_tqdm: bool, lora_request=None) -> list[RequestOutput]:
+    def _run_all(self, prompts: list, params, use_tqdm: bool, lora_request=None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
         one = params is None or isinstance(params, (SamplingParams, PoolingParams))
@@ -113,10 +120,13 @@ class OfflineAPI:
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts; give one or one each")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts; give one each")
         ids = [f"gen-{next(self._request_ids)}" for _ in prompts]
         # Validate every prompt before anything runs, so one bad prompt does not leave the others half done.
-        requests = [self._engine.prepare_request(rid, prompt, p, lora_request=lora)
-                    for rid, prompt, p, lora in zip(ids, prompts, params_list, loras)]
+        requests = [self._engine.prepare_request(rid, prompt, p, lora_request=lora, priority=rank)
+                    for rid, prompt, p, lora, rank in zip(ids, prompts, params_list, loras, priorities)]
         for request in requests:
             self._engine.add_prepared_request(request)
         results: dict[str, RequestOutput] = {}

@@ -15,13 +15,15 @@ from jaxserve.loader.chat_content import resolve_content_format, shape_content
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True, *,
                         continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
                         tools: list[dict] | None = None, documents: list[dict] | None = None,
-                        content_format: str = "auto") -> list[int]:
+                        content_format: str = "auto", chat_template: str | None = None) -> list[int]:
     """Token ids of `messages` rendered by the chat template. `continue_final_message`: leave the last (assistant)
     message open for the model to go on with; `chat_template_kwargs`: extra template variables (e.g. Qwen3's
     `enable_thinking`); `tools`: OpenAI tool definitions, for templates that describe them to the model;
     `documents`: retrieved passages ({"title", "text"}), for templates that cite them (RAG);
-    `content_format`: how message contents reach the template (loader/chat_content.py). The names are vLLM's."""
-    if not getattr(tokenizer, "chat_template", None):
+    `content_format`: how message contents reach the template (loader/chat_content.py); `chat_template`: a
+    template to render with instead of the tokenizer's (its Jinja text). The names are vLLM's."""
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
         raise ValueError("this model's tokenizer has no chat template; use completions with a plain prompt, or start "
                          "the server with --chat-template")
     for m in messages:
@@ -34,11 +36,12 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: they are rendering options, not "
                          f"template variables")
-    messages = shape_content(messages, resolve_content_format(content_format, tokenizer.chat_template))
+    messages = shape_content(messages, resolve_content_format(content_format, template))
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                                             continue_final_message=continue_final_message, tools=tools,
-                                            documents=documents, **(chat_template_kwargs or {}))
+                                            documents=documents, chat_template=chat_template,
+                                            **(chat_template_kwargs or {}))
     except Exception as e:  # template errors come from Jinja with the template's own words
         raise ValueError(f"the chat template could not render these messages: {e}") from None
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding

@@ -78,6 +78,21 @@ def test_a_context_longer_than_the_cache_is_lowered_or_refused(tiny, caplog):
         Engine(tiny, max_model_len=2048, num_kv_blocks=9, warmup=False)
 
 
+def test_generate_takes_a_priority_for_each_prompt(tiny):
+    """vLLM's LLM.generate(priority=[...]): with room for one sequence, the prompt of the lower priority runs
+    first, whatever its place in the list (outputs stay in input order)."""
+    engine = Engine(tiny, num_kv_blocks=16, max_num_seqs=1, max_num_batched_tokens=64, warmup=False)
+    log = StepLog()
+    engine.observers.append(log)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    outs = engine.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False, priority=[1, 0])
+    assert [o.prompt_token_ids for o in outs] == [[5, 6, 7], [8, 9]]
+    order = list(dict.fromkeys(request for record in log.records for request, *_ in record.chunks))
+    assert order == [outs[1].request_id, outs[0].request_id]
+    with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
+        engine.generate([[5], [6]], params, use_tqdm=False, priority=[0])
+
+
 def test_kv_cache_memory_bytes_sizes_the_cache(tiny, caplog):
     """vLLM's --kv-cache-memory-bytes: the cache is what that many bytes of each device hold (here, the bytes of
     10 blocks and a half), not what free memory would hold."""

@@ -72,6 +72,14 @@ def test_the_engine_renders_in_the_format_it_was_given(tiny_checkpoint):
     assert engine.chat_content_format == "openai"
     ids = engine.encode_chat([{"role": "user", "content": "Name a fruit."}], add_generation_prompt=False)
     assert engine.tokenizer.decode(ids) == "<user>Name a fruit.</user>"
+    # vLLM's LLM.chat options: another template for these messages, another content format
+    greeting = [{"role": "user", "content": "Hi"}]
+    own = engine.chat(greeting, SamplingParams(max_tokens=1), use_tqdm=False,
+                      chat_template="{% for m in messages %}[{{ m['content'] }}]{% endfor %}")[0]
+    assert engine.tokenizer.decode(own.prompt_token_ids) == "[Hi]"
+    as_string = engine.chat(greeting, SamplingParams(max_tokens=1), use_tqdm=False,
+                            chat_template_content_format="string")[0]
+    assert engine.tokenizer.decode(as_string.prompt_token_ids) == "<user></user>"  # the parts template saw a string
     # An image part is refused, not dropped (the model would answer a question it never saw), as the server does
     image = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
     with pytest.raises(ValueError, match="only text content parts .* not 'image_url'"):
