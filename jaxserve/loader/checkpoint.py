@@ -144,7 +144,9 @@ def _open_hf_dir(directory: Path, name: str, weights: bool = True, hf_overrides:
                  tokenizer_choice: TokenizerChoice = TokenizerChoice()) -> Checkpoint:
     config_path = directory / "config.json"
     if not config_path.exists():
-        raise FileNotFoundError(f"{directory} has no config.json; it is not a Hugging Face model directory")
+        ggufs = sorted(directory.glob("*.gguf"))
+        hint = f"; to serve its GGUF file, give the file's path ({ggufs[0]})" if ggufs else ""
+        raise FileNotFoundError(f"{directory} has no config.json; it is not a Hugging Face model directory{hint}")
     gen_path = directory / "generation_config.json"
     generation = _read_json(gen_path) if gen_path.exists() else {}
     raw = with_overrides(_read_json(config_path), hf_overrides or {})

@@ -125,3 +125,9 @@ def test_yarn_extends_the_context_as_vllm_derives_it():
     assert model_config_from_hf(config).max_position_embeddings == 40960
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     assert model_config_from_hf({**config, "rope_scaling": yarn}).max_position_embeddings == 131072
+
+
+def test_a_directory_holding_a_gguf_says_to_give_the_file(tmp_path):
+    (tmp_path / "model.Q4_K_M.gguf").write_bytes(b"GGUF")
+    with pytest.raises(FileNotFoundError, match=r"has no config.json; .* give the file's path \(.*model.Q4_K_M.gguf\)"):
+        open_checkpoint(str(tmp_path))
