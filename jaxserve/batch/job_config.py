@@ -7,6 +7,7 @@ runs the same from any working directory.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -168,19 +169,32 @@ def load_job(path: str | Path, check_paths: bool = True) -> BatchJob:
 
 def _path_problems(job: BatchJob) -> list[str]:
     problems = []
-    if not job.input.is_file():
+    if job.input.is_dir():
+        problems.append(f"input {job.input} is a directory; give the JSONL file of requests")
+    elif not job.input.exists():
         problems.append(f"input file {job.input} does not exist")
     for key in ("output", "errors"):
         target = getattr(job, key)
         if target is None:
             continue
-        if target == job.input:
+        if target == job.input or _same_file(target, job.input):  # a hard link too: results would overwrite it
             problems.append(f"{key} is the input file {target}; results must go to a different file")
+        elif target.is_dir():
+            problems.append(f"{key} {target} is a directory; give a file path (e.g. {target / 'results.jsonl'})")
         elif not target.parent.is_dir():
             problems.append(f"{key} directory {target.parent} does not exist; create it first")
+        elif not os.access(target if target.exists() else target.parent, os.W_OK):
+            problems.append(f"{key} {target} cannot be written (permissions, or a read-only file system)")
     if job.errors is not None and job.errors == job.output:
         problems.append("errors and output are the same file; leave `errors` out to put failures in the output")
     return problems
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.samefile(b)
+    except OSError:  # one of them does not exist (yet)
+        return False
 
 
 def _engine_problems(job: BatchJob) -> list[str]:

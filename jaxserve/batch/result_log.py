@@ -1,9 +1,9 @@
 """The result files: append-only JSONL that survives a kill at any moment, and tells a re-run what is done.
 
 Each step's finished results are appended, flushed and fsync'd before the next step, so a kill loses at most the
-requests still running. The one thing a kill can leave behind is a torn last line (a write cut short); reopening
-drops it, and its request simply runs again. A bad line anywhere else means the file is not this job's output,
-and the job refuses to touch it.
+requests still running. The one thing a kill can leave behind is a torn last line (a write cut short: the bytes
+after the last newline, the start of a record); reopening drops it, and its request simply runs again. Any other
+bad line, even the last whole one, means the file is not this job's output, and the job refuses to touch it.
 """
 
 from __future__ import annotations
@@ -36,8 +36,13 @@ class ResultsOnDisk:
         return {record.key for record in self.records if record.key is not None}
 
 
+RECORD_START = b'{"id":'  # how every record's line begins (BatchOutputLine's first field)
+
+
 def parse_results(data: bytes, path: Path) -> ResultsOnDisk:
-    """The records in a result file's bytes. Only the end may be torn; a bad line before it is an error."""
+    """The records in a result file's bytes. Only the end may be torn: what follows the last newline if it begins
+    as a record does (a kill never writes a newline it did not finish), or a tail of zero bytes (a power loss can
+    leave the file longer than what reached the disk). Any other bad line is an error."""
     lines = data.split(b"\n")  # the last item follows the final newline: b"" unless a write was cut short
     results = ResultsOnDisk()
     for number, line in enumerate(lines[:-1], start=1):
@@ -45,14 +50,23 @@ def parse_results(data: bytes, path: Path) -> ResultsOnDisk:
             try:
                 results.records.append(BatchOutputLine.model_validate_json(line))
             except pydantic.ValidationError:
-                if number == len(lines) - 1:  # the last full line: garbage from an interrupted write
+                if _zero_filled(data[results.intact_bytes:]):
                     break
-                raise UserError(f"line {number} of {path} is not a batch result line; this file was not written "
-                                "by `jaxserve batch` (or was edited): move it away or point `output` elsewhere"
-                                ) from None
+                raise _not_results(path, f"line {number}") from None
         results.intact_bytes += len(line) + 1
-    results.torn_tail = data[results.intact_bytes:]
+    results.torn_tail = tail = data[results.intact_bytes:]
+    if tail and not (tail.startswith(RECORD_START) or RECORD_START.startswith(tail) or _zero_filled(tail)):
+        raise _not_results(path, f"line {len(lines)}")
     return results
+
+
+def _zero_filled(data: bytes) -> bool:
+    return not data.replace(b"\x00", b"").strip()
+
+
+def _not_results(path: Path, where: str) -> UserError:
+    return UserError(f"{where} of {path} is not a batch result line; this file was not written by `jaxserve batch` "
+                     "(or was edited): move it away or point `output` elsewhere")
 
 
 def read_results(path: Path | None) -> ResultsOnDisk:
@@ -76,7 +90,10 @@ class ResultLog:
 
     @staticmethod
     def _open_locked(path: Path) -> BinaryIO:
-        file = open(path, "a+b")
+        try:
+            file = open(path, "a+b")
+        except OSError as exc:
+            raise UserError(f"cannot open {path} for the results: {exc.strerror or exc}") from None
         try:
             fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -109,7 +126,12 @@ class ResultLog:
         with self._lock:
             for file in (self._output, self._errors):
                 if file is not None:
-                    _sync(file)
+                    try:
+                        _sync(file)
+                    except OSError as exc:  # a full disk, a lost network file system
+                        raise UserError(f"writing the results to {file.name} failed: {exc.strerror or exc}; the "
+                                        "lines written before are kept: fix it and run the job again to resume"
+                                        ) from None
 
     def close(self) -> None:
         self.commit()

@@ -82,6 +82,12 @@ def test_missing_keys_missing_files_and_clashing_paths(tmp_path):
     assert "output is the input file" in problem
     [problem] = problems_of(write_job(tmp_path, [], errors="out.jsonl"))
     assert "errors and output are the same file" in problem
+    (tmp_path / "results").mkdir()
+    [problem] = problems_of(write_job(tmp_path, [], output="results"))
+    assert "output" in problem and "is a directory; give a file path" in problem
+    (tmp_path / "linked.jsonl").hardlink_to(tmp_path / "input.jsonl")  # the input under another name
+    [problem] = problems_of(write_job(tmp_path, [], output="linked.jsonl"))
+    assert "output is the input file" in problem
 
 
 def test_sampling_defaults_are_checked_like_request_bodies(tmp_path):

@@ -53,6 +53,17 @@ def test_a_foreign_line_before_the_end_is_refused(tmp_path):
         ResultLog(out, None)
 
 
+@pytest.mark.parametrize("content", ['{"custom_id": "q1", "body": {"prompt": "x"}}\n', "just some notes"])
+def test_a_file_of_anything_else_is_refused_and_left_as_it_was(tmp_path, content):
+    """Another job's input, say, named as the output by mistake: its last line is no torn result (a kill never
+    finishes a line it did not write whole, and a torn one begins as every record does), so nothing is dropped."""
+    out = tmp_path / "out.jsonl"
+    out.write_text(content)
+    with pytest.raises(UserError, match="line 1 of .* is not a batch result line"):
+        ResultLog(out, None)
+    assert out.read_text() == content
+
+
 def test_failures_go_to_the_errors_file_when_set(tmp_path):
     out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
     with ResultLog(out, errors) as log:
