@@ -6,7 +6,6 @@ its line number, and the job goes on without it; duplicate custom_ids are listed
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -16,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, StringConstraints
 
 from jaxserve.batch.endpoints import ENDPOINTS
 from jaxserve.batch.problems import describe_validation_error
+from jaxserve.server.errors import decode_json
 
 # A result's key in the output: the custom_id, or the line number of a line that has no usable custom_id.
 ResultKey = str | int
@@ -96,9 +96,9 @@ def scan_input(path: Path) -> InputScan:
 
 def parse_line(number: int, raw: bytes) -> InputItem | BadLine:
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return BadLine(number, None, f"line {number}: not valid JSON ({exc})")
+        data = decode_json(raw, f"line {number}")
+    except ValueError as exc:  # not JSON, too deep, an unpaired surrogate: the HTTP server's 400s
+        return BadLine(number, None, str(exc))
     if not isinstance(data, dict):
         return BadLine(number, None, f"line {number}: expected a JSON object with custom_id, method, url and body, "
                                      f"got {type(data).__name__}")

@@ -18,7 +18,7 @@ from jaxserve.batch.records import BatchOutputLine, bad_line, refused, succeeded
 from jaxserve.batch.result_log import ResultLog
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import BeamSearchParams
-from jaxserve.server.errors import APIError, bad_request
+from jaxserve.server.errors import APIError, bad_request, from_exception
 from jaxserve.server.request_bodies import with_cache_salt
 from jaxserve.server.response_bodies import OutputParsers
 
@@ -100,6 +100,10 @@ class BatchRunner:
             return
         except ValueError as exc:  # the engine's own refusal (too long, a bad grammar, ...), a 400 over HTTP too
             self._save(refused(entry.custom_id, request_id, bad_request(str(exc), param=getattr(exc, "param", None))))
+            return
+        except Exception as exc:  # noqa: BLE001 (a line that fails unexpectedly is its own 500, as over HTTP, and
+            # the job goes on: every rerun would otherwise stop at the same line and the job could never finish)
+            self._save(refused(entry.custom_id, request_id, from_exception(exc)))
             return
         flight = InFlight(entry, prepared, [request.request_id for request in requests])
         for request in requests:

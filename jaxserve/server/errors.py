@@ -100,23 +100,32 @@ def from_exception(exc: Exception) -> APIError:
 
 async def parse_json(request: Request) -> dict:
     """The request body as a JSON object, or a 400 that says what is wrong with it."""
-    raw = await request.body()
     try:
-        body = json.loads(raw)
-        # Python's json decodes a lone "\ud800" into a str that tokenizers and encoders then fail on deep inside.
-        lone_surrogate = _SURROGATE_ESCAPE.search(raw) is not None and _has_lone_surrogate(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise bad_request("The request body nests JSON arrays or objects too deeply") from None
-    except ValueError as exc:  # e.g. an integer of more digits than Python converts
-        raise bad_request(f"The request body cannot be read as JSON: {exc}") from None
-    if lone_surrogate:
-        raise bad_request("The request body has a string with an unpaired UTF-16 surrogate escape (\\ud800 to "
-                          "\\udfff), which is not valid Unicode text")
+        body = decode_json(await request.body(), "The request body")
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object")
     return body
+
+
+def decode_json(raw: bytes, what: str):
+    """`raw` decoded as JSON that every later step can read, or a ValueError saying what is wrong with `what` (a
+    request body, a batch line): the same rules over HTTP and in batch jobs."""
+    try:
+        value = json.loads(raw)
+        # Python's json decodes a lone "\ud800" into a str that tokenizers and encoders then fail on deep inside.
+        lone_surrogate = _SURROGATE_ESCAPE.search(raw) is not None and _has_lone_surrogate(value)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{what} nests JSON arrays or objects too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
+        raise ValueError(f"{what} cannot be read as JSON: {exc}") from None
+    if lone_surrogate:
+        raise ValueError(f"{what} has a string with an unpaired UTF-16 surrogate escape (\\ud800 to \\udfff), which "
+                         "is not valid Unicode text")
+    return value
 
 
 def _has_lone_surrogate(value) -> bool:

@@ -102,8 +102,8 @@ def test_refused_and_malformed_lines_become_error_records(uninterrupted):
     status, body = uninterrupted["too-long"]
     assert status == 400 and "maximum context length is 512" in body["error"]["message"]
     bad = LINES.index("{this line is not JSON") + 1
-    assert uninterrupted[None] == (None, f"line {bad}: not valid JSON (Expecting property name enclosed in double "
-                                         "quotes: line 1 column 2 (char 1))")
+    assert uninterrupted[None] == (None, f"line {bad} is not valid JSON: Expecting property name enclosed in double "
+                                         "quotes: line 1 column 2 (char 1)")
 
 
 def test_same_body_as_the_http_api(engine, uninterrupted):

@@ -63,7 +63,7 @@ def test_error_records_carry_the_message_and_the_job_goes_on(tmp_path, fake_engi
     errors = {record["custom_id"]: record for record in read_jsonl(tmp_path / "errors.jsonl")}
     assert errors[None]["error"] == {"code": "invalid_request_line", "line": 2, "param": None,
                                      "message": errors[None]["error"]["message"]}
-    assert errors[None]["error"]["message"].startswith("line 2: not valid JSON") and errors[None]["response"] is None
+    assert errors[None]["error"]["message"].startswith("line 2 is not valid JSON") and errors[None]["response"] is None
     long = errors["long"]
     assert long["response"]["status_code"] == 400 and "maximum context length" in long["error"]["message"]
     assert long["response"]["body"]["error"]["message"] == long["error"]["message"]
@@ -71,6 +71,33 @@ def test_error_records_carry_the_message_and_the_job_goes_on(tmp_path, fake_engi
     assert "stream is not supported" in errors["streamed"]["error"]["message"]
     # the HTTP API's response id; a line's result is found by its custom_id
     assert errors["named"]["error"]["param"] == "request_id"
+
+
+def test_lines_the_http_server_refuses_as_unreadable_are_error_records_too(tmp_path, fake_engine, monkeypatch):
+    """A lone surrogate escape, nesting too deep, an integer too long to read, or a line failing where nothing
+    expected: each line is its own error record and the job finishes (it stopped at the same line on every
+    rerun, so it could never finish)."""
+    deep = "[" * 100_000 + "]" * 100_000
+    lines = [completion_line("ok", "Hello"),
+             '{"custom_id": "s", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a \\ud800"}}',
+             '{"custom_id": "d", "method": "POST", "url": "/v1/completions", "body": {"prompt": ' + deep + '}}',
+             '{"custom_id": "i", "method": "POST", "url": "/v1/completions", "body": {"seed": ' + "9" * 5000 + '}}',
+             completion_line("odd", "fails oddly"), chat_line("last", "Hi")]
+    prepare = fake_engine.prepare_request
+
+    def failing(request_id, prompt, params, **kw):
+        if prompt == "fails oddly":
+            raise TypeError("something nobody expected")
+        return prepare(request_id, prompt, params, **kw)
+
+    monkeypatch.setattr(fake_engine, "prepare_request", failing)
+    summary = run_job(write_job(tmp_path, lines, sampling=SAMPLING), engine=fake_engine, show_progress=False)
+    assert (summary.totals.succeeded, summary.totals.failed) == (2, 4)
+    messages = [record["error"]["message"] for record in read_jsonl(tmp_path / "out.jsonl") if record["error"]]
+    assert any("unpaired UTF-16 surrogate" in m for m in messages)
+    assert any("nests JSON arrays or objects too deeply" in m for m in messages)
+    assert any("cannot be read as JSON" in m for m in messages)
+    assert any("something nobody expected" in m for m in messages)
 
 
 def test_max_concurrency_bounds_the_lines_in_the_engine(tmp_path, fake_engine):
