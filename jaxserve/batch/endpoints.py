@@ -107,11 +107,22 @@ class PreparedRequest:
         return self.endpoint.render(self.rendering, finals).model_dump()
 
 
+# Fields that make one choice between them (two spellings of a length; the ways of constraining the output): a body
+# setting any one of a group overrides the job's defaults for the whole group, so the body wins, as documented.
+ONE_CHOICE_FIELDS = (
+    frozenset({"max_tokens", "max_completion_tokens"}),
+    frozenset({"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar", "tools", "tool_choice"}),
+)
+
+
 def parse_body(url: str, body: dict, defaults: dict) -> tuple[Any, SamplingParams]:
     """The body (over the job's sampling defaults: those its endpoint has) parsed and its params built; an
     APIError as HTTP gives."""
     schema = ENDPOINTS[url].schema
-    merged = {**{key: value for key, value in defaults.items() if key in schema.model_fields}, **body}
+    overridden = {key for group in ONE_CHOICE_FIELDS if body.keys() & group for key in group}
+    merged = {**{key: value for key, value in defaults.items() if key in schema.model_fields and key not in overridden},
+              **body}
     if merged.get("stream"):
         raise bad_request("stream is not supported in a batch job; remove it from the body", param="stream")
     if "request_id" in merged:  # each line's result is found by its custom_id; response ids are the job's own

@@ -222,3 +222,22 @@ def test_cache_salt_reaches_the_engine_and_job_defaults_raise_no_ignored_field_w
     assert summary.totals.succeeded == 2
     assert {"prompt": "Hello there", "cache_salt": "tenant-a"} in fake_engine.prompts.values()
     assert "ignored" not in caplog.text
+
+
+def test_a_body_field_overrides_the_defaults_of_its_group(tmp_path, fake_engine):
+    """The body wins over the job's sampling defaults, also where it spells the choice otherwise: max_tokens over a
+    default max_completion_tokens, a guided_choice over a default response_format (which together were a 400)."""
+    sampling = {"temperature": 0, "max_completion_tokens": 3, "response_format": {"type": "json_object"}}
+    lines = [chat_line("long", "Hi", max_tokens=6, response_format={"type": "text"}),
+             chat_line("choice", "Hi", guided_choice=["yes", "no"]),
+             chat_line("defaults", "Hi")]
+    summary = run_job(write_job(tmp_path, lines, sampling=sampling), engine=fake_engine, show_progress=False)
+    assert summary.totals.succeeded == 3, read_jsonl(tmp_path / "out.jsonl")
+    by_id = {record["custom_id"]: record["response"]["body"] for record in read_jsonl(tmp_path / "out.jsonl")}
+    assert by_id["long"]["usage"]["completion_tokens"] == 6 and by_id["defaults"]["usage"]["completion_tokens"] <= 3
+    def constraint(params):
+        so = params.structured_outputs
+        return "none" if so is None else "choice" if so.choice else "json_object" if so.json_object else "other"
+
+    assert sorted((p.max_tokens, constraint(p)) for p in fake_engine.sampling_params.values()) == [
+        (3, "choice"), (3, "json_object"), (6, "none")]
