@@ -26,7 +26,7 @@ def test_good_and_malformed_lines(tmp_path):
         (1, "a", "/v1/completions"), (10, "f", "/v1/chat/completions")]
     bad = {entry.line: entry for entry in scan.bad_lines}
     assert sorted(bad) == [3, 4, 5, 6, 7, 8, 9]
-    assert bad[3].message.startswith("line 3: not valid JSON")
+    assert bad[3].message.startswith("line 3 is not valid JSON")
     assert "expected a JSON object" in bad[4].message and "got list" in bad[4].message
     assert bad[5].message == "line 5: `custom_id` is required" and bad[5].custom_id is None
     assert "url" in bad[6].message and "/v1/audio/transcriptions" in bad[6].message and bad[6].custom_id == "b"

@@ -38,7 +38,7 @@ def test_every_problem_is_listed(tmp_path, capsys):
     code, out, err = validate(capsys, path)
     assert code == 2 and err.strip() == f"jaxserve: error: 5 problem(s) in {path}; see the list above"
     assert "5 problem(s):" in out and "8 lines, 6 requests" in out and "2 malformed" in out
-    for expected in ("line 4: not valid JSON", "custom_id 'a' appears on lines 1 and 5",
+    for expected in ("line 4 is not valid JSON", "custom_id 'a' appears on lines 1 and 5",
                      "line 6 (custom_id 'd'): temperature", "line 7 (custom_id 'e'): model 'other' is not served",
                      "line 8: `body` is required"):
         assert expected in out, expected
