@@ -64,6 +64,8 @@ class _EngineOptionsBase(BaseModel):
 
 
 def _beside_the_job(name: str, value: Any, base_dir: Path) -> Any:
+    if name in ("chat_template", "tokenizer", "generation_config") and not isinstance(value, str):
+        raise ValueError(f"must be a path{' or hub id' if name == 'tokenizer' else ''} (text), got {value!r}")
     if name == "chat_template" and not is_template_text(value):
         return str(base_dir / Path(value).expanduser())
     if name == "tokenizer":

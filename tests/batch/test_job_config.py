@@ -42,6 +42,9 @@ def test_unknown_engine_key_is_named_with_the_valid_ones(tmp_path):
     assert "unknown key 'engine.max_num_seq'" in problem and "max_num_seqs" in problem
     [problem] = problems_of(write_job(tmp_path, [], outputs="x.jsonl"))
     assert "unknown key 'outputs'" in problem and "output" in problem
+    for value in (5, ["a"]):  # a path's key given another kind of value: named, not a TypeError traceback
+        [problem] = problems_of(write_job(tmp_path, [], engine={"tokenizer": value}))
+        assert "engine.tokenizer" in problem and "must be a path or hub id (text)" in problem
 
 
 def test_vllm_s_options_without_effect_are_taken_with_a_warning(tmp_path, caplog):
