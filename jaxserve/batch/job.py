@@ -10,10 +10,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxserve.batch.input_file import InputScan, scan_input
+from jaxserve.batch.input_file import BadLine, InputScan, scan_input
 from jaxserve.batch.job_config import BatchJob, load_job
 from jaxserve.batch.problems import JobError
 from jaxserve.batch.progress import BatchProgress
+from jaxserve.batch.records import bad_line
 from jaxserve.batch.replicas import run_on_replicas
 from jaxserve.batch.result_log import ResultLog
 from jaxserve.batch.runner import BatchRunner, RunTotals
@@ -49,9 +50,16 @@ def run_job(path: str | Path, *, engine=None, engine_factory=None, show_progress
         raise JobError(Path(path), scan.duplicates)
     with ResultLog(job.output, job.errors) as results:
         todo = [entry for entry in scan.entries if entry.key not in results.done]
-        _log_resume(scan, results.done, len(todo), job)
+        _log_resume(scan, results.done, len(todo), job, results.retried)
+        # Lines that are no request at all get their records at once: no model is loaded for them alone.
+        unreadable = [entry for entry in todo if isinstance(entry, BadLine)]
+        for entry in unreadable:
+            results.write(bad_line(entry))
+        results.commit()
+        todo = [entry for entry in todo if not isinstance(entry, BadLine)]
         if not todo:
-            return JobSummary(len(scan.entries), len(scan.entries), RunTotals())
+            return JobSummary(len(scan.entries), len(scan.entries) - len(unreadable),
+                              RunTotals(failed=len(unreadable)))
         stop_check = stop.check if stop is not None else lambda: None
         stop_check()
         engines = engine if engine is not None else (engine_factory or build_engines)(job)
@@ -68,7 +76,9 @@ def run_job(path: str | Path, *, engine=None, engine_factory=None, show_progress
             totals = run_on_replicas(runners, todo)
         finally:
             progress.close()
-    summary = JobSummary(len(scan.entries), len(scan.entries) - len(todo), totals, progress.generated_tokens)
+    totals.failed += len(unreadable)
+    summary = JobSummary(len(scan.entries), len(scan.entries) - len(todo) - len(unreadable), totals,
+                         progress.generated_tokens)
     log.info("done: %d results in %s (%d ok and %d failed in this run, %d from earlier runs); %.1f tokens/s",
              summary.total, job.output, totals.succeeded, totals.failed, summary.skipped, progress.tokens_per_second)
     return summary
@@ -106,7 +116,7 @@ def default_concurrency(engine) -> int:
     return CONCURRENCY_PER_SEQUENCE_SLOT * engine.config.scheduler.max_num_seqs
 
 
-def _log_resume(scan: InputScan, done: set, todo: int, job: BatchJob) -> None:
+def _log_resume(scan: InputScan, done: set, todo: int, job: BatchJob, retried: int) -> None:
     keys = {entry.key for entry in scan.entries}
     strangers = len(done - keys)
     if strangers:
@@ -115,6 +125,8 @@ def _log_resume(scan: InputScan, done: set, todo: int, job: BatchJob) -> None:
     finished = len(scan.entries) - todo
     if not todo:
         log.info("nothing to do: all %d lines of %s already have results in %s", finished, job.input, job.output)
-    elif finished:
+    elif finished or retried:
         log.info("resuming: %d of %d lines already have results; running the other %d", finished,
                  len(scan.entries), todo)
+    if retried:
+        log.info("%d results of earlier runs were failures: their lines run again", retried)

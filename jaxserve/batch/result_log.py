@@ -4,6 +4,8 @@ Each step's finished results are appended, flushed and fsync'd before the next s
 requests still running. The one thing a kill can leave behind is a torn last line (a write cut short: the bytes
 after the last newline, the start of a record); reopening drops it, and its request simply runs again. Any other
 bad line, even the last whole one, means the file is not this job's output, and the job refuses to touch it.
+A re-run also runs again the lines that failed before (a model name fixed, a body corrected): their records are
+taken out of the files first (written anew beside them, then moved over them), so each line keeps one record.
 """
 
 from __future__ import annotations
@@ -28,12 +30,21 @@ log = logging.getLogger(__name__)
 @dataclass
 class ResultsOnDisk:
     records: list[BatchOutputLine] = field(default_factory=list)
+    lines: list[bytes] = field(default_factory=list)  # each record's line as written (its newline included)
     intact_bytes: int = 0  # length of the file up to the end of its last good line
     torn_tail: bytes = b""  # what follows it: a line cut short by a kill
 
     @property
     def keys(self) -> set[ResultKey]:
         return {record.key for record in self.records if record.key is not None}
+
+    @property
+    def succeeded_keys(self) -> set[ResultKey]:
+        return {record.key for record in self.records if record.key is not None and not record.failed}
+
+    @property
+    def failed(self) -> int:
+        return sum(record.failed for record in self.records)
 
 
 RECORD_START = b'{"id":'  # how every record's line begins (BatchOutputLine's first field)
@@ -49,6 +60,7 @@ def parse_results(data: bytes, path: Path) -> ResultsOnDisk:
         if line.strip():
             try:
                 results.records.append(BatchOutputLine.model_validate_json(line))
+                results.lines.append(line + b"\n")
             except pydantic.ValidationError:
                 if _zero_filled(data[results.intact_bytes:]):
                     break
@@ -83,10 +95,17 @@ class ResultLog:
         self._lock = threading.Lock()
         self._output = self._open_locked(output)
         self._errors = self._open_locked(errors) if errors is not None else None
-        self.done: set[ResultKey] = set()
-        for file, path in ((self._output, output), (self._errors, errors)):
-            if file is not None:
-                self.done |= self._recover(file, path)
+        self.done: set[ResultKey] = set()  # lines with a successful result: the others run (again)
+        self.retried = 0  # failed results of earlier runs taken out, their lines to run again
+        for name, path in (("_output", output), ("_errors", errors)):
+            file = getattr(self, name)
+            if file is None:
+                continue
+            results = self._recover(file, path)
+            if results.failed:
+                setattr(self, name, self._without_failures(file, path, results))
+                self.retried += results.failed
+            self.done |= results.succeeded_keys
 
     @staticmethod
     def _open_locked(path: Path) -> BinaryIO:
@@ -102,7 +121,7 @@ class ResultLog:
         return file
 
     @staticmethod
-    def _recover(file: BinaryIO, path: Path) -> set[ResultKey]:
+    def _recover(file: BinaryIO, path: Path) -> ResultsOnDisk:
         """Read what earlier runs wrote, cutting off a torn last line."""
         file.seek(0)
         results = parse_results(file.read(), path)
@@ -111,7 +130,22 @@ class ResultLog:
                         "run again", path, len(results.torn_tail))
             file.truncate(results.intact_bytes)
             _sync(file)
-        return results.keys
+        return results
+
+    def _without_failures(self, file: BinaryIO, path: Path, results: ResultsOnDisk) -> BinaryIO:
+        """The file with its failed records taken out: the rest written beside it and moved over it (a kill
+        leaves the old file or the new one whole), then opened and locked in its place."""
+        kept = b"".join(line for line, record in zip(results.lines, results.records) if not record.failed)
+        fresh = path.with_name(path.name + ".retrying")
+        try:
+            with open(fresh, "wb") as new:
+                new.write(kept)
+                _sync(new)
+            os.replace(fresh, path)
+        except OSError as exc:
+            raise UserError(f"cannot rewrite {path} without its failed results: {exc.strerror or exc}") from None
+        file.close()
+        return self._open_locked(path)
 
     def write(self, record: BatchOutputLine) -> None:
         """Append one result (durable after the next `commit`)."""

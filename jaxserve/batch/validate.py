@@ -85,8 +85,11 @@ def _body_problems(job: BatchJob, scan: InputScan) -> list[str]:
 
 
 def _progress_fact(job: BatchJob, scan: InputScan) -> str:
-    done = read_results(job.output).keys | read_results(job.errors).keys
+    files = [read_results(job.output), read_results(job.errors)]
+    done = set().union(*(results.succeeded_keys for results in files))
+    failed = sum(results.failed for results in files)
     finished = sum(1 for entry in scan.entries if entry.key in done)
+    retry = f"; the {failed} that failed run again" if failed else ""
     if not finished:
-        return f"output: {job.output} (nothing done yet)"
-    return f"output: {job.output} ({finished} of {len(scan.entries)} lines already done; a run resumes)"
+        return f"output: {job.output} (nothing done yet{retry})"
+    return f"output: {job.output} ({finished} of {len(scan.entries)} lines already done; a run resumes{retry})"

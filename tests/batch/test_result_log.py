@@ -21,8 +21,6 @@ def test_results_are_keyed_by_custom_id_or_line(tmp_path):
     out = tmp_path / "out.jsonl"
     write_records(out, succeeded("a", "cmpl-1", {"x": 1}), bad_line(BadLine(7, None, "line 7: bad")),
                   refused("b", "cmpl-2", bad_request("too long")))
-    with ResultLog(out, None) as log:
-        assert log.done == {"a", 7, "b"}
     first, second, third = (json.loads(line) for line in out.read_text().splitlines())
     assert first["response"] == {"status_code": 200, "request_id": "cmpl-1", "body": {"x": 1}}
     assert first["error"] is None and first["id"].startswith("batch_req_")
@@ -71,8 +69,25 @@ def test_failures_go_to_the_errors_file_when_set(tmp_path):
         log.write(refused("b", "cmpl-2", bad_request("no")))
         log.write(bad_line(BadLine(3, None, "line 3: bad")))
     assert len(out.read_text().splitlines()) == 1 and len(errors.read_text().splitlines()) == 2
+
+
+def test_a_rerun_runs_the_failed_lines_again_and_keeps_one_record_a_line(tmp_path):
+    """A job re-run after its failures were fixed (a model name, a body) runs those lines again: their records
+    are taken out first, the successes kept as written."""
+    out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    write_records(out, succeeded("a", "cmpl-1", {"x": 1}), refused("b", "cmpl-2", bad_request("no")),
+                  bad_line(BadLine(7, None, "line 7: bad")))
+    first_line = out.read_text().splitlines()[0]
+    with ResultLog(out, None) as log:
+        assert (log.done, log.retried) == ({"a"}, 2)
+        log.write(succeeded("b", "cmpl-3", {"x": 2}))
+    lines = out.read_text().splitlines()
+    assert lines[0] == first_line and [json.loads(line)["custom_id"] for line in lines] == ["a", "b"]
+    assert not (tmp_path / "out.jsonl.retrying").exists()
+    with ResultLog(out, errors) as log:  # with an errors file, the failures there run again too
+        log.write(refused("c", "cmpl-4", bad_request("no")))
     with ResultLog(out, errors) as log:
-        assert log.done == {"a", "b", 3}
+        assert (log.done, log.retried) == ({"a", "b"}, 1) and errors.read_text() == ""
 
 
 def test_a_second_writer_is_refused(tmp_path):
