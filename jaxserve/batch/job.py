@@ -6,6 +6,7 @@ result files) is checked first, so a mistake costs a second rather than a model 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +63,12 @@ def run_job(path: str | Path, *, engine=None, engine_factory=None, show_progress
                               RunTotals(failed=len(unreadable)))
         stop_check = stop.check if stop is not None else lambda: None
         stop_check()
-        engines = engine if engine is not None else (engine_factory or build_engines)(job)
+        # One process loading its own model stops at once on a signal; a cluster's processes load together, so
+        # process 0 stops after the load, with the followers (cli/batch_cluster.py).
+        loading = stop.at_once() if stop is not None and engine is None and engine_factory is None else \
+            contextlib.nullcontext()
+        with loading:
+            engines = engine if engine is not None else (engine_factory or build_engines)(job)
         engines = engines if isinstance(engines, list) else [engines]
         progress = BatchProgress(len(scan.entries), len(scan.entries) - len(todo), enabled=show_progress)
         runners = [BatchRunner(replica, results, progress, sampling_defaults=job.sampling,

@@ -148,9 +148,11 @@ def test_an_interrupted_job_resumes_where_it_stopped(tmp_path, fake_engine):
     assert (again.skipped, again.totals.failed) == (30, 1) and len(read_jsonl(tmp_path / "out.jsonl")) == 31
 
 
-def test_a_stop_signal_ends_the_job_between_steps_with_every_finished_result_saved(tmp_path, fake_engine):
+def test_a_stop_signal_ends_the_job_between_steps_with_every_finished_result_saved(tmp_path, fake_engine,
+                                                                                   monkeypatch):
     """SIGTERM (a scheduler's) stops after the step in flight, never inside it; more SIGTERMs change nothing; a
-    second Ctrl-C stops at once; the handlers before the job come back after it."""
+    second Ctrl-C stops at once; the handlers before the job come back after it; while one process loads its model,
+    a SIGTERM stops the job at once."""
     import os
     import signal
 
@@ -181,6 +183,20 @@ def test_a_stop_signal_ends_the_job_between_steps_with_every_finished_result_sav
         assert stop.requested  # the first Ctrl-C only asks
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
+
+    # A single process loading its model has no step to finish: SIGTERM then ends the job at once
+    (tmp_path / "out.jsonl").unlink()
+    loaded = []
+
+    def slow_load(job):
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives mid-load (a model taking minutes to load and compile)
+        loaded.append(job)
+        return fake_engine
+
+    monkeypatch.setattr("jaxserve.batch.job.build_engines", slow_load)
+    with pytest.raises(JobInterrupted), StopSignals() as stop:
+        run_job(job, show_progress=False, stop=stop)
+    assert loaded == [] and read_jsonl(tmp_path / "out.jsonl") == []  # stopped inside the load, nothing ran
 
 
 def test_tool_choice_auto_needs_the_jobs_tool_call_parser(tmp_path, smol_tokenizer):
