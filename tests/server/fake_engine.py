@@ -215,10 +215,11 @@ class FakeEngine:
         n = request.params.prompt_logprobs
         return [None] + [self._position_logprobs(t, n) for t in request.prompt_token_ids[1:]]
 
-    def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None):
+    def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None, priority=None):
         params = sampling_params or SamplingParams()
         for index, prompt in enumerate(prompts):
-            self.add_request(f"generate-{index}", prompt, params, lora_request=lora_request)
+            self.add_request(f"generate-{index}", prompt, params, lora_request=lora_request,
+                             priority=priority[index] if priority else 0)
         finals = {}
         while self.has_unfinished_requests():
             finals.update({output.request_id: output for output in self.step() if output.finished})
