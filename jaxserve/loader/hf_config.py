@@ -166,7 +166,9 @@ def _layer_kinds(arch: str, d: dict[str, Any]) -> list[str]:
 
 
 def _rope_width(arch: str, d: dict[str, Any], head_dim: int) -> int:
-    """How many of each head's dims RoPE turns: all but for partial rotary (Phi-4-mini: 96 of 128)."""
+    """How many of each head's dims RoPE turns: all but for partial rotary (Phi-4-mini: 96 of 128). Read for every
+    architecture, as vLLM's Llama reads it; transformers 5 reads a top-level key for Phi-3 only (no released
+    Llama-family checkpoint sets one)."""
     partial = float(d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor")
                     or 1.0)
     width = int(head_dim * partial)
