@@ -109,6 +109,8 @@ def test_config_file_values_with_command_line_winning(tmp_path):
     (["serve", "--speculative-config", '{"method": "ngram"}'], "needs num_speculative_tokens"),
     # an unknown option points at the subcommand's own --help, which lists its options
     (["serve", "--warp-speed"], "unrecognized arguments: --warp-speed; see 'jaxserve serve --help'"),
+    (["check", "--mesh", "2x1", "-tp", "2"], "not both"),  # check and convert take vLLM's -tp/-pp too
+    (["convert", "m", "out", "--mesh", "2x1", "-pp", "2"], "not both"),
     (["serve", "--kv-cache-memory-bytes", "lots"], "expected a whole number of bytes such as 4000000000 or 4G"),
 ])
 def test_user_errors_are_one_line_and_exit_2(capsys, argv, expected):

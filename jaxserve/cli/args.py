@@ -159,6 +159,27 @@ def mesh_shape(text: str) -> MeshShape:
             f"expected TPxPP such as 8x2 (tensor-parallel x pipeline-parallel devices), got {text!r}") from None
 
 
+def add_mesh_arguments(parser: argparse.ArgumentParser, help: str) -> None:
+    """--mesh TPxPP and vLLM's -tp/-pp, as serve takes them (for the commands whose other options are not the
+    engine's: check, convert); `mesh_of` reads them back."""
+    parser.add_argument("--mesh", type=mesh_shape, metavar="TPxPP", help=help)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=positive_int, metavar="N",
+                        help="the mesh's tp, vLLM's spelling (with -pp; instead of --mesh)")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, metavar="N",
+                        help="the mesh's pp, vLLM's spelling (with -tp; instead of --mesh)")
+
+
+def mesh_of(args: argparse.Namespace) -> MeshShape | None:
+    """The mesh add_mesh_arguments' options give (None: none of them given)."""
+    sizes = (args.tensor_parallel_size, args.pipeline_parallel_size)
+    if sizes == (None, None):
+        return args.mesh
+    try:
+        return MeshShape.of(args.mesh, *sizes)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
 def layer_partition(text: str) -> list[int]:
     """`8,8,7,7` -> [8, 8, 7, 7]: decoder layers per pipeline stage (the sum is checked against the model later)."""
     parts = [p.strip() for p in text.split(",")]

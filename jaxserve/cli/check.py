@@ -11,15 +11,15 @@ import socket
 from jaxserve.cli.args import (
     UserError,
     add_distributed_arguments,
-    mesh_shape,
+    add_mesh_arguments,
+    mesh_of,
     positive_float,
 )
 from jaxserve.config import MeshShape
 
 
 def add_check_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--mesh", type=mesh_shape, metavar="TPxPP",
-                        help="the mesh to check, as given to serve (default: every device in one tp group)")
+    add_mesh_arguments(parser, help="the mesh to check, as given to serve (default: every device in one tp group)")
     parser.add_argument("--size-mib", type=positive_float, default=16.0, metavar="MIB",
                         help="data per device in each collective (bigger: steadier bandwidth numbers)")
     add_distributed_arguments(parser)
@@ -29,6 +29,7 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
 def run_check(args: argparse.Namespace) -> int:
     from jaxserve.cli.cluster import start_cluster
 
+    args.mesh = mesh_of(args)
     session = start_cluster(args, args.mesh, check_mesh=False)
     import jax
 

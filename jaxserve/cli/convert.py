@@ -10,16 +10,16 @@ from __future__ import annotations
 import argparse
 import os
 
-from jaxserve.cli.args import UserError, json_object, layer_partition, mesh_shape
+from jaxserve.cli.args import UserError, add_mesh_arguments, json_object, layer_partition, mesh_of
+from jaxserve.config import MeshShape
 from jaxserve.loader.tokenizer import TokenizerChoice
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="model id, directory or .gguf file to convert")
     parser.add_argument("output", metavar="OUT", help="directory to write (must not exist yet)")
-    parser.add_argument("--mesh", type=mesh_shape, default="1x1", metavar="TPxPP",
-                        help="the mesh the checkpoint will be served on: its padding and layer split are baked "
-                             "in (default 1x1)")
+    add_mesh_arguments(parser, help="the mesh the checkpoint will be served on: its padding and layer split are "
+                                    "baked in (default 1x1)")
     parser.add_argument("--pp-layer-partition", type=layer_partition, metavar="N,N,...",
                         help="decoder layers per pipeline stage, as serve takes it")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
@@ -39,7 +39,8 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
 def run_convert(args: argparse.Namespace) -> int:
     if os.path.exists(args.output):
         raise UserError(f"{args.output} already exists; give a new directory to write the checkpoint to")
-    tp, pp = args.mesh
+    mesh = mesh_of(args) or MeshShape(1, 1)
+    tp, pp = mesh
     _use_host_devices(tp * pp)
     from jaxserve.runner.convert import convert
 
@@ -49,7 +50,7 @@ def run_convert(args: argparse.Namespace) -> int:
                 args.download_dir)
     except (ValueError, OSError) as exc:
         raise UserError(str(exc)) from None
-    print(f"wrote {args.output}: serve it with `jaxserve serve {args.output} --mesh {args.mesh}`")
+    print(f"wrote {args.output}: serve it with `jaxserve serve {args.output} --mesh {mesh}`")
     return 0
 
 

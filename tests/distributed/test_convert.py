@@ -56,7 +56,7 @@ def test_a_converted_gemma3_keeps_its_layer_kinds_and_rope(tiny_checkpoint, tmp_
 
     arch, overrides = ARCHITECTURES["gemma3-local-rope"]
     model, out = str(tiny_checkpoint(arch, **overrides)), str(tmp_path / "ckpt")
-    assert cli.main(["convert", model, out, "--mesh", "2x1", "--dtype", "float32"]) == 0
+    assert cli.main(["convert", model, out, "-tp", "2", "--dtype", "float32"]) == 0  # vLLM's spelling of 2x1
     converted = Engine(out, mesh="2x1", **SMALL)
     assert converted.runner.cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
     assert tokens(converted) == tokens(Engine(model, mesh="2x1", **SMALL))
