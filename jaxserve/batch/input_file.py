@@ -43,6 +43,11 @@ class InputItem:
     def key(self) -> ResultKey:
         return self.custom_id
 
+    @property
+    def origin(self) -> str:
+        """How a log line names this line (server/protocol.request_origin)."""
+        return f" on line {self.line} (custom_id {self.custom_id!r})"
+
 
 @dataclass(frozen=True)
 class BadLine:

@@ -19,6 +19,7 @@ from jaxserve.batch.result_log import ResultLog
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import BeamSearchParams
 from jaxserve.server.errors import APIError, bad_request, from_exception
+from jaxserve.server.protocol import request_origin
 from jaxserve.server.request_bodies import with_cache_salt
 from jaxserve.server.response_bodies import OutputParsers
 
@@ -86,8 +87,9 @@ class BatchRunner:
             return
         request_id = new_request_id(entry.url)
         try:
-            prepared = prepare(entry.url, entry.body, self.sampling_defaults, request_id, self.engine,
-                               self.served_model_names, self.parsers, self.lora_adapters)
+            with request_origin(entry.origin):
+                prepared = prepare(entry.url, entry.body, self.sampling_defaults, request_id, self.engine,
+                                   self.served_model_names, self.parsers, self.lora_adapters)
             if isinstance(prepared.params, BeamSearchParams):
                 self._start_beam_searches(entry, prepared)
                 return

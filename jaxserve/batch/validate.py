@@ -18,6 +18,7 @@ from jaxserve.batch.result_log import read_results
 from jaxserve.errors import UserError
 from jaxserve.loader.model_name import served_name
 from jaxserve.server.errors import APIError
+from jaxserve.server.protocol import request_origin
 
 
 @dataclass
@@ -71,7 +72,8 @@ def _body_problems(job: BatchJob, scan: InputScan) -> list[str]:
     adapters = list(job.engine.lora_modules or {})
     for item in scan.items:
         try:
-            request, _ = parse_body(item.url, item.body, job.sampling)
+            with request_origin(item.origin):
+                request, _ = parse_body(item.url, item.body, job.sampling)
         except APIError as exc:
             problems.append(f"line {item.line} (custom_id {item.custom_id!r}): {exc.message}")
             continue

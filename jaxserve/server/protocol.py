@@ -9,6 +9,8 @@ holds the shared pieces and completions.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
 import time
@@ -22,6 +24,20 @@ logger = logging.getLogger("jaxserve.server")
 # Every stop string is looked for after every token, on the engine's thread: a huge list would slow every request.
 MAX_STOP_STRINGS = 256
 PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
+
+
+# Where the request being read came from, for the ignored-fields warning: "" over HTTP (the access log's next line
+# names the request), " on line N (custom_id ...)" in a batch job, where a thousand lines share one log.
+REQUEST_ORIGIN: contextvars.ContextVar[str] = contextvars.ContextVar("request_origin", default="")
+
+
+@contextlib.contextmanager
+def request_origin(origin: str):
+    token = REQUEST_ORIGIN.set(origin)
+    try:
+        yield
+    finally:
+        REQUEST_ORIGIN.reset(token)
 
 
 class OpenAIModel(BaseModel):
@@ -43,7 +59,8 @@ class RequestModel(OpenAIModel):
         if isinstance(data, dict):
             ignored = data.keys() - cls._known_keys()
             if ignored:
-                logger.warning("these fields of the request were ignored: %s", ", ".join(sorted(map(str, ignored))))
+                logger.warning("these fields of the request%s were ignored: %s", REQUEST_ORIGIN.get(),
+                               ", ".join(sorted(map(str, ignored))))
             nulls_as_defaults = cls._null_means_default()
             if any(data.get(key, ...) is None for key in nulls_as_defaults):
                 data = {key: value for key, value in data.items() if value is not None or key not in nulls_as_defaults}

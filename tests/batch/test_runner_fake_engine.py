@@ -241,6 +241,11 @@ def test_cache_salt_reaches_the_engine_and_job_defaults_raise_no_ignored_field_w
     assert summary.totals.succeeded == 2
     assert {"prompt": "Hello there", "cache_salt": "tenant-a"} in fake_engine.prompts.values()
     assert "ignored" not in caplog.text
+    # a field a body has that no endpoint reads is named with the line it is on (a job's lines share one log)
+    (tmp_path / "out.jsonl").unlink()
+    run_job(write_job(tmp_path, [completion_line("typo", "Hi", max_tokns=3)], sampling=SAMPLING),
+            engine=fake_engine, show_progress=False)
+    assert "these fields of the request on line 1 (custom_id 'typo') were ignored: max_tokns" in caplog.text
 
 
 def test_a_body_field_overrides_the_defaults_of_its_group(tmp_path, fake_engine):
