@@ -204,6 +204,13 @@ def byte_count(value) -> int | None:
     return readable_count(value, "bytes")
 
 
+def logprobs_cap(value):
+    if value == -1:  # vLLM's "no cap": every token's logprob
+        raise ValueError("-1 (vLLM's 'no cap') is not supported: the compiled sampler keeps max_logprobs entries a "
+                         "row; give the most a request may ask for, e.g. 20")
+    return non_negative_int(value)
+
+
 def optional(check: Callable) -> Callable:
     return lambda value: None if value is None else check(value)
 
@@ -369,7 +376,7 @@ class EngineArgs:
         "host work overlaps device work; for debugging)", check=boolean, kind="off-switch",
         flags=("--no-async-scheduling",), on_flags=("--async-scheduling",))
     seed: int = option(0, "seed of requests that set none", check=any_int, kind="int")
-    max_logprobs: int = option(20, "largest logprobs / top_logprobs a request may ask for", check=non_negative_int,
+    max_logprobs: int = option(20, "largest logprobs / top_logprobs a request may ask for", check=logprobs_cap,
                                kind="int", metavar="N")
     speculative_config: dict | None = option(
         None, "speculative decoding, as in vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "

@@ -71,6 +71,7 @@ def test_token_counts_read_vllms_suffixes(text, tokens):
     (["serve", "--limit-mm-per-prompt", "image"], "expected JSON such as '{\"image\": 0}' or image=0,video=0"),
     (["serve", "--cpu-offload-gb", "4"], "--cpu-offload-gb=4.0 is not supported: weights stay in device memory"),
     (["serve", "--disable-sliding-window"], "--disable-sliding-window is not supported: jaxserve always attends"),
+    (["serve", "--max-logprobs", "-1"], "max_logprobs -1 (vLLM's 'no cap') is not supported: the compiled sampler"),
 ])
 def test_what_cannot_be_honoured_is_refused_in_one_line(capsys, argv, expected):
     assert expected in user_error(capsys, argv)
