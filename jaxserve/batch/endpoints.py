@@ -19,7 +19,7 @@ from jaxserve.server.chat_protocol import ChatCompletionRequest
 from jaxserve.server.classify import ClassificationRendering, ClassificationRequest
 from jaxserve.server.embeddings import EmbeddingRendering, EmbeddingRequest
 from jaxserve.server.errors import APIError, bad_request
-from jaxserve.server.protocol import CompletionRequest, SamplingFields
+from jaxserve.server.protocol import OUTPUT_CONSTRAINT_FIELDS, CompletionRequest, SamplingFields
 from jaxserve.server.request_bodies import (
     Prompt,
     build_sampling_params,
@@ -111,8 +111,7 @@ class PreparedRequest:
 # setting any one of a group overrides the job's defaults for the whole group, so the body wins, as documented.
 ONE_CHOICE_FIELDS = (
     frozenset({"max_tokens", "max_completion_tokens"}),
-    frozenset({"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-               "guided_grammar", "tools", "tool_choice"}),
+    frozenset({*OUTPUT_CONSTRAINT_FIELDS, "tools", "tool_choice"}),
 )
 
 

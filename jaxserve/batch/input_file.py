@@ -44,9 +44,14 @@ class InputItem:
         return self.custom_id
 
     @property
+    def where(self) -> str:
+        """How messages name this line."""
+        return f"line {self.line} (custom_id {self.custom_id!r})"
+
+    @property
     def origin(self) -> str:
-        """How a log line names this line (server/protocol.request_origin)."""
-        return f" on line {self.line} (custom_id {self.custom_id!r})"
+        """How the ignored-fields warning names it (server/protocol.request_origin)."""
+        return f" on {self.where}"
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,7 @@ class BatchProgress:
         rate = (self._done - self._done_at_start) / elapsed
         left = self._total - self._done
         eta = f", about {left / rate / 60:.1f} min left" if rate > 0 and left else ""
-        return (f"{self._done}/{self._total} requests done, {self.generated_tokens / elapsed:.1f} tok/s generated"
-                f"{eta}")
+        return f"{self._done}/{self._total} requests done, {self.tokens_per_second:.1f} tok/s generated{eta}"
 
     @property
     def tokens_per_second(self) -> float:

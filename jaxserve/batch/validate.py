@@ -75,13 +75,12 @@ def _body_problems(job: BatchJob, scan: InputScan) -> list[str]:
             with request_origin(item.origin):
                 request, _ = parse_body(item.url, item.body, job.sampling)
         except APIError as exc:
-            problems.append(f"line {item.line} (custom_id {item.custom_id!r}): {exc.message}")
+            problems.append(f"{item.where}: {exc.message}")
             continue
         if request.model and request.model not in names + adapters:
             served = (f"served_model_name is {', '.join(names)}" if job.served_model_name else
                       f"the job serves its model as {names[0]!r} (set served_model_name to the name the bodies use)")
-            problems.append(f"line {item.line} (custom_id {item.custom_id!r}): model {request.model!r} is not "
-                            f"served; {served}"
+            problems.append(f"{item.where}: model {request.model!r} is not served; {served}"
                             + (f" and the LoRA adapters are {', '.join(adapters)}" if adapters else ""))
     return problems
 

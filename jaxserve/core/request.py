@@ -27,7 +27,7 @@ class Sequence:
     token_ids: list[int]  # prompt followed by the tokens generated so far
     num_prompt_tokens: int
     params: SamplingParams
-    seed: int  # the sequence's own random stream
+    seed: int  # the sequence's own random stream: 32 bits (engine/inputs.sequence_seed, or random)
     arrival: int  # admission order, for first-come-first-served
     priority: int = 0  # lower runs first (vLLM's convention)
     eos_token_ids: tuple[int, ...] = ()

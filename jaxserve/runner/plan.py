@@ -203,7 +203,7 @@ def _fill_sampling(t: SamplingTensors, row_chunks: list[ScheduledChunk], offsets
     t.top_p[:n] = [p.top_p for p in params]
     t.min_p[:n] = [p.min_p for p in params]
     t.top_k[:n] = [p.top_k for p in params]
-    t.seeds[:n] = [c.seq.seed & 0xFFFFFFFF for c in row_chunks]
+    t.seeds[:n] = [c.seq.seed for c in row_chunks]  # 32 bits already (engine/inputs.sequence_seed)
     t.counters[:n] = [c.seq.num_output_tokens + j for c, j in zip(row_chunks, offsets)]
     for row, (chunk, j) in enumerate(zip(row_chunks, offsets)):
         seq, p = chunk.seq, params[row]

@@ -258,7 +258,7 @@ class SamplingFields(RequestModel):
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """The one output constraint the body asks for, in whichever spelling; a ValueError naming the field."""
-        asked = {name: getattr(self, name) for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
+        asked = {name: getattr(self, name) for name in OUTPUT_CONSTRAINT_FIELDS
                  if getattr(self, name) is not None}
         if _response_format_kind(self.response_format) == "text":
             asked.pop("response_format", None)
@@ -280,6 +280,8 @@ class SamplingFields(RequestModel):
 
 # vLLM's older request fields -> the StructuredOutputsParams field each sets.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# Every field that asks for an output constraint; a request may give one of them.
+OUTPUT_CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *GUIDED_FIELDS)
 
 
 def _response_format_kind(value: dict[str, Any] | None) -> str:
