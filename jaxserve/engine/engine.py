@@ -286,6 +286,11 @@ class Engine:
         """A sequence classifier's probabilities for each prompt (vLLM's `LLM.classify`; OfflineAPI.classify)."""
         return self.offline.classify(prompts, **options)
 
+    def encode(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, **options
+               ) -> list[EmbeddingRequestOutput | ClassificationRequestOutput]:
+        """Pooling with the task named by `pooling_task=` (vLLM's `LLM.encode`; OfflineAPI.encode)."""
+        return self.offline.encode(prompts, pooling_params, **options)
+
     def score(self, text_1, text_2, **options) -> list[ScoringRequestOutput]:
         """Scores of text pairs (vLLM's `LLM.score`; OfflineAPI.score)."""
         return self.offline.score(text_1, text_2, **options)

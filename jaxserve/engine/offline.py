@@ -1,10 +1,11 @@
-"""The synchronous Python API (vLLM's `LLM`): `generate`, `embed`, `classify`, `score`, `chat`, `stream`,
+"""The synchronous Python API (vLLM's `LLM`): `generate`, `embed`, `classify`, `encode`, `score`, `chat`, `stream`,
 `beam_search`, a facade over any StepEngine's request and step methods (engine/interface.py); the Engine offers
 it as its own methods. Beam search runs every prompt's round of one-token requests as one batch
 (core/beam_search.py holds the search itself; async_engine/beam_search_stream.py runs it for the servers)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 
@@ -20,7 +21,7 @@ from jaxserve.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from jaxserve.pooling_params import PoolingParams
+from jaxserve.pooling_params import TASKS, PoolingParams
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -55,6 +56,22 @@ class OfflineAPI:
         """The class probabilities a sequence classifier gives each prompt, in input order (vLLM's
         `LLM.classify`): `output.outputs.probs`, and `.label`, the most probable class's."""
         params = PoolingParams(task="classify", truncate_prompt_tokens=truncate_prompt_tokens)
+        return self._run_all(normalise_prompts(prompts), params, use_tqdm, lora_request)
+
+    def encode(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
+               use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+               pooling_task: str | None = None) -> list[EmbeddingRequestOutput | ClassificationRequestOutput]:
+        """vLLM's `LLM.encode`: pooling with the task named (`"embed"` as `embed`, `"classify"` as `classify`),
+        which replaces the task of the pooling parameters given. vLLM's per-token tasks (`token_embed`,
+        `token_classify`) pool every token, which no model here has a head for: refused, as is no task at all."""
+        if pooling_task not in TASKS:
+            tasks = " or ".join(map(repr, TASKS))
+            raise ValueError(f"pooling_task must be {tasks} (got {pooling_task!r}); Engine.embed and "
+                             f"Engine.classify are the same calls by name")
+        if isinstance(pooling_params, list):
+            params = [dataclasses.replace(p, task=pooling_task) for p in pooling_params]
+        else:
+            params = dataclasses.replace(pooling_params or PoolingParams(), task=pooling_task)
         return self._run_all(normalise_prompts(prompts), params, use_tqdm, lora_request)
 
     def score(self, text_1, text_2, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,

@@ -59,6 +59,14 @@ def test_a_base_model_checkpoint_embeds_as_transformers_and_does_not_generate(ba
     engine = _engine(path)
     for out, ref in zip(engine.embed(PROMPTS, use_tqdm=False), references):
         np.testing.assert_allclose(out.outputs.embedding, ref, atol=1e-5)
+    # vLLM's LLM.encode names the task; the task in the parameters given is replaced by it
+    encoded = engine.encode(PROMPTS[1:2], PoolingParams(normalize=False, task="classify"), pooling_task="embed",
+                            use_tqdm=False)[0].outputs.embedding
+    np.testing.assert_allclose(encoded / np.linalg.norm(encoded), references[1], atol=1e-5)
+    assert abs(np.linalg.norm(encoded) - 1) > 1e-3, "normalize=False was not kept"
+    for task in (None, "token_embed"):
+        with pytest.raises(ValueError, match=f"pooling_task must be 'embed' or 'classify' \\(got {task!r}\\)"):
+            engine.encode(PROMPTS[:1], pooling_task=task, use_tqdm=False)
     with pytest.raises(ValueError, match="has no language-model head .* serves embeddings"):
         engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match="no classification head"):
@@ -104,6 +112,8 @@ def test_a_sequence_classifier_classifies_as_transformers(causal, tmp_path):
         np.testing.assert_allclose(out.outputs.probs, want, atol=1e-5)
         assert out.outputs.label == LABELS[int(np.argmax(logits))]
     assert len({out.outputs.label for out in outs}) > 1, "the head should not give every prompt the same class"
+    encoded = engine.encode(PROMPTS, pooling_task="classify", use_tqdm=False)
+    assert [out.outputs.probs for out in encoded] == [out.outputs.probs for out in outs]
     truncated = engine.classify(PROMPTS[:1], truncate_prompt_tokens=5, use_tqdm=False)[0]
     assert truncated.prompt_token_ids == PROMPTS[0][-5:]
     np.testing.assert_allclose(truncated.outputs.probs, engine.classify([PROMPTS[0][-5:]], use_tqdm=False)[0]
