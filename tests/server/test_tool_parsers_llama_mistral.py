@@ -101,6 +101,11 @@ def test_json_calls_are_released_as_each_object_closes():
     ("xlam", "```json\n[1, 2]\n```"),  # a list, but of no calls
     ("xlam", 'See <tool_call>[{"name": "get_time", "arguments": {'),  # cut short
     ("xlam", "Lists like [this] are text."),
+    # JSON with a "name" but no arguments is an answer (response_format asked for a person), not a call
+    ("llama3_json", '{"name": "Alice", "age": 30}'),
+    ("xlam", '[{"name": "Alice", "age": 30}, {"name": "Bob", "age": 25}]'),
+    ("granite", '[{"name": "Alice", "age": 30}]'),
+    ("phi4_mini_json", 'functools[{"name": "Alice", "age": 30}]'),
 ])
 def test_what_is_not_a_call_is_content_as_written(name, reply):
     assert tool_call_parser(name).split(reply, final=True) == (reply, [])

@@ -25,10 +25,15 @@ def partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def call_from_object(value: Any, call_id: str | None = None) -> ToolCall | None:
+def call_from_object(value: Any, call_id: str | None = None, *, marked: bool = False) -> ToolCall | None:
     """A call out of `{"name": ..., "arguments": {...}}` (Llama 3 writes "parameters"); None for anything else.
-    Arguments already given as JSON text are kept as they are."""
+    Arguments already given as JSON text are kept as they are. Only where a marker says a call follows
+    (`marked`: hermes' <tool_call> tags, Mistral's [TOOL_CALLS]) may the arguments be left out (no arguments):
+    in a bare JSON reply, an object with a "name" and no arguments is an answer (a person's record asked for by
+    response_format, say), as vLLM reads it."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    if not marked and "arguments" not in value and "parameters" not in value:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):  # already JSON text: kept as written, if it is an object's

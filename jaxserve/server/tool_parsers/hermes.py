@@ -69,4 +69,4 @@ def _parse_call(body: str) -> ToolCall | None:
     body = body.strip(JSON_BLANKS)
     decoded = decode_json_at(body, 0)
     whole = decoded is not None and decoded[1] == len(body)  # the block is one JSON value and nothing else
-    return call_from_object(decoded[0]) if whole else None
+    return call_from_object(decoded[0], marked=True) if whole else None

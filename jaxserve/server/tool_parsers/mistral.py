@@ -64,7 +64,7 @@ class MistralToolParser(RequestIndependent):
             decoded = decode_json_at(text, body)
             if decoded is None or not isinstance(decoded[0], list) or not decoded[0]:
                 return None
-            calls = [call_from_object(item, mistral_call_id()) for item in decoded[0]]
+            calls = [call_from_object(item, mistral_call_id(), marked=True) for item in decoded[0]]
             return None if None in calls else (calls, decoded[1])
         args = text.find(self.args_tag, body)  # name[ARGS]{...}
         name = text[body:args].strip() if args >= 0 else ""
