@@ -121,7 +121,7 @@ def delta_choice(job: ChatJob, completion: CompletionOutput, progress: dict[int,
     delta, finish_reason = _delta(job, completion, sent, first_chunk)
     # Tokens whose text is held back (a possible stop string, a tool call being written) send a chunk only to
     # carry their logprobs.
-    carries_logprobs = job.request.logprobs and len(completion.token_ids) > tokens_sent
+    carries_logprobs = job.sends_logprobs and len(completion.token_ids) > tokens_sent
     if delta is None and not completion.finished and not carries_logprobs:
         return None
     sent.tokens, sent.finished = len(completion.token_ids), completion.finished

@@ -195,8 +195,18 @@ class ChatRendering:
         if self.tool_parser is not None:  # a parser may read a call by the request's tool schemas
             self.tool_parser = self.tool_parser.for_tools(self.request.tools)
 
+    @property
+    def sends_logprobs(self) -> bool:
+        return bool(self.request.logprobs) and not self.hides_tokens
+
+    @property
+    def hides_tokens(self) -> bool:
+        """With the reasoning left out (include_reasoning false), the logprobs' token names and the token ids
+        would spell it out: neither is sent (as vLLM)."""
+        return self.reasoning is not None and not self.request.include_reasoning
+
     def logprobs(self, completion: CompletionOutput, first_token: int = 0) -> ChatLogProbs | None:
-        if not self.request.logprobs:
+        if not self.sends_logprobs:
             return None
         return chat_logprobs(completion.token_ids[first_token:], (completion.logprobs or [])[first_token:],
                              self.request.top_logprobs or 0, self.options.token_name(self.tokenizer))
@@ -253,4 +263,5 @@ class ChatRendering:
 
     def token_ids(self, completion: CompletionOutput, first_token: int) -> list[int] | None:
         """vLLM's token_ids (with return_token_ids): the choice's tokens from `first_token` on."""
-        return list(completion.token_ids[first_token:]) if self.request.return_token_ids else None
+        return list(completion.token_ids[first_token:]) if self.request.return_token_ids and not self.hides_tokens \
+            else None

@@ -210,13 +210,20 @@ def test_reasoning_and_content_whole_and_streamed(qwen3_client, tokenizer):
 
 
 def test_include_reasoning_false_leaves_the_reasoning_out(qwen3_client, tokenizer):
-    """vLLM's include_reasoning: the answer alone, whole and streamed."""
-    n, body = len(tokenizer.encode(THINKING)), {"include_reasoning": False}
-    message = _chat(qwen3_client, max_tokens=n, extra_body=body).choices[0].message
+    """vLLM's include_reasoning: the answer alone, whole and streamed; logprobs and token ids are not sent, as
+    their tokens would spell the reasoning out."""
+    n = len(tokenizer.encode(THINKING))
+    body = {"include_reasoning": False, "return_token_ids": True}
+    choice = _chat(qwen3_client, max_tokens=n, extra_body=body, logprobs=True, top_logprobs=1).choices[0]
+    message = choice.message
     assert (getattr(message, "reasoning", None), message.content) == (None, "\n\nIt is sunny.")
-    chunks = [c.choices[0] for c in _chat(qwen3_client, stream=True, max_tokens=n, extra_body=body) if c.choices]
+    assert choice.logprobs is None and getattr(choice, "token_ids", None) is None
+    chunks = [c.choices[0] for c in _chat(qwen3_client, stream=True, max_tokens=n, extra_body=body, logprobs=True)
+              if c.choices]
     assert not any(getattr(c.delta, "reasoning", None) for c in chunks)
     assert "".join(c.delta.content or "" for c in chunks) == message.content
+    assert all(c.logprobs is None and getattr(c, "token_ids", None) is None for c in chunks)
+    assert all(c.delta.content or c.finish_reason or c.delta.role for c in chunks), "a chunk with nothing in it"
 
 
 def test_an_answer_cut_short_while_thinking_is_all_reasoning(qwen3_client):
