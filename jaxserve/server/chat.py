@@ -166,7 +166,7 @@ def _auto_delta(job: ChatJob, completion: CompletionOutput, sent: ChoiceProgress
     text, new_calls = content[sent.chars:], calls[sent.calls:]
     first_index, sent.chars, sent.calls = sent.calls, len(content), len(calls)
     reason = completion.finish_reason
-    if calls and reason in ("stop", "length"):  # as in message(): whole calls are to be run
+    if calls and reason == "stop":  # as in message(): a length cut stays "length"
         reason = "tool_calls"
     bodies = [call.body(first_index + i) for i, call in enumerate(new_calls)]
     if not text and not bodies and not reasoning and role is None:

@@ -196,6 +196,12 @@ class ChatRendering:
             self.tool_parser = self.tool_parser.for_tools(self.request.tools)
 
     @property
+    def calls_whole(self) -> bool:
+        """Whether the tool calls are released whole: read out of the text by a parser (tool_choice "auto"); a
+        forced call's arguments stream as they are written, and max_tokens may cut them."""
+        return self.tool_choice is not None and self.tool_choice.kind == "auto"
+
+    @property
     def sends_logprobs(self) -> bool:
         return bool(self.request.logprobs) and not self.hides_tokens
 
@@ -237,9 +243,9 @@ class ChatRendering:
             content, calls = None, parse_forced_calls(choice, text)
         if not calls:
             return plain, reason
-        # Under "auto", "length" too, as vLLM: the calls found are whole, and a client should run them. A forced
-        # output cut short keeps "length": its last call may be unfinished.
-        if choice.kind == "auto" and reason in ("stop", "length") or choice.kind == "required" and reason == "stop":
+        # Only a model that stopped by itself finished its calls: a length cut stays "length" (vLLM 0.34's), so a
+        # client can tell a reply cut short (a call perhaps half written, left in the content) from a whole one.
+        if choice.kind in ("auto", "required") and reason == "stop":
             reason = "tool_calls"
         return ChatMessage(role=role, content=content, reasoning=reasoning,
                            tool_calls=[call.body() for call in calls]), reason

@@ -37,7 +37,8 @@ class _OpenItem:
 
 
 class ResponseEvents:
-    def __init__(self):
+    def __init__(self, calls_whole: bool):
+        self.calls_whole = calls_whole  # calls come whole (tool_choice "auto"): never closed as incomplete
         self.sequence_number = 0
         self.items: list[dict[str, Any]] = []  # finished output items, in order
         self._open: _OpenItem | None = None
@@ -97,8 +98,9 @@ class ResponseEvents:
             done = message_item(item.item["id"], item.text, status)
             events = [self.event("response.output_text.done", **where, content_index=0, text=item.text, logprobs=[]),
                       self.event("response.content_part.done", **where, content_index=0, part=text_part(item.text))]
-        else:  # a call max_output_tokens cut short is incomplete, as when whole
-            done = function_call_item(item.item["id"], item.item["call_id"], item.item["name"], item.text, status)
+        else:  # a forced call max_output_tokens cut short is incomplete, as when whole
+            done = function_call_item(item.item["id"], item.item["call_id"], item.item["name"], item.text,
+                                      "completed" if self.calls_whole else status)
             events = [self.event("response.function_call_arguments.done", **where, name=item.item["name"],
                                  arguments=item.text)]
         self.items.append(done)

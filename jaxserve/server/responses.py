@@ -91,14 +91,14 @@ async def create_response(request: Request) -> Response:
         return Response(status_code=499)  # the client left; nobody reads this
     final = finals[0]
     message, reason = chat_job.message(final.outputs[0])
-    return JSONResponse(job.finished(output_items(message, reason), final, state.responses))
+    return JSONResponse(job.finished(output_items(message, reason, chat_job.calls_whole), final, state.responses))
 
 
 async def _events(job: ResponseJob, state: ServerState) -> AsyncIterator[dict[str, Any]]:
     """The stream's events; a failure once it has begun (a timeout, an engine failure, an abort) ends it with
     `response.failed`, the response so far (the item cut short closed as incomplete) with status "failed" and the
     error, as OpenAI ends a failed one (and keeps it, when stored)."""
-    events = ResponseEvents()
+    events = ResponseEvents(calls_whole=job.chat.calls_whole)
     yield events.event("response.created", response=job.body([], "in_progress"))
     try:
         async for event in _answer_events(job, state, events):

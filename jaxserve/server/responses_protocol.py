@@ -243,21 +243,19 @@ def function_call_item(item_id: str, call_id: str, name: str, arguments: str, st
             "status": status}
 
 
-def output_items(message: ChatMessage, finish_reason: str | None) -> list[dict[str, Any]]:
+def output_items(message: ChatMessage, finish_reason: str | None, calls_whole: bool) -> list[dict[str, Any]]:
     """A finished chat message as output items: its reasoning, its text, its tool calls (an answer with none of
-    them is one empty message, as when streamed). Cut short by max_output_tokens, the last item is incomplete:
-    a forced call's arguments as far as they got, as streamed."""
-    status = "incomplete" if finish_reason == "length" else "completed"
-    thinking_cut = status == "incomplete" and not (message.content or message.tool_calls)  # as streamed
-    items = [reasoning_item(new_id("rs"), message.reasoning, "incomplete" if thinking_cut else "completed")
-             ] if message.reasoning else []
+    them is one empty message, as when streamed). Cut short by max_output_tokens, the last item is incomplete, as
+    streamed: the reasoning or the text as far as it got, or a forced call's arguments. A call a parser read out of
+    the text (`calls_whole`, tool_choice "auto") is whole even then."""
+    items = [reasoning_item(new_id("rs"), message.reasoning)] if message.reasoning else []
     if message.content or not (items or message.tool_calls):
-        items.append(message_item(new_id("msg"), message.content or "", status))
-    for i, call in enumerate(message.tool_calls):
+        items.append(message_item(new_id("msg"), message.content or ""))
+    for call in message.tool_calls:
         function = call["function"]
-        last = i == len(message.tool_calls) - 1
-        items.append(function_call_item(new_id("fc"), call["id"], function["name"], function["arguments"],
-                                        status if last else "completed"))
+        items.append(function_call_item(new_id("fc"), call["id"], function["name"], function["arguments"]))
+    if finish_reason == "length" and not (calls_whole and items[-1]["type"] == "function_call"):
+        items[-1]["status"] = "incomplete"
     return items
 
 

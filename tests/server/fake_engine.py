@@ -47,7 +47,7 @@ class FakeRequest:
 
 class FakeEngine:
     def __init__(self, tokenizer, *, max_model_len=256, total_blocks=64, block_size=16, max_logprobs=20,
-                 step_delay=0.002, script_text=SCRIPT_TEXT):
+                 step_delay=0.002, script_text=SCRIPT_TEXT, ends_with_script=False):
         self.tokenizer = tokenizer
         self.model_name = "fake-model"
         self.generation_defaults: dict = {}  # a model whose generation_config.json sets no sampling defaults
@@ -60,6 +60,7 @@ class FakeEngine:
         self.fail_next_step = False  # tests set this to simulate a device failure
         self.step_started = threading.Event()  # set on every step, so tests can wait for progress
         self._script = tokenizer.encode(script_text)
+        self.ends_with_script = ends_with_script  # the script's last token finishes "stop", as an EOS would
         self._running: dict[str, FakeRequest] = {}
         self.aborted: list[str] = []
         self.adapters = SimpleNamespace(preloaded={})  # the LoRA adapters served by name (serve --lora-modules)
@@ -199,7 +200,9 @@ class FakeEngine:
                 cut = output.text.index(stop) + (len(stop) if params.include_stop_str_in_output else 0)
                 output.text, output.finish_reason, output.stop_reason = output.text[:cut], "stop", stop
                 return
-        if len(output.token_ids) >= (params.max_tokens or self.max_model_len - len(request.prompt_token_ids)):
+        if self.ends_with_script and position % len(self._script) == len(self._script) - 1:
+            output.finish_reason = "stop"
+        elif len(output.token_ids) >= (params.max_tokens or self.max_model_len - len(request.prompt_token_ids)):
             output.finish_reason = "length"
 
     def _position_logprobs(self, token, top_n):

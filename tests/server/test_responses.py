@@ -183,6 +183,20 @@ def test_a_named_call_after_reasoning_streams_as_it_comes_whole(tokenizer):
         assert response.output[1].arguments == '{"city' and response.output[1].name == "get_weather"
 
 
+def test_whole_calls_stay_completed_when_the_answer_is_cut_after_them(served):
+    """tool_choice "auto": max_output_tokens cutting the text after a call leaves the response incomplete, and the
+    call, read whole out of the text, completed, whole and streamed alike (it was "incomplete" whole)."""
+    _, fake, client = served
+    kwargs = dict(tools=RESPONSE_TOOLS, max_output_tokens=len(client_tokens(served, SCRIPT)) + 3)
+    whole = create(client, **kwargs)
+    streamed = list(create(client, stream=True, **kwargs))[-1].response
+    for response in (whole, streamed):
+        assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+        assert [(item.type, item.status) for item in response.output] == [
+            ("reasoning", "completed"), ("message", "completed"), ("function_call", "completed")]
+        assert json.loads(response.output[2].arguments) == {"city": "Paris"}
+
+
 def test_the_store_keeps_the_latest_within_its_bounds():
     from jaxserve.server.response_store import ResponseStore
 

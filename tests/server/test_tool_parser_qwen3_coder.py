@@ -89,11 +89,11 @@ def test_special_tokens_are_kept_in_the_text():
 
 
 def test_served_whole_and_streamed_with_the_requests_schemas(tokenizer):
-    engine = AsyncEngine(FakeEngine(tokenizer, script_text=REPLY, step_delay=0))
+    engine = AsyncEngine(FakeEngine(tokenizer, script_text=REPLY, step_delay=0, ends_with_script=True))
     with serve_in_thread(build_app(engine, tool_parser=tool_call_parser("qwen3_coder"))) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         ask = dict(model="fake-model", messages=[{"role": "user", "content": "Search, then the time?"}], tools=TOOLS,
-                   max_tokens=len(tokenizer.encode(REPLY)), temperature=0)
+                   max_tokens=len(tokenizer.encode(REPLY)) + 5, temperature=0)
         choice = client.chat.completions.create(**ask).choices[0]
         chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **ask) if c.choices]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look.\n"

@@ -172,7 +172,7 @@ def test_mistral_call_ids_are_nine_letters_and_digits_and_markers_stay_in_the_te
 
 @pytest.mark.parametrize("name, reply, content, calls", [REPLIES[0], REPLIES[3], REPLIES[6]])
 def test_served_whole_and_streamed(tokenizer, name, reply, content, calls):
-    engine = AsyncEngine(FakeEngine(tokenizer, script_text=reply, step_delay=0))
+    engine = AsyncEngine(FakeEngine(tokenizer, script_text=reply, step_delay=0, ends_with_script=True))
     with serve_in_thread(build_app(engine, tool_parser=tool_call_parser(name))) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         ask = dict(model="fake-model", messages=[{"role": "user", "content": "Weather and time?"}], tools=TOOLS,
