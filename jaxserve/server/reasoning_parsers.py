@@ -21,7 +21,8 @@ Each parser reads a block at the start of the output, between its start and end 
 An output that ends (max_tokens) before the end marker is all reasoning, with content None, as in vLLM.
 Constrained output (response_format, a forced tool call) is reasoned freely first, the grammar starting after the
 end marker (as in vLLM), where that marker is one token of the vocabulary and the prompt did not close the block;
-otherwise the grammar writes the whole output, and none of it is reasoning.
+then all before the first end marker is reasoning, opened or not, so the content is what the grammar wrote.
+Otherwise the grammar writes the whole output, and none of it is reasoning.
 """
 
 from __future__ import annotations
@@ -134,8 +135,13 @@ class ReasoningParser:
 
     def bind(self, prompt_token_ids: list[int], params: SamplingParams) -> PromptReasoning | None:
         """This parser for one request (given its adjusted params): None when a grammar wrote the whole output."""
-        if params.constrained and params.structured_outputs.starts_after_token is None:
-            return None
+        if params.constrained:
+            if params.structured_outputs.starts_after_token is None:
+                return None
+            # The grammar starts after the first end marker, whatever came before it (a <think> or none): the
+            # text up to it is the reasoning, so the content is exactly what the grammar wrote (none if the
+            # model never ended its reasoning), as vLLM splits it.
+            return PromptReasoning(True, self.markers)
         return PromptReasoning(self.implicit_start or self.prompt_block(prompt_token_ids) == "open", self.markers)
 
 

@@ -168,6 +168,12 @@ def test_a_grammar_starts_after_the_reasoning(tokenizer):
     assert qwen3.bind(opened, waiting) == PromptReasoning(True)
     assert qwen3.adjust(constrained, closed) == constrained and qwen3.bind(closed, constrained) is None
     assert qwen3.adjust(SamplingParams(), opened) == SamplingParams()  # nothing to wait for
+    # With no block in the prompt the grammar waits all the same: whatever comes before </think> is reasoning,
+    # so the content is what the grammar wrote (a non-thinking model whose vocabulary has </think>)
+    plain = thinking.encode("assistant\n")
+    assert qwen3.bind(plain, qwen3.adjust(constrained, plain)).split('Hm.</think>{"a": 1}', True) == \
+        ("Hm.", '{"a": 1}')
+    assert qwen3.bind(plain, qwen3.adjust(constrained, plain)).split("no end marker", True) == ("no end marker", "")
 
 
 def test_special_markers_are_kept_in_the_text(tokenizer):
@@ -294,6 +300,27 @@ def test_serve_reasoning_parser_reaches_the_app(tokenizer, monkeypatch):
     assert built["reasoning_parser"] == reasoning_parser("qwen3", tokenizer)
     with pytest.raises(SystemExit):
         build_parser()[0].parse_args(["serve", "--reasoning-parser", "step3"])
+
+
+@pytest.mark.parametrize("script, reasoning, content", [
+    ('</think>{"a": 1}', None, '{"a": 1}'),  # the model skipped <think>: the grammar's output alone is content
+    ('Hm.</think>{"a": 1}', "Hm.", '{"a": 1}'),
+    ("Hm, no end", "Hm, no end", None),  # never ended its reasoning: no content the grammar did not write
+])
+def test_the_content_is_what_the_grammar_wrote(tokenizer, script, reasoning, content):
+    """response_format with the grammar waiting for </think>, the prompt opening no block: the text before the
+    first </think> is reasoning, whether or not the model wrote <think> (it was content, so "</think>{...}" or
+    free text came back as the JSON answer)."""
+    thinking = copy.deepcopy(tokenizer)
+    thinking.add_tokens(["<think>", "</think>"])
+    with _client(thinking, script, reasoning_parser=reasoning_parser("qwen3", thinking)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        kwargs = dict(max_tokens=len(thinking.encode(script)), response_format={"type": "json_object"})
+        message = _chat(client, **kwargs).choices[0].message
+        chunks = [c.choices[0] for c in _chat(client, stream=True, **kwargs) if c.choices]
+    assert (getattr(message, "reasoning", None) or None, message.content) == (reasoning, content)
+    assert "".join(c.delta.content or "" for c in chunks) == (content or "")
+    assert "".join(getattr(c.delta, "reasoning", None) or "" for c in chunks) == (reasoning or "")
 
 
 def test_a_forced_tool_call_after_the_reasoning_whole_and_streamed(tokenizer):
