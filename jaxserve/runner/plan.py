@@ -95,6 +95,8 @@ def build_step_inputs(out: SchedulerOutput, blocks: BlockManager, shape: PlanSha
         assert all(c.seq.pending_index is None for _, c in constrained), \
             "a grammar mask planned before the token it follows was read back"
         fill_masks(grammar_rows, inputs.sampling.allowed)
+        for row, chunk in constrained:
+            inputs.sampling.grammar_masked[row : row + chunk.num_rows] = True
     for row, chunk in allowed_rows:  # after the grammar's masks: a token must pass both
         inputs.sampling.allowed[row : row + chunk.num_rows] &= chunk.seq.allowed_mask
     return inputs, _statics(chunks, shape.max_logprobs, decode_only, constrained=masked)
@@ -120,6 +122,7 @@ def empty_inputs(T: int, B: int, shape: PlanShape, penalties: bool = False, deco
         history=np.full((B, P), V, np.int32), history_is_output=np.zeros((B, P), bool),
         history_fed_pos=np.full(B, -1, np.int32), fed_row=np.zeros(B, np.int32),
         presence=f32(0.0), frequency=f32(0.0), repetition=f32(1.0), allowed=np.full((B, W), -1, np.int32),
+        grammar_masked=np.zeros(B, bool),
     )
     return StepInputs(np.zeros(T, np.int32), empty_meta(T, B, shape, decode_only), np.zeros(B, np.int32), sampling,
                       np.zeros(T, np.int32), np.full(T, -1, np.int32))

@@ -44,6 +44,9 @@ class SamplingTensors:
     # Structured outputs and allowed_token_ids: bit t % 32 of word t // 32 says whether token t may come next (all
     # ones in rows that are not constrained); [B, ceil(V / 32)] i32, or [B, 0] when no row is.
     allowed: jax.Array
+    # [B] bool: the row's mask is a grammar's, which its logprobs see (vLLM masks the logits with the grammar before
+    # its raw logprobs; allowed_token_ids alone, as logit_bias and the rest, only shape what is sampled).
+    grammar_masked: jax.Array
 
 
 @dataclass(frozen=True)
@@ -128,12 +131,19 @@ def _apply_penalties(logits, t: SamplingTensors, fed_tokens: jax.Array):
     return logits - t.frequency[:, None] * out_counts - t.presence[:, None] * (out_counts > 0)
 
 
-def _apply_allowed(logits, t: SamplingTensors):
-    """Rule out every token the row's grammar (or allowed_token_ids) does not allow next."""
-    B, V = logits.shape
+def _allowed(t: SamplingTensors, vocab: int) -> jax.Array:
+    """[B, V] bool: the tokens the row's grammar (and allowed_token_ids) allow next."""
     bits = jnp.arange(32, dtype=jnp.int32)
     allowed = (t.allowed[:, :, None] >> bits[None, None, :]) & 1  # [B, W, 32]; the arithmetic shift keeps bit 31
-    return jnp.where(allowed.reshape(B, -1)[:, :V] != 0, logits, -jnp.inf)
+    return allowed.reshape(allowed.shape[0], -1)[:, :vocab] != 0
+
+
+def _logprob_logits(logits, t: SamplingTensors):
+    """The logits the logprobs are of: a grammar row's masked by its grammar (so they rank what it may write and
+    add up to one over it), unless the mask allows nothing (the sampled token is then none it allows)."""
+    allowed = _allowed(t, logits.shape[-1])
+    masks = t.grammar_masked & jnp.any(allowed, axis=-1)
+    return jnp.where(masks[:, None] & ~allowed, -jnp.inf, logits)
 
 
 def _gumbel(t: SamplingTensors, vocab: int):
@@ -152,7 +162,7 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, fed_token
     if flags.penalties:
         x = _apply_penalties(x, t, fed_tokens)
     if flags.constrained:
-        x = _apply_allowed(x, t)
+        x = jnp.where(_allowed(t, x.shape[-1]), x, -jnp.inf)  # rule out what the row may not write next
     tokens = first_argmax(x)
     if not flags.all_greedy:
         scaled = x / jnp.maximum(t.temperature, GREEDY_EPS)[:, None]
@@ -164,7 +174,8 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, fed_token
         B = tokens.shape[0]
         return SamplerOutput(tokens, jnp.zeros(B, jnp.float32), jnp.zeros(B, jnp.int32), jnp.zeros((B, 0), jnp.int32),
                              jnp.zeros((B, 0), jnp.float32))
-    return SamplerOutput(tokens, *logprobs_of(logits, tokens, flags.num_logprobs))
+    raw = _logprob_logits(logits, t) if flags.constrained else logits
+    return SamplerOutput(tokens, *logprobs_of(raw, tokens, flags.num_logprobs))
 
 
 def logprobs_of(logits: jax.Array, targets: jax.Array, num_logprobs: int):

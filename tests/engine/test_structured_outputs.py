@@ -2,6 +2,7 @@
 without a constraint are unaffected; a bad grammar is refused before anything runs."""
 
 import json
+import math
 import re
 
 import pytest
@@ -50,6 +51,21 @@ def test_the_output_ends_with_its_grammar_even_when_eos_is_ignored(smol_engine):
     out = smol_engine.generate("Answer yes or no:", params, use_tqdm=False)[0].outputs[0]
     assert out.text in ("yes", "no") and out.finish_reason == "stop"
     assert smol_engine.tokenizer.decode(out.token_ids) == out.text  # no EOS tokens after it
+
+
+def test_logprobs_under_a_grammar_are_over_what_it_allows(smol_engine):
+    """As vLLM (logprobs of the logits the grammar masked): a choice's first token is ranked among the choices'
+    first tokens alone, and its top logprobs name only those with a probability (they were the model's free top
+    tokens); the rest of the five asked for are impossible (-inf, which the server sends as vLLM's -9999)."""
+    choices = ["Paris", "Rome", "Berlin"]
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=20, structured_outputs=S(choice=choices))
+    out = smol_engine.generate("The capital of Italy is", params, use_tqdm=False)[0].outputs[0]
+    first = out.logprobs[0]
+    possible = [entry.decoded_token for entry in first.values() if entry.logprob > -math.inf]
+    # A choice may begin with any token that spells its start ("R" as well as "Rome")
+    assert 3 <= len(possible) < 20 and all(any(c.startswith(text) for c in choices) for text in possible), possible
+    assert first[out.token_ids[0]].rank == 1
+    assert sum(math.exp(entry.logprob) for entry in first.values()) == pytest.approx(1.0, rel=1e-4)
 
 
 def test_a_grammar_that_starts_after_a_token_leaves_the_text_before_it_free(smol_engine):

@@ -33,7 +33,8 @@ def test_first_argmax_matches_jnp_argmax_on_ties_infinities_and_nans():
     assert list(np.asarray(got)[1:7]) == [3, 0, 7, 0, V - 1, 0]
 
 
-def _tensors(B: int, temperature: float, allowed: np.ndarray | None = None) -> SamplingTensors:
+def _tensors(B: int, temperature: float, allowed: np.ndarray | None = None,
+             grammar_masked: np.ndarray | None = None) -> SamplingTensors:
     return SamplingTensors(
         temperature=jnp.full(B, temperature, jnp.float32), top_k=jnp.zeros(B, jnp.int32),
         top_p=jnp.ones(B, jnp.float32), min_p=jnp.zeros(B, jnp.float32),
@@ -43,7 +44,8 @@ def _tensors(B: int, temperature: float, allowed: np.ndarray | None = None) -> S
         history=jnp.zeros((B, 0), jnp.int32), history_is_output=jnp.zeros((B, 0), bool),
         history_fed_pos=jnp.full(B, -1, jnp.int32), fed_row=jnp.zeros(B, jnp.int32),
         presence=jnp.zeros(B, jnp.float32), frequency=jnp.zeros(B, jnp.float32), repetition=jnp.ones(B, jnp.float32),
-        allowed=jnp.asarray(allowed if allowed is not None else np.zeros((B, 0), np.int32)))
+        allowed=jnp.asarray(allowed if allowed is not None else np.zeros((B, 0), np.int32)),
+        grammar_masked=jnp.asarray(grammar_masked if grammar_masked is not None else np.zeros(B, bool)))
 
 
 @pytest.mark.parametrize("greedy", [True, False])
@@ -99,6 +101,33 @@ def test_a_grammar_mask_allows_exactly_its_tokens(temperature):
     if temperature == 0.0:
         expected = np.argmax(np.where(allowed, np.asarray(logits), -np.inf), axis=-1)
         np.testing.assert_array_equal(tokens, expected)
+
+
+def test_logprobs_of_a_grammar_row_are_over_what_its_grammar_allows():
+    """As vLLM (the grammar's bitmask applied to the logits before its raw logprobs): a grammar row's logprobs
+    add up to one over the tokens it allows and rank only them; a row restricted by allowed_token_ids alone, and
+    a grammar row whose mask allows nothing, report the model's own distribution."""
+    rng = np.random.default_rng(3)
+    B = 4
+    allowed = np.ones((B, V), bool)
+    allowed[0] = allowed[1] = False
+    allowed[0, [5, 40, 999]] = allowed[1, [5, 40, 999]] = True
+    allowed[2] = False  # a grammar that allows nothing: the model's own logprobs (no NaN)
+    logits = rng.standard_normal((B, V)).astype(np.float32) * 3
+    logits[1] = logits[0]  # the same mask and logits: as a grammar, and as allowed_token_ids
+    logits = jnp.asarray(logits)
+    t = _tensors(B, 0.0, _packed(allowed), grammar_masked=np.array([True, False, True, False]))
+    out = sample(logits, t, SamplerFlags.for_constrained(penalties=False, num_logprobs=3), jnp.zeros(B, jnp.int32))
+    raw = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    masked = np.asarray(jax.nn.log_softmax(np.where(allowed[0], np.asarray(logits[0]), -np.inf)))
+    tokens = np.asarray(out.tokens)
+    assert tokens[0] == tokens[1] == [5, 40, 999][int(np.argmax(np.asarray(logits[0])[[5, 40, 999]]))]
+    np.testing.assert_allclose(np.asarray(out.logprobs)[0], masked[tokens[0]], rtol=1e-5)
+    assert np.asarray(out.ranks)[0] == 1 and set(np.asarray(out.top_ids)[0]) == {5, 40, 999}
+    np.testing.assert_allclose(np.exp(np.asarray(out.top_logprobs)[0]).sum(), 1.0, rtol=1e-5)
+    for row in (1, 2, 3):  # allowed_token_ids only, an empty grammar mask, no constraint: unmasked
+        np.testing.assert_allclose(np.asarray(out.logprobs)[row], raw[row, tokens[row]], rtol=1e-5)
+        np.testing.assert_array_equal(np.asarray(out.top_ids)[row], np.argsort(-raw[row])[:3])
 
 
 def test_a_ban_after_a_token_in_flight_holds_only_when_that_token_came():
