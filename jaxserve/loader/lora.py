@@ -51,6 +51,12 @@ def read_adapter(path: str | Path, cfg: ModelConfig, max_rank: int, dtype) -> di
     return out
 
 
+# PEFT's LoraConfig defaults, which a config that leaves a field out means
+PEFT_DEFAULT_RANK, PEFT_DEFAULT_ALPHA = 8, 8
+# init_lora_weights values that only set the adapter's starting weights: a saved adapter is a plain LoRA
+PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
+
+
 def _read_config(directory: Path) -> dict:
     config_path = directory / "adapter_config.json"
     if not config_path.is_file():
@@ -60,6 +66,9 @@ def _read_config(directory: Path) -> dict:
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise LoraAdapterError(f"{config_path} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise LoraAdapterError(f"{config_path} holds a JSON {type(config).__name__}, not PEFT's adapter config object")
+    init = config.get("init_lora_weights", True)
     refusals = {
         "peft_type": (config.get("peft_type", "LORA") != "LORA", "only LoRA adapters are supported"),
         "use_dora": (config.get("use_dora"), "DoRA adapters are not supported"),
@@ -69,6 +78,16 @@ def _read_config(directory: Path) -> dict:
         "rank_pattern": (config.get("rank_pattern") or config.get("alpha_pattern"),
                          "per-module ranks or alphas are not supported"),
         "fan_in_fan_out": (config.get("fan_in_fan_out"), "fan_in_fan_out (GPT-2 Conv1D) adapters are not supported"),
+        # These change the base weights when PEFT loads the adapter: served on the unchanged base they are wrong
+        "init_lora_weights": (isinstance(init, str) and init.lower() not in PLAIN_INITS,
+                              "this initialization modifies the base model's weights when PEFT loads the adapter "
+                              "(PiSSA, OLoRA, CorDA, LoftQ); convert it to a plain LoRA adapter with PEFT's "
+                              "path_initial_model_for_weight_conversion"),
+        "alora_invocation_tokens": (config.get("alora_invocation_tokens"),
+                                    "activated LoRA (applied only from its invocation tokens on) is not supported"),
+        "use_qalora": (config.get("use_qalora"), "QA-LoRA adapters are not supported"),
+        "layer_replication": (config.get("layer_replication"), "adapters that replicate layers are not supported"),
+        "use_bdlora": (config.get("use_bdlora"), "block-diagonal LoRA adapters are not supported"),
     }
     for key, (refused, why) in refusals.items():
         if refused:
@@ -77,11 +96,14 @@ def _read_config(directory: Path) -> dict:
 
 
 def _rank_and_scale(config: dict, directory: Path, max_rank: int) -> tuple[int, float]:
-    rank = int(config.get("r", 8))
+    rank, alpha = config.get("r", PEFT_DEFAULT_RANK), config.get("lora_alpha", PEFT_DEFAULT_ALPHA)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise LoraAdapterError(f"{directory}: r={rank!r} in adapter_config.json; a LoRA rank is a positive integer")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise LoraAdapterError(f"{directory}: lora_alpha={alpha!r} in adapter_config.json; it is a number")
     if rank > max_rank:
         raise LoraAdapterError(f"{directory} has rank {rank}, above max_lora_rank={max_rank}; start the engine with "
                                f"max_lora_rank >= {rank} (--max-lora-rank {rank})")
-    alpha = float(config.get("lora_alpha", rank))
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return rank, scale
 
