@@ -56,13 +56,13 @@ class EngineAdapters:
             if known is not None and known.lora_path != lora.lora_path:
                 raise ValueError(f"adapter name {lora.lora_name!r} is already in use for {known.lora_path}; give the "
                                  f"adapter at {lora.lora_path} another name")
+            if not self.slots.can_hold(known or lora):  # refused before anything is kept: the name stays free
+                raise ValueError(f"all max_loras={self.slots.num_slots} adapter slots hold the server's own "
+                                 f"adapters, so {lora.lora_name!r} cannot be loaded; raise max_loras")
             if known is None:
                 self._removed.discard(lora)  # removed, not yet purged, and named again: it stays
                 self._factors[lora] = read_adapter(lora.lora_path, self._cfg, self.max_lora_rank, self._runner.dtype)
                 self._known[lora.lora_name] = known = lora
-        if not self.slots.can_hold(known):
-            raise ValueError(f"all max_loras={self.slots.num_slots} adapter slots hold the server's own adapters, so "
-                             f"{lora.lora_name!r} cannot be loaded; raise max_loras")
         return known
 
     def replace(self, lora: LoRARequest) -> LoRARequest:

@@ -142,6 +142,11 @@ def test_named_adapters_are_loaded_at_start_and_kept(llama_with_adapters):
     with pytest.raises(ValueError, match="raise max_loras"):
         engine.generate(PROMPTS[:1], GREEDY, use_tqdm=False,
                         lora_request=LoRARequest("third", 3, adapters["every"].lora_path))
+    # refused, it left nothing behind: once a slot is free the name loads from any files
+    assert {lora.lora_name for lora in engine.list_loras()} == {"every", "attention"}
+    assert engine.remove_lora("every")
+    third = LoRARequest("third", 4, adapters["attention"].lora_path)
+    check_lora_parity(engine, {"third": references["attention"]}, PROMPTS[:1], [third])
 
 
 def test_adapters_are_added_and_removed_while_the_engine_runs(llama_with_adapters):
@@ -236,6 +241,12 @@ def test_adapters_it_cannot_serve_are_refused_by_name(llama_with_adapters, tmp_p
         "rank 16, above max_lora_rank=8": _broken_copy(src, tmp_path / "r16", {"r": 16}),
         "no adapter_config.json": str(tmp_path),
         "DoRA": _broken_copy(src, tmp_path / "dora", {"use_dora": True}),
+        "modifies the base model's weights .* path_initial_model_for_weight_conversion": _broken_copy(
+            src, tmp_path / "pissa", {"init_lora_weights": "pissa_niter_4"}),
+        r"activated LoRA .*alora_invocation_tokens=\[500, 501\]": _broken_copy(
+            src, tmp_path / "alora", {"alora_invocation_tokens": [500, 501]}),
+        "r=0 in adapter_config.json; a LoRA rank is a positive integer": _broken_copy(src, tmp_path / "r0", {"r": 0}),
+        "lora_alpha=None in adapter_config.json": _broken_copy(src, tmp_path / "alpha", {"lora_alpha": None}),
         "not a readable safetensors file": _corrupt_tensors(_broken_copy(src, tmp_path / "corrupt")),
         "embed_tokens.lora_embedding_A.weight": _broken_copy(
             src, tmp_path / "embed", extra_tensors={"base_model.model.model.embed_tokens.lora_embedding_A.weight":
@@ -245,6 +256,10 @@ def test_adapters_it_cannot_serve_are_refused_by_name(llama_with_adapters, tmp_p
                 f"base_model.model.model.layers.7.self_attn.q_proj.lora_{x}.weight": np.zeros((4, 64), np.float32)
                 for x in "AB"}),
     }
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "adapter_config.json").write_text("[1, 2]")
+    cases["holds a JSON list, not PEFT's adapter config object"] = str(listed)
     for i, (message, path) in enumerate(cases.items()):
         with pytest.raises(ValueError, match=message):
             engine.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest(f"bad{i}", i + 1, path))
@@ -278,3 +293,15 @@ def test_batch_job_bodies_name_adapters(llama_with_adapters, tmp_path):
         [expected] = engine.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=adapters.get(name))
         status, body = results[name]
         assert body["model"] == name and body["choices"][0]["text"] == expected.outputs[0].text
+
+
+def test_fields_an_adapter_config_leaves_out_mean_peft_defaults(tmp_path):
+    """A config without lora_alpha (or r) means PEFT's default, not alpha = r: scaling alpha / r."""
+    from peft import LoraConfig
+
+    from jaxserve.loader.lora import PEFT_DEFAULT_ALPHA, PEFT_DEFAULT_RANK, _rank_and_scale
+
+    assert (LoraConfig().r, LoraConfig().lora_alpha) == (PEFT_DEFAULT_RANK, PEFT_DEFAULT_ALPHA)
+    assert _rank_and_scale({"r": 4}, tmp_path, max_rank=8) == (4, PEFT_DEFAULT_ALPHA / 4)
+    assert _rank_and_scale({}, tmp_path, max_rank=8) == (8, 1.0)
+    assert _rank_and_scale({"r": 4, "lora_alpha": 16, "use_rslora": True}, tmp_path, max_rank=8) == (4, 8.0)
