@@ -59,6 +59,7 @@ class AsyncEngine:
         self.engine, self.request_timeout, self.step_timeout = engine, request_timeout, step_timeout
         self.log_prompts, self.max_log_len = log_prompts, max_log_len
         self._commands: queue.Queue = queue.Queue()
+        self._removing: dict[str, threading.Event] = {}  # adapter name -> its unload, set once applied
         self._lock = threading.Lock()  # guards _stats and _loop_exited, shared by both sides
         self._streams: dict[str, RequestStream] = {}  # owned by the loop thread
         # Beam searches by id (None: starting), owned by the asyncio side.
@@ -196,11 +197,17 @@ class AsyncEngine:
     async def add_lora(self, lora_request: LoRARequest, load_inplace: bool = False) -> LoRARequest:
         """Read and check an adapter (off the event loop); ValueError if it cannot be served. `load_inplace`
         replaces the adapter of that name (Engine.add_lora)."""
+        removing = self._removing.get(lora_request.lora_name)
+        if removing is not None:  # unloaded a moment ago: the name is free once the loop has applied it
+            await asyncio.to_thread(removing.wait)
         return await asyncio.to_thread(self.engine.add_lora, lora_request, load_inplace)
 
     def remove_lora(self, lora_name: str) -> None:
-        """Unload an adapter on the loop thread, between steps; requests already queued with it still run."""
-        self._submit((_REMOVE_LORA, lora_name))
+        """Unload an adapter on the loop thread, between steps; requests already queued with it still run. A load
+        of the same name waits until it is done (so an unload then a load from other files works at once)."""
+        done = threading.Event()
+        self._removing[lora_name] = done
+        self._submit((_REMOVE_LORA, lora_name, done))
 
     def stop_admitting(self) -> None:
         """The first step of a graceful shutdown: new requests are refused with EngineShuttingDown (and health
@@ -250,6 +257,8 @@ class AsyncEngine:
             if not self._loop_exited:
                 self._commands.put(command)
                 return
+        if command[0] == _REMOVE_LORA:  # nothing steps the engine any more: apply it here
+            self._apply(command)
         if command[0] == _ADD:
             self._raise_if_dead()
             raise EngineShuttingDown("the engine loop has stopped")
@@ -309,7 +318,13 @@ class AsyncEngine:
                 return
             self._streams[stream.request_id] = stream
         elif command[0] == _REMOVE_LORA:
-            self.engine.remove_lora(command[1])
+            _, name, done = command
+            try:
+                self.engine.remove_lora(name)
+            finally:
+                if self._removing.get(name) is done:
+                    del self._removing[name]
+                done.set()
         elif command[0] == _ABORT:
             _, request_id, error = command
             stream = self._streams.pop(request_id, None)
@@ -349,6 +364,8 @@ class AsyncEngine:
             if command[0] == _ADD:
                 self.admission.started(command[2])
                 command[2].push(error)
+            elif command[0] == _REMOVE_LORA:  # a load of that name waits for it
+                self._apply(command)
 
     def _end_all_streams(self, error: Exception, abort: bool) -> None:
         for request_id, stream in list(self._streams.items()):

@@ -70,6 +70,7 @@ class FakeEngine:
         self.sampling_params: dict[str, object] = {}
         self.removed_loras: list[str] = []  # remove_lora calls, in order
         self.replaced_loras: list[str] = []  # add_lora calls with load_inplace, in order
+        self.loaded_loras: dict[str, str] = {}  # name -> path, as the engine keeps names (engine/adapters.py)
 
     def eos_token_ids(self):
         return (self.tokenizer.eos_token_id,)
@@ -97,12 +98,16 @@ class FakeEngine:
         """As the engine: a directory it cannot serve is a ValueError naming why."""
         if not os.path.isfile(os.path.join(lora_request.lora_path, "adapter_config.json")):
             raise ValueError(f"{lora_request.lora_path} has no adapter_config.json")
+        known = self.loaded_loras.get(lora_request.lora_name)
+        if known is not None and known != lora_request.lora_path and not load_inplace:
+            raise ValueError(f"adapter name {lora_request.lora_name!r} is already in use for {known}")
+        self.loaded_loras[lora_request.lora_name] = lora_request.lora_path
         self.replaced_loras += [lora_request.lora_name] if load_inplace else []
         return lora_request
 
     def remove_lora(self, lora):
         self.removed_loras.append(lora)
-        return True
+        return self.loaded_loras.pop(lora, None) is not None
 
     def prepare_request(self, request_id, prompt, params, *, priority=0, lora_request=None):
         self.lora_requests[request_id] = lora_request

@@ -94,6 +94,28 @@ def test_adapters_are_loaded_and_unloaded_over_http(updatable, tmp_path):
     assert reloaded.status_code == 200 and fake.lora_requests[completion["id"]].lora_int_id == 3  # never reused
 
 
+def test_an_unloaded_name_can_be_loaded_from_other_files_at_once_while_the_engine_is_busy(tokenizer, tmp_path):
+    """The unload is applied between steps; a load of the same name right after it waits for that, instead of
+    finding the name still taken (a 400 'already in use', and neither adapter served)."""
+    import threading
+
+    fake = FakeEngine(tokenizer, step_delay=0.2)
+    app = build_app(AsyncEngine(fake, max_waiting_requests=8), served_model_names=["base"], runtime_lora_updating=True)
+    with serve_in_thread(app) as url:
+        first, second = _adapter_dir(tmp_path, "v1"), _adapter_dir(tmp_path, "v2")
+        assert httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": first}).status_code == 200
+        busy = threading.Thread(target=httpx.post, args=(f"{url}/v1/completions",),
+                                kwargs={"json": {"prompt": "Hi", "max_tokens": 4, "model": "base"}, "timeout": 30})
+        fake.step_started.clear()
+        busy.start()
+        assert fake.step_started.wait(10)
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 200
+        reply = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": second}, timeout=30)
+        busy.join()
+        assert reply.status_code == 200, reply.text
+        assert fake.loaded_loras == {"a": second} and _served(url) == {"base", "a"}
+
+
 def test_load_inplace_replaces_an_adapter_under_its_name(updatable, tmp_path):
     """vLLM's load_inplace: the name stays served and runs with the new files under a new id; a directory it
     cannot serve leaves the old adapter serving."""
