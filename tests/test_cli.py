@@ -104,6 +104,10 @@ def test_config_file_values_with_command_line_winning(tmp_path):
     (["serve", "--lora-modules", "sql"], "expected NAME=PATH"),
     (["serve", "--lora-modules", '{"name": "sql"}'], "expected NAME=PATH"),
     (["generate", "--prompt", "x", "--lora-modules", "a=/x", "a=/y"], "names a more than once"),
+    # an adapter named as the model is served would take the model's name over (checked before loading)
+    (["serve", "--served-model-name", "tiny", "--lora-modules", "tiny=/adapters/x"],
+     "the LoRA adapter 'tiny' has the served model's name"),
+    (["serve", "--lora-modules", "SmolLM2-135M-Instruct=/adapters/x"], "has the served model's name"),
     (["generate", "--prompt", "x", "--temperature", "-1"], "temperature"),
     (["serve", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 3}'], "method 'eagle'"),
     (["serve", "--speculative-config", '{"method": "ngram"}'], "needs num_speculative_tokens"),

@@ -19,6 +19,7 @@ from jaxserve.batch.problems import JobError, describe_validation_error
 from jaxserve.config import MeshShape
 from jaxserve.engine_args import check_option, option_fields, without_vllm_no_effect
 from jaxserve.loader.generation_config import GENERATION_CONFIG_SOURCES, check_overrides
+from jaxserve.loader.model_name import check_adapter_names, served_name
 from jaxserve.loader.tokenizer import is_template_text
 from jaxserve.server.reasoning_parsers import REASONING_PARSERS
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
@@ -134,6 +135,11 @@ class BatchJob(BaseModel):
     @classmethod
     def _one_or_more_names(cls, names: Any) -> Any:
         return [names] if isinstance(names, str) else names
+
+    @model_validator(mode="after")
+    def _adapters_named_apart_from_the_model(self) -> BatchJob:
+        check_adapter_names(self.served_model_name or [served_name(self.model)], self.engine.lora_modules or {})
+        return self
 
     @field_validator("sampling", mode="before")
     @classmethod

@@ -12,6 +12,7 @@ from jaxserve.async_engine.step_watch import DEFAULT_STEP_TIMEOUT_S
 from jaxserve.cli.args import (
     UserError,
     json_object,
+    lora_modules_dict,
     non_negative_float,
     non_negative_int,
     port_number,
@@ -23,6 +24,7 @@ from jaxserve.cli.args import (
 from jaxserve.cli.cluster import is_leader
 from jaxserve.cli.compat import add_vllm_serve_compat_arguments
 from jaxserve.cli.engine_options import add_engine_arguments, build_engines, mesh_from_args
+from jaxserve.loader.model_name import check_adapter_names, served_name
 from jaxserve.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from jaxserve.server.reasoning_parsers import REASONING_PARSERS
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
@@ -194,6 +196,11 @@ def run_serve(args: argparse.Namespace) -> int:
                         f"(one of: {', '.join(TOOL_CALL_PARSERS)})")
     args.enable_lora = args.enable_lora or args.enable_runtime_lora_updating
     check_model_not_taken_as_a_key(args)
+    try:
+        check_adapter_names(args.served_model_name or [served_name(args.model)], lora_modules_dict(args.lora_modules)
+                            or {})
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     args.api_key = args.api_key or api_key_from_environment()
     sock = None  # followers serve no HTTP
     if is_leader(args):

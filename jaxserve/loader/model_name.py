@@ -25,3 +25,12 @@ def served_name(model: str | None) -> str:
         return DEFAULT_MODEL_NAME
     path = Path(model).expanduser()
     return path.stem if is_gguf_file(path) else model
+
+
+def check_adapter_names(served_names: list[str], adapter_names) -> None:
+    """ValueError when a LoRA adapter is named as the model is served: requests for the model would get the
+    adapter, and the model itself could not be asked for."""
+    clash = sorted(set(served_names) & set(adapter_names))
+    if clash:
+        raise ValueError(f"the LoRA adapter {clash[0]!r} has the served model's name; give the adapter another name "
+                         "(--lora-modules NAME=PATH) or serve the model under another (--served-model-name)")

@@ -37,6 +37,17 @@ def test_local_model_file_resolves_and_must_exist(tmp_path):
     assert "model file" in problem and "missing.gguf" in problem and "does not exist" in problem
 
 
+def test_an_adapter_named_as_the_model_is_refused(tmp_path):
+    """Bodies naming the model would get the adapter: refused before the model loads."""
+    (tmp_path / "adapter").mkdir()
+    engine = {"lora_modules": {"org/hub-model": "adapter"}}
+    [problem] = problems_of(write_job(tmp_path, [], model="org/hub-model", engine=engine))
+    assert "the LoRA adapter 'org/hub-model' has the served model's name" in problem
+    [problem] = problems_of(write_job(tmp_path, [], served_model_name="m", engine={"lora_modules": {"m": "adapter"}}))
+    assert "'m' has the served model's name" in problem
+    assert load_job(write_job(tmp_path, [], served_model_name="m", engine={"lora_modules": {"a": "adapter"}}))
+
+
 def test_unknown_engine_key_is_named_with_the_valid_ones(tmp_path):
     [problem] = problems_of(write_job(tmp_path, [], engine={"max_num_seq": 8}))
     assert "unknown key 'engine.max_num_seq'" in problem and "max_num_seqs" in problem
