@@ -321,11 +321,14 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in options:
             raise ValueError("speculative_config needs num_speculative_tokens, the tokens drafted per step (e.g. 4)")
         low, high = options.get("prompt_lookup_min"), options.get("prompt_lookup_max")
-        low, high = (5, 5) if low is None and high is None else (low or high, high or low)
         for name, value in (("num_speculative_tokens", options["num_speculative_tokens"]),
                             ("prompt_lookup_min", low), ("prompt_lookup_max", high)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if (value is not None or name == "num_speculative_tokens") and (
+                    not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
+        # One bound given stands for both (vLLM's rule)
+        low, high = (5, 5) if low is None and high is None else (high if low is None else low,
+                                                                 low if high is None else high)
         if low > high:
             raise ValueError(f"speculative_config prompt_lookup_min={low} exceeds prompt_lookup_max={high}")
         return cls(options["num_speculative_tokens"], low, high)
