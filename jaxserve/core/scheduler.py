@@ -104,8 +104,10 @@ class Scheduler:
         self.blocks = block_manager
         self.adapters = adapters or AdapterSlots(0)  # LoRA slots; without LoRA no sequence names an adapter
         self.proposer = proposer  # drafts tokens for speculative decoding; None: off
-        # The step's largest sequence bucket (runner/buckets.py) bounds its sampler rows too.
-        self.max_rows = min(config.max_num_seqs, config.max_num_batched_tokens)
+        # The step's largest sequence bucket (runner/buckets.py) bounds its sampler rows: room for every sequence's
+        # drafts, as vLLM's (a step of max_num_seqs sequences may still draft k tokens each).
+        rows_per_seq = 1 + (proposer.k if proposer else 0)
+        self.max_rows = min(config.max_num_seqs * rows_per_seq, config.max_num_batched_tokens)
         self.waiting: list[Sequence] = []  # kept sorted by (priority, arrival)
         self.running: list[Sequence] = []
         self.num_preemptions = 0

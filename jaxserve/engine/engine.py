@@ -121,9 +121,11 @@ class Engine:
         share = self.runner.layout.pp if self.stage_ticks else 1
         self.step_seqs = -(-max_num_seqs // share)
         self.step_tokens = min(max_num_batched_tokens, max(-(-max_num_batched_tokens // share), self.step_seqs))
-        # A single stream's drafted step (1 + k tokens and rows) gets a bucket of its own, unpadded.
-        spec_step = () if speculative is None else (1 + speculative.num_speculative_tokens,)
-        self.plan_shape = PlanShape(Buckets.for_limits(self.step_tokens, self.step_seqs, spec_step),
+        # A sequence may take 1 + k tokens and sampler rows; a single stream's drafted step gets a bucket of its
+        # own, unpadded.
+        rows_per_seq = 1 + (speculative.num_speculative_tokens if speculative else 0)
+        spec_step = (rows_per_seq,) if speculative else ()
+        self.plan_shape = PlanShape(Buckets.for_limits(self.step_tokens, self.step_seqs, spec_step, rows_per_seq),
                                     args.block_size, cfg.vocab_size, max_model_len, args.max_logprobs,
                                     self.runner.decode_kernel)
         self.runner.set_token_feed(self.plan_shape.buckets.seqs[-1])

@@ -26,13 +26,15 @@ def round_up(n: int, buckets: tuple[int, ...]) -> int:
 @dataclass(frozen=True)
 class Buckets:
     tokens: tuple[int, ...]  # T: tokens in a step
-    seqs: tuple[int, ...]  # B: sequences in a step
+    seqs: tuple[int, ...]  # B: sequences in a step, and its sampler rows (one per sequence and draft token)
 
     @classmethod
-    def for_limits(cls, max_num_batched_tokens: int, max_num_seqs: int, extra: tuple[int, ...] = ()) -> "Buckets":
+    def for_limits(cls, max_num_batched_tokens: int, max_num_seqs: int, extra: tuple[int, ...] = (),
+                   rows_per_seq: int = 1) -> "Buckets":
         """`extra`: sizes steps often have that the geometric series would pad (speculative decoding's 1 + k
-        tokens of a single stream)."""
-        max_seqs = min(max_num_seqs, max_num_batched_tokens)
+        tokens of a single stream). `rows_per_seq`: sampler rows a sequence may take (speculative decoding's 1 + k:
+        every sequence may draft k tokens, however few sequences a step may hold)."""
+        max_seqs = min(max_num_seqs * rows_per_seq, max_num_batched_tokens)
         # Small sequence counts grow by 4x: padding rows cost little (a block-table row and an LM-head row each).
         # Tokens grow by 2x from 16, which keeps prefill padding under half.
         wide = geometric(16, max_num_batched_tokens, 2) if max_num_batched_tokens > 16 else (max_num_batched_tokens,)

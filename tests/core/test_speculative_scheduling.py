@@ -39,6 +39,11 @@ def test_config_takes_vllms_spelling_and_names_what_is_wrong():
                       ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
                        "prompt_lookup_min=4 exceeds prompt_lookup_max=2"),
                       ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown key(s) draft_model"),
+                      # a 0 given is refused as given, not replaced by the other bound
+                      ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0, "prompt_lookup_max": 4},
+                       "prompt_lookup_min must be a positive integer, got 0"),
+                      ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0},
+                       "prompt_lookup_max must be a positive integer, got 0"),
                       ("ngram", "must be a dict")):
         with pytest.raises(ValueError, match=None) as e:
             SpeculativeConfig.from_dict(bad)
@@ -135,14 +140,26 @@ def test_a_callback_that_stops_the_sequence_drops_the_later_tokens():
     assert seen == [(60, 0)] and a.output_token_ids == [50, 60]
 
 
+@pytest.mark.parametrize("max_seqs", [1, 4])
+def test_every_sequence_has_rows_for_its_drafts(max_seqs):
+    """Rows are sized 1 + k a sequence (as vLLM's), so a full batch still drafts: max_num_seqs=1 drafted nothing."""
+    s, _ = make([60, 61, 62], max_seqs=max_seqs)
+    a = seq(0, range(1, 5))
+    prefill(s, a)
+    for i in range(1, max_seqs):
+        s.add(seq(i, range(10 * i, 10 * i + 4)))
+    out = s.schedule()
+    assert [len(c.draft) for c in out.chunks] == [3] + [0] * (max_seqs - 1) and out.num_rows == 4 + max_seqs - 1
+
+
 def test_drafts_leave_rows_for_waiting_sequences():
-    s, _ = make([60, 61, 62], max_seqs=4)
+    s, _ = make([60, 61, 62], max_seqs=4, budget=5)  # rows: at most the token budget
     a = seq(0, range(1, 5))
     prefill(s, a)
     for i in (1, 2):
-        s.add(seq(i, range(10 * i, 10 * i + 4)))
-    out = s.schedule()  # 4 rows: a's own, one for each waiting sequence, so one draft token
-    assert [len(c.draft) for c in out.chunks] == [1, 0, 0] and out.num_rows == 4
+        s.add(seq(i, range(10 * i, 10 * i + 1)))
+    out = s.schedule()  # 5 rows: a's own, one for each waiting sequence, so two draft tokens
+    assert [len(c.draft) for c in out.chunks] == [2, 0, 0] and out.num_rows == 5
 
 
 class Grammar:

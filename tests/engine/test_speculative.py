@@ -81,6 +81,21 @@ def test_logits_match_transformers_on_a_2x2_mesh(tiny_checkpoint):
     assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
+def test_an_engine_of_one_sequence_drafts_all_k_tokens(tiny_checkpoint):
+    """Sampler rows are sized for every sequence's drafts: max_num_seqs=1 drafted nothing (its one row was the
+    sequence's own), max_num_seqs=2 one token a step."""
+    path = tiny_checkpoint("llama")
+    prompt = [5, 6, 7, 8] * 6
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = Engine(str(path), num_kv_blocks=16, max_num_seqs=1, warmup=False)
+    engine = Engine(str(path), num_kv_blocks=16, max_num_seqs=1, warmup=False,
+                    speculative_config=dict(NGRAM, prompt_lookup_min=1))
+    assert token_ids(engine, [prompt], greedy) == token_ids(plain, [prompt], greedy)
+    stats = engine.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_drafts"]  # more than one token a draft
+
+
 def test_bad_settings_are_refused_before_loading():
     with pytest.raises(ValueError, match="method 'medusa'"):
         Engine("/nonexistent", speculative_config={"method": "medusa", "num_speculative_tokens": 2})
