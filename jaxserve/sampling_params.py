@@ -200,15 +200,30 @@ class StructuredOutputsParams:
         return cls(**value, source=source)
 
 
+# How deep a schema's objects and arrays may nest (vLLM's bound; OpenAI allows 10 levels): compiling a grammar
+# costs steeply with depth, and deeper schemas overflow the recursive walks over them.
+MAX_SCHEMA_NESTING = 64
+
+
 def _schema(value: Any) -> dict:
+    too_deep = f"structured outputs json is nested too deeply: objects and arrays may nest at most " \
+               f"{MAX_SCHEMA_NESTING} levels"
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise ValueError(f"structured outputs json is not valid JSON text: {e}") from None
+        except RecursionError:
+            raise ValueError(too_deep) from None
     if not isinstance(value, dict):
         raise ValueError(f"structured outputs json must be a JSON schema object, got {value!r}")
-    return value
+    level = [value]  # level by level, not recursively: the depth is what is in question
+    for _ in range(MAX_SCHEMA_NESTING):
+        level = [child for node in level for child in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(child, (dict, list))]
+        if not level:
+            return value
+    raise ValueError(too_deep)
 
 
 # JSON Schema's keywords whose values are subschemas: one schema, a list of them, or a map of names to them.

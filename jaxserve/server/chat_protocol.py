@@ -105,7 +105,10 @@ class ChatCompletionRequest(SamplingFields):
         if asked is not None:
             raise ValueError("tool_choice cannot be combined with response_format or structured outputs: a forced "
                              "tool call already fixes the output's format")
-        return tool_constraint(choice, self.tools)
+        try:
+            return tool_constraint(choice, self.tools)
+        except ValueError as e:  # a parameters schema no grammar can be made of
+            raise ValueError(f"tools[].function.parameters is invalid: {e}") from None
 
     def to_sampling_params(self, model_defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.echo and self.resolved_tool_choice() is not None:

@@ -358,6 +358,16 @@ def test_chat_validation_errors_are_400(server):
     assert zero.status_code == 200 and zero.json()["choices"][0]["logprobs"] is None
 
 
+def _deep_schema(levels: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+DEEP_SCHEMA = _deep_schema(300)
+
+
 @pytest.mark.parametrize("path, extra, param, contains", [
     ("/v1/chat/completions", {"response_format": {"type": "grammar"}}, "response_format", "'grammar' is not supported"),
     ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
@@ -371,6 +381,11 @@ def test_chat_validation_errors_are_400(server):
      "--enable-auto-tool-choice"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}], "function_call": "auto"}, "functions",
      "function_call"),
+    # nested past vLLM's 64 levels: a 400, not a RecursionError's 500 (closing its objects walked it recursively)
+    ("/v1/completions", {"structured_outputs": {"json": DEEP_SCHEMA, "disable_additional_properties": True}},
+     "structured_outputs", "nested too deeply: objects and arrays may nest at most 64 levels"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP_SCHEMA}}],
+                              "tool_choice": "required"}, "tools", "nested too deeply"),
 ])
 def test_unsupported_or_invalid_output_constraints_are_400_not_ignored(server, path, extra, param, contains):
     """Unknown fields are ignored, but these change what a correct answer is: ignoring them would hand free text
