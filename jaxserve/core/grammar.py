@@ -108,7 +108,16 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
 
 
 def _first_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else "unknown error"
+    """llguidance's error on one line: its first line, the text it quotes after a closing colon, and the lines
+    that say what is wrong ("error: unclosed group"), without the caret drawings and grammar excerpts."""
+    lines = [line.strip() for line in message.strip().splitlines()]
+    if not lines:
+        return "unknown error"
+    parts = lines[:1]
+    if lines[0].endswith(":") and len(lines) > 1 and lines[1].strip("^ "):
+        parts.append(lines[1])
+    parts += [line for line in lines[1:] if line.startswith("error:")]
+    return " ".join(parts)
 
 
 def grammar_ended(matcher, token: int, request_id: str) -> bool:

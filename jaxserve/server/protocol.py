@@ -16,8 +16,9 @@ import logging
 import time
 from typing import Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from jaxserve.errors import InvalidRequestField
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("jaxserve.server")
@@ -133,6 +134,8 @@ class SamplingFields(RequestModel):
 
     # Constrained output, as OpenAI (response_format), vLLM (structured_outputs) and older vLLM (guided_*) ask.
     response_format: dict[str, Any] | None = None
+    # What errors call response_format: the field the client sent ("text.format" where /v1/responses made it)
+    _response_format_name: str = PrivateAttr("response_format")
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -270,12 +273,13 @@ class SamplingFields(RequestModel):
         (name, value), = asked.items()
         try:
             if name == "response_format":
-                return _from_response_format(value)
+                return _from_response_format(value, self._response_format_name)
             if name == "structured_outputs":
                 return StructuredOutputsParams.of(value, source=name)
             return StructuredOutputsParams(**{GUIDED_FIELDS[name]: value}, source=name)
         except ValueError as e:
-            raise ValueError(f"{name} is invalid: {e}") from None
+            label = self._response_format_name if name == "response_format" else name
+            raise InvalidRequestField(f"{label} is invalid: {e}", label.split(".")[0]) from None
 
 
 # vLLM's older request fields -> the StructuredOutputsParams field each sets.
@@ -288,18 +292,18 @@ def _response_format_kind(value: dict[str, Any] | None) -> str:
     return (value or {}).get("type", "text")
 
 
-def _from_response_format(value: dict[str, Any]) -> StructuredOutputsParams:
+def _from_response_format(value: dict[str, Any], source: str) -> StructuredOutputsParams:
     """OpenAI's response_format: {"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name": ...,
-    "schema": {...}, "strict": ...}}."""
+    "schema": {...}, "strict": ...}}. `source`: the field's name in errors."""
     kind = _response_format_kind(value)
     if kind == "json_object":
-        return StructuredOutputsParams(json_object=True, source="response_format")
+        return StructuredOutputsParams(json_object=True, source=source)
     if kind == "json_schema":
         spec = value.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if schema is None:
             raise ValueError('type "json_schema" needs the schema in json_schema.schema')
-        return StructuredOutputsParams(json=schema, source="response_format")
+        return StructuredOutputsParams(json=schema, source=source)
     raise ValueError(f"type {kind!r} is not supported; use text, json_object or json_schema")
 
 

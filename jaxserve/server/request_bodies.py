@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pydantic
 
+from jaxserve.errors import InvalidRequestField
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 from jaxserve.server.chat_protocol import ChatCompletionRequest
 from jaxserve.server.errors import bad_request, from_validation_error, model_not_found
@@ -44,6 +45,8 @@ def checked_params(body, build):
     """`build()` (the engine's params for this body), with a ValueError turned into a 400 naming the field."""
     try:
         return build()
+    except InvalidRequestField as exc:
+        raise bad_request(str(exc), param=exc.param) from None
     except ValueError as exc:
         field_name = str(exc).split(" ", 1)[0].split("[")[0]  # "tools[0].function.name ..." names tools
         raise bad_request(str(exc), param=field_name if field_name in type(body).model_fields else None) from None

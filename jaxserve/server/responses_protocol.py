@@ -89,6 +89,7 @@ class ResponsesRequest(RequestModel):
             "response_format": response_format(self.text), "stream": bool(self.stream),
             "parallel_tool_calls": self.parallel_tool_calls,
         })
+        chat._response_format_name = "text.format"  # what the client sent, for errors about it
         return chat, conversation
 
     def _refuse_what_is_not_served(self) -> None:

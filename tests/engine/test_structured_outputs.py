@@ -106,6 +106,9 @@ def test_a_constraint_changes_nothing_for_the_requests_beside_it(smol_engine):
     (S(regex="[a-"), "regex is invalid"),
     (S(json={"type": "strange"}), "json is invalid"),
     (S(grammar="start: undefined_rule"), "grammar is invalid"),
+    # what is wrong, not only where llguidance's message began ("regex parse error:")
+    (S(regex="(abc"), r"regex parse error: \(abc error: unclosed group"),
+    (S(json={"type": "string", "pattern": "a{3,1}"}), r"a\{3,1\} error: invalid repetition count range"),
 ])
 def test_an_invalid_grammar_is_refused_before_anything_runs(smol_engine, constraint, words):
     # The shared engine may still hold the step an earlier test's generate launched ahead (async scheduling reads

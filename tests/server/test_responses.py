@@ -219,6 +219,20 @@ def test_json_schema_format_constrains_the_text(served):
     assert fake.sampling_params[response.id].structured_outputs.json == schema
 
 
+def test_a_schema_the_grammar_compiler_refuses_names_text_format():
+    """Errors about the schema name the field the client sent (they said response_format, which /v1/responses
+    refuses as a misplaced field)."""
+    from jaxserve.core.grammar import GrammarError
+    from jaxserve.server.responses_protocol import ResponsesRequest
+
+    body = ResponsesRequest.model_validate({"input": "x", "text": {"format": {
+        "type": "json_schema", "name": "a", "schema": {"type": "string", "pattern": "(a"}}}})
+    constraint = body.chat_request([])[0].to_sampling_params().structured_outputs
+    error = GrammarError(constraint, "regex parse error:\n    (a\n    ^\nerror: unclosed group")
+    assert str(error) == "text.format is invalid: regex parse error: (a error: unclosed group"
+    assert error.param == "text"
+
+
 def test_parallel_tool_calls_false_reaches_the_tool_choice(served):
     url, fake, client = served
     response = create(client, tools=RESPONSE_TOOLS, tool_choice="required", parallel_tool_calls=False,
