@@ -48,6 +48,20 @@ def test_values_take_the_type_their_schema_names():
                                             "code": "def f():\n    return 1\n", "after": None})]
 
 
+def test_types_come_from_anyof_oneof_enum_and_const_as_vllm_reads_them():
+    """Pydantic writes Optional[int] as anyOf [integer, null]: the Agents SDK and LangChain send such schemas."""
+    properties = {"limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+                  "exact": {"oneOf": [{"type": "boolean"}, {"type": "string"}]},
+                  "level": {"enum": [1, 2, 3]}, "mode": {"const": 4}, "either": {"type": ["string", "integer"]},
+                  "spec": {"anyOf": [{"type": "object"}, {"type": "string"}]}, "none": {"anyOf": [{"type": "null"}]}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                          "properties": properties}}}]
+    reply = block("f", limit="5", exact="true", level="2", mode="4", either="7", spec="[1]", none="null")
+    assert parsed(reply, tools=tools)[1] == [("f", {"limit": 5, "exact": True, "level": 2, "mode": 4, "either": 7,
+                                                   "spec": "[1]", "none": None})]
+    assert parsed(block("f", limit="null"), tools=tools)[1] == [("f", {"limit": None})]
+
+
 def test_values_that_do_not_fit_their_type_or_have_none_stay_text():
     reply = block("search", limit="many", score="nan", filters="{broken", unknown="5")
     assert parsed(reply)[1] == [("search", {"limit": "many", "score": "nan", "filters": "{broken", "unknown": "5"})]

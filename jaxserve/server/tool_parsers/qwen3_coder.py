@@ -73,22 +73,58 @@ def _value_text(raw: str) -> str:
     return raw.removeprefix("\n").removesuffix("\n")
 
 
+_TYPE_NAMES = {"int": "integer", "float": "number", "bool": "boolean"}
+# The order a value is tried in, as vLLM's: a type it does not read as is skipped, text is the last resort
+_TYPE_ORDER = ("null", "integer", "number", "boolean", "object", "array", "string")
+
+
+def _schema_types(schema: Any, depth: int = 0) -> set[str]:
+    """The JSON types a schema allows: its `type`, its enum's or const's values' types, and those of its anyOf,
+    oneOf and allOf branches (Pydantic writes Optional[int] as an anyOf), as vLLM reads them."""
+    if not isinstance(schema, dict) or depth > 32:
+        return set()
+    kinds = schema.get("type")
+    types = {_TYPE_NAMES.get(kind, kind) for kind in (kinds if isinstance(kinds, list) else [kinds])
+             if isinstance(kind, str)}
+    values = schema.get("enum") if isinstance(schema.get("enum"), list) else []
+    for value in values + ([schema["const"]] if "const" in schema else []):
+        types.add(_json_type(value))
+    for key in ("anyOf", "oneOf", "allOf"):
+        for branch in schema.get(key) if isinstance(schema.get(key), list) else []:
+            types |= _schema_types(branch, depth + 1)
+    return types
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return {int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(type(value), "string")
+
+
 def _typed(value: str, schema: Any) -> Any:
-    """The value as its schema's type, as vLLM converts it; text when the schema says string, names no type, or
-    the text is not of the type it names."""
-    kinds = schema.get("type") if isinstance(schema, dict) else None
-    kinds = kinds if isinstance(kinds, list) else [kinds]
-    if value.strip().lower() == "null" and kinds != ["string"]:  # ["string", "null"] takes null
-        return None
-    kind = next((kind for kind in kinds if kind != "null"), None)
-    if kind in ("integer", "int"):
-        return _or_text(value, lambda text: int(text.strip()))
-    if kind in ("number", "float"):
-        return _or_text(value, _number)
-    if kind in ("boolean", "bool") and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
-    if kind in ("object", "array"):
-        return _or_text(value, json.loads, ast.literal_eval)
+    """The value as a type its schema allows, tried in vLLM's order (null, integer, number, boolean, object,
+    array); text when the schema allows string first, names no type, or the text is of none of them."""
+    types = _schema_types(schema)
+    text = value.strip()
+    for kind in (kind for kind in _TYPE_ORDER if kind in types):
+        if kind == "null" and text.lower() == "null":
+            return None
+        if kind == "integer":
+            typed = _or_text(value, lambda text: int(text.strip()))
+        elif kind == "number":
+            typed = _or_text(value, _number)
+        elif kind == "boolean":
+            typed = text.lower() == "true" if text.lower() in ("true", "false") else value
+        elif kind in ("object", "array"):
+            typed = _or_text(value, json.loads, ast.literal_eval)
+            if not isinstance(typed, dict if kind == "object" else list):
+                continue
+        else:
+            continue
+        if typed is not value:
+            return typed
     return value
 
 
