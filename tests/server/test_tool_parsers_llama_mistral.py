@@ -35,6 +35,8 @@ REPLIES = [
                 '{"name": "get_time", "arguments": {}}]', "", [WEATHER, TIME]),
     ("granite", ' <tool_call> [{"name": "get_weather", "arguments": {"city": "Paris"}}]', "", [WEATHER]),
     ("granite", '[{"name": "get_time", "arguments": {}}]\nDone.', "Done.", [TIME]),
+    ("granite", 'Let me check the weather.<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+     "Let me check the weather.", [WEATHER]),  # prose before the marker is the content (vLLM 0.34)
     ("phi4_mini_json", 'Checking. functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
                        '{"name": "get_time", "parameters": {}}]', "Checking. ", [WEATHER, TIME]),
     ("xlam", '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]', "",
@@ -43,6 +45,8 @@ REPLIES = [
      [WEATHER]),
     ("xlam", '<tool_call>[{"name": "get_time", "arguments": {}}]</tool_call>\nDone.', "Done.", [TIME]),
     ("xlam", 'On it. [TOOL_CALLS][{"name": "get_time", "arguments": {}}]', "On it. ", [TIME]),
+    ("xlam", '\n[{"name": "get_time", "arguments": {}}]', "", [TIME]),  # a blank first: not sent, then taken back
+    ("xlam", "\n[1, 2] are the numbers.", "\n[1, 2] are the numbers.", []),
 ]
 
 
@@ -54,10 +58,13 @@ def test_each_family_format_gives_its_calls(name, reply, content, calls):
 @pytest.mark.parametrize("name, reply, content, calls", REPLIES)
 def test_streaming_content_only_grows_and_calls_are_only_added(name, reply, content, calls):
     parser = tool_call_parser(name)
+    sent = ""
     for n in range(len(reply) + 1):
         partial_content, partial_calls = parser.split(reply[:n], final=False)
         assert content.startswith(partial_content), (n, partial_content)
+        assert partial_content.startswith(sent), (n, sent, partial_content)  # never taken back once released
         assert calls[: len(partial_calls)] == partial_calls, (n, partial_calls)
+        sent = partial_content
 
 
 def test_json_calls_are_released_as_each_object_closes():

@@ -1,6 +1,7 @@
 """Calls written as one JSON list after a marker, `[{"name": ..., "arguments": {...}}, ...]`:
 
-- `granite` (Granite 3.x): the reply is the list, maybe after `<|tool_call|>` (Granite 3.0) or `<tool_call>` (3.1 on);
+- `granite` (Granite 3.x): the list after `<|tool_call|>` (Granite 3.0) or `<tool_call>` (3.1 on), any text before
+  the marker being the content, or the reply is the list (the special `<|tool_call|>` skipped);
 - `phi4_mini_json` (Phi-4-mini): `functools[...]`, maybe after some text, which is the message's content;
 - `xlam` (Salesforce xLAM): the list alone, or after some text (the content) in a ```json fence, after
   `[TOOL_CALLS]` or in `<tool_call>` tags, whose closing fence or tag is dropped with the calls.
@@ -28,14 +29,21 @@ class GraniteToolParser(RequestIndependent):
         return params  # <|tool_call|> is skipped with the other special tokens: the list alone is read then
 
     def split(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        found = [(text.find(m), m) for m in self.markers if m in text]
+        if found:  # the list follows the first marker; prose before it is content (vLLM 0.34's rule)
+            first, marker = min(found)
+            content = text[:first] if text[:first].strip() else ""
+            body = text[first + len(marker):].lstrip()
+            if not body.startswith("["):  # a marker still waiting for its list, or none comes
+                return (content, []) if not body and not final else (text, [])
+            return _calls_from(text, len(text) - len(body), content, final)
         body = text.lstrip()
-        marker = next((m for m in self.markers if body.startswith(m)), "")
-        body = body[len(marker):].lstrip()
-        if not body.startswith("["):
-            # Blanks, a marker half-written, or a whole one still waiting for its list: not decided yet.
-            undecided = not body or (not marker and any(m.startswith(body) for m in self.markers))
-            return ("", []) if undecided and not final else (text, [])
-        return _calls_from(text, len(text) - len(body), "", final)
+        if body.startswith("["):  # the reply is the list (the <|tool_call|> token was skipped)
+            return _calls_from(text, len(text) - len(body), "", final)
+        if final:
+            return text, []
+        released = text[: len(text) - max(partial_suffix(text, m) for m in self.markers)]
+        return (released if released.strip() else ""), []  # blanks first: a list or a marker may come next
 
 
 class Phi4MiniJsonToolParser(RequestIndependent):
@@ -60,6 +68,8 @@ class XLAMToolParser(RequestIndependent):
 
     def split(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
         body = text.lstrip()
+        if not body and not final:  # blanks only: the list may come next, and they would be taken back
+            return "", []
         if body.startswith("["):  # the reply is the list
             return _calls_from(text, len(text) - len(body), "", final)
         found = [(text.find(o), -len(o), o) for o in self.openings if o in text]
