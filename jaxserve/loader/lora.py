@@ -26,6 +26,15 @@ _TENSOR = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
 _PREFIX_OK = re.compile(r"^(?:base_model\.model\.)?(?:model\.(?:language_model\.)?|language_model\.model\.)?layers\.")
 
 
+# Projections some checkpoints fuse (Phi-3's qkv_proj and gate_up_proj), which PEFT adapts whole: their parts in
+# output order, each with its share of the fused output. A part's delta is its rows of B times the shared A.
+FUSED_MODULES = {
+    "self_attn.qkv_proj": (("wq", lambda c: c.num_heads * c.head_dim), ("wk", lambda c: c.num_kv_heads * c.head_dim),
+                           ("wv", lambda c: c.num_kv_heads * c.head_dim)),
+    "mlp.gate_up_proj": (("w_gate", lambda c: c.intermediate_size), ("w_up", lambda c: c.intermediate_size)),
+}
+
+
 class LoraAdapterError(ValueError):
     """An adapter directory jaxserve cannot serve, with the reason."""
 
@@ -121,17 +130,33 @@ def _read_factors(directory: Path, cfg: ModelConfig) -> dict[str, dict[int, tupl
         tensors = load_file(str(file))
     except SafetensorError as e:
         raise LoraAdapterError(f"{file} is not a readable safetensors file ({e})") from None
+    targets = set(ours.values())
     for tensor_name, array in tensors.items():
         m = _TENSOR.match(tensor_name)
-        if m is None or not _PREFIX_OK.match(tensor_name) or m.group(2) not in ours:
-            supported = ", ".join(hf.split(".")[-1] for hf in ours)
+        module = m.group(2) if m is not None else None
+        fused = FUSED_MODULES.get(module, ())
+        if m is None or not _PREFIX_OK.match(tensor_name) or not (module in ours or fused and
+                                                                  {part for part, _ in fused} <= targets):
+            supported = ", ".join([hf.split(".")[-1] for hf in ours] + [hf.split(".")[-1] for hf, parts in
+                                   FUSED_MODULES.items() if {part for part, _ in parts} <= targets])
             raise LoraAdapterError(f"{directory}: tensor {tensor_name!r} adapts a module jaxserve cannot adapt for "
                                    f"{cfg.architecture} (supported target modules: {supported})")
         layer = int(m.group(1))
         if layer >= cfg.num_layers:
             raise LoraAdapterError(f"{directory}: tensor {tensor_name!r} is for layer {layer}, but the model has "
                                    f"{cfg.num_layers} layers: the adapter was trained for another model")
-        pairs.setdefault((ours[m.group(2)], layer), {})[m.group(3)] = array.astype(np.float32)
+        array = array.astype(np.float32)
+        if not fused:
+            pairs.setdefault((ours[module], layer), {})[m.group(3)] = array
+            continue
+        widths = [width(cfg) for _, width in fused]
+        if m.group(3) == "B" and array.shape[0] != sum(widths):
+            raise LoraAdapterError(f"{directory}: layer {layer}'s {module} lora_B has {array.shape[0]} rows, but "
+                                   f"this model's {module} has {sum(widths)}: the adapter was trained for another "
+                                   "model")
+        parts = np.split(array, np.cumsum(widths)[:-1]) if m.group(3) == "B" else [array] * len(fused)
+        for (name, _), part in zip(fused, parts):
+            pairs.setdefault((name, layer), {})[m.group(3)] = part
     factors: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
     for (name, layer), ab in pairs.items():
         if set(ab) != {"A", "B"}:

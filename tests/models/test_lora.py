@@ -305,3 +305,16 @@ def test_fields_an_adapter_config_leaves_out_mean_peft_defaults(tmp_path):
     assert _rank_and_scale({"r": 4}, tmp_path, max_rank=8) == (4, PEFT_DEFAULT_ALPHA / 4)
     assert _rank_and_scale({}, tmp_path, max_rank=8) == (8, 1.0)
     assert _rank_and_scale({"r": 4, "lora_alpha": 16, "use_rslora": True}, tmp_path, max_rank=8) == (4, 8.0)
+
+
+@pytest.mark.parametrize("mesh", [None, "2x1"])
+def test_phi3_fused_projections_are_adapted_as_peft_adapts_them(tiny_checkpoint, tmp_path, mesh):
+    """Phi-3 fuses q/k/v and gate/up: PEFT adapts qkv_proj and gate_up_proj whole, whose B rows split into the
+    parts this engine keeps apart (they were refused: 'cannot adapt')."""
+    base = tiny_checkpoint("phi3", pad_token_id=0)  # Phi-3's default pad id is past a tiny vocabulary
+    reference = make_lora_adapter(base, tmp_path / "fused", seed=3, r=4, lora_alpha=8,
+                                  targets=("qkv_proj", "gate_up_proj", "o_proj", "down_proj"))
+    engine = Engine(str(base), mesh=mesh, enable_lora=True, max_lora_rank=8, num_kv_blocks=32,
+                    max_num_batched_tokens=64, max_num_seqs=2, warmup=False)
+    fused = LoRARequest("fused", 1, str(tmp_path / "fused"))
+    check_lora_parity(engine, {"fused": reference}, PROMPTS[:2], [fused, fused])
