@@ -406,7 +406,7 @@ class EngineArgs:
                                kind="switch", group="LoRA adapters (vLLM's options)")
     lora_modules: dict[str, str] | None = option(
         None, "PEFT LoRA adapter directories, each served as model NAME (a request's \"model\" picks it); loaded at "
-        "start and kept", check=optional(adapters), kind="adapters", metavar="NAME=PATH",
+        "start", check=optional(adapters), kind="adapters", metavar="NAME=PATH",
         group="LoRA adapters (vLLM's options)")
     max_loras: int = option(1, "adapter slots on the devices (default 1; raised to the number of --lora-modules)",
                             check=positive_int, kind="count", metavar="N", group="LoRA adapters (vLLM's options)")

@@ -23,7 +23,6 @@ class AdapterSlots:
         self.num_slots = num_slots
         self._resident: OrderedDict[LoRARequest, int] = OrderedDict()  # adapter -> slot, least recently used first
         self._refs = [0] * num_slots
-        self._pinned: set[int] = set()  # slots of adapters loaded at start (serve's --lora-modules): never evicted
         self.pending_loads: list[tuple[int, LoRARequest]] = []  # (slot, adapter) to write before the next step
 
     def admit(self, seq: Sequence) -> bool:
@@ -43,33 +42,19 @@ class AdapterSlots:
         seq.lora_slot = slot
         return True
 
-    def pin(self, lora: LoRARequest) -> int:
-        """Load the adapter for good (its slot is never given to another): the server's named adapters."""
-        slot = self._free_slot()
-        if slot is None:
-            raise ValueError(f"max_loras={self.num_slots} slots cannot hold adapter {lora.lora_name!r} beside the "
-                             "others; raise max_loras (--max-loras) to the number of adapters")
-        self._resident[lora] = slot
-        self._pinned.add(slot)
-        self.pending_loads.append((slot, lora))
+    def place(self, lora: LoRARequest) -> int | None:
+        """Load the adapter now, into a free slot (the server's named adapters, so their first requests wait for no
+        load); None when none is free. It is evicted as any other when the slots are wanted (as in vLLM)."""
+        used = set(self._resident.values()) | {slot for slot, refs in enumerate(self._refs) if refs}
+        slot = next((slot for slot in range(self.num_slots) if slot not in used), None)
+        if slot is not None:
+            self._resident[lora] = slot
+            self.pending_loads.append((slot, lora))
         return slot
 
-    def can_hold(self, lora: LoRARequest) -> bool:
-        """Whether a request for this adapter can ever run: it is resident, or some slot is not pinned."""
-        return lora in self._resident or len(self._pinned) < self.num_slots
-
-    def unpin(self, lora: LoRARequest) -> None:
-        """The adapter was unloaded or replaced: its slot may go to another adapter once nothing runs with it (safe
-        from any thread: one set operation)."""
-        slot = self._resident.get(lora)
-        if slot is not None:
-            self._pinned.discard(slot)
-
     def forget(self, lora: LoRARequest) -> None:
-        """The adapter was unloaded: unpin its slot and free it (at once, or when its last sequence releases it)."""
-        slot = self._resident.pop(lora, None)
-        if slot is not None:
-            self._pinned.discard(slot)
+        """The adapter was unloaded: free its slot (at once, or when its last sequence releases it)."""
+        self._resident.pop(lora, None)
 
     def hold(self, slots: tuple[int, ...]) -> None:
         """References of a step inside a pipeline's stages on the slots its sequences run with: its later stages
@@ -98,7 +83,7 @@ class AdapterSlots:
             if slot not in used:
                 return slot
         for lora, slot in self._resident.items():  # least recently used first
-            if self._refs[slot] == 0 and slot not in self._pinned:
+            if self._refs[slot] == 0:
                 del self._resident[lora]
                 return slot
         return None

@@ -15,7 +15,8 @@ log = logging.getLogger(__name__)
 
 
 def lora_slots(enable_lora: bool, max_loras: int, lora_modules: dict[str, str] | None) -> tuple[bool, int]:
-    """-> (enable_lora, max_loras): named adapters turn LoRA on, and get a slot each (they stay resident)."""
+    """-> (enable_lora, max_loras): named adapters turn LoRA on, and get a slot each (they all start resident;
+    adapters loaded later take the least recently used slot no request runs with)."""
     modules = lora_modules or {}
     if len(modules) > max_loras:
         log.info("max_loras raised from %d to %d: one slot for each named adapter", max_loras, len(modules))
@@ -36,7 +37,7 @@ class EngineAdapters:
         self._known: dict[str, LoRARequest] = {}  # name -> the adapter requests naming it run with
         self._factors: dict[LoRARequest, dict] = {}  # host factors, read once (requests are prepared off-thread)
         self._removed: set[LoRARequest] = set()  # unloaded; purged once no request runs with them
-        self.preloaded: dict[str, LoRARequest] = {}  # loaded at start and kept (the server's named adapters)
+        self.preloaded: dict[str, LoRARequest] = {}  # loaded at start (the server's named adapters)
         # Called with (slot, factors) before each device write: a multi-process leader sends them to the followers.
         self.before_write = None
         self._lock = threading.Lock()
@@ -56,9 +57,6 @@ class EngineAdapters:
             if known is not None and known.lora_path != lora.lora_path:
                 raise ValueError(f"adapter name {lora.lora_name!r} is already in use for {known.lora_path}; give the "
                                  f"adapter at {lora.lora_path} another name")
-            if not self.slots.can_hold(known or lora):  # refused before anything is kept: the name stays free
-                raise ValueError(f"all max_loras={self.slots.num_slots} adapter slots hold the server's own "
-                                 f"adapters, so {lora.lora_name!r} cannot be loaded; raise max_loras")
             if known is None:
                 self._removed.discard(lora)  # removed, not yet purged, and named again: it stays
                 self._factors[lora] = read_adapter(lora.lora_path, self._cfg, self.max_lora_rank, self._runner.dtype)
@@ -87,9 +85,9 @@ class EngineAdapters:
         return lora
 
     def preload(self, name: str, path: str) -> None:
-        """Load an adapter at start and keep it resident (serve's --lora-modules)."""
+        """Load an adapter at start, onto the devices too (serve's --lora-modules)."""
         lora = self.check(LoRARequest(name, len(self._known) + 1, path))
-        self.slots.pin(lora)
+        self.slots.place(lora)
         self.preloaded[name] = lora
         self.write_pending()
 
@@ -112,11 +110,10 @@ class EngineAdapters:
         return lora
 
     def _retire(self, lora: LoRARequest) -> None:
-        """No request may start with `lora` now (callers hold the lock); its pinned slot becomes ordinary at once,
-        so that the adapter loaded next can have it as soon as nothing runs with this one."""
+        """No request may start with `lora` now (callers hold the lock); its slot is freed once nothing runs with
+        it (purge_removed)."""
         self._removed.add(lora)
         self.preloaded.pop(lora.lora_name, None)
-        self.slots.unpin(lora)
 
     def purge_removed(self, in_use: set[LoRARequest]) -> None:
         """Free the slots and host factors of removed adapters that no request in `in_use` runs with."""

@@ -40,25 +40,25 @@ def test_the_least_recently_used_idle_adapter_is_evicted_first():
     assert slots.admit(with_lora(C)) and slots.resident() == {"a": 0, "c": 1}
 
 
-def test_pinned_adapters_are_never_evicted():
+def test_adapters_placed_at_start_are_evicted_as_any_other_when_slots_are_wanted():
+    """The server's named adapters start resident, and give way (least recently used, unreferenced) to adapters
+    loaded later, as vLLM's LRU does: they kept their slots, so a load beside them was refused."""
     slots = AdapterSlots(2)
-    assert slots.pin(A) == 0
-    assert slots.can_hold(B)
-    slots.pin(B)
-    assert not slots.can_hold(C) and slots.can_hold(A)
-    assert not slots.admit(with_lora(C))
-    with pytest.raises(ValueError, match="raise max_loras"):
-        slots.pin(C)
+    assert slots.place(A) == 0 and slots.place(B) == 1 and slots.place(C) is None
+    running = with_lora(B)
+    assert slots.admit(running)  # B is the most recently used, and referenced
+    assert slots.admit(with_lora(C)) and slots.resident() == {"b": 1, "c": 0}
+    assert slots.pending_loads == [(0, A), (1, B), (0, C)]
 
 
 def test_a_forgotten_adapter_keeps_its_slot_until_its_sequences_release_it():
     slots = AdapterSlots(2)
-    slots.pin(A)
+    slots.place(A)
     running = with_lora(A)
     assert slots.admit(running) and running.lora_slot == 0
     slots.forget(A)  # unloaded while `running` still uses slot 0
     reloaded = LoRARequest("a", 9, A.lora_path)  # the same name loaded again is another adapter
-    assert slots.can_hold(C) and slots.resident() == {}
+    assert slots.resident() == {}
     first, second = with_lora(reloaded), with_lora(C)
     assert slots.admit(first) and first.lora_slot == 1
     assert not slots.admit(second)  # slot 0 is still A's: C waits
