@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from jaxserve.loader.chat_content import resolve_content_format, shape_content
+from jaxserve.loader.chat_content import resolve_content_format, template_messages
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True, *,
@@ -26,9 +26,6 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     if not template:
         raise ValueError("this model's tokenizer has no chat template; use completions with a plain prompt, or start "
                          "the server with --chat-template")
-    for m in messages:
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError(f"each message needs 'role' and 'content'; got {m!r}")
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true: either a new "
                          "assistant turn starts or the last message goes on")
@@ -36,7 +33,7 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: they are rendering options, not "
                          f"template variables")
-    messages = shape_content(messages, resolve_content_format(content_format, template))
+    messages = template_messages(messages, template, resolve_content_format(content_format, template))
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                                             continue_final_message=continue_final_message, tools=tools,

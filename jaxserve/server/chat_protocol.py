@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from jaxserve.loader.chat_content import check_text_parts
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.server.protocol import OpenAIModel, PromptLogprobs, SamplingFields, UsageInfo
-from jaxserve.server.tools import ToolChoice, template_tool_calls, tool_choice_of, tool_constraint
+from jaxserve.server.tools import ToolChoice, tool_choice_of, tool_constraint
 
 
 class ChatMessageParam(BaseModel):
@@ -28,11 +28,10 @@ class ChatMessageParam(BaseModel):
         return content
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The message for the chat template. Its content, a string or text parts, is shaped to what the template
-        reads when rendered (--chat-template-content-format, loader/chat_content.py)."""
+        """The message for the chat template, prepared for it when rendered (loader/chat_content.py)."""
         message = self.model_dump(exclude_none=True)
         message["content"] = self.content  # None too: the format decides ("" or no parts)
-        return template_tool_calls(message)
+        return message
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -141,7 +140,10 @@ class ChatCompletionRequest(SamplingFields):
     def _own_template_kwargs(self) -> dict[str, Any] | None:
         if self.reasoning_effort is None:
             return self.chat_template_kwargs
-        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
+        # As vLLM: an effort turns thinking on for templates that want it asked for (Gemma 4), "none" off (Qwen3's
+        # enable_thinking), unless the request's own variables say otherwise
+        return {"reasoning_effort": self.reasoning_effort, "enable_thinking": self.reasoning_effort != "none",
+                **(self.chat_template_kwargs or {})}
 
 
 

@@ -154,14 +154,3 @@ def _whole_items(text: str) -> tuple[list, str]:
     return items, text[i:] if i > 0 else ""
 
 
-def template_tool_calls(message: dict[str, Any]) -> dict[str, Any]:
-    """An input message as chat templates expect its tool calls: OpenAI sends each call's arguments as JSON text,
-    templates (Qwen's, Llama 3's) write them out with `tojson`, so they get the object (as vLLM does)."""
-    for call in message.get("tool_calls") or []:
-        function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-            try:
-                function["arguments"] = json.loads(function["arguments"])
-            except json.JSONDecodeError:
-                pass  # not JSON: the template gets the text as sent
-    return message

@@ -8,7 +8,7 @@ import pytest
 from jaxserve import SamplingParams
 from jaxserve.cli import main as cli
 from jaxserve.engine import Engine
-from jaxserve.loader.chat_content import resolve_content_format, shape_content
+from jaxserve.loader.chat_content import resolve_content_format, template_messages
 from jaxserve.loader.tokenizer import apply_chat_template
 
 # A template that loops over content parts, as Llama 4's and vision models' do.
@@ -40,18 +40,41 @@ def test_an_unknown_format_is_refused_by_name():
 
 
 def test_contents_are_shaped_both_ways():
-    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "you"}]},
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "input_text", "text": "you"}]},
                 {"role": "assistant", "content": "Hello", "name": "bot"}, {"role": "assistant", "content": ""},
-                {"role": "assistant", "content": None, "tool_calls": []}]
-    assert shape_content(messages, "string") == [{"role": "user", "content": "Hi \nyou"},  # joined as vLLM joins
-                                                 {"role": "assistant", "content": "Hello", "name": "bot"},
-                                                 {"role": "assistant", "content": ""},
-                                                 {"role": "assistant", "content": "", "tool_calls": []}]
-    assert shape_content(messages, "openai") == [messages[0],
-                                                 {"role": "assistant", "content": [{"type": "text", "text": "Hello"}],
-                                                  "name": "bot"},
-                                                 {"role": "assistant", "content": [{"type": "text", "text": ""}]},
-                                                 {"role": "assistant", "content": [], "tool_calls": []}]
+                {"role": "assistant", "content": None, "tool_calls": []},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+                {"role": "tool", "content": [{"type": "text", "text": "18C"}], "tool_call_id": "c"}]
+    assert template_messages(messages, STRING_TEMPLATE, "string") == [
+        {"role": "user", "content": "Hi \nyou"},  # joined as vLLM joins
+        {"role": "assistant", "content": "Hello", "name": "bot"}, {"role": "assistant", "content": ""},
+        {"role": "assistant", "content": ""},  # an empty tool_calls is dropped, as vLLM drops it
+        {"role": "assistant", "content": "No."}, {"role": "tool", "content": "18C", "tool_call_id": "c"}]
+    assert template_messages(messages, STRING_TEMPLATE, "openai") == [
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "you"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Hello"}], "name": "bot"},
+        {"role": "assistant", "content": [{"type": "text", "text": ""}]}, {"role": "assistant", "content": []},
+        {"role": "assistant", "content": [{"type": "text", "text": "No."}]},
+        {"role": "tool", "content": "18C", "tool_call_id": "c"}]  # a tool's result is one string either way
+    assert messages[3]["tool_calls"] == []  # the caller's messages are left as they were
+
+
+def test_developer_messages_are_system_messages_for_templates_without_the_role():
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                {"role": "developer", "content": "Answer in French."}]
+    assert template_messages(messages, STRING_TEMPLATE, "string") == [
+        {"role": "system", "content": "Be brief.\n\nAnswer in French."}, {"role": "user", "content": "hi"}]
+    knows = STRING_TEMPLATE + "{% if message['role'] == 'developer' %}{% endif %}"
+    assert template_messages(messages, knows, "string") == messages
+
+
+def test_tool_call_arguments_reach_the_template_as_objects():
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"city": "Oslo"}'}}
+    broken = [{**call, "function": {"name": "f", "arguments": value}} for value in ("", "not json", "[1, 2]", None)]
+    messages = [{"role": "assistant", "tool_calls": [call, *broken]}]  # OpenAI's shape: no content key
+    shaped = template_messages(messages, STRING_TEMPLATE, "string")[0]
+    assert [c["function"]["arguments"] for c in shaped["tool_calls"]] == [{"city": "Oslo"}, {}, {}, {}, {}]
+    assert shaped["content"] == "" and call["function"]["arguments"] == '{"city": "Oslo"}'
 
 
 def test_a_parts_template_renders_plain_string_messages(smol_tokenizer):
@@ -91,3 +114,16 @@ def test_the_engine_renders_in_the_format_it_was_given(tiny_checkpoint):
 def test_the_cli_option_reaches_the_engine(fake_engine_module):
     assert cli.main(["generate", "--prompt", "x", "--chat-template-content-format", "string", "org/model"]) == 0
     assert fake_engine_module["chat_template_content_format"] == "string"
+
+
+def test_offline_chat_renders_tool_calls_as_the_server_does(smol_tokenizer):
+    """Engine.chat (vLLM's LLM.chat) goes through the same preparation: a call's JSON text reaches a template
+    that writes it with tojson once, not double-encoded, and an assistant turn without a content key renders."""
+    tokenizer = copy.deepcopy(smol_tokenizer)
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% for c in m.tool_calls or [] %}"
+                               "{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}")
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                      "function": {"name": "f", "arguments": '{"city": "Oslo"}'}}]}]
+    rendered = tokenizer.decode(apply_chat_template(tokenizer, messages, add_generation_prompt=False))
+    assert rendered == '<user>Weather?<assistant>{"city": "Oslo"}'

@@ -622,6 +622,15 @@ def test_reasoning_effort_reaches_the_chat_template(tokenizer):
         assert rendered({"reasoning_effort": "high"}) == "hi effort high"
         assert rendered({"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}}) == \
             "hi effort low"
+    # and, as vLLM, an effort sets enable_thinking (Qwen3's switch): "none" turns thinking off
+    thinking = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if enable_thinking is defined %} " \
+               "thinking={{ enable_thinking }}{% endif %}"
+    with chats_rendered_by(tokenizer, thinking) as rendered:
+        assert rendered({}) == "hi"
+        assert rendered({"reasoning_effort": "none"}) == "hi thinking=False"
+        assert rendered({"reasoning_effort": "low"}) == "hi thinking=True"
+        assert rendered({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}) == \
+            "hi thinking=True"
 
 
 def test_documents_reach_the_chat_template(tokenizer):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from jaxserve.loader.chat_content import shape_content
+from jaxserve.loader.chat_content import template_messages
 from jaxserve.sampling_params import StructuredOutputsParams as S
 from jaxserve.server.chat_protocol import ChatCompletionRequest
 from jaxserve.server.errors import APIError
@@ -142,11 +142,10 @@ def test_tool_call_arguments_in_the_history_reach_the_template_as_objects():
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
-    messages = history.template_messages()
+    messages = template_messages(history.template_messages(), "", "string")
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
-    assert messages[1]["content"] is None and messages[2]["tool_call_id"] == "call_1"
     # Rendered for a template that reads strings, the call's empty turn is "" (loader/chat_content.py).
-    assert shape_content(messages, "string")[1]["content"] == ""
+    assert messages[1]["content"] == "" and messages[2]["tool_call_id"] == "call_1"
 
 
 # ---- on the real server ------------------------------------------------------------------------------------
