@@ -136,7 +136,7 @@ def hf_greedy_choices(model, prompt_ids: list[int], generated: list[int]) -> lis
 
 
 def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, split_experts: bool = False,
-               tensor_types: dict | None = None, **metadata: int) -> Path:
+               tensor_types: dict | None = None, tokenizer_fields: dict | None = None, **metadata: int) -> Path:
     """The float32 weights of a tiny HF checkpoint as a GGUF file of llama.cpp's `arch`, written as llama.cpp's
     converter writes them: the Llama lineage's q/k rows interleaved, RoPE scaling as per-frequency factor tensors
     (Llama 3.1's `rope_freqs`, LongRoPE's `rope_factors_long/short`), Phi-3's rotary width in place of a head size,
@@ -144,7 +144,8 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, split_ex
     Mixtral files have), Granite's multipliers as *_scale keys; with the tokenizer metadata of `tokenizer_gguf`
     (the same vocabulary).
     `metadata`: `{arch}.` keys to write instead of the config's (e.g. {"rope.dimension_count": 8}): integers,
-    floats, booleans or strings. `tensor_types`: GGUF tensor name -> the quantized type to store it in
+    floats, booleans or strings; None leaves the key out (as older converters did). `tokenizer_fields`: tokenizer
+    keys (integers) written instead of the tokenizer's. `tensor_types`: GGUF tensor name -> the quantized type to store it in
     (quantized_blocks); the others stay float32."""
     import json
 
@@ -177,6 +178,8 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, split_ex
     if arch != "phi3":  # llama.cpp's Phi-3 converter writes no head size
         keys |= {"attention.key_length": head_dim, "attention.value_length": head_dim}
     for key, value in (keys | _gguf_model_metadata(cfg) | _gguf_rope_metadata(cfg, rope) | metadata).items():
+        if value is None:
+            continue
         if isinstance(value, bool):
             writer.add_bool(f"{arch}.{key}", value)
         elif isinstance(value, str):
@@ -190,6 +193,7 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, split_ex
     for name, factors in _gguf_rope_factors(cfg, rope, theta, rotary).items():
         writer.add_tensor(name, np.asarray(factors, np.float32))
     for key, kind, value in _tokenizer_fields(tokenizer_gguf, cfg["vocab_size"]):
+        value = (tokenizer_fields or {}).get(key, value)
         if kind == gguf.GGUFValueType.ARRAY:
             writer.add_array(key, value)
         elif kind == gguf.GGUFValueType.BOOL:
@@ -226,7 +230,8 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, tokenizer_gguf: str, split_ex
                               QWEN2MOE_SHARED_EXPERT[rest] else w)
             continue
         gguf_name = next(g for g, hf in layer_names(arch).items() if hf == rest)
-        if arch in LLAMA_LINEAGE and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+        if arch in LLAMA_LINEAGE and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                              "self_attn.q_proj.bias", "self_attn.k_proj.bias"):  # biases too
             w = _interleave_rotary_halves(w, cfg["num_attention_heads" if "q_proj" in rest else "num_key_value_heads"])
         writer.add_tensor(f"blk.{layer}.{gguf_name}", w)
     for name, by_expert in experts.items():

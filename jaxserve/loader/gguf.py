@@ -3,6 +3,7 @@ presented under Hugging Face names and layouts."""
 
 from __future__ import annotations
 
+import logging
 import re
 from functools import partial
 from pathlib import Path
@@ -19,6 +20,8 @@ from jaxserve.loader.rope_scaling import longrope_attention_factor, yarn_scaling
 from jaxserve.loader.weights import MOE_NAMES
 from jaxserve.models.layers import Grouped
 
+log = logging.getLogger(__name__)
+
 # GGUF `general.architecture` -> HF architecture name. llama.cpp converts Mixtral to "llama" (with experts).
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
@@ -26,9 +29,12 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
                       "gemma3": "Gemma3ForCausalLM"}
 # llama.cpp's converter interleaves the rotary halves of each q/k head for the Llama lineage.
 INTERLEAVED_QK_ARCHS = ("llama", "granite", "smollm3")
+QK_ROWS = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
 # llama.cpp hard-codes SmolLM3's NoPE layers as every 4th (its converter writes no key for them).
 SMOLLM3_NOPE_INTERVAL = 4
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
+# What llama.cpp (and transformers' Gemma2Config) take for Gemma 2 keys early converters did not write
+GEMMA2_DEFAULTS = {"attn": 50.0, "final": 30.0, "sliding_window": 4096}
 # llama.cpp hard-codes Gemma 3's sliding layers' RoPE base, and gives Gemma 2/3 27B (known by its layer count) a
 # query scale of (hidden / heads) ** -0.5 instead of head_dim's, as their query_pre_attn_scalar says.
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
@@ -177,7 +183,11 @@ class GGUFFile:
             config.setdefault("add_bos_token", True)
         for name, key in SPECIAL_TOKEN_IDS.items():
             token_id = self.field(f"tokenizer.ggml.{key}")
-            config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+            known = token_id is not None and 0 <= int(token_id) < len(tokenizer["tokens"])
+            if token_id is not None and not known:  # llama.cpp warns and goes on without it
+                log.warning("%s: tokenizer.ggml.%s=%s is past the %d tokens of the vocabulary; ignored",
+                            self.path, key, token_id, len(tokenizer["tokens"]))
+            config[name] = tokenizer["tokens"][token_id] if known else None
         backend, extra = convert_gguf_tokenizer(self.arch, tokenizer)
         return PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=str(self.path), **config, **extra)
 
@@ -214,7 +224,8 @@ class GGUFFile:
             o_bias=self._has_layer_tensor("self_attn.o_proj.bias"),
             mlp_bias=self._has_layer_tensor("mlp.gate_proj.bias"),
             qk_norm=a in ("qwen3", "qwen3moe"),
-            sliding_window=int(self.field(f"{a}.attention.sliding_window", 0)) or None,
+            sliding_window=int(self.field(f"{a}.attention.sliding_window", GEMMA2_DEFAULTS["sliding_window"]
+                                          if a == "gemma2" else 0)) or None,
             rope_layers=rope_layer_flags(layers, SMOLLM3_NOPE_INTERVAL) if a == "smollm3" else (),
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
             eos_token_ids=self._end_token_ids(),
@@ -266,7 +277,8 @@ class GGUFFile:
         layers, hidden, heads = fields["num_layers"], fields["hidden_size"], fields["num_heads"]
         hf_window = {"sliding_window": fields["sliding_window"], "num_hidden_layers": layers}
         window, layer_types = attention_layout(self.architecture, hf_window)  # transformers' layer pattern
-        softcaps = [float(self.field(f"{a}.{k}_logit_softcapping", 0.0)) or None for k in ("attn", "final")]
+        softcaps = [float(self.field(f"{a}.{k}_logit_softcapping", GEMMA2_DEFAULTS[k] if a == "gemma2" else 0.0))
+                    or None for k in ("attn", "final")]
         return dict(hidden_act="gelu_tanh", norm_weight_offset=1.0, post_norms=a != "gemma", qk_norm=a == "gemma3",
                     sliding_window=window, layer_types=layer_types, attn_logit_softcap=softcaps[0],
                     final_logit_softcap=softcaps[1],
@@ -341,9 +353,10 @@ class GGUFFile:
     def _hf_rows(self, name: str, w):
         """The rows of a float or grouped tensor in HF's order (llama.cpp interleaves each q/k head's rotary
         halves for the Llama lineage)."""
-        if self.arch in INTERLEAVED_QK_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
-            key = "head_count" if "q_proj" in name else "head_count_kv"
-            heads = int(self.field(f"{self.arch}.attention.{key}"))
+        if self.arch in INTERLEAVED_QK_ARCHS and name.endswith(QK_ROWS):  # the biases too: llama.cpp's converter
+            heads = int(self.field(f"{self.arch}.attention.head_count"))  # permutes both
+            if "k_proj" in name:  # optional: older multi-head Llamas' files leave it out (llama.cpp: head_count)
+                heads = int(self.field(f"{self.arch}.attention.head_count_kv", heads))
             unpermute = partial(_unpermute_rotary, n_heads=heads)
             return w.map_rows(unpermute) if isinstance(w, GroupedArray) else unpermute(w)
         return w

@@ -131,3 +131,20 @@ def test_a_directory_holding_a_gguf_says_to_give_the_file(tmp_path):
     (tmp_path / "model.Q4_K_M.gguf").write_bytes(b"GGUF")
     with pytest.raises(FileNotFoundError, match=r"has no config.json; .* give the file's path \(.*model.Q4_K_M.gguf\)"):
         open_checkpoint(str(tmp_path))
+
+
+def test_a_special_token_id_past_the_vocabulary_is_ignored_as_llama_cpp_ignores_it(
+        tiny_checkpoint, gguf_tokenizer_source, tmp_path, caplog):
+    """A GGUF's padding (or unknown) token id past the vocabulary: the tokenizer is built without it and a warning
+    names it, as llama.cpp goes on (it was an IndexError)."""
+    from jaxserve.loader.gguf import GGUFFile
+    from tests.helpers import write_gguf
+
+    path = tiny_checkpoint("llama")
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    file = write_gguf(path, tmp_path / "bad-pad.gguf", "llama", gguf_tokenizer_source,
+                      tokenizer_fields={"tokenizer.ggml.padding_token_id": vocab})
+    with caplog.at_level("WARNING"):
+        tokenizer = GGUFFile(file).tokenizer()
+    assert tokenizer.pad_token is None and tokenizer.eos_token is not None
+    assert f"tokenizer.ggml.padding_token_id={vocab} is past the" in caplog.text

@@ -175,6 +175,13 @@ GGUF_CASES = {
     "gemma-geglu": ("gemma", ARCHITECTURES["gemma-geglu"], {}, 16),
     "gemma2-softcap-mixed-windows": ("gemma2", GEMMA2_GGUF, {}, 16),
     "gemma3-local-rope": ("gemma3", GEMMA3_GGUF, {}, 32),
+    # keys older converters did not write, which llama.cpp defaults: a multi-head Llama's head_count_kv (the head
+    # count), Gemma 2's soft caps (50, 30) and window (4096), as transformers' Gemma2Config defaults them
+    "llama-mha-without-head-count-kv": ("llama", ("llama", dict(num_key_value_heads=4)),
+                                        {"attention.head_count_kv": None}, 16),
+    "gemma2-default-softcaps": ("gemma2", ("gemma2", dict(head_dim=16, query_pre_attn_scalar=16)),
+                                {"attn_logit_softcapping": None, "final_logit_softcapping": None,
+                                 "attention.sliding_window": None}, 16),
 }
 
 
