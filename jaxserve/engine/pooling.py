@@ -58,7 +58,8 @@ def check_pooling(params: PoolingParams, hidden_size: int, declared: str | None,
                          "scores pairs, and does not embed")
     if declared not in (None, "lasttoken"):
         raise ValueError(f"this model's sentence-transformers config pools by {declared}, and jaxserve embeds by the "
-                         "last token only (the pooling of Qwen3-Embedding, e5-mistral, gte-Qwen2)")
+                         "last token only, with no projection (the pooling of Qwen3-Embedding, e5-mistral, "
+                         "gte-Qwen2)")
     params.check(hidden_size)
     return EMBEDDING_STEP
 

@@ -1,6 +1,8 @@
 """The pooling a sentence-transformers checkpoint declares: `modules.json` names its Pooling module, whose
-`config.json` sets one `pooling_mode_*` flag. jaxserve embeds by the last token; the engine refuses embedding
-requests for a model that declares another pooling rather than answer with vectors it was not trained to give."""
+`config.json` sets one `pooling_mode_*` flag (sentence-transformers 6: a `pooling_mode` string), and any Dense
+projection after it. jaxserve embeds by the last token's hidden state; the engine refuses embedding requests for
+a model that declares another pooling, or a projection, rather than answer with vectors it was not trained to
+give. Module types are read by their class name, which sentence-transformers 6 moved to other modules."""
 
 from __future__ import annotations
 
@@ -13,16 +15,33 @@ MODES = {"pooling_mode_lasttoken": "lasttoken", "pooling_mode_mean_tokens": "mea
 
 
 def declared_pooling(directory: Path) -> str | None:
-    """"lasttoken", "mean", "cls", ... (joined by "+" if several), or None where the checkpoint declares none."""
+    """"lasttoken", "mean", "cls", ... (joined by "+" if several; ", then a Dense projection" after them where
+    one follows), or None where the checkpoint declares none."""
     modules_path = directory / "modules.json"
     if not modules_path.is_file():
         return None
-    for module in _read(modules_path) or []:
-        if isinstance(module, dict) and str(module.get("type", "")).endswith("models.Pooling"):
+    modules = [m for m in _read(modules_path) or [] if isinstance(m, dict)]
+    pooling = None
+    for module in modules:
+        if _is_module(module, "Pooling"):
             config = _read(directory / str(module.get("path", "")) / "config.json")
-            modes = [name for key, name in MODES.items() if isinstance(config, dict) and config.get(key)]
-            return "+".join(modes) or None
-    return None
+            config = config if isinstance(config, dict) else {}
+            modes = [name for key, name in MODES.items() if config.get(key)]
+            named = config.get("pooling_mode")  # sentence-transformers 6
+            if isinstance(named, str):
+                modes.append(MODES.get(f"pooling_mode_{named}", MODES.get(f"pooling_mode_{named}_tokens", named)))
+            pooling = "+".join(modes) or None
+            break
+    if any(_is_module(module, "Dense") for module in modules):
+        return f"{pooling or 'its pooling'}, then a Dense projection"
+    return pooling
+
+
+def _is_module(module: dict, kind: str) -> bool:
+    """A sentence-transformers module of this class (`sentence_transformers.models.Pooling`, or 6's
+    `sentence_transformers.sentence_transformer.modules.pooling.Pooling`)."""
+    name = str(module.get("type", ""))
+    return name.startswith("sentence_transformers.") and name.rsplit(".", 1)[-1] == kind
 
 
 def _read(path: Path):

@@ -94,6 +94,33 @@ def test_a_model_that_declares_another_pooling_is_refused_by_name(qwen3, tmp_pat
         assert len(engine.embed(PROMPTS[:1], use_tqdm=False)[0].outputs.embedding) == 64
 
 
+ST6 = "sentence_transformers.sentence_transformer.modules"
+
+
+@pytest.mark.parametrize("modules, pooling_config, declared", [
+    ([("1_Pooling", "sentence_transformers.models.Pooling")], {"pooling_mode_cls_token": True}, "cls"),
+    # sentence-transformers 6 moved the classes and writes the mode as one string: it read as no pooling at all
+    ([("1_Pooling", f"{ST6}.pooling.Pooling")], {"pooling_mode": "mean"}, "mean"),
+    ([("1_Pooling", f"{ST6}.pooling.Pooling")], {"pooling_mode": "lasttoken"}, "lasttoken"),
+    ([("1_Pooling", f"{ST6}.pooling.Pooling")], {"pooling_mode": "cls"}, "cls"),
+    # a projection after the pooling changes the vector's size and values: declared, so embedding is refused
+    ([("1_Pooling", f"{ST6}.pooling.Pooling"), ("2_Dense", "sentence_transformers.base.modules.dense.Dense")],
+     {"pooling_mode": "lasttoken"}, "lasttoken, then a Dense projection"),
+    ([("1_Pooling", "sentence_transformers.models.Pooling"), ("2_Dense", "sentence_transformers.models.Dense")],
+     {"pooling_mode_lasttoken": True}, "lasttoken, then a Dense projection"),
+])
+def test_the_declared_pooling_is_read_from_either_sentence_transformers_layout(tmp_path, modules, pooling_config,
+                                                                               declared):
+    from jaxserve.loader.pooling import declared_pooling
+
+    listed = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]
+    listed += [{"idx": i, "name": str(i), "path": path, "type": kind} for i, (path, kind) in enumerate(modules, 1)]
+    (tmp_path / "modules.json").write_text(json.dumps(listed))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config))
+    assert declared_pooling(tmp_path) == declared
+
+
 def test_score_is_the_cosine_of_transformers_embeddings(qwen3):
     """Engine.score (vLLM's LLM.score for an embedding model): one text against each of the others, or pairwise."""
     path, references = qwen3
