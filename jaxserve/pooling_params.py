@@ -26,7 +26,8 @@ class PoolingParams:
 
     dimensions: int | None = None
     normalize: bool = True
-    # Embed only the prompt's last k tokens (-1: the most the context holds), as in SamplingParams.
+    # Embed only the prompt's first k tokens (-1: the most the context holds), as vLLM 0.34 truncates pooling
+    # prompts (SamplingParams' keeps the last k).
     truncate_prompt_tokens: int | None = None
     task: str = "embed"
 

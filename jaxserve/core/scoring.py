@@ -53,7 +53,7 @@ def cross_encoder_prompts(tokenizer, first: list, second: list, pairs: list[tupl
     (-1: the longest prompt the context holds) by shortening the longer text first and keeping the special
     tokens, so the query survives a long document."""
     check_truncate_prompt_tokens(truncate_prompt_tokens)
-    limit = max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    limit = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens  # pooling needs no room after
     return [pair_prompt(tokenizer, first[i], second[j], limit) for i, j in pairs]
 
 
@@ -81,15 +81,17 @@ def pair_prompt(tokenizer, first: str | list[int], second: str | list[int], limi
 
 
 def _longest_first(a: list[int], b: list[int], limit: int | None) -> tuple[list[int], list[int]]:
-    """`a` and `b` in at most `limit` tokens together, taken off the end of the longer one first (transformers'
-    "longest_first" truncation)."""
-    keep_a, keep_b = len(a), len(b)
-    while limit is not None and keep_a + keep_b > max(limit, 0):
-        if keep_a > keep_b:
-            keep_a -= 1
-        else:
-            keep_b -= 1
-    return a[:keep_a], b[:keep_b]
+    """`a` and `b` in at most `limit` tokens together, cut at their ends as the tokenizers library's
+    "longest_first" truncation cuts them: the shorter keeps at most half (rounded down; `a` on a tie), the longer
+    the rest."""
+    if limit is None or len(a) + len(b) <= limit:
+        return a, b
+    limit = max(limit, 0)
+    if len(a) > len(b):
+        keep_b = min(len(b), limit // 2)
+        return a[: limit - keep_b], b[:keep_b]
+    keep_a = min(len(a), limit // 2)
+    return a[:keep_a], b[: limit - keep_a]
 
 
 def check_cross_encoder(classifier) -> None:

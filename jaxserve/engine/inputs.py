@@ -94,15 +94,19 @@ def prompt_token_ids(tokenizer, prompt, vocab_size: int) -> list[int]:
     return ids
 
 
-def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, pooling: bool = False) -> list[int]:
     """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: the longest prompt the context holds
-    with room for one more token)."""
+    with room for one more token). A pooling request keeps its first `keep` (vLLM 0.34's pooling tokenizers
+    truncate on the right), and needs no room after its prompt (-1: the whole context)."""
     if keep is None:
         return ids
-    if keep > max_model_len:
+    longest = max_model_len if pooling else max_model_len - 1
+    if keep > longest:
         raise ValueError(f"truncate_prompt_tokens={keep} is more than the model's maximum context length "
-                         f"{max_model_len}; ask for at most {max_model_len - 1} (or -1)")
-    return ids[-(max_model_len - 1 if keep == -1 else keep):]
+                         f"{max_model_len}{'' if pooling else ' less the token to generate'}; ask for at most "
+                         f"{longest} (or -1)")
+    keep = longest if keep == -1 else keep
+    return ids[:keep] if pooling else ids[-keep:]
 
 
 def sequence_seed(seed: int, index: int) -> int:
@@ -114,18 +118,20 @@ def sequence_seed(seed: int, index: int) -> int:
 
 
 def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int, config: EngineConfig,
-                     max_tokens_cap: int | None = None) -> SamplingParams:
+                     max_tokens_cap: int | None = None, pooling: bool = False) -> SamplingParams:
     """Check the request fits the context and the cache; fill in max_tokens=None as 'up to the context length', or
     `max_tokens_cap` (generation config's max_new_tokens) if less. A max_tokens beyond the room the prompt leaves
     is cut to it, as vLLM's does (the output then ends at the context's end, finish_reason "length"): one request
     in an offline batch asking too much would otherwise fail them all. Only one no context could hold is refused."""
-    if prompt_len >= max_model_len:
+    if prompt_len > max_model_len or prompt_len == max_model_len and not pooling:
         raise ValueError(
             f"the prompt has {prompt_len} tokens but the model's maximum context length is {max_model_len}; "
             "shorten the prompt"
         )
     room = max_model_len - prompt_len
-    if params.max_tokens is None:
+    if pooling:  # its one step computes the prompt alone: the token it samples is never kept nor computed
+        pass
+    elif params.max_tokens is None:
         params = params.replace(max_tokens=min(room, max_tokens_cap or max_model_len))
     elif params.max_tokens > max_model_len:
         raise InvalidRequestField(
@@ -150,12 +156,12 @@ def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int
     # recomputed in turn (one alone always fits: max_model_len fits the cache), so only their starts must fit at
     # once, whatever max_tokens allows each to grow to. Checked before the sequences are made, so a request for a
     # billion of them is refused at once rather than exhausting host memory.
-    needed = params.num_sequences * (prompt_len + 1)
+    needed = params.num_sequences * (prompt_len + (0 if pooling else 1))
     if needed > capacity:
         raise ValueError(
             f"the request's {params.num_sequences} sequences need {needed} tokens of KV cache to start "
-            f"({params.num_sequences} x {prompt_len} prompt + 1) but the whole cache holds {capacity}; lower n, or "
-            "raise num_kv_blocks"
+            f"({params.num_sequences} x {prompt_len} prompt{'' if pooling else ' + 1'}) but the whole cache holds "
+            f"{capacity}; lower n, or raise num_kv_blocks"
         )
     return params
 
@@ -269,9 +275,10 @@ class InputProcessor:
         prompt, cache_salt = split_prompt(prompt)
         params = step_params(params, self.head, self.model_name, self.config.model.hidden_size, self.declared_pooling)
         given = prompt_token_ids(self.tokenizer, prompt, self.config.model.vocab_size)
-        ids = truncate_prompt(given, (pooling or params).truncate_prompt_tokens, self.max_model_len)
+        ids = truncate_prompt(given, (pooling or params).truncate_prompt_tokens, self.max_model_len,
+                              pooling is not None)
         params = validate_lengths(params, len(ids), self.max_model_len, self.config,
-                                  self.generation_defaults.get("max_tokens"))
+                                  self.generation_defaults.get("max_tokens"), pooling is not None)
         lora_request = self.adapters.check(lora_request)
         allowed_mask, bad_words = resolve_token_rules(params, self.tokenizer, self.config, self.eos_token_ids())
         shared = dict(lora_request=lora_request, pooling=pooling, allowed_mask=allowed_mask, bad_words=bad_words,

@@ -44,10 +44,11 @@ def test_embeddings_are_transformers_last_hidden_state_normalized(qwen3, mesh):
         raw = engine.embed(PROMPTS[:1], PoolingParams(dimensions=8, normalize=False), use_tqdm=False)[0]
         np.testing.assert_allclose(raw.outputs.embedding, references[0][:8], atol=1e-4)
         assert len(engine.embed(PROMPTS[:1], PoolingParams(dimensions=8), use_tqdm=False)[0].outputs.embedding) == 8
-        end = engine.embed([PROMPTS[0][-5:]], use_tqdm=False)[0]
+        # truncate_prompt_tokens keeps the first k tokens, as vLLM 0.34's pooling tokenizers truncate (right side)
+        start = engine.embed([PROMPTS[0][:5]], use_tqdm=False)[0]
         truncated = engine.embed(PROMPTS[:1], PoolingParams(truncate_prompt_tokens=5), use_tqdm=False)[0]
-        assert truncated.prompt_token_ids == PROMPTS[0][-5:]
-        np.testing.assert_allclose(truncated.outputs.embedding, end.outputs.embedding, atol=1e-6)
+        assert truncated.prompt_token_ids == PROMPTS[0][:5]
+        np.testing.assert_allclose(truncated.outputs.embedding, start.outputs.embedding, atol=1e-6)
         for bad, message in ((dict(dimensions=10_000), "more than the model's"), (dict(dimensions=0), "positive")):
             with pytest.raises(ValueError, match=message):
                 engine.embed(PROMPTS[:1], PoolingParams(**bad), use_tqdm=False)

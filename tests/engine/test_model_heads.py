@@ -115,9 +115,16 @@ def test_a_sequence_classifier_classifies_as_transformers(causal, tmp_path):
     encoded = engine.encode(PROMPTS, pooling_task="classify", use_tqdm=False)
     assert [out.outputs.probs for out in encoded] == [out.outputs.probs for out in outs]
     truncated = engine.classify(PROMPTS[:1], truncate_prompt_tokens=5, use_tqdm=False)[0]
-    assert truncated.prompt_token_ids == PROMPTS[0][-5:]
-    np.testing.assert_allclose(truncated.outputs.probs, engine.classify([PROMPTS[0][-5:]], use_tqdm=False)[0]
+    assert truncated.prompt_token_ids == PROMPTS[0][:5]  # the first k, as vLLM 0.34 truncates pooling prompts
+    np.testing.assert_allclose(truncated.outputs.probs, engine.classify([PROMPTS[0][:5]], use_tqdm=False)[0]
                                .outputs.probs, atol=1e-6)
+    # a pooling prompt may fill the whole context (no token is generated after it), and -1 keeps that much
+    whole = list(range(300, 300 + engine.max_model_len + 7))
+    assert engine.classify([whole[: engine.max_model_len]], use_tqdm=False)[0].finished
+    assert engine.classify([whole], truncate_prompt_tokens=-1, use_tqdm=False)[0].prompt_token_ids == \
+        whole[: engine.max_model_len]
+    with pytest.raises(ValueError, match="maximum context length"):
+        engine.classify([whole[: engine.max_model_len + 1]], use_tqdm=False)
     for refused, call in (("is a sequence classifier .* does not generate",
                            lambda: engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)),
                           ("does not embed", lambda: engine.embed(PROMPTS[:1], use_tqdm=False)),
@@ -212,7 +219,13 @@ def test_a_pair_is_the_tokenizers_pair_encoding_and_truncates_as_one(causal, tmp
     with pytest.raises(ValueError, match="maximum context length"):
         engine.score(query, [longer], use_tqdm=False)
     fitted = engine.score(query, [longer], truncate_prompt_tokens=-1, use_tqdm=False)[0].prompt_token_ids
-    assert fitted == tokenizer(query, longer, truncation=True, max_length=engine.max_model_len - 1)["input_ids"]
+    assert fitted == tokenizer(query, longer, truncation=True, max_length=engine.max_model_len)["input_ids"]
+    # the tokenizers library's longest_first cut for every budget: the shorter keeps at most half, rounded down
+    documents = ["It is in the big old house.", "Far."]
+    for limit in range(3, 24):
+        cuts = engine.score(query, documents, truncate_prompt_tokens=limit, use_tqdm=False)
+        assert [cut.prompt_token_ids for cut in cuts] == \
+            [tokenizer(query, document, truncation=True, max_length=limit)["input_ids"] for document in documents]
     # Token-id pairs are joined, the longer list shortened first.
     ids = engine.score([7, 8], [list(range(100, 110))], truncate_prompt_tokens=6, use_tqdm=False)[0]
     assert ids.prompt_token_ids == [7, 8, 100, 101, 102, 103]

@@ -60,9 +60,9 @@ def test_classify_answers_with_the_engines_probabilities(classifier, path):
     assert body["usage"] == {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens,
                              "prompt_tokens_details": None}  # null, as vLLM sends it
     ids = expected[1].prompt_token_ids
-    one = post(url, path, input=ids, truncate_prompt_tokens=4).json()  # token ids, truncated to the last 4
+    one = post(url, path, input=ids, truncate_prompt_tokens=4).json()  # token ids, truncated to the first 4
     assert one["usage"]["prompt_tokens"] == 4
-    assert one["data"][0]["probs"] == pytest.approx(engine.classify([ids[-4:]], use_tqdm=False)[0].outputs.probs,
+    assert one["data"][0]["probs"] == pytest.approx(engine.classify([ids[:4]], use_tqdm=False)[0].outputs.probs,
                                                     abs=1e-5)
 
 

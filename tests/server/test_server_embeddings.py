@@ -42,8 +42,8 @@ def test_embeddings_are_the_engines_in_input_order(real_server, openai_client, s
     assert len(short.data[0].embedding) == 64 and np.linalg.norm(short.data[0].embedding) == pytest.approx(1, abs=1e-5)
     ids = embed(real_server.url, input=smol_engine.tokenizer(TEXTS[0])["input_ids"]).json()  # token ids
     np.testing.assert_allclose(ids["data"][0]["embedding"], expected[0], atol=1e-4)
-    # truncate_prompt_tokens embeds the input's last k tokens.
-    end = smol_engine.tokenizer(TEXTS[1])["input_ids"][-4:]
+    # truncate_prompt_tokens embeds the input's first k tokens (vLLM 0.34's pooling truncation side).
+    end = smol_engine.tokenizer(TEXTS[1])["input_ids"][:4]
     truncated = embed(real_server.url, input=TEXTS[1], truncate_prompt_tokens=4).json()
     assert truncated["usage"]["prompt_tokens"] == 4
     np.testing.assert_allclose(truncated["data"][0]["embedding"],
