@@ -94,10 +94,12 @@ def prompt_token_ids(tokenizer, prompt, vocab_size: int) -> list[int]:
     return ids
 
 
-def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, pooling: bool = False) -> list[int]:
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, pooling: PoolingParams | None = None
+                    ) -> list[int]:
     """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: the longest prompt the context holds
     with room for one more token). A pooling request keeps its first `keep` (vLLM 0.34's pooling tokenizers
-    truncate on the right), and needs no room after its prompt (-1: the whole context)."""
+    truncate on the right; its truncation_side "left": the last), and needs no room after its prompt (-1: the
+    whole context)."""
     if keep is None:
         return ids
     longest = max_model_len if pooling else max_model_len - 1
@@ -106,7 +108,7 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, poolin
                          f"{max_model_len}{'' if pooling else ' less the token to generate'}; ask for at most "
                          f"{longest} (or -1)")
     keep = longest if keep == -1 else keep
-    return ids[:keep] if pooling else ids[-keep:]
+    return ids[:keep] if pooling and pooling.truncation_side == "right" else ids[-keep:]
 
 
 def sequence_seed(seed: int, index: int) -> int:
@@ -275,8 +277,7 @@ class InputProcessor:
         prompt, cache_salt = split_prompt(prompt)
         params = step_params(params, self.head, self.model_name, self.config.model.hidden_size, self.declared_pooling)
         given = prompt_token_ids(self.tokenizer, prompt, self.config.model.vocab_size)
-        ids = truncate_prompt(given, (pooling or params).truncate_prompt_tokens, self.max_model_len,
-                              pooling is not None)
+        ids = truncate_prompt(given, (pooling or params).truncate_prompt_tokens, self.max_model_len, pooling)
         params = validate_lengths(params, len(ids), self.max_model_len, self.config,
                                   self.generation_defaults.get("max_tokens"), pooling is not None)
         lora_request = self.adapters.check(lora_request)

@@ -66,7 +66,9 @@ def check_pooling(params: PoolingParams, hidden_size: int, declared: str | None,
 
 def pool(params: PoolingParams, hidden: np.ndarray, head: ModelHead) -> list[float]:
     """A pooling request's result from its last token's final hidden state."""
-    return head.classifier.probabilities(hidden) if params.task == "classify" else params.pool(hidden)
+    if params.task == "classify":
+        return head.classifier.probabilities(hidden, activation=params.use_activation is not False)
+    return params.pool(hidden)
 
 
 def pooling_output(request: Request, head: ModelHead) -> EmbeddingRequestOutput | ClassificationRequestOutput:

@@ -58,10 +58,11 @@ class Classifier:
     def num_labels(self) -> int:
         return len(self.labels)
 
-    def probabilities(self, hidden: np.ndarray) -> list[float]:
-        """What the classifier answers with from the last token's final hidden state [hidden]."""
+    def probabilities(self, hidden: np.ndarray, activation: bool = True) -> list[float]:
+        """What the classifier answers with from the last token's final hidden state [hidden] (`activation`
+        False: its logits)."""
         logits = (self.weight @ np.asarray(hidden, np.float32)).astype(np.float64)
-        if self.activation == "identity":
+        if self.activation == "identity" or not activation:
             return logits.tolist()
         if self.activation == "sigmoid":
             return (1 / (1 + np.exp(-logits))).tolist()

@@ -19,8 +19,8 @@ from jaxserve.server.response_bodies import prompt_token_count
 
 
 class ClassificationRequest(InputRequest):
-    def pooling_params(self) -> PoolingParams:
-        return PoolingParams(task="classify", truncate_prompt_tokens=self.truncate_prompt_tokens)
+    def pooling_params(self, **task) -> PoolingParams:
+        return super().pooling_params(task="classify", **task)
 
 
 class ClassificationData(OpenAIModel):

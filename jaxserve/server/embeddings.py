@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import sys
 import time
 from dataclasses import dataclass
 from typing import Literal
 
+import ml_dtypes
 import numpy as np
 from pydantic import Field
 from starlette.requests import Request
@@ -24,6 +26,9 @@ from jaxserve.server.serving import ServerState, collect_final_outputs, request_
 from jaxserve.server.streaming import cancel_on_disconnect
 
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+# embed_dtype -> the numpy type base64 packs (ml_dtypes' for the narrow floats, as vLLM packs them)
+EMBED_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
+                "fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}
 
 
 class PooledRequest(RequestModel):
@@ -34,9 +39,13 @@ class PooledRequest(RequestModel):
     user: str | None = None
     priority: int = 0
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] = "right"  # vLLM's: "left" keeps the last k tokens
+    use_activation: bool | None = None  # vLLM's: false gives raw vectors (unnormalized) or a classifier's logits
+    cache_salt: str | None = Field(None, min_length=1)  # only requests with the same salt share prefix-cache blocks
 
-    def pooling_params(self) -> PoolingParams:
-        return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens)
+    def pooling_params(self, **task) -> PoolingParams:
+        return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens, truncation_side=self.truncation_side,
+                             use_activation=self.use_activation, **task)
 
     def engine_inputs(self, engine) -> tuple[list[str | list[int]], PoolingParams]:
         """The engine's prompts and params for this body, given the model it runs on (`engine.head`: what the
@@ -66,9 +75,12 @@ class InputRequest(PooledRequest):
 class EmbeddingRequest(InputRequest):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
+    # vLLM's: the numbers base64 carries, and their byte order
+    embed_dtype: Literal[tuple(EMBED_DTYPES)] = "float32"
+    endianness: Literal["native", "big", "little"] = "native"
 
-    def pooling_params(self) -> PoolingParams:
-        return PoolingParams(dimensions=self.dimensions, truncate_prompt_tokens=self.truncate_prompt_tokens)
+    def pooling_params(self, **task) -> PoolingParams:
+        return super().pooling_params(dimensions=self.dimensions, **task)
 
 
 class EmbeddingData(OpenAIModel):
@@ -95,7 +107,7 @@ class EmbeddingRendering:
     request_id: str
 
     def full_response(self, finals: list[EmbeddingRequestOutput]) -> EmbeddingResponse:
-        data = [EmbeddingData(index=i, embedding=_encode(out.outputs.embedding, self.request.encoding_format))
+        data = [EmbeddingData(index=i, embedding=_encode(out.outputs.embedding, self.request))
                 for i, out in enumerate(finals)]
         num_tokens = sum(len(out.prompt_token_ids) for out in finals)
         return EmbeddingResponse(id=self.request_id, data=data, model=self.model,
@@ -117,14 +129,17 @@ async def serve_pooled(request: Request, schema: type[PooledRequest], rendering_
     rendering = rendering_class(body, model, response_id)
     # In a thread: a cross-encoder's inputs are tokenized here, which must not stall the streams of other requests.
     prompts, params = await asyncio.to_thread(checked_params, body, lambda: body.engine_inputs(state.engine))
-    streams = await start_requests(state, prompts, params, engine_id, body.priority, model)
+    streams = await start_requests(state, prompts, params, engine_id, body.priority, model, body.cache_salt)
     completed, finals = await cancel_on_disconnect(request, collect_final_outputs(state, streams, time.monotonic()))
     if not completed:
         return Response(status_code=499)  # the client left; nobody reads this
     return JSONResponse(rendering.full_response(finals).model_dump())
 
 
-def _encode(embedding: list[float], encoding_format: str) -> list[float] | str:
-    if encoding_format == "float":
+def _encode(embedding: list[float], request: EmbeddingRequest) -> list[float] | str:
+    if request.encoding_format == "float":
         return embedding
-    return base64.b64encode(np.asarray(embedding, "<f4").tobytes()).decode()
+    packed = np.asarray(embedding, np.float32).astype(EMBED_DTYPES[request.embed_dtype])
+    if request.endianness != "native" and request.endianness != sys.byteorder:
+        packed = packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode()

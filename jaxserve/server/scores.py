@@ -39,7 +39,7 @@ def _pair_inputs(request: PooledRequest, engine, first: list[str], second: list[
     check_cross_encoder(engine.head.classifier)  # a ValueError: a 400
     prompts = cross_encoder_prompts(engine.tokenizer, first, second, pairs, request.truncate_prompt_tokens,
                                     engine.max_model_len)
-    return prompts, PoolingParams(task="classify")
+    return prompts, request.pooling_params(task="classify")
 
 
 class ScoreRequest(PooledRequest):
@@ -103,6 +103,7 @@ class RerankResult(OpenAIModel):
 
 
 class RerankUsage(OpenAIModel):
+    prompt_tokens: int  # vLLM's; the same as total_tokens
     total_tokens: int
 
 
@@ -145,7 +146,8 @@ class RerankRendering:
         results.sort(key=lambda result: -result.relevance_score)  # stable: equal scores keep the documents' order
         top_n = self.request.top_n or len(results)
         return RerankResponse(id=self.request_id, model=self.model, results=results[:top_n],
-                              usage=RerankUsage(total_tokens=prompt_token_count(finals)))
+                              usage=RerankUsage(prompt_tokens=(tokens := prompt_token_count(finals)),
+                                                total_tokens=tokens))
 
 
 async def create_score(request: Request) -> Response:

@@ -786,3 +786,17 @@ def test_beam_search_answers_n_choices(client, server):
     assert [choice.finish_reason for choice in result.choices] == ["length", "length"]
     assert result.choices[0].text == " one one one"  # the fake's greedy token is always its script's first
     assert result.usage.completion_tokens == 6
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/embeddings", {"input": "Hello"}), ("/classify", {"input": "Hello"}),
+    ("/score", {"text_1": "a", "text_2": "b"}),
+])
+def test_pooling_requests_pass_their_cache_salt_to_the_engine(tokenizer, path, body):
+    """vLLM's cache_salt on pooling requests too: only requests with the same salt share prefix-cache blocks (it
+    was dropped, with a log line)."""
+    fake = FakeEngine(tokenizer)
+    with serve_in_thread(build_app(AsyncEngine(fake))) as url:
+        reply = httpx.post(url + path, json={**body, "cache_salt": "tenant-a"}, timeout=30)
+    assert reply.status_code in (200, 400), reply.text  # the fake embeds; /classify and /score it may refuse
+    assert fake.prompts and all(isinstance(p, dict) and p["cache_salt"] == "tenant-a" for p in fake.prompts.values())

@@ -3,6 +3,7 @@ cross-encoder (one label) /score and /rerank score each pair as one prompt; a cl
 embed, and a causal LM refuses /classify, each as a 400 that says why."""
 
 import httpx
+import numpy as np
 import pytest
 
 from jaxserve import Engine
@@ -59,6 +60,9 @@ def test_classify_answers_with_the_engines_probabilities(classifier, path):
     tokens = sum(len(out.prompt_token_ids) for out in expected)
     assert body["usage"] == {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens,
                              "prompt_tokens_details": None}  # null, as vLLM sends it
+    logits = post(url, path, input=TEXTS[:1], use_activation=False).json()["data"][0]  # vLLM's: the raw logits
+    probs = np.exp(logits["probs"]) / np.exp(logits["probs"]).sum()
+    assert probs == pytest.approx(expected[0].outputs.probs, abs=1e-5) and logits["label"] == expected[0].outputs.label
     ids = expected[1].prompt_token_ids
     one = post(url, path, input=ids, truncate_prompt_tokens=4).json()  # token ids, truncated to the first 4
     assert one["usage"]["prompt_tokens"] == 4
@@ -94,7 +98,7 @@ def test_a_cross_encoder_scores_each_pair_as_one_prompt(cross_encoder):
         assert [r["index"] for r in ranked["results"]] == order
         assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx([want[i] for i in order], abs=1e-5)
         assert ranked["results"][0]["document"]["text"] == DOCUMENTS[order[0]]
-        assert ranked["usage"]["total_tokens"] == pair_tokens
+        assert ranked["usage"] == {"prompt_tokens": pair_tokens, "total_tokens": pair_tokens}  # vLLM's both
     # truncate_prompt_tokens truncates each pair as the engine does (the tokenizer's pair truncation).
     short = [out.outputs.score for out in engine.score(QUERY, DOCUMENTS, truncate_prompt_tokens=9, use_tqdm=False)]
     reply = post(url, "/score", text_1=QUERY, text_2=DOCUMENTS, truncate_prompt_tokens=9).json()

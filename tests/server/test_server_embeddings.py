@@ -42,6 +42,23 @@ def test_embeddings_are_the_engines_in_input_order(real_server, openai_client, s
     assert len(short.data[0].embedding) == 64 and np.linalg.norm(short.data[0].embedding) == pytest.approx(1, abs=1e-5)
     ids = embed(real_server.url, input=smol_engine.tokenizer(TEXTS[0])["input_ids"]).json()  # token ids
     np.testing.assert_allclose(ids["data"][0]["embedding"], expected[0], atol=1e-4)
+    # vLLM's encoding options: base64 of float16 (or bfloat16, fp8) numbers, in either byte order
+    import ml_dtypes
+
+    for dtype, endianness, numpy_type in (("float16", "little", "<f2"), ("float16", "big", ">f2"),
+                                          ("bfloat16", "native", ml_dtypes.bfloat16)):
+        packed = embed(real_server.url, input=TEXTS[1], encoding_format="base64", embed_dtype=dtype,
+                       endianness=endianness).json()["data"][0]["embedding"]
+        decoded = np.frombuffer(__import__("base64").b64decode(packed), numpy_type).astype(np.float32)
+        np.testing.assert_allclose(decoded, expected[1], atol=1e-2)
+    # use_activation false: the hidden state as it is, not scaled to unit length
+    raw = embed(real_server.url, input=TEXTS[1], use_activation=False).json()["data"][0]["embedding"]
+    assert np.linalg.norm(raw) > 1.5 and np.allclose(raw / np.linalg.norm(raw), expected[1], atol=1e-4)
+    # truncation_side left keeps the last k tokens
+    last = smol_engine.tokenizer(TEXTS[1])["input_ids"][-4:]
+    left = embed(real_server.url, input=TEXTS[1], truncate_prompt_tokens=4, truncation_side="left").json()
+    np.testing.assert_allclose(left["data"][0]["embedding"],
+                               smol_engine.embed([last], use_tqdm=False)[0].outputs.embedding, atol=1e-4)
     # truncate_prompt_tokens embeds the input's first k tokens (vLLM 0.34's pooling truncation side).
     end = smol_engine.tokenizer(TEXTS[1])["input_ids"][:4]
     truncated = embed(real_server.url, input=TEXTS[1], truncate_prompt_tokens=4).json()
