@@ -38,10 +38,11 @@ HEAD_WEIGHTS = ("lm_head.weight", CLASSIFIER_WEIGHT)  # outside the decoder: nev
 # How a classifier's logits become what it answers with, as transformers' `problem_type` says (vLLM follows it):
 # "regression": the logits themselves; "multi_label_classification": a sigmoid per label; otherwise a sigmoid for
 # one label (a cross-encoder's relevance) and a softmax over several.
-ACTIVATIONS = ("identity", "sigmoid", "softmax")
-PROBLEM_ACTIVATIONS = {"regression": "identity", "multi_label_classification": "sigmoid"}
+ACTIVATIONS = ("identity", "sigmoid", "softmax", "tanh")
+PROBLEM_ACTIVATIONS = {"regression": "identity", "multi_label_classification": "sigmoid",
+                       "single_label_classification": None}  # None: by the label count
 # sentence-transformers cross-encoders name theirs in config.json (`sentence_transformers.activation_fn`).
-ST_ACTIVATIONS = {"Identity": "identity", "Sigmoid": "sigmoid"}
+ST_ACTIVATIONS = {"Identity": "identity", "Sigmoid": "sigmoid", "Tanh": "tanh", "Softmax": "softmax"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,6 +67,8 @@ class Classifier:
             return logits.tolist()
         if self.activation == "sigmoid":
             return (1 / (1 + np.exp(-logits))).tolist()
+        if self.activation == "tanh":
+            return np.tanh(logits).tolist()
         shifted = np.exp(logits - logits.max())
         return (shifted / shifted.sum()).tolist()
 
@@ -182,12 +185,20 @@ def _labels(raw: dict[str, Any], count: int) -> tuple[str, ...]:
 
 
 def _activation(raw: dict[str, Any], num_labels: int) -> str:
-    named = str((raw.get("sentence_transformers") or {}).get("activation_fn") or "").rsplit(".", 1)[-1]
-    if named in ST_ACTIVATIONS:
-        return ST_ACTIVATIONS[named]
+    """As vLLM chooses it: the config's problem_type first, then the activation a sentence-transformers
+    cross-encoder names (its `activation_fn`, or the older `sbert_ce_default_activation_function`), else a sigmoid
+    for one label and a softmax for more."""
+    by_count = "sigmoid" if num_labels == 1 else "softmax"
     if raw.get("problem_type") in PROBLEM_ACTIVATIONS:
-        return PROBLEM_ACTIVATIONS[raw["problem_type"]]
-    return "sigmoid" if num_labels == 1 else "softmax"
+        return PROBLEM_ACTIVATIONS[raw["problem_type"]] or by_count
+    named = (raw.get("sentence_transformers") or {}).get("activation_fn") or \
+        raw.get("sbert_ce_default_activation_function")
+    if not named:
+        return by_count
+    if str(named).rsplit(".", 1)[-1] not in ST_ACTIVATIONS:
+        raise ValueError(f"the classifier's activation {named} is not one jaxserve applies; supported: "
+                         f"{', '.join(ST_ACTIVATIONS)} (torch.nn's)")
+    return ST_ACTIVATIONS[str(named).rsplit(".", 1)[-1]]
 
 
 class PrefixedSource:

@@ -173,6 +173,27 @@ def test_the_problem_type_picks_the_activation(causal, tmp_path, problem_type, a
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("config, labels, activation", [
+    ({}, 1, "sigmoid"), ({}, 3, "softmax"),
+    ({"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Tanh"}}, 1, "tanh"),
+    ({"sbert_ce_default_activation_function": "torch.nn.modules.linear.Identity"}, 1, "identity"),  # older CEs
+    # the problem type first, as vLLM (a regression stays the logits whatever activation_fn says)
+    ({"problem_type": "regression", "sentence_transformers": {"activation_fn": "torch.nn.Sigmoid"}}, 1, "identity"),
+    ({"problem_type": "single_label_classification"}, 3, "softmax"),
+])
+def test_the_activation_is_chosen_as_vllm_chooses_it(config, labels, activation):
+    from jaxserve.loader.heads import _activation
+
+    assert _activation(config, labels) == activation
+
+
+def test_an_activation_it_cannot_apply_is_refused_by_name():
+    from jaxserve.loader.heads import _activation
+
+    with pytest.raises(ValueError, match="activation torch.nn.modules.activation.GELU is not one jaxserve applies"):
+        _activation({"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.GELU"}}, 1)
+
+
 def test_dummy_weights_keep_the_head(base_model, causal, tmp_path):
     """load_format="dummy" reads no tensors, yet a base model (tied or not) still does not generate, and a
     classifier classifies into its config's labels."""
