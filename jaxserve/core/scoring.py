@@ -48,13 +48,25 @@ def as_prompts(given) -> list:
 
 
 def cross_encoder_prompts(tokenizer, first: list, second: list, pairs: list[tuple[int, int]],
-                          truncate_prompt_tokens: int | None, max_model_len: int) -> list[list[int]]:
+                          truncate_prompt_tokens: int | None, max_model_len: int, pair_encoding: bool = True
+                          ) -> list[list[int]]:
     """A cross-encoder's prompt for each pair, truncated as vLLM truncates one: to `truncate_prompt_tokens`
     (-1: the longest prompt the context holds) by shortening the longer text first and keeping the special
-    tokens, so the query survives a long document."""
+    tokens, so the query survives a long document. Without `pair_encoding` (a causal LM served as a reranker)
+    the two texts are joined and encoded as one text, cut at its end, as vLLM encodes them."""
     check_truncate_prompt_tokens(truncate_prompt_tokens)
     limit = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens  # pooling needs no room after
+    if not pair_encoding:
+        return [joined_prompt(tokenizer, first[i], second[j])[:limit] for i, j in pairs]
     return [pair_prompt(tokenizer, first[i], second[j], limit) for i, j in pairs]
+
+
+def joined_prompt(tokenizer, first: str | list[int], second: str | list[int]) -> list[int]:
+    if isinstance(first, str) and isinstance(second, str):
+        return list(tokenizer(first + second)["input_ids"])
+    if isinstance(first, list) and isinstance(second, list):
+        return first + second
+    raise ValueError("a pair must be two texts or two token-id lists, not one of each")
 
 
 def pair_prompt(tokenizer, first: str | list[int], second: str | list[int], limit: int | None = None) -> list[int]:

@@ -88,7 +88,7 @@ class OfflineAPI:
         else:  # a cross-encoder: one prompt a pair
             check_cross_encoder(self._engine.head.classifier)
             prompts = cross_encoder_prompts(self._engine.tokenizer, first, second, pairs, truncate_prompt_tokens,
-                                            self._engine.max_model_len)
+                                            self._engine.max_model_len, self._engine.head.classifier.pair_encoding)
             outs = self.classify(prompts, use_tqdm=use_tqdm, lora_request=lora_request)
             prompt_ids = [out.prompt_token_ids for out in outs]
         return [ScoringRequestOutput(f"score-{next(self._request_ids)}", ScoringOutput(score), ids)

@@ -54,6 +54,9 @@ class Classifier:
     labels: tuple[str, ...]
     architecture: str  # the checkpoint's own, for messages
     activation: str = "softmax"
+    # How a scored pair becomes one prompt: the tokenizer's pair encoding (a cross-encoder's separator between),
+    # or, for a causal LM served as a reranker (vLLM's use_sep_token false), the two texts joined as one text
+    pair_encoding: bool = True
 
     @property
     def num_labels(self) -> int:
@@ -126,7 +129,8 @@ def _classifier(raw: dict[str, Any], config: ModelConfig, tensors: TensorSource 
     from_tokens = raw.get("classifier_from_token")
     if from_tokens:
         weight, labels = _head_from_tokens(raw, from_tokens, config, tensors, tokenizer)
-        return Classifier(weight, labels, arch, _activation(raw, len(labels)))
+        return Classifier(weight, labels, arch, _activation(raw, len(labels)),
+                          pair_encoding=bool(raw.get("use_sep_token", False)))
     if tensors is None:  # a dummy load: random, as the rest
         weight = _random_rows(_num_labels(raw), config)
     elif CLASSIFIER_WEIGHT in tensors.names():
@@ -141,7 +145,8 @@ def _classifier(raw: dict[str, Any], config: ModelConfig, tensors: TensorSource 
         raise ValueError(f"{CLASSIFIER_WEIGHT} has shape {tuple(weight.shape)}; a classification head is "
                          f"[num_labels, {config.hidden_size}] (hidden_size)")
     labels = _labels(raw, weight.shape[0])
-    return Classifier(np.asarray(weight, np.float32), labels, arch, _activation(raw, len(labels)))
+    return Classifier(np.asarray(weight, np.float32), labels, arch, _activation(raw, len(labels)),
+                      pair_encoding=bool(raw.get("use_sep_token", True)))
 
 
 def _head_from_tokens(raw: dict[str, Any], tokens: list[str], config: ModelConfig, tensors: TensorSource | None,

@@ -38,7 +38,7 @@ def _pair_inputs(request: PooledRequest, engine, first: list[str], second: list[
         return first + second, request.pooling_params()
     check_cross_encoder(engine.head.classifier)  # a ValueError: a 400
     prompts = cross_encoder_prompts(engine.tokenizer, first, second, pairs, request.truncate_prompt_tokens,
-                                    engine.max_model_len)
+                                    engine.max_model_len, engine.head.classifier.pair_encoding)
     return prompts, request.pooling_params(task="classify")
 
 

@@ -273,5 +273,10 @@ def test_a_causal_lm_served_as_a_classifier_reads_its_lm_head_rows(causal, two_w
     assert out.label == ("on" if two_way else tokens[int(np.argmax(logits))])
     with pytest.raises(ValueError, match="does not generate"):
         engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    if two_way:  # a scored pair is the two texts joined as one text, as vLLM encodes it for an LLM reranker
+        tokenizer = AutoTokenizer.from_pretrained(causal)
+        query, document = "Where is it? ", "In the house."
+        scored = engine.score(query, [document], use_tqdm=False)[0]
+        assert scored.prompt_token_ids == tokenizer(query + document)["input_ids"]
     with pytest.raises(ValueError, match="'qqzzxx' is not a token of this model's tokenizer"):
         _engine(causal, hf_overrides=overrides | {"classifier_from_token": ["in", "qqzzxx"]})
