@@ -1,7 +1,6 @@
 """LoRA adapter slots on the host: which adapter holds which slot, when a slot is reused, and how the scheduler
 passes over requests whose adapter must wait (pure Python, no jax)."""
 
-import pytest
 
 from jaxserve.core.adapter_slots import AdapterSlots
 from jaxserve.core.block_manager import BlockManager
