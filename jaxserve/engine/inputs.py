@@ -103,10 +103,9 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, poolin
     if keep is None:
         return ids
     longest = max_model_len if pooling else max_model_len - 1
-    if keep > longest:
+    if keep > max_model_len:
         raise ValueError(f"truncate_prompt_tokens={keep} is more than the model's maximum context length "
-                         f"{max_model_len}{'' if pooling else ' less the token to generate'}; ask for at most "
-                         f"{longest} (or -1)")
+                         f"{max_model_len}; ask for at most {longest} (or -1)")
     keep = longest if keep == -1 else keep
     return ids[:keep] if pooling and pooling.truncation_side == "right" else ids[-keep:]
 
