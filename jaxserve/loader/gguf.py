@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.loader.gguf_blocks import KEPT_TYPES, decode_blocks
-from jaxserve.loader.gguf_reader import GGUFReader, GGUFTensor, UnknownTensorType
+from jaxserve.loader.gguf_reader import GGUFReader, GGUFTensor, UnknownTensorType, UnreadableGGUF
 from jaxserve.loader.grouped import GroupedArray
 from jaxserve.loader.hf_config import attention_layout, rope_layer_flags
 from jaxserve.loader.rope_scaling import longrope_attention_factor, yarn_scaling
@@ -137,7 +137,7 @@ class GGUFFile:
             raise FileNotFoundError(f"GGUF file {path} does not exist")
         try:
             self.reader = GGUFReader(path)
-        except UnknownTensorType as e:
+        except (UnknownTensorType, UnreadableGGUF) as e:
             raise ValueError(f"{path}: {e}") from None
         except (ValueError, OSError) as e:
             raise ValueError(f"{path} is not a readable GGUF file ({e}); it may be truncated: re-download it") from None

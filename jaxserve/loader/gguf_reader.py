@@ -48,6 +48,10 @@ class GGUFField:
     element_type: gguf.GGUFValueType | None = None  # an array's
 
 
+class UnreadableGGUF(ValueError):
+    """A whole GGUF file of a kind this reader does not read (a version, big-endian): no damage to report."""
+
+
 class UnknownTensorType(ValueError):
     """A tensor of a GGML type the gguf package does not know."""
 
@@ -70,9 +74,11 @@ class GGUFReader:
             raise ValueError("not a GGUF file (no GGUF magic)")
         self._pos = 4
         version = self._scalar(VT.UINT32)
+        if int.from_bytes(version.to_bytes(4, "little"), "big") in SUPPORTED_VERSIONS:
+            raise UnreadableGGUF("it is a big-endian GGUF (llama.cpp's --bigendian conversion), which this reader "
+                                 "does not read: convert the model without --bigendian")
         if version not in SUPPORTED_VERSIONS:
-            raise ValueError(f"GGUF version {version} (this reader reads versions 2 and 3; big-endian files are "
-                             "not read)")
+            raise UnreadableGGUF(f"it is GGUF version {version}, and this reader reads versions 2 and 3")
         tensor_count, kv_count = self._scalar(VT.UINT64), self._scalar(VT.UINT64)
         self.fields: dict[str, GGUFField] = {}
         for _ in range(kv_count):

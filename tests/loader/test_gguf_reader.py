@@ -80,6 +80,17 @@ def test_a_truncated_or_foreign_file_is_refused_with_a_reason(tmp_path):
         GGUFReader(foreign)
 
 
+@pytest.mark.parametrize("version, reason", [((3).to_bytes(4, "big"), "big-endian GGUF .* without --bigendian"),
+                                             ((1).to_bytes(4, "little"), "GGUF version 1, and this reader reads")])
+def test_a_file_of_another_kind_says_so_not_that_it_is_truncated(tmp_path, version, reason):
+    whole = write(tmp_path / "m.gguf").read_bytes()
+    other = tmp_path / "other.gguf"
+    other.write_bytes(whole[:4] + version + whole[8:])
+    with pytest.raises(ValueError, match=reason) as refused:
+        GGUFFile(other)
+    assert "truncated" not in str(refused.value)
+
+
 def test_a_tensor_type_the_gguf_package_does_not_know_is_named_not_called_truncated(tmp_path):
     whole = bytearray(write(tmp_path / "m.gguf").read_bytes())
     name = whole.index(b"\x03\x00\x00\x00\x00\x00\x00\x00f32") + 8 + 3  # then its dimension count, dims and type
