@@ -39,8 +39,10 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.prefix_cache_queries = 0  # tokens looked up by match_prefix
-        self.prefix_cache_hits = 0  # tokens match_prefix found cached
+        # Prompt tokens looked up in the prefix cache and those found, counted once a request is admitted with
+        # them (record_lookup), as vLLM counts: a lookup retried until the cache has room counts once
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
         self._refcount = [0] * num_blocks
         self._free: deque[int] = deque(range(1, num_blocks))
@@ -97,10 +99,12 @@ class BlockManager:
             self._take_reference(block)
         self._tables[seq_id] = blocks
         self._seq_hashes[seq_id] = hashes
-        num_hit_tokens = len(blocks) * self.block_size
-        self.prefix_cache_queries += len(token_ids)
-        self.prefix_cache_hits += num_hit_tokens
-        return num_hit_tokens
+        return len(blocks) * self.block_size
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     def allocate(self, seq_id: int, num_tokens: int) -> bool:
         """Grow the sequence's table to hold num_tokens tokens; on shortage change nothing and return False."""

@@ -34,6 +34,7 @@ class Sequence:
     max_model_len: int = 0
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    num_preemptions: int = 0  # times its blocks were taken back and it went back to waiting
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -193,6 +193,8 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 return
             self.waiting.pop(i)
+            if seq.num_preemptions == 0 and seq.params.prompt_logprobs is None:  # its first admission's lookup
+                self.blocks.record_lookup(seq.num_tokens, seq.num_computed_tokens)
             seq.status = SequenceStatus.RUNNING
             # Running sequences stay in (priority, arrival) order too: they are scheduled in that order and the
             # last one is the preemption victim, so a victim is never one already scheduled in this step.
@@ -204,6 +206,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
 

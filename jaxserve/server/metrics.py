@@ -16,9 +16,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from jaxserve.outputs import PoolingRequestOutput, RequestOutput
 
 PREFIX, VLLM_PREFIX = "jaxserve:", "vllm:"
-# Seconds; chosen to resolve both fast GPU steps and slow CPU ones.
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                   40.0, 80.0, 160.0)
+# Seconds: vLLM's buckets for each histogram (vllm/v1/metrics/buckets.py), so dashboards built on its `le` values
+# read ours, and a batch request of an hour still lands in a bucket.
+E2E_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                       240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+INTER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                       40.0, 80.0)
+# vLLM's finish reasons: each series exists from the start, so rate() sees a reason's first request
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
 class EngineStatsCollector:
@@ -96,24 +103,28 @@ class ServerMetrics:
         self.request_success = Counter(prefix + "request_success", "Finished requests by finish reason.",
                                        labels + ["finished_reason"], registry=self.registry)
         self.time_to_first_token = Histogram(prefix + "time_to_first_token_seconds", "Time to first token.",
-                                             labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+                                             labels, buckets=TTFT_BUCKETS, registry=self.registry)
         self.inter_token_latency = Histogram(prefix + "inter_token_latency_seconds",
                                              "Time between successive outputs of a request.", labels,
-                                             buckets=LATENCY_BUCKETS, registry=self.registry)
+                                             buckets=INTER_TOKEN_BUCKETS, registry=self.registry)
         self.e2e_latency = Histogram(prefix + "e2e_request_latency_seconds", "Arrival to last token.", labels,
-                                     buckets=LATENCY_BUCKETS, registry=self.registry)
+                                     buckets=E2E_LATENCY_BUCKETS, registry=self.registry)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.time_to_first_token,
+                       self.inter_token_latency, self.e2e_latency):
+            metric.labels(model_name)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model_name, reason)
+        self.prompt_tokens_computed = 0  # not exported: the stats log line's prompt throughput
         self.registry.register(EngineStatsCollector(async_engine, model_name, prefix))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def tokens_counted(self) -> tuple[float, float]:
-        """(prompt tokens, generated tokens) counted so far, read from those two counters alone."""
-        def total(counter: Counter) -> float:
-            [family] = counter.collect()
-            return sum(sample.value for sample in family.samples if sample.name.endswith("_total"))
-
-        return total(self.prompt_tokens), total(self.generation_tokens)
+        """(prompt tokens computed, generated tokens) so far: the prompt tokens the prefix cache did not serve
+        (what vLLM's log line calls prompt throughput), and the generation counter's total."""
+        [family] = self.generation_tokens.collect()
+        return self.prompt_tokens_computed, sum(s.value for s in family.samples if s.name.endswith("_total"))
 
     async def observe(self, outputs: AsyncIterator[RequestOutput], arrival_time: float
                       ) -> AsyncIterator[RequestOutput]:
@@ -130,6 +141,7 @@ class ServerMetrics:
                 tokens = 0 if pooled else sum(len(completion.token_ids) for completion in output.outputs)
                 if last_time is None:
                     self.prompt_tokens.labels(label).inc(len(output.prompt_token_ids))
+                    self.prompt_tokens_computed += len(output.prompt_token_ids) - output.num_cached_tokens
                     self.time_to_first_token.labels(label).observe(now - arrival_time)
                 elif tokens > tokens_seen:
                     self.inter_token_latency.labels(label).observe(now - last_time)
@@ -137,10 +149,15 @@ class ServerMetrics:
                 tokens_seen, last_time = tokens, now
                 if output.finished:
                     finished = True
-                    self.e2e_latency.labels(label).observe(now - arrival_time)
-                    reason = "stop" if pooled else output.outputs[0].finish_reason if output.outputs else None
-                    self.request_success.labels(label, reason or "abort").inc()
+                    # One finished request per sample, with its own reason, as vLLM counts an n > 1 request's
+                    # child requests
+                    reasons = ["stop"] if pooled else [c.finish_reason or "abort" for c in output.outputs] or ["abort"]
+                    for reason in reasons:
+                        self.e2e_latency.labels(label).observe(now - arrival_time)
+                        self.request_success.labels(label, reason).inc()
                 yield output
         finally:
-            if not finished:  # the client left, or the engine failed: vLLM counts these as aborts too
+            # The client left, the server ended it (a request timeout) or the engine failed: counted as an abort
+            # (vLLM counts a client's abort nowhere; here a dashboard sees how many clients gave up)
+            if not finished:
                 self.request_success.labels(label, "abort").inc()

@@ -13,6 +13,7 @@ def run_prompt(bm, seq_id, tokens):
     """What the scheduler does for a new prompt: match, allocate the rest, compute, commit."""
     hit = bm.match_prefix(seq_id, tokens)
     assert bm.allocate(seq_id, len(tokens))
+    bm.record_lookup(len(tokens), hit)
     bm.commit(seq_id, tokens, len(tokens))
     bm.check_invariants()
     return hit

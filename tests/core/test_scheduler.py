@@ -110,6 +110,20 @@ def test_prefix_cache_hit_skips_computed_blocks():
     assert b.num_cached_tokens == 8 and bm.prefix_cache_hits == 8
 
 
+def test_a_prefix_lookup_counts_once_when_its_request_is_admitted():
+    """As vLLM counts them: a request that waits for room looks the cache up at every step, but its prompt is one
+    query; a preempted request's lookups on readmission are not counted again."""
+    s, bm = make(num_blocks=5, block_size=4)  # 4 usable blocks: 16 tokens
+    a, b = seq(prompt_len=12, max_tokens=2), seq(prompt_len=8, max_tokens=1)
+    s.add(a)
+    s.add(b)
+    for _ in range(3):  # b cannot fit beside a: it is looked up and turned away each step until a finishes
+        run_step(s)
+    while s.has_unfinished():
+        run_step(s)
+    assert a.finished and b.finished and bm.prefix_cache_queries == 12 + 8
+
+
 def test_prompt_logprobs_requests_compute_every_prompt_position():
     s, bm = make(block_size=4)
     a = seq(prompt_len=10, max_tokens=1, start=0)

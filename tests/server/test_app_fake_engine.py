@@ -441,6 +441,25 @@ def test_metrics_count_tokens_and_latencies(server, client):
     assert float(generated[0].split()[-1]) >= 4
 
 
+def test_metrics_series_exist_from_the_start_with_vllms_buckets_and_count_each_sample(tokenizer):
+    """Every finish reason's series is there before its first request (rate() sees that request); each histogram
+    has vLLM's buckets (a dashboard's le="60.0" exists, an hour-long request lands below +Inf); an n=2 request
+    counts as two finished requests, as vLLM counts its child requests."""
+    app = build_app(AsyncEngine(FakeEngine(tokenizer)), vllm_metric_names=True)
+    with serve_in_thread(app) as url:
+        fresh = httpx.get(url + "/metrics").text
+        assert httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "n": 2}).status_code == 200
+        after = httpx.get(url + "/metrics").text
+    for reason in ("stop", "length", "abort", "error", "repetition"):
+        assert f'vllm:request_success_total{{finished_reason="{reason}",model_name="fake-model"}} 0.0' in fresh
+    assert 'vllm:prompt_tokens_total{model_name="fake-model"} 0.0' in fresh
+    for name, bound in (("e2e_request_latency_seconds", "7680.0"), ("e2e_request_latency_seconds", "60.0"),
+                        ("time_to_first_token_seconds", "2560.0"), ("inter_token_latency_seconds", "0.025")):
+        assert f'vllm:{name}_bucket{{le="{bound}",model_name="fake-model"}}' in fresh
+    assert 'vllm:request_success_total{finished_reason="length",model_name="fake-model"} 2.0' in after
+    assert 'vllm:e2e_request_latency_seconds_count{model_name="fake-model"} 2.0' in after
+
+
 def test_vllm_metric_names(tokenizer):
     """serve --vllm-metric-names: every series is vllm:NAME, for dashboards and autoscalers written for vLLM."""
     app = build_app(AsyncEngine(FakeEngine(tokenizer)), vllm_metric_names=True)

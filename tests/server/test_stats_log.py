@@ -26,14 +26,31 @@ class StubEngine:
         return dict(self.counters)
 
 
+def finished_request(metrics, prompt_tokens: int, cached: int, generated: int) -> None:
+    """Pass one finished request's output through `metrics.observe`, as the server does."""
+    import asyncio
+
+    from jaxserve.outputs import CompletionOutput, RequestOutput
+
+    async def one():
+        yield RequestOutput("r", None, list(range(prompt_tokens)), [CompletionOutput(0, "", [7] * generated, "length")],
+                            finished=True, num_cached_tokens=cached)
+
+    async def consume():
+        async for _ in metrics.observe(one(), time.monotonic()):
+            pass
+
+    asyncio.run(consume())
+
+
 def test_rates_cover_the_interval_and_an_idle_server_is_quiet():
     engine = StubEngine()
     metrics = ServerMetrics(engine, "m")
     stats = StatsLogger(metrics, engine, interval=10)
     start = stats._last.at
     assert stats.line(start + 10) is None  # idle, and idle before
-    metrics.prompt_tokens.labels("m").inc(500)
-    metrics.generation_tokens.labels("m").inc(40)
+    # prompt throughput counts the prompt tokens computed, not those the prefix cache served (vLLM's line)
+    finished_request(metrics, prompt_tokens=1000, cached=500, generated=40)
     engine.counters.update(num_running=3, num_waiting=1, free_blocks=75, prefix_cache_queries=8, prefix_cache_hits=2)
     assert stats.line(start + 20) == ("Avg prompt throughput: 50.0 tokens/s, Avg generation throughput: 4.0 tokens/s, "
                                       "Running: 3 reqs, Waiting: 1 reqs, KV cache usage: 25.0%, "
