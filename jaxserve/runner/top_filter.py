@@ -36,21 +36,22 @@ def last_true(pred, rows: int) -> jax.Array:
 
 
 def filter_top(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
-    """-inf outside each row's top_k (0: all), outside its top_p nucleus (of the top-k, renormalised) and below
-    min_p x its top probability. The most likely token always stays."""
+    """-inf below min_p x each row's top probability, outside its top_k (0: all), and outside its top_p nucleus
+    of what those two leave, renormalised (vLLM's order: min_p, then top-k, then top-p). The most likely token
+    always stays."""
     B, V = logits.shape
     keys = order_keys(logits)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
     kth = last_true(lambda t: jnp.sum(keys >= t[:, None], axis=-1) >= k, B)
-    in_top_k = keys >= kth[:, None]
-    probs = jax.nn.softmax(jnp.where(in_top_k, logits, -jnp.inf), axis=-1)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    above_min_p = logits >= top + jnp.log(min_p)[:, None]  # p >= min_p * p_max, in logit space
+    candidates = (keys >= kth[:, None]) & above_min_p
+    probs = jax.nn.softmax(jnp.where(candidates, logits, -jnp.inf), axis=-1)
     # The largest key whose strictly-higher mass still reaches top_p: every token above it is in the nucleus.
     outside = last_true(lambda t: jnp.sum(jnp.where(keys > t[:, None], probs, 0.0), axis=-1) >= top_p, B)
-    top = jnp.max(logits, axis=-1, keepdims=True)
     # A top_p too small for float32 (1e-300 rounds to 0) still keeps the top token; top_p = 1 keeps everything.
     in_nucleus = (keys > outside[:, None]) | (top_p >= 1.0)[:, None] | (logits == top)
-    above_min_p = logits >= top + jnp.log(min_p)[:, None]  # p >= min_p * p_max, in logit space
-    return jnp.where(in_top_k & in_nucleus & above_min_p, logits, -jnp.inf)
+    return jnp.where(candidates & in_nucleus, logits, -jnp.inf)
 
 
 def filter_top_sorted(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -60,14 +61,15 @@ def filter_top_sorted(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min
     desc = -jnp.sort(-logits, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
     kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
-    desc = jnp.where(desc >= kth, desc, -jnp.inf)
+    p = jax.nn.softmax(desc, axis=-1)
+    min_p_floor = jnp.min(jnp.where(p >= min_p[:, None] * p[:, :1], desc, jnp.inf), axis=-1, keepdims=True)
+    floor = jnp.maximum(kth, min_p_floor)  # min_p, then top-k: both keep a prefix of the sorted row
+    desc = jnp.where(desc >= floor, desc, -jnp.inf)
     probs = jax.nn.softmax(desc, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each candidate
     keep = (before < top_p[:, None]) | (top_p >= 1.0)[:, None] | (jnp.arange(V) == 0)[None, :]
     cut = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits >= jnp.maximum(kth, cut), logits, -jnp.inf)
-    p = jax.nn.softmax(logits, axis=-1)
-    return jnp.where(p >= min_p[:, None] * jnp.max(p, axis=-1, keepdims=True), logits, -jnp.inf)
+    return jnp.where(logits >= jnp.maximum(floor, cut), logits, -jnp.inf)
 
 
 def filter_for(platform: str):

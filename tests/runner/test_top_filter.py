@@ -29,3 +29,18 @@ def test_the_kept_tokens_are_the_sorted_references(seed):
     got, want = (np.asarray(jax.jit(f)(*args)) for f in (filter_top, filter_top_sorted))
     np.testing.assert_array_equal(got, want)
     assert np.isfinite(got).sum(-1).min() >= 1  # never an empty row
+
+
+@pytest.mark.parametrize("f", [filter_top, filter_top_sorted])
+def test_min_p_comes_before_the_nucleus_as_in_vllm(f):
+    """vLLM applies min_p, then top-k, then top-p over what is left renormalised: with probabilities 0.5, 0.3,
+    0.2, min_p 0.5 leaves the first two (0.5 and 0.3 >= 0.25), renormalised 0.625 and 0.375, and top_p 0.6 then
+    keeps the first alone (its mass reaches 0.6). top_p over the whole row kept two."""
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.2]], jnp.float32))
+    kept = np.isfinite(np.asarray(f(logits, jnp.asarray([0]), jnp.asarray([0.6], jnp.float32),
+                                    jnp.asarray([0.5], jnp.float32))))
+    assert kept.tolist() == [[True, False, False]]
+    # and top-k before top-p: k=2 leaves 0.625/0.375, top_p 0.7 keeps both
+    kept = np.isfinite(np.asarray(f(logits, jnp.asarray([2]), jnp.asarray([0.7], jnp.float32),
+                                    jnp.asarray([0.0], jnp.float32))))
+    assert kept.tolist() == [[True, True, False]]
