@@ -109,16 +109,17 @@ def rust_decode(tokenizer):
 
 
 def find_stop(text: str, num_new_chars: int, stops: Sequence[str]) -> tuple[int, str] | None:
-    """The earliest stop string that ends within the last num_new_chars characters of text.
+    """The stop string that completes first within the last num_new_chars characters of text: the one text
+    written a character at a time would have stopped at (vLLM's rule; ties go to the stop listed first).
 
-    Returns (start index, stop string), or None. Ties at one start go to the stop listed first.
-    Matches ending before the new characters were found on an earlier call, so they are not searched again.
+    Returns (start index, stop string), or None. Matches ending before the new characters were found on an
+    earlier call, so they are not searched again.
     """
     best: tuple[int, str] | None = None
     for stop in stops:
         search_from = max(0, len(text) - num_new_chars - len(stop) + 1)
         start = text.find(stop, search_from)
-        if start != -1 and (best is None or start < best[0]):
+        if start != -1 and (best is None or start + len(stop) < best[0] + len(best[1])):
             best = (start, stop)
     return best
 

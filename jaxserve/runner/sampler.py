@@ -182,6 +182,6 @@ def logprobs_of(logits: jax.Array, targets: jax.Array, num_logprobs: int):
     """Logprob and rank of each target [T] (the next prompt token, or the sampled one), plus the top-N [T, N]."""
     raw = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(raw, targets[:, None], axis=-1)[:, 0]
-    ranks = 1 + jnp.sum(raw > chosen[:, None], axis=-1).astype(jnp.int32)
+    ranks = jnp.sum(raw >= chosen[:, None], axis=-1).astype(jnp.int32)  # vLLM's: a tie ranks below the others
     top_logprobs, top_ids = jax.lax.top_k(raw, num_logprobs)
     return chosen, ranks, top_ids.astype(jnp.int32), top_logprobs

@@ -108,13 +108,18 @@ def test_find_stop_only_matches_ending_in_new_text():
     # A match entirely inside the old text was already handled by an earlier call.
     assert find_stop("STOP then", len(" then"), ["STOP"]) is None
     assert find_stop("abc", 3, ["x"]) is None
+    # several stops in one piece of new text: the one completing first wins, as text written a character at a time
+    # would stop (vLLM's rule): "bc" completes before "abcd" though it starts later; a tie goes to the listed first
+    assert find_stop("abcd", 4, ["abcd", "bc"]) == (1, "bc")
+    assert find_stop("xabcd", 4, ["cd", "abcd"]) == (3, "cd")
 
 
 def test_find_stop_takes_the_earliest():
     text = "the end. ### done"
     assert find_stop(text, len(text), ["###", "end"]) == (4, "end")
     assert find_stop(text, 5, ["###", "end", "done"]) == (13, "done")
-    assert find_stop("xab", 3, ["ab", "a"]) == (1, "ab")  # same start: the stop listed first
+    assert find_stop("xab", 3, ["ab", "a"]) == (1, "a")  # "a" completes first: a character at a time it stopped
+    assert find_stop("xab", 3, ["ab", "xab"]) == (1, "ab")  # both complete at once: the stop listed first
 
 
 def test_holdback():

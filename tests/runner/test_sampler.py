@@ -63,7 +63,12 @@ def test_skipping_logprobs_keeps_the_tokens(greedy):
     raw = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     chosen = raw[np.arange(4), np.asarray(with_lp.tokens)]
     np.testing.assert_allclose(np.asarray(with_lp.logprobs), chosen, rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(with_lp.ranks), 1 + (raw > chosen[:, None]).sum(-1))
+    np.testing.assert_array_equal(np.asarray(with_lp.ranks), (raw >= chosen[:, None]).sum(-1))
+    # vLLM's ranks: a token tied with another ranks below it (both of two equal top logits are rank 2)
+    tied = jnp.asarray([[1.0, 1.0, 0.0]] * 4)
+    t_tied = _tensors(4, 0.0)
+    ranks = sample(tied, t_tied, SamplerFlags(all_greedy=True, num_logprobs=1), no_feed).ranks
+    assert np.asarray(ranks).tolist() == [2, 2, 2, 2]
     np.testing.assert_array_equal(np.asarray(with_lp.top_ids), np.argsort(-raw, axis=-1)[:, :3])
 
 
