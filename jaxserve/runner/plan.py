@@ -174,7 +174,7 @@ def bias_entries(chunk: ScheduledChunk, offset: int = 0) -> list[tuple[int, floa
     seq, p = chunk.seq, chunk.seq.params
     bias = dict(p.logit_bias or {})
     if seq.num_output_tokens + offset < p.min_tokens:
-        banned = list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(seq.eos_token_ids))
+        banned = list(p.stop_token_ids or []) + list(seq.eos_token_ids)  # with ignore_eos too, as vLLM bans it
         bias.update({t: BAN for t in banned})
     in_flight = []  # bans that hold only if the token in flight is `after`; a token may have a bias too
     if seq.bad_words:

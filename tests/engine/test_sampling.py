@@ -51,6 +51,9 @@ def test_min_tokens_holds_off_eos(smol_engine):
     out = smol_engine.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and eos not in out.token_ids[:5]
     assert out.finish_reason == "stop"
+    # with ignore_eos too, as vLLM: EOS is banned until min_tokens, then sampled (and stops nothing)
+    ignoring = smol_engine.generate(PROMPT, params.replace(ignore_eos=True, max_tokens=7), use_tqdm=False)[0]
+    assert eos not in ignoring.outputs[0].token_ids[:5] and ignoring.outputs[0].token_ids[5:] == [eos, eos]
 
 
 def test_stop_token_ids_and_special_tokens(smol_engine):
