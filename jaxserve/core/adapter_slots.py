@@ -45,8 +45,7 @@ class AdapterSlots:
     def place(self, lora: LoRARequest) -> int | None:
         """Load the adapter now, into a free slot (the server's named adapters, so their first requests wait for no
         load); None when none is free. It is evicted as any other when the slots are wanted (as in vLLM)."""
-        used = set(self._resident.values()) | {slot for slot, refs in enumerate(self._refs) if refs}
-        slot = next((slot for slot in range(self.num_slots) if slot not in used), None)
+        slot = self._unused_slot()
         if slot is not None:
             self._resident[lora] = slot
             self.pending_loads.append((slot, lora))
@@ -77,13 +76,18 @@ class AdapterSlots:
         return {lora.lora_name: slot for lora, slot in self._resident.items()}
 
     def _free_slot(self) -> int | None:
-        # A forgotten adapter's slot stays taken while sequences still run with it.
-        used = set(self._resident.values()) | {slot for slot, refs in enumerate(self._refs) if refs}
-        for slot in range(self.num_slots):
-            if slot not in used:
-                return slot
+        """A slot no adapter holds, else the least recently used one no sequence references (its adapter
+        evicted), else None."""
+        slot = self._unused_slot()
+        if slot is not None:
+            return slot
         for lora, slot in self._resident.items():  # least recently used first
             if self._refs[slot] == 0:
                 del self._resident[lora]
                 return slot
         return None
+
+    def _unused_slot(self) -> int | None:
+        # A forgotten adapter's slot stays taken while sequences still run with it.
+        used = set(self._resident.values()) | {slot for slot, refs in enumerate(self._refs) if refs}
+        return next((slot for slot in range(self.num_slots) if slot not in used), None)

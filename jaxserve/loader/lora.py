@@ -130,15 +130,13 @@ def _read_factors(directory: Path, cfg: ModelConfig) -> dict[str, dict[int, tupl
         tensors = load_file(str(file))
     except SafetensorError as e:
         raise LoraAdapterError(f"{file} is not a readable safetensors file ({e})") from None
-    targets = set(ours.values())
+    fusable = {hf: parts for hf, parts in FUSED_MODULES.items() if {name for name, _ in parts} <= set(ours.values())}
     for tensor_name, array in tensors.items():
         m = _TENSOR.match(tensor_name)
         module = m.group(2) if m is not None else None
-        fused = FUSED_MODULES.get(module, ())
-        if m is None or not _PREFIX_OK.match(tensor_name) or not (module in ours or fused and
-                                                                  {part for part, _ in fused} <= targets):
-            supported = ", ".join([hf.split(".")[-1] for hf in ours] + [hf.split(".")[-1] for hf, parts in
-                                   FUSED_MODULES.items() if {part for part, _ in parts} <= targets])
+        fused = fusable.get(module, ())
+        if m is None or not _PREFIX_OK.match(tensor_name) or not (module in ours or fused):
+            supported = ", ".join(hf.split(".")[-1] for hf in [*ours, *fusable])
             raise LoraAdapterError(f"{directory}: tensor {tensor_name!r} adapts a module jaxserve cannot adapt for "
                                    f"{cfg.architecture} (supported target modules: {supported})")
         layer = int(m.group(1))
