@@ -184,7 +184,8 @@ class Scheduler:
                 i += 1
                 continue
             # A request asking for prompt logprobs must compute every prompt position, so it takes no cache hits.
-            if seq.num_computed_tokens == 0 and seq.params.prompt_logprobs is None:
+            looks_up = seq.num_computed_tokens == 0 and seq.params.prompt_logprobs is None
+            if looks_up:
                 seq.num_computed_tokens = self.blocks.match_prefix(seq.seq_id, seq.token_ids, seq.cache_root)
                 seq.num_cached_tokens = max(seq.num_cached_tokens, min(seq.num_computed_tokens, seq.num_prompt_tokens))
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -193,7 +194,7 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 return
             self.waiting.pop(i)
-            if seq.num_preemptions == 0 and seq.params.prompt_logprobs is None:  # its first admission's lookup
+            if looks_up and seq.num_preemptions == 0:  # counted once, at its first admission (as vLLM counts)
                 self.blocks.record_lookup(seq.num_tokens, seq.num_computed_tokens)
             seq.status = SequenceStatus.RUNNING
             # Running sequences stay in (priority, arrival) order too: they are scheduled in that order and the

@@ -118,6 +118,21 @@ def sequence_seed(seed: int, index: int) -> int:
     return (mixed + index * 0x9E3779B9) & 0xFFFFFFFF
 
 
+def _fitted_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int, max_tokens_cap: int | None
+                       ) -> SamplingParams:
+    room = max_model_len - prompt_len
+    if params.max_tokens is None:
+        return params.replace(max_tokens=min(room, max_tokens_cap or max_model_len))
+    if params.max_tokens > max_model_len:
+        raise InvalidRequestField(
+            f"max_tokens={params.max_tokens} is more than the model's maximum context length of {max_model_len} "
+            f"tokens; ask for at most {room} with this {prompt_len}-token prompt (or leave max_tokens out: the room "
+            "left)", "max_tokens")
+    if params.max_tokens > room:
+        return params.replace(max_tokens=room, min_tokens=min(params.min_tokens, room))
+    return params
+
+
 def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int, config: EngineConfig,
                      max_tokens_cap: int | None = None, pooling: bool = False) -> SamplingParams:
     """Check the request fits the context and the cache; fill in max_tokens=None as 'up to the context length', or
@@ -129,18 +144,8 @@ def validate_lengths(params: SamplingParams, prompt_len: int, max_model_len: int
             f"the prompt has {prompt_len} tokens but the model's maximum context length is {max_model_len}; "
             "shorten the prompt"
         )
-    room = max_model_len - prompt_len
-    if pooling:  # its one step computes the prompt alone: the token it samples is never kept nor computed
-        pass
-    elif params.max_tokens is None:
-        params = params.replace(max_tokens=min(room, max_tokens_cap or max_model_len))
-    elif params.max_tokens > max_model_len:
-        raise InvalidRequestField(
-            f"max_tokens={params.max_tokens} is more than the model's maximum context length of {max_model_len} "
-            f"tokens; ask for at most {room} with this {prompt_len}-token prompt (or leave max_tokens out: the room "
-            "left)", "max_tokens")
-    elif params.max_tokens > room:
-        params = params.replace(max_tokens=room, min_tokens=min(params.min_tokens, room))
+    if not pooling:  # a pooling request's one step computes the prompt alone: its sample is never kept
+        params = _fitted_max_tokens(params, prompt_len, max_model_len, max_tokens_cap)
     for field in ("logprobs", "prompt_logprobs"):
         value = getattr(params, field)
         if value is not None and value > config.max_logprobs:

@@ -138,10 +138,9 @@ def _allowed(t: SamplingTensors, vocab: int) -> jax.Array:
     return allowed.reshape(allowed.shape[0], -1)[:, :vocab] != 0
 
 
-def _logprob_logits(logits, t: SamplingTensors):
-    """The logits the logprobs are of: a grammar row's masked by its grammar (so they rank what it may write and
-    add up to one over it), unless the mask allows nothing (the sampled token is then none it allows)."""
-    allowed = _allowed(t, logits.shape[-1])
+def _logprob_logits(logits, t: SamplingTensors, allowed: jax.Array):
+    """The logits the logprobs are of: a grammar row's masked by its grammar (`allowed`, so they rank what it may
+    write and add up to one over it), unless the mask allows nothing (the sampled token is then none it allows)."""
     masks = t.grammar_masked & jnp.any(allowed, axis=-1)
     return jnp.where(masks[:, None] & ~allowed, -jnp.inf, logits)
 
@@ -161,8 +160,9 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, fed_token
     x = _apply_bias(logits, t, fed_tokens)
     if flags.penalties:
         x = _apply_penalties(x, t, fed_tokens)
+    allowed = _allowed(t, x.shape[-1]) if flags.constrained else None
     if flags.constrained:
-        x = jnp.where(_allowed(t, x.shape[-1]), x, -jnp.inf)  # rule out what the row may not write next
+        x = jnp.where(allowed, x, -jnp.inf)  # rule out what the row may not write next
     tokens = first_argmax(x)
     if not flags.all_greedy:
         scaled = x / jnp.maximum(t.temperature, GREEDY_EPS)[:, None]
@@ -174,7 +174,7 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, fed_token
         B = tokens.shape[0]
         return SamplerOutput(tokens, jnp.zeros(B, jnp.float32), jnp.zeros(B, jnp.int32), jnp.zeros((B, 0), jnp.int32),
                              jnp.zeros((B, 0), jnp.float32))
-    raw = _logprob_logits(logits, t) if flags.constrained else logits
+    raw = _logprob_logits(logits, t, allowed) if flags.constrained else logits
     return SamplerOutput(tokens, *logprobs_of(raw, tokens, flags.num_logprobs))
 
 

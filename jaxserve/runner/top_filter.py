@@ -61,9 +61,8 @@ def filter_top_sorted(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min
     desc = -jnp.sort(-logits, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
     kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
-    p = jax.nn.softmax(desc, axis=-1)
-    min_p_floor = jnp.min(jnp.where(p >= min_p[:, None] * p[:, :1], desc, jnp.inf), axis=-1, keepdims=True)
-    floor = jnp.maximum(kth, min_p_floor)  # min_p, then top-k: both keep a prefix of the sorted row
+    # min_p, then top-k: both keep a prefix of the sorted row (p >= min_p * p_max in logit space, no softmax)
+    floor = jnp.maximum(kth, desc[:, :1] + jnp.log(min_p)[:, None])
     desc = jnp.where(desc >= floor, desc, -jnp.inf)
     probs = jax.nn.softmax(desc, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each candidate
